@@ -1,0 +1,27 @@
+# The two commands a new user needs:  make demo  (the main job)  and  make test.
+# Both set up a virtual environment in .venv first (torch: the CPU build 2.13.0 unless the
+# interpreter already has a torch, so a CUDA build you installed is kept).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_PIN := torch==2.13.0
+
+.PHONY: setup demo test clean
+
+$(PY):
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+
+setup: $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e ".[test]"
+
+demo: setup
+	$(PY) -m normlab info
+	$(PY) examples/quickstart.py
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,5 @@
+import sys
+
+from normlab.cli import main
+
+sys.exit(main())

@@ -1,0 +1,123 @@
+"""Backends and how one is chosen.
+
+A backend is a module that implements the ops of :mod:`normlab.reference` with the same
+signatures (``layer_norm``, ``rms_norm``, ``add_layer_norm``, ``add_rms_norm``), already
+validated by :mod:`normlab.functional`:
+
+- ``reference``: :mod:`normlab.reference`, plain torch, any device, autograd for the backward.
+- ``cpu``: fused numba kernels for CPU tensors (``normlab.kernels.cpu``).
+- ``triton``: fused Triton kernels for CUDA tensors (``normlab.kernels.triton``); with
+  ``TRITON_INTERPRET=1`` they also run on CPU tensors, slowly (for tests).
+
+Choice, first that applies: the ``backend=`` argument, then :func:`use_backend` (a context
+manager), then the ``NORMLAB_BACKEND`` environment variable, then ``"auto"``, which takes the
+fused backend for the tensor's device when it is available and the reference otherwise.
+Sequence BatchNorm has only the reference implementation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import os
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+
+BACKENDS = ("reference", "cpu", "triton")
+CHOICES = ("auto",) + BACKENDS
+
+_MODULES = {
+    "reference": "normlab.reference",
+    "cpu": "normlab.kernels.cpu",
+    "triton": "normlab.kernels.triton",
+}
+
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("normlab_backend", default=None)
+
+
+def check_name(name: str, what: str = "backend") -> str:
+    if name not in CHOICES:
+        raise ValueError(f"{what} must be one of {', '.join(map(repr, CHOICES))}; got {name!r}")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Use backend ``name`` for every normlab op in this block (unless an op names its own).
+
+    >>> with normlab.use_backend("reference"):
+    ...     y = normlab.rms_norm(x, w)
+    """
+    token = _override.set(check_name(name))
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _import_reason(name: str) -> str | None:
+    """Why backend ``name`` cannot be imported on this machine, or None when it can."""
+    if name == "reference":
+        return None
+    needs = {"cpu": "numba", "triton": "triton"}[name]
+    try:
+        importlib.import_module(needs)
+    except ImportError as err:
+        return f"{needs} is not installed ({err}); pip install {needs}"
+    try:
+        importlib.import_module(_MODULES[name])
+    except ModuleNotFoundError as err:
+        if err.name == _MODULES[name]:
+            return "this version of normlab has no fused kernels for it yet"
+        raise
+    return None
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why backend ``name`` cannot run on this machine, or None when it can."""
+    check_name(name)
+    if name == "auto":
+        return None
+    reason = _import_reason(name)
+    if reason is None and name == "triton" and not (torch.cuda.is_available() or _interpret()):
+        reason = "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
+    return reason
+
+
+def available_backends() -> list[str]:
+    return [name for name in BACKENDS if unavailable_reason(name) is None]
+
+
+def _device_reason(name: str, device: torch.device) -> str | None:
+    if name == "cpu" and device.type != "cpu":
+        return f"the cpu backend runs on CPU tensors; got a tensor on {device}"
+    if name == "triton" and device.type != "cuda" and not (device.type == "cpu" and _interpret()):
+        return f"the triton backend runs on CUDA tensors (or CPU ones under TRITON_INTERPRET=1); got {device}"
+    return None
+
+
+def resolve(backend: str | None, device: torch.device) -> str:
+    """The name of the backend that will run an op on ``device``."""
+    name = check_name(backend or _override.get() or os.environ.get("NORMLAB_BACKEND") or "auto")
+    if name == "auto":
+        fused = {"cpu": "cpu", "cuda": "triton"}.get(device.type)
+        if fused and unavailable_reason(fused) is None and _device_reason(fused, device) is None:
+            return fused
+        return "reference"
+    reason = unavailable_reason(name) or _device_reason(name, device)
+    if reason is not None:
+        raise RuntimeError(f"normlab backend {name!r} cannot run here: {reason}")
+    return name
+
+
+def get(name: str) -> ModuleType:
+    return importlib.import_module(_MODULES[name])

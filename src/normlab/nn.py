@@ -1,0 +1,218 @@
+"""Modules: they hold parameters and call :mod:`normlab.functional`; nothing else.
+
+Parameter names and shapes follow torch, so state_dicts move both ways between
+``normlab.LayerNorm`` and ``torch.nn.LayerNorm``, and from ``torch.nn.RMSNorm`` or a Hugging
+Face ``LlamaRMSNorm`` (key ``weight``) into ``normlab.RMSNorm``. ``build_norm(kind, dim)`` makes
+the norm a model asks for by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from normlab import functional as F
+from normlab.kernels import check_name
+
+__all__ = ["LayerNorm", "RMSNorm", "SequenceBatchNorm", "build_norm", "NORM_KINDS"]
+
+NORM_KINDS = ("layernorm", "rmsnorm", "prmsnorm", "batchnorm", "none")
+
+# pRMSNorm's p in Zhang & Sennrich's experiments.
+DEFAULT_PARTIAL = 0.0625
+
+
+def _check_dim(dim: object) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+        raise ValueError(f"dim must be a positive int (the size of the last dimension), got {dim!r}")
+    return dim
+
+
+def _check_backend(backend: str | None) -> str | None:
+    return None if backend is None else check_name(backend)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dimension, with fp32 statistics.
+
+    Same parameters as ``torch.nn.LayerNorm(dim)``: ``weight`` (ones) and ``bias`` (zeros), each
+    (dim,). ``bias=False`` drops the bias; ``elementwise_affine=False`` drops both.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-5,
+        *,
+        bias: bool = True,
+        elementwise_affine: bool = True,
+        backend: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.dim = _check_dim(dim)
+        self.eps = F.check_eps(eps)
+        self.elementwise_affine = bool(elementwise_affine)
+        self.backend = _check_backend(backend)
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.ones(dim, **kw)) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.zeros(dim, **kw)) if (elementwise_affine and bias) else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        s = f"{self.dim}, eps={self.eps:g}, elementwise_affine={self.elementwise_affine}"
+        if self.elementwise_affine:
+            s += f", bias={self.bias is not None}"
+        if self.backend:
+            s += f", backend={self.backend!r}"
+        return s
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension (and pRMSNorm with ``partial``), fp32 statistics.
+
+    ``weight`` (dim,) is initialized to ``1 - offset`` so the effective scale starts at one
+    (ones for Llama, zeros for Gemma's ``offset=1``). Options as in
+    :func:`normlab.functional.rms_norm`; ``elementwise_affine=False`` is weightless RMSNorm.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        *,
+        elementwise_affine: bool = True,
+        cast: str = "llama",
+        offset: float = 0.0,
+        eps_mode: str = "inside",
+        partial: float | None = None,
+        backend: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.dim = _check_dim(dim)
+        self.eps = F.check_eps(eps)
+        self.cast = F.check_choice(cast, "cast", F.CASTS)
+        self.offset = F.check_offset(offset)
+        self.eps_mode = F.check_choice(eps_mode, "eps_mode", F.EPS_MODES)
+        self.partial = F.check_partial(partial)
+        self.elementwise_affine = bool(elementwise_affine)
+        self.backend = _check_backend(backend)
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.full((dim,), 1.0 - self.offset, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(
+            x, self.weight, self.eps, eps_mode=self.eps_mode, cast=self.cast, offset=self.offset,
+            partial=self.partial, backend=self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        s = f"{self.dim}, eps={self.eps:g}, elementwise_affine={self.elementwise_affine}, cast={self.cast!r}"
+        if self.offset:
+            s += f", offset={self.offset:g}"
+        if self.eps_mode != "inside":
+            s += f", eps_mode={self.eps_mode!r}"
+        if self.partial is not None:
+            s += f", partial={self.partial:g}"
+        if self.backend:
+            s += f", backend={self.backend!r}"
+        return s
+
+
+class SequenceBatchNorm(nn.Module):
+    """BatchNorm over the real (b, t) positions of a (B, T, d) sequence batch.
+
+    ``forward(x, mask=None)``: ``mask`` (B, T) is True at real tokens. Buffers and parameters are
+    those of ``torch.nn.BatchNorm1d(dim)`` (weight, bias, running_mean, running_var,
+    num_batches_tracked), so its state_dict loads both ways. The baseline that shows why text
+    models left BatchNorm; see :func:`normlab.reference.seq_batch_norm`.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        momentum: float = 0.1,
+        eps: float = 1e-5,
+        *,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.dim = _check_dim(dim)
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"momentum must be a number in [0, 1], got {momentum!r}")
+        self.momentum = float(momentum)
+        self.eps = F.check_eps(eps)
+        self.affine = bool(affine)
+        self.track_running_stats = bool(track_running_stats)
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.ones(dim, **kw)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(dim, **kw)) if affine else None
+        if track_running_stats:
+            self.register_buffer("running_mean", torch.zeros(dim, **kw))
+            self.register_buffer("running_var", torch.ones(dim, **kw))
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
+        else:
+            self.running_mean = self.running_var = self.num_batches_tracked = None
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        if self.training and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        return F.seq_batch_norm(
+            x, mask, self.running_mean, self.running_var, self.weight, self.bias,
+            training=self.training, momentum=self.momentum, eps=self.eps,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.dim}, eps={self.eps:g}, momentum={self.momentum:g}, affine={self.affine}, "
+            f"track_running_stats={self.track_running_stats}"
+        )
+
+
+def build_norm(kind: str, dim: int, **options) -> nn.Module:
+    """The norm a model asks for by name.
+
+    kind: "layernorm" (options: eps, bias, elementwise_affine, backend), "rmsnorm" (eps,
+    elementwise_affine, cast, offset, eps_mode, backend), "prmsnorm" (as rmsnorm plus
+    ``partial``, default 0.0625), "batchnorm" (eps, momentum, affine, track_running_stats),
+    "none" (identity; no options). ``weightless=True`` is accepted by every norm as
+    ``elementwise_affine=False`` (``affine=False`` for batchnorm). Unknown options are errors.
+    """
+    kind = F.check_choice(kind, "kind", NORM_KINDS)
+    options = dict(options)
+    if options.pop("weightless", False) and kind != "none":
+        options.setdefault("affine" if kind == "batchnorm" else "elementwise_affine", False)
+    allowed = {
+        "layernorm": {"eps", "bias", "elementwise_affine", "backend", "device", "dtype"},
+        "rmsnorm": {"eps", "elementwise_affine", "cast", "offset", "eps_mode", "backend", "device", "dtype"},
+        "prmsnorm": {"eps", "elementwise_affine", "cast", "offset", "eps_mode", "partial", "backend", "device", "dtype"},
+        "batchnorm": {"eps", "momentum", "affine", "track_running_stats", "device", "dtype"},
+        "none": set(),
+    }[kind]
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        if kind == "rmsnorm" and "partial" in unknown:
+            raise ValueError("partial is an option of kind='prmsnorm'; use build_norm('prmsnorm', dim, partial=p)")
+        valid = ", ".join(sorted(allowed)) or "none"
+        raise ValueError(f"unknown option(s) {', '.join(unknown)} for norm kind {kind!r}; valid options: {valid}")
+    if kind == "layernorm":
+        return LayerNorm(dim, **options)
+    if kind == "rmsnorm":
+        return RMSNorm(dim, **options)
+    if kind == "prmsnorm":
+        options.setdefault("partial", DEFAULT_PARTIAL)
+        return RMSNorm(dim, **options)
+    if kind == "batchnorm":
+        return SequenceBatchNorm(dim, **options)
+    _check_dim(dim)
+    return nn.Identity()

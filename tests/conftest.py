@@ -1,0 +1,34 @@
+import os
+
+import pytest
+import torch
+
+# Tests pick their backends explicitly; a NORMLAB_BACKEND left in the shell must not change them.
+os.environ.pop("NORMLAB_BACKEND", None)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A generator with a fresh seed each run, so inputs are new every time. A failing test
+    reports its seed; NORMLAB_TEST_SEED=<seed> reruns with the same inputs."""
+    seed = int(os.environ.get("NORMLAB_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    g = torch.Generator().manual_seed(seed)
+    return g
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    g = getattr(item, "funcargs", {}).get("gen")
+    if report.failed and g is not None:
+        report.sections.append(("random inputs", f"rerun with NORMLAB_TEST_SEED={g.initial_seed()}"))

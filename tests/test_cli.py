@@ -1,0 +1,29 @@
+import subprocess
+import sys
+
+import normlab
+from normlab.cli import info_rows, main
+
+
+def test_version_and_info_as_a_module():
+    out = subprocess.run([sys.executable, "-m", "normlab", "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"normlab {normlab.__version__}"
+    out = subprocess.run([sys.executable, "-m", "normlab", "info"], capture_output=True, text=True, check=True)
+    assert "reference" in out.stdout and "auto picks" in out.stdout
+
+
+def test_info_lists_every_backend_with_a_reason_when_unavailable():
+    versions, backends = info_rows()
+    import torch
+
+    assert dict(versions)["torch"] == torch.__version__
+    names = [b[0] for b in backends]
+    assert names == ["reference", "cpu", "triton"]
+    for name, status, why in backends:
+        assert status in ("available", "unavailable")
+        assert (status == "unavailable") == bool(why), (name, status, why)
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "normlab" in capsys.readouterr().out

@@ -1,0 +1,144 @@
+"""Modules: state_dict compatibility with torch, repr, build_norm, and agreement with the functional API."""
+
+import pytest
+import torch
+
+import normlab
+from normlab import functional as F
+from normlab.nn import LayerNorm, RMSNorm, SequenceBatchNorm, build_norm
+
+
+def test_layer_norm_state_dict_moves_both_ways_with_torch(gen):
+    ours, theirs = LayerNorm(24), torch.nn.LayerNorm(24)
+    with torch.no_grad():
+        theirs.weight.normal_(generator=gen), theirs.bias.normal_(generator=gen)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(5, 24, generator=gen)
+    assert torch.allclose(ours(x), theirs(x), atol=1e-6)
+    with torch.no_grad():
+        ours.weight.mul_(2)
+    theirs.load_state_dict(ours.state_dict())
+    assert torch.allclose(ours(x), theirs(x), atol=1e-6)
+    # bias=False and elementwise_affine=False mirror torch's parameter sets.
+    assert LayerNorm(8, bias=False).state_dict().keys() == torch.nn.LayerNorm(8, bias=False).state_dict().keys()
+    assert not LayerNorm(8, elementwise_affine=False).state_dict()
+
+
+def test_rms_norm_loads_torch_and_llama_state_dicts(gen):
+    theirs = torch.nn.RMSNorm(32, eps=1e-6)
+    with torch.no_grad():
+        theirs.weight.normal_(generator=gen)
+    ours = RMSNorm(32)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 7, 32, generator=gen)
+    assert torch.allclose(ours(x), theirs(x), atol=1e-6)
+    # Hugging Face's LlamaRMSNorm keeps one parameter, "weight" (dim,): a plain dict stands in.
+    ours.load_state_dict({"weight": torch.full((32,), 0.5)})
+    assert torch.allclose(ours(x), 0.5 * F.rms_norm(x), atol=1e-6)
+
+
+def test_rms_norm_weight_starts_at_one_minus_offset():
+    assert torch.equal(RMSNorm(4).weight, torch.ones(4))
+    gemma = RMSNorm(4, cast="gemma", offset=1.0)
+    assert torch.equal(gemma.weight, torch.zeros(4))
+    x = torch.randn(2, 4)
+    assert torch.allclose(gemma(x), F.rms_norm(x), atol=1e-6)  # effective scale 1 at init
+    assert RMSNorm(4, elementwise_affine=False).weight is None
+
+
+def test_modules_call_the_functional_api_with_their_options(gen):
+    m = RMSNorm(40, eps=1e-5, cast="gemma", offset=1.0, eps_mode="outside", partial=0.25)
+    with torch.no_grad():
+        m.weight.normal_(generator=gen)
+    x = torch.randn(3, 40, generator=gen)
+    assert torch.equal(m(x), F.rms_norm(x, m.weight, 1e-5, cast="gemma", offset=1.0, eps_mode="outside", partial=0.25))
+    x.requires_grad_()
+    m(x).sum().backward()
+    assert x.grad is not None and m.weight.grad is not None
+
+
+def test_repr_shows_the_options():
+    assert repr(LayerNorm(16, eps=1e-12)) == "LayerNorm(16, eps=1e-12, elementwise_affine=True, bias=True)"
+    r = repr(RMSNorm(16, cast="gemma", offset=1.0, eps_mode="outside", partial=0.5, backend="reference"))
+    assert r == "RMSNorm(16, eps=1e-06, elementwise_affine=True, cast='gemma', offset=1, eps_mode='outside', partial=0.5, backend='reference')"
+    assert "momentum=0.1" in repr(SequenceBatchNorm(8))
+
+
+def test_sequence_batch_norm_module_matches_batchnorm1d_and_loads_its_state(gen):
+    B, T, d = 4, 6, 10
+    bn, ours = torch.nn.BatchNorm1d(d), SequenceBatchNorm(d)
+    assert ours.state_dict().keys() == bn.state_dict().keys()
+    x = torch.randn(B, T, d, generator=gen) * 2 + 1
+    for _ in range(3):
+        expected = bn(x.transpose(1, 2)).transpose(1, 2)
+        got = ours(x, torch.ones(B, T, dtype=torch.bool))
+        assert torch.allclose(got, expected, atol=1e-5)
+    assert torch.allclose(ours.running_mean, bn.running_mean, atol=1e-6)
+    assert torch.allclose(ours.running_var, bn.running_var, atol=1e-6)
+    assert int(ours.num_batches_tracked) == int(bn.num_batches_tracked) == 3
+    bn.eval(), ours.eval()
+    assert torch.allclose(ours(x), bn(x.transpose(1, 2)).transpose(1, 2), atol=1e-5)
+    fresh = SequenceBatchNorm(d)
+    fresh.load_state_dict(bn.state_dict())
+    assert torch.equal(fresh.running_var, bn.running_var)
+
+
+def test_sequence_batch_norm_padding_does_not_matter_but_batch_mates_do(gen):
+    d = 8
+    m = SequenceBatchNorm(d)
+    a = torch.randn(1, 5, d, generator=gen)
+    pad = torch.zeros(1, 3, d)
+    mask = torch.tensor([[True] * 5 + [False] * 3])
+    y1 = m(torch.cat([a, pad], 1), mask)
+    y2 = m(torch.cat([a, pad + 100.0], 1), mask)
+    assert torch.equal(y1[:, :5], y2[:, :5])
+    mate = torch.randn(1, 8, d, generator=gen) * 3 + 2
+    y3 = m(torch.cat([torch.cat([a, pad], 1), mate]), torch.cat([mask, torch.ones(1, 8, dtype=torch.bool)]))
+    assert (y3[0, :5] - y1[0, :5]).abs().max() > 0.1  # the documented failure mode
+
+
+@pytest.mark.parametrize(
+    "kind, cls",
+    [("layernorm", LayerNorm), ("rmsnorm", RMSNorm), ("prmsnorm", RMSNorm), ("batchnorm", SequenceBatchNorm), ("none", torch.nn.Identity)],
+)
+def test_build_norm_kinds(kind, cls):
+    m = build_norm(kind, 64)
+    assert type(m) is cls
+    x = torch.randn(2, 3, 64)
+    assert m(x).shape == x.shape
+    assert kind in normlab.NORM_KINDS
+
+
+def test_build_norm_options():
+    assert build_norm("prmsnorm", 64).partial == 0.0625
+    assert build_norm("prmsnorm", 64, partial=0.5).partial == 0.5
+    assert build_norm("rmsnorm", 64, weightless=True).weight is None
+    assert build_norm("layernorm", 64, weightless=True).weight is None
+    assert build_norm("batchnorm", 64, weightless=True).weight is None
+    assert build_norm("rmsnorm", 64, eps=1e-5, cast="gemma", offset=1.0).offset == 1.0
+    assert isinstance(build_norm("none", 64, weightless=True), torch.nn.Identity)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: build_norm("groupnorm", 8), r"kind must be one of 'layernorm', 'rmsnorm', 'prmsnorm', 'batchnorm', 'none'; got 'groupnorm'"),
+        (lambda: build_norm("rmsnorm", 8, partial=0.5), r"partial is an option of kind='prmsnorm'"),
+        (lambda: build_norm("layernorm", 8, cast="gemma"), r"unknown option\(s\) cast for norm kind 'layernorm'; valid options: "),
+        (lambda: build_norm("none", 8, eps=1e-5), r"unknown option\(s\) eps for norm kind 'none'"),
+        (lambda: RMSNorm(0), r"dim must be a positive int"),
+        (lambda: LayerNorm(8, eps=-1.0), r"eps must be a finite number >= 0"),
+        (lambda: RMSNorm(8, cast="t5"), r"cast must be one of 'llama', 'gemma'; got 't5'"),
+        (lambda: RMSNorm(8, partial=0), r"partial must be in \(0, 1\]"),
+        (lambda: RMSNorm(8, backend="gpu"), r"backend must be one of"),
+        (lambda: SequenceBatchNorm(8, momentum=1.5), r"momentum must be a number in \[0, 1\]"),
+    ],
+)
+def test_module_errors(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_module_forward_rejects_wrong_width():
+    with pytest.raises(ValueError, match=r"weight has shape \(16,\), expected \(12,\) to match the last dimension of x"):
+        RMSNorm(16)(torch.randn(2, 12))

@@ -1,0 +1,231 @@
+"""normlab.reference against independent float64 formulas written here, on fresh random inputs."""
+
+import math
+
+import pytest
+import torch
+
+from normlab import reference as R
+from normlab.testing import assert_close
+
+SIZES = [1, 3, 123, 3000]
+LEADS = [(0,), (1,), (7,), (2, 5)]
+DTYPES = [torch.float32, torch.float64]
+
+
+def rand(gen, *shape, dtype=torch.float64, scale=1.0, mean=0.0):
+    return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale + mean).to(dtype)
+
+
+# Independent formulas: torch.var_mean and vector norms in float64, not the reference's code path.
+def ln_truth(x, w=None, b=None, eps=1e-5):
+    x = x.double()
+    var, mu = torch.var_mean(x, dim=-1, keepdim=True, unbiased=False)
+    y = (x - mu) / torch.sqrt(var + eps)
+    if w is not None:
+        y = y * w.double()
+    if b is not None:
+        y = y + b.double()
+    return y
+
+
+def rms_truth(x, w=None, eps=1e-6, eps_mode="inside", offset=0.0, partial=None):
+    x = x.double()
+    d = x.shape[-1]
+    k = d if partial is None else max(1, math.ceil(round(partial * d, 9)))
+    rms = torch.linalg.vector_norm(x[..., :k], dim=-1, keepdim=True) / math.sqrt(k)
+    y = x / (torch.sqrt(rms**2 + eps) if eps_mode == "inside" else rms + eps)
+    if w is not None:
+        y = y * (w.double() + offset)
+    return y
+
+
+@pytest.mark.filterwarnings("ignore:var_mean")  # the truth's var_mean on zero rows
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lead", LEADS)
+@pytest.mark.parametrize("d", SIZES)
+@pytest.mark.parametrize("affine", ["none", "weight", "weight+bias"])
+def test_layer_norm(gen, dtype, lead, d, affine):
+    x = rand(gen, *lead, d, dtype=dtype, scale=3.0, mean=0.5)
+    w = rand(gen, d, dtype=dtype) if affine != "none" else None
+    b = rand(gen, d, dtype=dtype) if affine == "weight+bias" else None
+    y = R.layer_norm(x, w, b, 1e-5)
+    assert y.dtype == dtype
+    assert_close(y, ln_truth(x, w, b, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lead", LEADS)
+@pytest.mark.parametrize("d", SIZES)
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {},
+        {"eps_mode": "outside"},
+        {"cast": "gemma", "offset": 1.0},
+        {"partial": 0.0625},
+        {"partial": 0.5, "eps_mode": "outside", "cast": "gemma"},
+        {"weightless": True},
+    ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default",
+)
+def test_rms_norm(gen, dtype, lead, d, opts):
+    opts = dict(opts)
+    weightless = opts.pop("weightless", False)
+    x = rand(gen, *lead, d, dtype=dtype, scale=2.0)
+    w = None if weightless else rand(gen, d, dtype=dtype)
+    y = R.rms_norm(x, w, 1e-6, **opts)
+    assert y.dtype == dtype
+    truth = rms_truth(x, w, 1e-6, opts.get("eps_mode", "inside"), opts.get("offset", 0.0), opts.get("partial"))
+    assert_close(y, truth)
+
+
+def test_partial_size_rounds_up_and_is_exact_for_integers():
+    assert R.partial_size(1024, 0.0625) == 64
+    assert R.partial_size(100, 0.07) == 7  # 0.07 * 100 = 7.000000000000001 in floats
+    assert R.partial_size(10, 0.01) == 1
+    assert R.partial_size(10, 0.15) == 2
+    assert R.partial_size(10, 1.0) == 10
+    assert R.partial_size(10, None) == 10
+
+
+def test_partial_rms_uses_only_leading_features(gen):
+    x = rand(gen, 4, 64)
+    y = R.rms_norm(x, partial=0.25)
+    x2 = x.clone()
+    x2[:, 16:] *= 100.0  # features beyond k do not enter the statistic, only get scaled
+    y2 = R.rms_norm(x2, partial=0.25)
+    assert torch.allclose(y2[:, :16], y[:, :16], rtol=1e-12, atol=0)
+    assert torch.allclose(y2[:, 16:], 100 * y[:, 16:], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cast_orders_differ_and_each_matches_its_hand_written_order(gen, dtype):
+    x = rand(gen, 64, 256, dtype=dtype, scale=3.0)
+    w = (1 + 0.3 * rand(gen, 256)).to(dtype)
+    eps = 1e-6
+
+    # Llama: normalize in fp32, cast to the input dtype, multiply by the weight in that dtype.
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    llama = w * normed.to(dtype)
+    # Gemma / OLMo 2: multiply by (offset + w) in fp32 and cast last.
+    gemma = (normed * (0.0 + w.float())).to(dtype)
+    gemma1 = (normed * (1.0 + w.float())).to(dtype)
+
+    got_llama = R.rms_norm(x, w, eps, cast="llama")
+    got_gemma = R.rms_norm(x, w, eps, cast="gemma")
+    got_gemma1 = R.rms_norm(x, w, eps, cast="gemma", offset=1.0)
+    assert torch.equal(got_llama, llama)
+    assert torch.equal(got_gemma, gemma)
+    assert torch.equal(got_gemma1, gemma1)
+    assert not torch.equal(got_llama, got_gemma), "the two cast orders should round differently somewhere"
+    # Both stay within the dtype's bound of the float64 truth.
+    truth = rms_truth(x, w, eps)
+    assert_close(got_llama, truth)
+    assert_close(got_gemma, truth)
+
+
+def test_torch_rms_norm_is_the_gemma_order(gen):
+    x = rand(gen, 32, 128, dtype=torch.bfloat16, scale=2.0)
+    w = rand(gen, 128, dtype=torch.bfloat16)
+    assert torch.equal(torch.nn.functional.rms_norm(x, (128,), w, 1e-6), R.rms_norm(x, w, 1e-6, cast="gemma"))
+
+
+def test_layer_norm_large_mean_rows_do_not_cancel(gen):
+    d = 4096
+    x = rand(gen, 16, d, dtype=torch.float32, mean=1e4)  # unit spread around 1e4
+    truth = ln_truth(x)
+    y = R.layer_norm(x)
+    err = (y.double() - truth).abs().max().item()
+    assert err < 5e-3, err
+    # The one-pass formula the reference must not use fails here: that is what the test guards.
+    xf = x.float()
+    mu = xf.mean(-1, keepdim=True)
+    var_one_pass = (xf * xf).mean(-1, keepdim=True) - mu * mu
+    one_pass = (xf - mu) * torch.rsqrt(var_one_pass.clamp_min(0) + 1e-5)
+    assert (one_pass.double() - truth).abs().max().item() > 50 * err
+
+
+@pytest.mark.parametrize("residual_in_fp32", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_norms_return_the_norm_of_the_sum_and_the_sum(gen, dtype, residual_in_fp32):
+    x = rand(gen, 3, 5, 96, dtype=dtype)
+    r = rand(gen, 3, 5, 96, dtype=dtype)
+    w = rand(gen, 96, dtype=dtype)
+    b = rand(gen, 96, dtype=dtype)
+    y, s = R.add_rms_norm(x, r, w, 1e-6, residual_in_fp32=residual_in_fp32)
+    ly, ls = R.add_layer_norm(x, r, w, b, 1e-5, residual_in_fp32=residual_in_fp32)
+    sum_dtype = torch.float32 if residual_in_fp32 else dtype
+    assert s.dtype == ls.dtype == sum_dtype
+    assert y.dtype == ly.dtype == dtype
+    expected_sum = x.to(sum_dtype) + r.to(sum_dtype)
+    assert torch.equal(s, expected_sum) and torch.equal(ls, expected_sum)
+    assert_close(y, rms_truth(expected_sum, w, 1e-6), dtype=dtype)
+    assert_close(ly, ln_truth(expected_sum, w, b, 1e-5), dtype=dtype)
+
+
+def test_upcast_false_computes_in_the_input_dtype(gen):
+    # fp16 sums of squares overflow at |x| ~ 256 * sqrt(65504 / (256^2 d))...: with x = 300 every
+    # square is 90000 > 65504, so the naive fp16 RMSNorm returns zeros, the upcast one does not.
+    x = torch.full((2, 64), 300.0, dtype=torch.float16)
+    naive = R.rms_norm(x, upcast=False)
+    good = R.rms_norm(x)
+    assert torch.all(naive == 0)
+    assert_close(good, rms_truth(x))
+
+
+# --------------------------------------------------------------------------- sequence BatchNorm
+
+
+def sbn_truth(x, mask, eps=1e-5):
+    rows = x.double()[mask]
+    var, mu = torch.var_mean(rows, dim=0, unbiased=False)
+    return (x.double() - mu) / torch.sqrt(var + eps), mu, torch.var(rows, dim=0, unbiased=True)
+
+
+def test_seq_batch_norm_uses_only_real_positions(gen):
+    B, T, d = 4, 9, 17
+    x = rand(gen, B, T, d, scale=2.0, mean=1.0)
+    lengths = torch.tensor([9, 3, 6, 1])
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    rm, rv = torch.zeros(d, dtype=torch.float64), torch.ones(d, dtype=torch.float64)
+    y = R.seq_batch_norm(x, mask, rm, rv, training=True, momentum=0.1)
+    truth, mu, unbiased = sbn_truth(x, mask)
+    assert_close(y[mask], truth[mask])
+    # Running stats follow the EMA with momentum 0.1 and the unbiased variance.
+    assert_close(rm, 0.9 * 0 + 0.1 * mu)
+    assert_close(rv, 0.9 * 1 + 0.1 * unbiased)
+    # Changing the padding changes nothing at the real positions, nor the running stats.
+    x2 = x.clone()
+    x2[~mask] = rand(gen, int((~mask).sum()), d) * 1e3
+    rm2, rv2 = torch.zeros_like(rm), torch.ones_like(rv)
+    y2 = R.seq_batch_norm(x2, mask, rm2, rv2, training=True)
+    assert torch.equal(y2[mask], y[mask])
+    assert torch.equal(rm2, rm) and torch.equal(rv2, rv)
+
+
+def test_seq_batch_norm_eval_uses_running_stats(gen):
+    d = 8
+    x = rand(gen, 2, 5, d)
+    rm, rv = rand(gen, d), rand(gen, d).abs() + 0.5
+    w, b = rand(gen, d), rand(gen, d)
+    y = R.seq_batch_norm(x, None, rm, rv, w, b, training=False, eps=1e-5)
+    assert_close(y, (x - rm) / torch.sqrt(rv + 1e-5) * w + b)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_seq_batch_norm_matches_batchnorm1d_when_mask_is_all_true(gen, training):
+    B, T, d = 3, 7, 12
+    x = rand(gen, B, T, d, dtype=torch.float32)
+    bn = torch.nn.BatchNorm1d(d, momentum=0.1, eps=1e-5)
+    with torch.no_grad():
+        bn.weight.copy_(rand(gen, d)), bn.bias.copy_(rand(gen, d))
+        bn.running_mean.copy_(rand(gen, d)), bn.running_var.copy_(rand(gen, d).abs() + 0.5)
+    rm, rv = bn.running_mean.clone(), bn.running_var.clone()
+    bn.train(training)
+    expected = bn(x.transpose(1, 2)).transpose(1, 2)  # BatchNorm1d wants (B, C, T)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    y = R.seq_batch_norm(x, mask, rm, rv, bn.weight, bn.bias, training=training)
+    assert torch.allclose(y, expected, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(rm, bn.running_mean, atol=1e-6) and torch.allclose(rv, bn.running_var, atol=1e-6)
