@@ -27,6 +27,8 @@ from types import ModuleType
 
 import torch
 
+from normlab import reference
+
 BACKENDS = ("reference", "cpu", "triton")
 CHOICES = ("auto",) + BACKENDS
 
@@ -63,6 +65,9 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_loaded: dict[str, ModuleType] = {"reference": reference}  # backend name -> its imported module
+
+
 @functools.cache
 def _import_reason(name: str) -> str | None:
     """Why backend ``name`` cannot be imported on this machine, or None when it can."""
@@ -74,7 +79,7 @@ def _import_reason(name: str) -> str | None:
     except ImportError as err:
         return f"{needs} is not installed ({err}); pip install {needs}"
     try:
-        importlib.import_module(_MODULES[name])
+        _loaded[name] = importlib.import_module(_MODULES[name])
     except ModuleNotFoundError as err:
         if err.name == _MODULES[name]:
             return "this version of normlab has no fused kernels for it yet"
@@ -107,6 +112,14 @@ def _device_reason(name: str, device: torch.device) -> str | None:
 
 def resolve(backend: str | None, device: torch.device) -> str:
     """The name of the backend that will run an op on ``device``."""
+    return _resolve(backend, device.type, device.index)
+
+
+# Under torch.compile the choice is made once, when the model is traced, and baked into the
+# graph (dynamo cannot trace a ContextVar): recompile to switch backends in a compiled model.
+@torch.compiler.assume_constant_result
+def _resolve(backend: str | None, device_type: str, device_index: int | None) -> str:
+    device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
     name = check_name(backend or _override.get() or os.environ.get("NORMLAB_BACKEND") or "auto")
     if name == "auto":
         fused = {"cpu": "cpu", "cuda": "triton"}.get(device.type)
@@ -120,4 +133,5 @@ def resolve(backend: str | None, device: torch.device) -> str:
 
 
 def get(name: str) -> ModuleType:
-    return importlib.import_module(_MODULES[name])
+    """The module of a backend that :func:`resolve` returned (so it is imported already)."""
+    return _loaded[name]

@@ -1,0 +1,330 @@
+"""numba kernels for the CPU backend: the compute layer only (launchers live in cpu.py).
+
+Every kernel takes 2-D C-contiguous (rows, d) arrays and splits the rows into ``nchunks``
+contiguous chunks, one ``prange`` iteration each. A chunk owns its slice of the outputs and its
+own row of the weight-gradient partials, so results do not depend on which thread ran which
+chunk: the same inputs and chunk count give bitwise-identical outputs and gradients.
+
+dtypes travel as numpy arrays: float32 as is, bfloat16 as uint16 bit patterns and float16 as
+int16 bit patterns (numba has neither type). ``_load`` widens an element to float32, ``_store``
+narrows a float32 with round-to-nearest-even (bf16 by integer arithmetic, fp16 by LLVM's
+fptrunc), and numba compiles one specialization per dtype combination.
+
+Statistics: the row sums (sum x, sum x^2, sum g*x) accumulate in float64, which is free on a
+memory-bound kernel and keeps long rows (65537 features) accurate to a few fp32 ulps; the
+per-element math and the weight-gradient partials are float32. LayerNorm's saved mean is float64
+so that rows with a large mean (1e4) keep their centred values exact in the backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+# Reassociation lets LLVM vectorize the reductions; contraction allows FMA. No nnan/ninf: inf and
+# nan rows must behave as IEEE says (and stay in their row).
+FASTMATH = {"reassoc", "contract"}
+JIT = dict(cache=True, fastmath=FASTMATH, nogil=True)
+
+
+# ------------------------------------------------------------------------------ dtype codecs
+
+
+@intrinsic
+def _u32_as_f32(typingctx, v):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _f32_as_u32(typingctx, v):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _f16_bits_to_f32(typingctx, v):
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.int16), codegen
+
+
+@intrinsic
+def _f32_to_f16_bits(typingctx, v):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.int16(types.float32), codegen
+
+
+@njit
+def _bf16_bits_to_f32(b):
+    return _u32_as_f32(np.uint32(b) << np.uint32(16))
+
+
+@njit
+def _f32_to_bf16_bits(v):
+    b = _f32_as_u32(v)
+    if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # nan: keep it a (quiet) nan
+        return np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
+    # round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, then truncate
+    b = b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))
+    return np.uint16(b >> np.uint32(16))
+
+
+def _load(a, i):  # pragma: no cover - replaced by the overload below
+    raise NotImplementedError
+
+
+def _store(a, i, v):  # pragma: no cover
+    raise NotImplementedError
+
+
+def _round_like(a, v):  # pragma: no cover
+    raise NotImplementedError
+
+
+@overload(_load)
+def _ov_load(a, i):
+    if a.dtype == types.float32:
+        return lambda a, i: a[i]
+    if a.dtype == types.uint16:
+        return lambda a, i: _bf16_bits_to_f32(a[i])
+    if a.dtype == types.int16:
+        return lambda a, i: _f16_bits_to_f32(a[i])
+
+
+@njit
+def _store_f32(a, i, v):
+    a[i] = v
+
+
+@njit
+def _store_bf16(a, i, v):
+    a[i] = _f32_to_bf16_bits(v)
+
+
+@njit
+def _store_f16(a, i, v):
+    a[i] = _f32_to_f16_bits(v)
+
+
+@overload(_store)
+def _ov_store(a, i, v):
+    if a.dtype == types.float32:
+        return lambda a, i, v: _store_f32(a, i, v)
+    if a.dtype == types.uint16:
+        return lambda a, i, v: _store_bf16(a, i, v)
+    if a.dtype == types.int16:
+        return lambda a, i, v: _store_f16(a, i, v)
+
+
+@overload(_round_like)
+def _ov_round_like(a, v):
+    """v rounded to a's dtype and widened back to float32 (the llama cast of xhat)."""
+    if a.dtype == types.float32:
+        return lambda a, v: v
+    if a.dtype == types.uint16:
+        return lambda a, v: _bf16_bits_to_f32(_f32_to_bf16_bits(v))
+    if a.dtype == types.int16:
+        return lambda a, v: _f16_bits_to_f32(_f32_to_f16_bits(v))
+
+
+@njit
+def _chunk(c, nchunks, n):
+    return c * n // nchunks, (c + 1) * n // nchunks
+
+
+# ------------------------------------------------------------------------------- row helpers
+
+
+@njit
+def _add_row(xr, rr, sr):
+    """sr = xr + rr in sr's dtype (float32 add, rounded once on store: torch's semantics)."""
+    for i in range(sr.shape[0]):
+        _store(sr, i, _load(xr, i) + _load(rr, i))
+
+
+@njit
+def _rms_rstd(xr, k, eps, inside):
+    ss = 0.0
+    for i in range(k):
+        v = np.float64(_load(xr, i))
+        ss += v * v
+    ms = ss / k
+    if inside:
+        return np.float32(1.0 / math.sqrt(ms + eps))
+    return np.float32(1.0 / (math.sqrt(ms) + eps))
+
+
+@njit
+def _rms_out_row(xr, w, yr, rstd, llama):
+    d = yr.shape[0]
+    if llama:  # normalize in fp32, round to the output dtype, then multiply by the weight
+        for i in range(d):
+            _store(yr, i, _round_like(yr, _load(xr, i) * rstd) * w[i])
+    else:  # multiply in fp32, round once on store
+        for i in range(d):
+            _store(yr, i, _load(xr, i) * rstd * w[i])
+
+
+@njit
+def _ln_stats(xr):
+    d = xr.shape[0]
+    s = 0.0
+    for i in range(d):
+        s += np.float64(_load(xr, i))
+    mean = s / d
+    q = 0.0
+    for i in range(d):  # second pass over a row in cache: no E[x^2] - E[x]^2 cancellation
+        c = np.float64(_load(xr, i)) - mean
+        q += c * c
+    return mean, q / d
+
+
+@njit
+def _ln_out_row(xr, w, b, yr, mean, rstd):
+    for i in range(yr.shape[0]):
+        xc = np.float32(np.float64(_load(xr, i)) - mean)  # centred in float64, rounded once
+        _store(yr, i, xc * rstd * w[i] + b[i])
+
+
+# ----------------------------------------------------------------------------------- forward
+
+
+@njit(parallel=True, **JIT)
+def rms_fwd(x, w, y, rstd, eps, inside, k, llama, nchunks):
+    n = x.shape[0]
+    for c in prange(nchunks):
+        r0, r1 = _chunk(c, nchunks, n)
+        for r in range(r0, r1):
+            rs = _rms_rstd(x[r], k, eps, inside)
+            rstd[r] = rs
+            _rms_out_row(x[r], w, y[r], rs, llama)
+
+
+@njit(parallel=True, **JIT)
+def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, llama, nchunks):
+    n = x.shape[0]
+    for c in prange(nchunks):
+        r0, r1 = _chunk(c, nchunks, n)
+        for r in range(r0, r1):
+            _add_row(x[r], res[r], s[r])
+            rs = _rms_rstd(s[r], k, eps, inside)
+            rstd[r] = rs
+            _rms_out_row(s[r], w, y[r], rs, llama)
+
+
+@njit(parallel=True, **JIT)
+def ln_fwd(x, w, b, y, mean, rstd, eps, nchunks):
+    n = x.shape[0]
+    for c in prange(nchunks):
+        r0, r1 = _chunk(c, nchunks, n)
+        for r in range(r0, r1):
+            mu, var = _ln_stats(x[r])
+            rs = np.float32(1.0 / math.sqrt(var + eps))
+            mean[r] = mu
+            rstd[r] = rs
+            _ln_out_row(x[r], w, b, y[r], mu, rs)
+
+
+@njit(parallel=True, **JIT)
+def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, nchunks):
+    n = x.shape[0]
+    for c in prange(nchunks):
+        r0, r1 = _chunk(c, nchunks, n)
+        for r in range(r0, r1):
+            _add_row(x[r], res[r], s[r])
+            mu, var = _ln_stats(s[r])
+            rs = np.float32(1.0 / math.sqrt(var + eps))
+            mean[r] = mu
+            rstd[r] = rs
+            _ln_out_row(s[r], w, b, y[r], mu, rs)
+
+
+# ---------------------------------------------------------------------------------- backward
+# ``ds`` is the gradient flowing into the residual sum (add variants); has_ds=False passes a
+# dummy. ``dw_part`` / ``db_part`` are (nchunks, d) float32, zeroed by the launcher.
+
+
+@njit(parallel=True, **JIT)
+def rms_bwd(dy, x, w, rstd, ds, dx, dw_part, has_ds, eps, inside, k, llama, nchunks):
+    n, d = x.shape
+    for c in prange(nchunks):
+        r0, r1 = _chunk(c, nchunks, n)
+        dwc = dw_part[c]
+        for r in range(r0, r1):
+            xr, dyr, dxr = x[r], dy[r], dx[r]
+            rs = rstd[r]
+            # sum(g * x) runs over all d features (every one is scaled by rstd), the sum of
+            # squares over the first k (only they enter rstd). DESIGN.md's pRMSNorm formula sums
+            # g * x over i < k only, which is wrong for k < d.
+            gx = 0.0
+            ss = 0.0
+            for i in range(d):
+                xv = np.float64(_load(xr, i))
+                gx += np.float64(_load(dyr, i) * w[i]) * xv
+            for i in range(k):
+                xv = np.float64(_load(xr, i))
+                ss += xv * xv
+            # d rstd / d ms: inside -rstd^3 / 2; outside -rstd^2 / (2 sqrt(ms))
+            if inside:
+                coef = np.float64(rs) ** 3 * gx / k
+            else:
+                rms = math.sqrt(ss / k)
+                coef = (np.float64(rs) ** 2 / rms * gx / k) if rms > 0.0 else 0.0
+            coef32 = np.float32(coef)
+            for i in range(d):
+                xv = _load(xr, i)
+                dyv = _load(dyr, i)
+                g = dyv * w[i]
+                v = rs * g
+                if i < k:
+                    v -= coef32 * xv
+                if has_ds:
+                    v += _load(ds[r], i)
+                _store(dxr, i, v)
+                if llama:
+                    dwc[i] += dyv * _round_like(dyr, xv * rs)
+                else:
+                    dwc[i] += dyv * (xv * rs)
+
+
+@njit(parallel=True, **JIT)
+def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw_part, db_part, has_ds, nchunks):
+    n, d = x.shape
+    for c in prange(nchunks):
+        r0, r1 = _chunk(c, nchunks, n)
+        dwc = dw_part[c]
+        dbc = db_part[c]
+        for r in range(r0, r1):
+            xr, dyr, dxr = x[r], dy[r], dx[r]
+            mu = mean[r]
+            rs = rstd[r]
+            sg = 0.0
+            sgx = 0.0
+            for i in range(d):
+                xh = (np.float64(_load(xr, i)) - mu) * rs
+                g = np.float64(_load(dyr, i) * w[i])
+                sg += g
+                sgx += g * xh
+            mg = np.float32(sg / d)
+            mgx = np.float32(sgx / d)
+            for i in range(d):
+                dyv = _load(dyr, i)
+                xh = np.float32(np.float64(_load(xr, i)) - mu) * rs
+                v = rs * (dyv * w[i] - mg - xh * mgx)
+                if has_ds:
+                    v += _load(ds[r], i)
+                _store(dxr, i, v)
+                dwc[i] += dyv * xh
+                dbc[i] += dyv
