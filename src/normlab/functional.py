@@ -111,6 +111,27 @@ def _backend(backend: str | None, x: Tensor):
     return kernels.get(kernels.resolve(backend, x.device))
 
 
+def _check_out(out: object, x: Tensor, *params: Tensor | None) -> Tensor:
+    if not isinstance(out, Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(
+            f"out has shape {_shape(out)}, dtype {out.dtype} on {out.device}; expected {_shape(x)}, {x.dtype} on {x.device} (those of x)"
+        )
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *params)):
+        raise RuntimeError("out= does not support autograd; call without out=, or under torch.no_grad()")
+    return out
+
+
+def _into(module, name: str, out: Tensor, *args, **kwargs) -> Tensor:
+    """Run op ``name`` writing into ``out``: straight from the kernel when the backend has an
+    ``<name>_out`` entry point, else through a copy."""
+    fn = getattr(module, f"{name}_out", None)
+    if fn is not None:
+        return fn(*args, out=out, **kwargs)
+    return out.copy_(getattr(module, name)(*args, **kwargs))
+
+
 # ---------------------------------------------------------------------------------------------
 # the API
 
@@ -122,15 +143,19 @@ def layer_norm(
     eps: float = 1e-5,
     *,
     backend: str | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """LayerNorm over the last dimension: (x - mean) / sqrt(var + eps) * weight + bias.
 
     ``weight`` and ``bias`` are optional, each of shape (d,). The output has x's dtype.
+    ``out``: a preallocated output (x's shape and dtype; no autograd).
     """
     check_x(x)
     _check_param(weight, "weight", x)
     _check_param(bias, "bias", x)
     eps = check_eps(eps)
+    if out is not None:
+        return _into(_backend(backend, x), "layer_norm", _check_out(out, x, weight, bias), x, weight, bias, eps)
     return _backend(backend, x).layer_norm(x, weight, bias, eps)
 
 
@@ -144,6 +169,7 @@ def rms_norm(
     offset: float = 0.0,
     partial: float | None = None,
     backend: str | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """RMSNorm over the last dimension: x / rms(x) * (offset + weight).
 
@@ -151,13 +177,15 @@ def rms_norm(
     code). ``cast``: "llama" casts the normalized x to x's dtype before the weight multiply,
     "gemma" multiplies in fp32 and casts last. ``offset``: Gemma's 1 + w. ``partial``: pRMSNorm,
     the RMS over the first ceil(partial * d) features. See :func:`normlab.reference.rms_norm`.
+    ``out``: a preallocated output (x's shape and dtype; no autograd).
     """
     check_x(x)
     _check_param(weight, "weight", x)
     eps, eps_mode, cast, offset, partial = _check_rms_options(eps, eps_mode, cast, offset, partial)
-    return _backend(backend, x).rms_norm(
-        x, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset, partial=partial
-    )
+    opts = {"eps_mode": eps_mode, "cast": cast, "offset": offset, "partial": partial}
+    if out is not None:
+        return _into(_backend(backend, x), "rms_norm", _check_out(out, x, weight), x, weight, eps, **opts)
+    return _backend(backend, x).rms_norm(x, weight, eps, **opts)
 
 
 def add_layer_norm(

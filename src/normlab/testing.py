@@ -30,6 +30,9 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return TOLERANCES[dtype]
 
 
+RULES = ("element", "row", "tensor")
+
+
 def assert_close(
     actual: Tensor,
     truth: Tensor,
@@ -38,19 +41,27 @@ def assert_close(
     dtype: torch.dtype | None = None,
     name: str = "output",
     scale: float = 1.0,
-    reduction: bool = False,
+    rule: str = "element",
 ) -> None:
     """Assert ``actual`` is within the bound of ``truth`` (a float64 result).
 
-    ``dtype`` picks the tolerance (default: actual's dtype). ``scale`` widens atol and rtol.
-    ``reduction=True`` is for sums over many rows (weight and bias gradients): each element is a
-    sum of rounding errors of random sign, so a per-element comparison with the low-precision
-    reference is a coin toss; the bound then holds for the largest error over the tensor
-    (flash-attn's rule): max|fast - truth| <= 2 max|lowp - truth| + atol + rtol max|truth|.
+    ``dtype`` picks the tolerance (default: actual's dtype); ``scale`` widens atol and rtol.
+
+    ``rule`` says over what the bound holds. "element": every element (outputs). "row": the
+    largest error in each row (last dimension) against the largest low-precision error in that
+    row, for input gradients; "tensor": over the whole tensor (flash-attn's rule), for weight and
+    bias gradients. Why not per element there: gradients are sums over a row (or over rows) of
+    terms that carry roundings which are part of the op's definition in low precision (the llama
+    cast of xhat and of the weight, the residual sum kept in bf16). The fast kernel and the
+    low-precision reference share those, the float64 truth does not, and where the reference's
+    own rounding happens to cancel them for one element, a per-element bound is a coin toss.
     """
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     if actual.shape != truth.shape:
         raise AssertionError(f"{name}: shape {tuple(actual.shape)} != expected {tuple(truth.shape)}")
-    atol, rtol = TOLERANCES[dtype or actual.dtype]
+    dtype = dtype or actual.dtype
+    atol, rtol = TOLERANCES[dtype]
     atol, rtol = atol * scale, rtol * scale
     a = actual.detach().to(torch.float64).cpu()
     t = truth.detach().to(torch.float64).cpu()
@@ -61,27 +72,30 @@ def assert_close(
     inf_t = torch.isinf(t)
     if not torch.equal(a[inf_t], t[inf_t]) or torch.isinf(a[~inf_t]).any():
         raise AssertionError(f"{name}: inf pattern differs from the reference")
-    fin = torch.isfinite(t)
-    a, t = a[fin], t[fin]
     if a.numel() == 0:
         return
-    err = (a - t).abs()
-    lp_err = (lowp.detach().to(torch.float64).cpu()[fin] - t).abs() if lowp is not None else torch.zeros_like(t)
-    if reduction:  # one bound for the whole tensor
-        bound = atol + rtol * t.abs().max() + 2 * lp_err.max()
-        i = int(err.argmax())
-        if err[i] > bound:
-            raise AssertionError(
-                f"{name}: max error {err[i].item():.3g} > bound {bound.item():.3g} ({dtype or actual.dtype}, "
-                f"whole-tensor rule); at the worst element got {a[i].item():.6g}, expected {t[i].item():.6g}"
-            )
-        return
-    bound = atol + rtol * t.abs() + 2 * lp_err
+    fin = torch.isfinite(t)
+    zero = torch.zeros((), dtype=torch.float64)
+    err = torch.where(fin, (a - t).abs(), zero)
+    mag = torch.where(fin, t.abs(), zero)
+    lp_err = zero.expand_as(t)
+    if lowp is not None:
+        lp_err = torch.where(fin, (lowp.detach().to(torch.float64).cpu() - t).abs(), zero)
+    if rule == "element":
+        bound = atol + rtol * mag + 2 * lp_err
+    else:
+        dims = (-1,) if rule == "row" and t.dim() > 0 else tuple(range(t.dim()))
+
+        def amax(v):
+            return v.amax(dim=dims, keepdim=True) if t.dim() else v
+
+        bound = (atol + rtol * amax(mag) + 2 * amax(lp_err)).expand_as(t)
     bad = err > bound
     if bad.any():
         i = int((err - bound).argmax())
+        a, t, err, bound = a.reshape(-1), t.reshape(-1), err.reshape(-1), bound.reshape(-1)
         raise AssertionError(
-            f"{name}: {int(bad.sum())} of {err.numel()} elements out of bound ({dtype or actual.dtype}); "
+            f"{name}: {int(bad.sum())} of {err.numel()} elements out of bound ({dtype}, rule {rule!r}); "
             f"worst: got {a[i].item():.6g}, expected {t[i].item():.6g}, error {err[i].item():.3g} "
             f"> bound {bound[i].item():.3g}; max error {err.max().item():.3g}"
         )

@@ -1,0 +1,338 @@
+"""The fused CPU (numba) backend against the float64 reference, outputs and every gradient.
+
+The bound (normlab.testing): a fused result may be at most twice as far from the float64 truth
+as the reference computed in the same low-precision dtype, plus about one rounding step.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from normlab import functional as F
+from normlab import kernels
+from normlab.testing import assert_close
+
+pytest.importorskip("numba", reason="the cpu backend needs numba (pip install normlab[cpu])")
+from normlab.kernels import cpu  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def test_cpu_backend_is_what_auto_picks_for_cpu_tensors():
+    assert kernels.unavailable_reason("cpu") is None
+    assert kernels.resolve(None, torch.device("cpu")) == "cpu"
+
+
+def _leaves(gen, op, shape, dtype, *, weight=True, bias=True, res_dtype=None, mean=0.0, scale=1.0):
+    d = shape[-1]
+    x = (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale + mean).to(dtype)
+    leaves = {"x": x}
+    if op.startswith("add"):
+        leaves["residual"] = torch.randn(*shape, generator=gen, dtype=torch.float64).to(res_dtype or dtype)
+    if weight:
+        leaves["weight"] = (1 + 0.5 * torch.randn(d, generator=gen, dtype=torch.float64)).to(dtype)
+    if bias and "layer" in op:
+        leaves["bias"] = torch.randn(d, generator=gen, dtype=torch.float64).to(dtype)
+    return leaves
+
+
+def _call(op, leaves, opts, backend):
+    fn = getattr(F, op)
+    args = [leaves["x"]]
+    if op.startswith("add"):
+        args.append(leaves["residual"])
+    args.append(leaves.get("weight"))
+    if "layer" in op:
+        args.append(leaves.get("bias"))
+    out = fn(*args, backend=backend, **opts)
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _run(op, leaves, opts, backend, grads, convert=None):
+    leaves = {k: (convert(v) if convert else v.clone()).requires_grad_() for k, v in leaves.items()}
+    outs = _call(op, leaves, opts, backend)
+    names = list(leaves)
+    gs = torch.autograd.grad(outs, [leaves[n] for n in names], [g.to(o.dtype) for g, o in zip(grads, outs)])
+    return outs, dict(zip(names, gs))
+
+
+def check(gen, op, shape, dtype, opts=None, **leaf_kw):
+    """Outputs and all gradients of ``op`` on the cpu backend against the float64 reference."""
+    opts = opts or {}
+    leaves = _leaves(gen, op, shape, dtype, **leaf_kw)
+    with torch.no_grad():
+        outs = _call(op, leaves, opts, "reference")
+    # Output gradients in the outputs' dtypes, so the float64 truth sees the very same values.
+    grads = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype) for o in outs]
+    fast, fast_g = _run(op, leaves, opts, "cpu", grads)
+    lowp, lowp_g = _run(op, leaves, opts, "reference", grads)
+    if op.startswith("add"):
+        truth, truth_g = _add_truth(op, leaves, opts, grads, lowp[1])
+    else:
+        truth, truth_g = _run(op, leaves, opts, "reference", grads, convert=lambda t: t.double())
+    for i, (f, t, lp) in enumerate(zip(fast, truth, lowp)):
+        assert f.dtype == lp.dtype and f.shape == lp.shape
+        assert_close(f, t, lowp=lp, dtype=lp.dtype, name=f"{op} output {i}")
+    for name in fast_g:
+        rule = "tensor" if name in ("weight", "bias") else "row"
+        assert_close(fast_g[name], truth_g[name], lowp=lowp_g[name], dtype=leaves[name].dtype, name=f"{op} d{name}", rule=rule)
+    return fast, fast_g
+
+
+def _add_truth(op, leaves, opts, grads, s_lowp):
+    """The float64 truth of a fused add + norm. The sum is part of the op's definition: it is
+    rounded to its dtype (it is the residual stream the model carries on), so the truth
+    normalizes that rounded sum in float64; the gradient reaching x and residual is the norm's
+    gradient plus the sum's own."""
+    norm = op[len("add_"):]
+    s64 = s_lowp.detach().double().requires_grad_()
+    params = {k: leaves[k].double().requires_grad_() for k in ("weight", "bias") if k in leaves}
+    kw = {k: v for k, v in opts.items() if k != "residual_in_fp32"}
+    args = [s64, params.get("weight")] + ([params.get("bias")] if "layer" in op else [])
+    y = getattr(F, norm)(*args, backend="reference", **kw)
+    dy, ds = grads
+    y.backward(dy.double())
+    dsum = s64.grad + ds.double()
+    g = {"x": dsum, "residual": dsum}
+    g.update({k: p.grad for k, p in params.items()})
+    return (y, s64.detach()), g
+
+
+OPS = ["rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [1, 3, 123, 3000])
+@pytest.mark.parametrize("op", OPS)
+def test_every_op_dtype_and_size(gen, op, dtype, d):
+    check(gen, op, (7, d), dtype)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_row_of_65537_features(gen, op):
+    for dtype in (torch.float32, torch.bfloat16):
+        check(gen, op, (3, 65537), dtype)
+
+
+@pytest.mark.parametrize("lead", [(0,), (1,), (2, 3, 5)], ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_leading_dims(gen, op, lead):
+    check(gen, op, (*lead, 40), torch.bfloat16)
+
+
+RMS_OPTIONS = [
+    {"eps_mode": "outside"},
+    {"cast": "gemma"},
+    {"cast": "gemma", "offset": 1.0},
+    {"cast": "llama", "offset": 1.0},
+    {"partial": 0.0625},
+    {"partial": 0.3, "eps_mode": "outside", "cast": "gemma"},
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("opts", RMS_OPTIONS, ids=str)
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
+def test_rms_options(gen, op, opts, dtype):
+    check(gen, op, (9, 160), dtype, opts)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_without_weight_or_bias(gen, op, dtype):
+    check(gen, op, (5, 77), dtype, weight=False, bias=False)
+    if "layer" in op:
+        check(gen, op, (5, 77), dtype, weight=True, bias=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("op", ["add_rms_norm", "add_layer_norm"])
+def test_residual_in_fp32_and_mixed_residual_dtype(gen, op, dtype):
+    fast, _ = check(gen, op, (6, 96), dtype, {"residual_in_fp32": True})
+    assert fast[0].dtype == dtype and fast[1].dtype == torch.float32
+    fast, _ = check(gen, op, (6, 96), dtype, res_dtype=torch.float32)  # an fp32 residual stream
+    assert fast[1].dtype == torch.float32
+
+
+def test_fp32_weights_on_bf16_activations(gen):
+    x = torch.randn(8, 64, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(64, generator=gen).requires_grad_()  # mixed precision: master weights in fp32
+    y = F.rms_norm(x, w, backend="cpu")
+    truth = F.rms_norm(x.double(), w.double(), backend="reference")
+    assert y.dtype == torch.bfloat16
+    assert_close(y, truth, lowp=F.rms_norm(x, w, backend="reference"), dtype=torch.bfloat16)
+    y.float().sum().backward()
+    assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+
+
+def test_float64_runs_the_reference(gen):
+    x = torch.randn(4, 33, generator=gen, dtype=torch.float64)
+    assert torch.equal(F.rms_norm(x, backend="cpu"), F.rms_norm(x, backend="reference"))
+
+
+def test_fused_dtypes_do_not_fall_back_to_the_reference(gen, monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the reference ran")
+
+    for name in ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm"):
+        monkeypatch.setattr(cpu.reference, name, boom)
+    x = torch.randn(4, 16, generator=gen).bfloat16()
+    F.rms_norm(x, backend="cpu"), F.layer_norm(x, backend="cpu")
+    F.add_rms_norm(x, x, backend="cpu"), F.add_layer_norm(x, x, backend="cpu")
+
+
+def test_non_contiguous_inputs(gen):
+    base = torch.randn(6, 2, 80, generator=gen)
+    for x in (base[:, 0], base.transpose(0, 1), base[..., ::2], base[::2, :, 10:70]):
+        assert not x.is_contiguous()
+        w = torch.randn(x.shape[-1], generator=gen)
+        assert_close(F.rms_norm(x, w, backend="cpu"), F.rms_norm(x.double(), w.double()), lowp=F.rms_norm(x, w, backend="reference"), dtype=torch.float32)
+        assert_close(F.layer_norm(x, w, w, backend="cpu"), F.layer_norm(x.double(), w.double(), w.double()), lowp=F.layer_norm(x, w, w, backend="reference"), dtype=torch.float32)
+        y, s = F.add_rms_norm(x, x.flip(-1), w, backend="cpu")
+        assert torch.equal(s, x + x.flip(-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_of_zeros_give_zeros(dtype):
+    x = torch.zeros(3, 50, dtype=dtype, requires_grad=True)
+    w = torch.randn(50).to(dtype)
+    for fn in (lambda: F.rms_norm(x, w, backend="cpu"), lambda: F.rms_norm(x, w, eps_mode="outside", backend="cpu"),
+               lambda: F.layer_norm(x, w, None, backend="cpu"), lambda: F.add_rms_norm(x, x, w, backend="cpu")[0]):
+        y = fn()
+        assert torch.equal(y, torch.zeros_like(y))
+        (g,) = torch.autograd.grad(y.float().sum(), x)
+        # rstd = 1/eps outside the root: that gradient is 1e6 * w, which overflows fp16 to inf,
+        # as the true value should; it must never be nan.
+        assert not torch.isnan(g).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_mean_rows(gen, dtype):
+    mean = 1e4 if dtype != torch.float16 else 1e3
+    check(gen, "layer_norm", (8, 1000), dtype, mean=mean)
+    check(gen, "rms_norm", (8, 1000), dtype, mean=mean)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_non_finite_rows_stay_in_their_row(gen, op, dtype, bad):
+    leaves = _leaves(gen, op, (6, 37), dtype)
+    leaves["x"][3, 5] = bad
+    x = leaves["x"].requires_grad_()
+    outs = _call(op, leaves, {}, "cpu")
+    good = [0, 1, 2, 4, 5]
+    ref = _call(op, {k: (v[good] if v.dim() == 2 else v) for k, v in leaves.items()}, {}, "reference")
+    for o, r in zip(outs, ref):
+        assert torch.isfinite(o[good]).all()
+        assert not torch.isfinite(o[3]).all()
+        assert_close(o[good], r.double(), lowp=r, dtype=r.dtype)
+    (g,) = torch.autograd.grad(outs[0].float().sum(), x)
+    assert torch.isfinite(g[good]).all()
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_weight_gradients_are_bitwise_deterministic(gen, op):
+    x = torch.randn(300, 257, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(257, generator=gen).requires_grad_()
+    dy = torch.randn(300, 257, generator=gen).bfloat16()
+    results = []
+    for _ in range(3):
+        w.grad = None
+        getattr(F, op)(x, w, backend="cpu").backward(dy)
+        results.append(w.grad.clone())
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def test_threads_follow_torch():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert cpu.nchunks(1000) == 1
+        import numba
+
+        assert numba.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert cpu.nchunks(1000) == min(before, cpu.numba.config.NUMBA_NUM_THREADS)
+
+
+def test_out_writes_into_the_given_tensor(gen):
+    x = torch.randn(16, 64, generator=gen).bfloat16()
+    w = torch.randn(64, generator=gen).bfloat16()
+    out = torch.empty_like(x)
+    assert F.rms_norm(x, w, out=out, backend="cpu") is out
+    assert torch.equal(out, F.rms_norm(x, w, backend="cpu"))
+    assert F.layer_norm(x, w, w, out=out, backend="cpu") is out
+    assert torch.equal(out, F.layer_norm(x, w, w, backend="cpu"))
+    with pytest.raises(ValueError, match=r"out has shape \(16, 32\).*expected \(16, 64\)"):
+        F.rms_norm(x, out=torch.empty(16, 32, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="out= does not support autograd"):
+        F.rms_norm(x.requires_grad_(), out=out)
+
+
+def test_cache_status_reports_every_kernel():
+    status = cpu.cache_status()
+    assert set(status["kernels"]) == {k.__name__ for k in cpu.KERNELS}
+    assert status["warm"] == all(status["kernels"].values())
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+class _Block(torch.nn.Module):
+    """A small decoder-style stack of normlab norms around linear layers."""
+
+    def __init__(self, d):
+        super().__init__()
+        import normlab
+
+        self.n1 = normlab.RMSNorm(d)
+        self.n2 = normlab.LayerNorm(d)
+        self.n3 = normlab.RMSNorm(d, cast="gemma", offset=1.0, partial=0.25)
+        self.f1 = torch.nn.Linear(d, d)
+        self.f2 = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        h = x + self.f1(self.n1(x))
+        y, h = F.add_rms_norm(self.f2(self.n2(h)), h, self.n1.weight)
+        y2, h = F.add_layer_norm(y, h, self.n2.weight, self.n2.bias)
+        return self.n3(h + y2)
+
+
+def test_compiled_stack_matches_eager_with_no_graph_break(gen):
+    torch.manual_seed(gen.initial_seed() % 2**31)
+    m = _Block(32)
+    x = torch.randn(2, 5, 32, generator=gen, requires_grad=True)
+    eager = m(x)
+    (gx_eager,) = torch.autograd.grad(eager.sum(), x)
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")  # fullgraph: a break is an error
+    out = compiled(x)
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    assert torch.allclose(out, eager, atol=1e-6) and torch.allclose(gx, gx_eager, atol=1e-6)
+    explain = torch._dynamo.explain(m)(x)
+    assert explain.graph_break_count == 0
+    ops = {str(n.target) for g in explain.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert any("normlab.cpu_rms_norm" in o for o in ops), ops
+
+
+# ---------------------------------------------------------------------- property-based tests
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    op=st.sampled_from(OPS),
+    dtype=st.sampled_from(DTYPES),
+    rows=st.integers(0, 9),
+    d=st.integers(1, 300),
+    partial=st.one_of(st.none(), st.floats(0.01, 1.0)),
+    eps_mode=st.sampled_from(["inside", "outside"]),
+    cast=st.sampled_from(["llama", "gemma"]),
+    weight=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_properties(op, dtype, rows, d, partial, eps_mode, cast, weight, seed):
+    gen = torch.Generator().manual_seed(seed)
+    opts = {"eps_mode": eps_mode, "cast": cast, "partial": partial} if "rms" in op else {}
+    check(gen, op, (rows, d), dtype, opts, weight=weight)
