@@ -66,6 +66,43 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from normlab import bench
+
+    backends = _csv(args.backends)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} groups"),
+                  TimeElapsedColumn(), console=console, disable=args.quiet) as progress:
+        records, notes = bench.run_bench(
+            ops=_csv(args.ops), backends=backends, dtypes=_csv(args.dtypes), shapes=_csv(args.shapes),
+            passes=_csv(args.passes), allocs=_csv(args.alloc), repeat=args.repeat, device=args.device, progress=progress,
+        )
+    env = bench.environment()
+    if args.json:
+        bench.write_json(args.json, records, env)
+    table = Table(title=f"normlab bench: {env['processor']}, {env['torch_threads']} threads, torch {env['torch']}")
+    for col in ("op", "pass", "alloc", "dtype", "shape", "backend", "ms", "GB/s", "x copy", "x normlab"):
+        table.add_column(col, justify="right" if col in ("ms", "GB/s", "x copy", "x normlab") else "left")
+    for r in bench.summary_rows(records):
+        style = "bold green" if r["backend"] == "normlab" else ("dim" if r["op"] == "copy" else None)
+        xn = "" if r["x_normlab"] is None else f"{r['x_normlab']:.2f}"
+        table.add_row(r["op"], r["pass"], r["alloc"], r["dtype"], r["shape"], r["backend"], f"{r['ms']:.3f}",
+                      f"{r['gbps']:.1f}", f"{r['frac_of_copy']:.2f}", xn, style=style)
+    console.print(table)
+    console.print("x copy: GB/s as a fraction of y.copy_(x) on the same tensor in the same run; "
+                  "x normlab: time / normlab's allocating call (> 1: normlab is faster)")
+    for note in notes:
+        console.print(f"[dim]{note}[/dim]")
+    if args.json:
+        console.print(f"records written to {args.json}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from normlab import __version__
 
@@ -77,7 +114,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("info", help="versions, and which backends run on this machine (and why not the others)")
     p.set_defaults(func=cmd_info)
+
+    from normlab import bench
+
+    p = sub.add_parser("bench", help="kernel speed in GB/s against a memory copy and against peers",
+                       description=(bench.__doc__ or "").split("\n\n")[0])
+    p.add_argument("--ops", default="rms_norm,layer_norm", help=f"comma-separated, from {','.join(bench.OPS)}")
+    p.add_argument("--backends", default="normlab,reference,torch,torch-module,hf,compile,liger,apex",
+                   help=f"comma-separated, from {','.join(bench.PEERS)} (peers that cannot run are skipped with a note)")
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated, from fp32,bf16,fp16")
+    p.add_argument("--shapes", default=",".join(bench.DEFAULT_SHAPES), help="comma-separated ROWSxHIDDEN")
+    p.add_argument("--passes", default="fwd,bwd", help="comma-separated, from fwd,bwd,fwdbwd")
+    p.add_argument("--alloc", default="alloc,prealloc", help="alloc (the call users make), prealloc (into out=)")
+    p.add_argument("--repeat", type=int, default=10, help="timed rounds per case (median reported)")
+    p.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu or cuda")
+    p.add_argument("--json", metavar="PATH", help="write one record per measurement to PATH")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_bench)
     return parser
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     try:
         return int(args.func(args, console) or 0)
+    except ValueError as err:  # bad option values: say what was wrong, no traceback
+        console.print(f"[red]error:[/red] {err}")
+        return 2
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/yellow]")
         return 130

@@ -75,11 +75,11 @@ def _bf16_bits_to_f32(b):
 @njit
 def _f32_to_bf16_bits(v):
     b = _f32_as_u32(v)
-    if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # nan: keep it a (quiet) nan
-        return np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
     # round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, then truncate
-    b = b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))
-    return np.uint16(b >> np.uint32(16))
+    rounded = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    # nan becomes the canonical quiet nan (as torch's conversion does). Written as a select on
+    # v == v: this form vectorizes (measured: other branch-free forms ran at half the speed).
+    return np.uint16(rounded if v == v else np.uint32(0x7FC0))
 
 
 def _load(a, i):  # pragma: no cover - replaced by the overload below
@@ -146,6 +146,118 @@ def _chunk(c, nchunks, n):
 
 
 # ------------------------------------------------------------------------------- row helpers
+# Row sums run in float32 over blocks of BLOCK elements (vectorized: LLVM keeps several float32
+# lanes) and add the block sums in float64: as fast as a plain float32 sum (a float64 sum ran at
+# half the speed and made the bf16 kernels compute-bound) and as accurate as a float64 one for
+# any row length.
+
+BLOCK = 256
+
+
+@njit
+def _mean(xr, n):
+    # Shifted by the row's first element: x - x0 is exact for values near each other (Sterbenz)
+    # and small, so float32 block sums stay accurate for rows with a large mean (1e4), where
+    # summing the raw values in float32 loses about an ulp of the mean.
+    x0 = _load(xr, 0)
+    total = 0.0
+    full = n - n % BLOCK
+    for j in range(0, full, BLOCK):
+        part = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            part += _load(xr, i) - x0
+        total += part
+    part = np.float32(0.0)
+    for i in range(full, n):
+        part += _load(xr, i) - x0
+    return np.float64(x0) + (total + part) / n
+
+
+@njit
+def _sumsq(xr, n):
+    total = 0.0
+    full = n - n % BLOCK
+    for j in range(0, full, BLOCK):
+        part = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            v = _load(xr, i)
+            part += v * v
+        total += part
+    part = np.float32(0.0)
+    for i in range(full, n):
+        v = _load(xr, i)
+        part += v * v
+    return total + part
+
+
+@njit
+def _centred(v, mhi, mlo):
+    # x - mean with the float64 mean split in two float32 parts: v - mhi is exact for v near the
+    # mean (Sterbenz), so rows with a large mean (1e4) keep their centred values to an ulp.
+    return (v - mhi) - mlo
+
+
+@njit
+def _sumsq_centred(xr, n, mhi, mlo):
+    total = 0.0
+    full = n - n % BLOCK
+    for j in range(0, full, BLOCK):
+        part = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            c = _centred(_load(xr, i), mhi, mlo)
+            part += c * c
+        total += part
+    part = np.float32(0.0)
+    for i in range(full, n):
+        c = _centred(_load(xr, i), mhi, mlo)
+        part += c * c
+    return total + part
+
+
+@njit
+def _dot_gx(dyr, w, xr, n):
+    """sum over the row of (dy * w) * x."""
+    total = 0.0
+    full = n - n % BLOCK
+    for j in range(0, full, BLOCK):
+        part = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            part += (_load(dyr, i) * w[i]) * _load(xr, i)
+        total += part
+    part = np.float32(0.0)
+    for i in range(full, n):
+        part += (_load(dyr, i) * w[i]) * _load(xr, i)
+    return total + part
+
+
+@njit
+def _dot_g_gxh(dyr, w, xr, n, mhi, mlo, rs):
+    """(sum of g, sum of g * xhat) with g = dy * w, xhat = (x - mean) * rstd."""
+    tg = 0.0
+    tgx = 0.0
+    full = n - n % BLOCK
+    for j in range(0, full, BLOCK):
+        pg = np.float32(0.0)
+        pgx = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            g = _load(dyr, i) * w[i]
+            pg += g
+            pgx += g * (_centred(_load(xr, i), mhi, mlo) * rs)
+        tg += pg
+        tgx += pgx
+    pg = np.float32(0.0)
+    pgx = np.float32(0.0)
+    for i in range(full, n):
+        g = _load(dyr, i) * w[i]
+        pg += g
+        pgx += g * (_centred(_load(xr, i), mhi, mlo) * rs)
+    return tg + pg, tgx + pgx
+
+
+@njit
+def _split(mean):
+    mhi = np.float32(mean)
+    return mhi, np.float32(mean - np.float64(mhi))
 
 
 @njit
@@ -157,11 +269,7 @@ def _add_row(xr, rr, sr):
 
 @njit
 def _rms_rstd(xr, k, eps, inside):
-    ss = 0.0
-    for i in range(k):
-        v = np.float64(_load(xr, i))
-        ss += v * v
-    ms = ss / k
+    ms = _sumsq(xr, k) / k
     if inside:
         return np.float32(1.0 / math.sqrt(ms + eps))
     return np.float32(1.0 / (math.sqrt(ms) + eps))
@@ -181,22 +289,17 @@ def _rms_out_row(xr, w, yr, rstd, llama):
 @njit
 def _ln_stats(xr):
     d = xr.shape[0]
-    s = 0.0
-    for i in range(d):
-        s += np.float64(_load(xr, i))
-    mean = s / d
-    q = 0.0
-    for i in range(d):  # second pass over a row in cache: no E[x^2] - E[x]^2 cancellation
-        c = np.float64(_load(xr, i)) - mean
-        q += c * c
-    return mean, q / d
+    mean = _mean(xr, d)
+    mhi, mlo = _split(mean)
+    # second pass over a row in cache: no E[x^2] - E[x]^2 cancellation
+    return mean, _sumsq_centred(xr, d, mhi, mlo) / d
 
 
 @njit
 def _ln_out_row(xr, w, b, yr, mean, rstd):
+    mhi, mlo = _split(mean)
     for i in range(yr.shape[0]):
-        xc = np.float32(np.float64(_load(xr, i)) - mean)  # centred in float64, rounded once
-        _store(yr, i, xc * rstd * w[i] + b[i])
+        _store(yr, i, _centred(_load(xr, i), mhi, mlo) * rstd * w[i] + b[i])
 
 
 # ----------------------------------------------------------------------------------- forward
@@ -253,79 +356,99 @@ def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, nchunks):
 
 
 # ---------------------------------------------------------------------------------- backward
-# ``ds`` is the gradient flowing into the residual sum (add variants); has_ds=False passes a
-# dummy. ``dw_part`` / ``db_part`` are (nchunks, d) float32, zeroed by the launcher.
+# ``ds`` is the gradient flowing into the residual sum (add variants) or None; numba compiles the
+# None case without the add. ``dw_part`` / ``db_part`` are (nchunks, d) float32, zeroed by the
+# launcher. Loop-invariant choices are hoisted out of the element loops so that those vectorize.
+
+
+@njit
+def _rms_dx_row(dyr, xr, w, dsr, dxr, rs, coef, k):
+    d = dxr.shape[0]
+    if dsr is None:
+        for i in range(k):
+            _store(dxr, i, rs * (_load(dyr, i) * w[i]) - coef * _load(xr, i))
+        for i in range(k, d):  # features outside the statistic: no term from d rstd
+            _store(dxr, i, rs * (_load(dyr, i) * w[i]))
+    else:
+        for i in range(k):
+            _store(dxr, i, rs * (_load(dyr, i) * w[i]) - coef * _load(xr, i) + _load(dsr, i))
+        for i in range(k, d):
+            _store(dxr, i, rs * (_load(dyr, i) * w[i]) + _load(dsr, i))
+
+
+@njit
+def _rms_dw_row(dyr, xr, rs, dwc, llama):
+    d = dwc.shape[0]
+    if llama:  # the weight multiplied xhat rounded to the output dtype
+        for i in range(d):
+            dwc[i] += _load(dyr, i) * _round_like(dyr, _load(xr, i) * rs)
+    else:
+        for i in range(d):
+            dwc[i] += _load(dyr, i) * (_load(xr, i) * rs)
 
 
 @njit(parallel=True, **JIT)
-def rms_bwd(dy, x, w, rstd, ds, dx, dw_part, has_ds, eps, inside, k, llama, nchunks):
+def rms_bwd(dy, x, w, rstd, ds, dx, dw_part, eps, inside, k, llama, nchunks):
     n, d = x.shape
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         dwc = dw_part[c]
         for r in range(r0, r1):
-            xr, dyr, dxr = x[r], dy[r], dx[r]
+            xr, dyr = x[r], dy[r]
             rs = rstd[r]
             # sum(g * x) runs over all d features (every one is scaled by rstd), the sum of
             # squares over the first k (only they enter rstd). DESIGN.md's pRMSNorm formula sums
             # g * x over i < k only, which is wrong for k < d.
-            gx = 0.0
-            ss = 0.0
-            for i in range(d):
-                xv = np.float64(_load(xr, i))
-                gx += np.float64(_load(dyr, i) * w[i]) * xv
-            for i in range(k):
-                xv = np.float64(_load(xr, i))
-                ss += xv * xv
+            gx = _dot_gx(dyr, w, xr, d)
             # d rstd / d ms: inside -rstd^3 / 2; outside -rstd^2 / (2 sqrt(ms))
             if inside:
                 coef = np.float64(rs) ** 3 * gx / k
             else:
-                rms = math.sqrt(ss / k)
+                rms = math.sqrt(_sumsq(xr, k) / k)
                 coef = (np.float64(rs) ** 2 / rms * gx / k) if rms > 0.0 else 0.0
-            coef32 = np.float32(coef)
-            for i in range(d):
-                xv = _load(xr, i)
-                dyv = _load(dyr, i)
-                g = dyv * w[i]
-                v = rs * g
-                if i < k:
-                    v -= coef32 * xv
-                if has_ds:
-                    v += _load(ds[r], i)
-                _store(dxr, i, v)
-                if llama:
-                    dwc[i] += dyv * _round_like(dyr, xv * rs)
-                else:
-                    dwc[i] += dyv * (xv * rs)
+            if ds is None:  # resolved when numba compiles (ds has NoneType or an array type)
+                _rms_dx_row(dyr, xr, w, None, dx[r], rs, np.float32(coef), k)
+            else:
+                _rms_dx_row(dyr, xr, w, ds[r], dx[r], rs, np.float32(coef), k)
+            _rms_dw_row(dyr, xr, rs, dwc, llama)
+
+
+@njit
+def _ln_dx_row(dyr, xr, w, dsr, dxr, mhi, mlo, rs, mg, mgx):
+    d = dxr.shape[0]
+    if dsr is None:
+        for i in range(d):
+            xh = _centred(_load(xr, i), mhi, mlo) * rs
+            _store(dxr, i, rs * (_load(dyr, i) * w[i] - mg - xh * mgx))
+    else:
+        for i in range(d):
+            xh = _centred(_load(xr, i), mhi, mlo) * rs
+            _store(dxr, i, rs * (_load(dyr, i) * w[i] - mg - xh * mgx) + _load(dsr, i))
+
+
+@njit
+def _ln_dwb_row(dyr, xr, mhi, mlo, rs, dwc, dbc):
+    for i in range(dwc.shape[0]):
+        dyv = _load(dyr, i)
+        dwc[i] += dyv * (_centred(_load(xr, i), mhi, mlo) * rs)
+        dbc[i] += dyv
 
 
 @njit(parallel=True, **JIT)
-def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw_part, db_part, has_ds, nchunks):
+def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw_part, db_part, nchunks):
     n, d = x.shape
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         dwc = dw_part[c]
         dbc = db_part[c]
         for r in range(r0, r1):
-            xr, dyr, dxr = x[r], dy[r], dx[r]
-            mu = mean[r]
+            xr, dyr = x[r], dy[r]
+            mhi, mlo = _split(mean[r])
             rs = rstd[r]
-            sg = 0.0
-            sgx = 0.0
-            for i in range(d):
-                xh = (np.float64(_load(xr, i)) - mu) * rs
-                g = np.float64(_load(dyr, i) * w[i])
-                sg += g
-                sgx += g * xh
-            mg = np.float32(sg / d)
-            mgx = np.float32(sgx / d)
-            for i in range(d):
-                dyv = _load(dyr, i)
-                xh = np.float32(np.float64(_load(xr, i)) - mu) * rs
-                v = rs * (dyv * w[i] - mg - xh * mgx)
-                if has_ds:
-                    v += _load(ds[r], i)
-                _store(dxr, i, v)
-                dwc[i] += dyv * xh
-                dbc[i] += dyv
+            sg, sgx = _dot_g_gxh(dyr, w, xr, d, mhi, mlo, rs)
+            mg, mgx = np.float32(sg / d), np.float32(sgx / d)
+            if ds is None:
+                _ln_dx_row(dyr, xr, w, None, dx[r], mhi, mlo, rs, mg, mgx)
+            else:
+                _ln_dx_row(dyr, xr, w, ds[r], dx[r], mhi, mlo, rs, mg, mgx)
+            _ln_dwb_row(dyr, xr, mhi, mlo, rs, dwc, dbc)

@@ -19,7 +19,10 @@ give bitwise-identical gradients.
 
 from __future__ import annotations
 
+import math
 import os
+import sys
+import threading
 import time
 
 import numba
@@ -49,17 +52,88 @@ def _as_numpy(t: Tensor) -> np.ndarray:
 
 _NP_STORAGE = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.int16, torch.float64: np.float64}
 
-# How outputs are allocated. torch.empty for a large tensor costs more than the kernel on this
-# kind of machine (every new page faults in the kernel's first touch); numpy's allocator asks for
-# transparent huge pages and recycles large blocks, which measured several times faster
-# (docs/results/cpu-allocation.md). NORMLAB_CPU_ALLOC=torch switches back.
-ALLOCATOR = os.environ.get("NORMLAB_CPU_ALLOC", "numpy")
+
+class BufferPool:
+    """Large output buffers, reused once nothing refers to them any more.
+
+    Why: allocating a fresh large tensor costs more than the kernel on this kind of machine.
+    The allocator hands back new pages, and each first touch faults in the kernel (glibc returns
+    large blocks to the OS on free, so every call faults again). Measured on 2 cores for a
+    32 MB output: prealloc 1.8 ms, torch.empty 10.6 ms, numpy's allocator (huge pages) 3.3 ms;
+    docs/results/cpu-allocation.md. This pool keeps the pages: a buffer goes back into use when
+    its reference count shows that no tensor, view or autograd graph holds it (the tensor
+    returned keeps its numpy view, and the view its buffer, alive). Buffers smaller than
+    ``min_bytes`` come from torch's allocator, which recycles small blocks itself.
+
+    ``max_bytes`` caps what the pool holds (in use or free); past it, outputs come from numpy's
+    allocator unpooled, and free buffers are dropped oldest first to make room.
+    """
+
+    def __init__(self, max_bytes: int, min_bytes: int = 1 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.min_bytes = min_bytes
+        self._buffers: dict[int, list[np.ndarray]] = {}
+        self._held = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _free(buffers: list[np.ndarray], i: int) -> bool:
+        # Two references when free: the pool's list and getrefcount's own argument. Any tensor,
+        # view or saved activation made from the buffer adds one.
+        return sys.getrefcount(buffers[i]) == 2
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            buffers = self._buffers.setdefault(nbytes, [])
+            for i in range(len(buffers)):
+                if self._free(buffers, i):
+                    return buffers[i][:]  # a view: holding it holds the buffer
+            if self._held + nbytes > self.max_bytes:
+                self._evict(self._held + nbytes - self.max_bytes)
+            if self._held + nbytes > self.max_bytes:
+                return np.empty(nbytes, np.uint8)  # over the cap: not pooled
+            buffers.append(np.empty(nbytes, np.uint8))
+            self._held += nbytes
+            return buffers[-1][:]
+
+    def _evict(self, need: int) -> None:
+        for size, buffers in self._buffers.items():
+            i = 0
+            while i < len(buffers) and need > 0:
+                if self._free(buffers, i):
+                    del buffers[i]
+                    need -= size
+                    self._held -= size
+                else:
+                    i += 1
+
+    def clear(self) -> None:
+        """Drop every free buffer."""
+        with self._lock:
+            self._evict(self._held)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            in_use = sum(not self._free(b, i) for b in self._buffers.values() for i in range(len(b)))
+            count = sum(len(b) for b in self._buffers.values())
+            return {"buffers": count, "held_bytes": self._held, "in_use": in_use}
+
+
+# How outputs are allocated: "pool" (default, above), "numpy" (numpy's allocator, unpooled) or
+# "torch" (torch.empty). NORMLAB_CPU_ALLOC picks one; NORMLAB_CPU_POOL_MB caps the pool.
+ALLOCATOR = os.environ.get("NORMLAB_CPU_ALLOC", "pool")
+POOL = BufferPool(int(os.environ.get("NORMLAB_CPU_POOL_MB", "1024")) << 20)
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    if ALLOCATOR == "torch":
+    nbytes = math.prod(shape) * (torch.finfo(dtype).bits // 8)
+    if ALLOCATOR == "torch" or nbytes < POOL.min_bytes:
         return torch.empty(shape, dtype=dtype)
-    buf = torch.from_numpy(np.empty(shape, dtype=_NP_STORAGE[dtype]))
+    if ALLOCATOR == "pool":
+        raw = POOL.take(nbytes)
+    else:
+        raw = np.empty(nbytes, np.uint8)
+    buf = torch.from_numpy(raw.view(_NP_STORAGE[dtype]).reshape(shape))
     return buf if buf.dtype == dtype else buf.view(dtype)
 
 
@@ -132,10 +206,10 @@ def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k):
     dw_part = np.zeros((chunks, d), np.float32)
     if n:
         w = _rms_weight(weight, d, dy.dtype, llama, offset)
-        ds2 = _as_numpy(_rows(ds)) if ds is not None else _as_numpy(dx.view(n, d))[:0]
+        ds2 = _as_numpy(_rows(ds)) if ds is not None else None
         K.rms_bwd(
             _as_numpy(dy2), _as_numpy(x2), w, rstd.contiguous().view(n).numpy(), ds2, _as_numpy(dx.view(n, d)),
-            dw_part, ds is not None, eps, inside, k, llama, chunks,
+            dw_part, eps, inside, k, llama, chunks,
         )
     return dx, torch.from_numpy(_sum_chunks(dw_part))
 
@@ -175,10 +249,10 @@ def ln_bwd_launch(dy, x, weight, mean, rstd, ds):
     db_part = np.zeros((chunks, d), np.float32)
     if n:
         w, _ = _ln_weights(weight, None, d)
-        ds2 = _as_numpy(_rows(ds)) if ds is not None else _as_numpy(dx.view(n, d))[:0]
+        ds2 = _as_numpy(_rows(ds)) if ds is not None else None
         K.ln_bwd(
             _as_numpy(dy2), _as_numpy(x2), w, mean.contiguous().view(n).numpy(), rstd.contiguous().view(n).numpy(),
-            ds2, _as_numpy(dx.view(n, d)), dw_part, db_part, ds is not None, chunks,
+            ds2, _as_numpy(dx.view(n, d)), dw_part, db_part, chunks,
         )
     return dx, torch.from_numpy(_sum_chunks(dw_part)), torch.from_numpy(_sum_chunks(db_part))
 

@@ -1,0 +1,403 @@
+"""``normlab bench``: kernel speed against the memory-bandwidth ceiling and against peers.
+
+Norms are memory-bound, so every result is reported as GB/s over the bytes the op must move
+(forward: read x, write y; backward: read x and dy, write dx; the add variants also read the
+residual and write the sum, or read the sum's gradient) and as a fraction of a copy of the same
+tensor measured in the same run (``y.copy_(x)`` into a preallocated ``y``).
+
+How it measures: cases that share a dtype and shape form a group with one pool of inputs,
+rotated so that the inputs of consecutive calls do not sit in the last-level cache. Within a
+group the cases run round-robin, one call each per round, with the copy among them, and each
+case reports its median: a machine whose bandwidth drifts (a shared host) shifts every case of a
+round alike instead of favouring whichever ran in a quiet moment. Warm-up calls (and any
+compilation) come first and are not timed.
+
+Peers: torch eager (``torch``: F.rms_norm / F.layer_norm; ``torch-module``: nn.RMSNorm /
+nn.LayerNorm), Hugging Face's LlamaRMSNorm math written out (``hf``), torch.compile of the
+reference (``compile``), normlab's own reference (``reference``), and Liger-Kernel / apex when
+they are importable (CUDA only).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as TF
+
+from normlab import functional as F
+from normlab import reference
+
+OPS = ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "prms_norm")
+PASSES = ("fwd", "bwd", "fwdbwd")
+ALLOCS = ("alloc", "prealloc")
+PEERS = ("normlab", "reference", "torch", "torch-module", "hf", "compile", "liger", "apex")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_SHAPES = ("8192x1024", "4096x4096", "1024x16384")
+EPS = 1e-6
+PARTIAL = 0.0625
+
+# Inputs rotate over at least this many bytes, four times a 32 MiB last-level cache.
+ROTATE_BYTES = 128 << 20
+
+
+@dataclass
+class Peer:
+    """A way to run an op: ``fn(x, residual)`` returns the output(s); ``params`` are the weight
+    tensors it differentiates; ``out_fn(x, residual, out)`` writes into ``out`` (prealloc)."""
+
+    fn: Callable
+    params: list[torch.Tensor]
+    out_fn: Callable | None = None
+
+
+@dataclass
+class Case:
+    op: str
+    backend: str
+    dtype: str
+    shape: str
+    pass_: str
+    alloc: str
+    nbytes: int
+    run: Callable[[int], object] = field(repr=False)
+    times: list[float] = field(default_factory=list, repr=False)
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(p) for p in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) < 2 or any(s < 1 for s in shape):
+        raise ValueError(f"shape must look like ROWSxHIDDEN (e.g. 8192x1024), got {text!r}")
+    return shape
+
+
+def _is_add(op: str) -> bool:
+    return op.startswith("add_")
+
+
+def _norm_kind(op: str) -> str:
+    return "layer" if "layer" in op else "rms"
+
+
+def moved_bytes(op: str, pass_: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes the op must move: the floor a memory-bound kernel is measured against."""
+    n = math.prod(shape)
+    e = torch.finfo(dtype).bits // 8
+    d = shape[-1]
+    params = (2 if _norm_kind(op) == "layer" else 1) * d * e
+    fwd = (4 if _is_add(op) else 2) * n * e + params
+    bwd = (4 if _is_add(op) else 3) * n * e + 2 * params  # read weights, write their grads
+    return {"fwd": fwd, "bwd": bwd, "fwdbwd": fwd + bwd}[pass_]
+
+
+# ------------------------------------------------------------------------------------ peers
+
+
+def _weights(op: str, d: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    w = torch.ones(d, dtype=dtype, device=device, requires_grad=True)
+    if _norm_kind(op) == "layer":
+        return [w, torch.zeros(d, dtype=dtype, device=device, requires_grad=True)]
+    return [w]
+
+
+def _reference_call(op: str, backend: str | None) -> Callable:
+    """The op through normlab's functional API on ``backend`` (None: auto)."""
+
+    def call(x, r, w, b=None):
+        if op == "rms_norm":
+            return F.rms_norm(x, w, EPS, backend=backend)
+        if op == "prms_norm":
+            return F.rms_norm(x, w, EPS, partial=PARTIAL, backend=backend)
+        if op == "layer_norm":
+            return F.layer_norm(x, w, b, EPS, backend=backend)
+        if op == "add_rms_norm":
+            return F.add_rms_norm(x, r, w, EPS, backend=backend)
+        return F.add_layer_norm(x, r, w, b, EPS, backend=backend)
+
+    return call
+
+
+def _hf_llama_rms(x, w):
+    # transformers' LlamaRMSNorm.forward, written out
+    hs = x.to(torch.float32)
+    variance = hs.pow(2).mean(-1, keepdim=True)
+    hs = hs * torch.rsqrt(variance + EPS)
+    return w * hs.to(x.dtype)
+
+
+def make_peer(name: str, op: str, d: int, dtype: torch.dtype, device: torch.device) -> Peer | str:
+    """The peer, or a string saying why it cannot run this op here."""
+    params = _weights(op, d, dtype, device)
+    add = _is_add(op)
+    if name in ("normlab", "reference"):
+        call = _reference_call(op, None if name == "normlab" else "reference")
+        out_fn = None
+        if name == "normlab" and not add:
+            def out_fn(x, r, out):
+                with torch.no_grad():
+                    if op == "layer_norm":
+                        return F.layer_norm(x, params[0], params[1], EPS, out=out)
+                    return F.rms_norm(x, params[0], EPS, partial=PARTIAL if op == "prms_norm" else None, out=out)
+        return Peer(lambda x, r: call(x, r, *params), params, out_fn)
+    if name == "compile":
+        call = torch.compile(_reference_call(op, "reference"))
+        return Peer(lambda x, r: call(x, r, *params), params)
+    if op == "prms_norm":
+        return "no partial RMSNorm"
+    if name == "torch":
+        if _norm_kind(op) == "rms":
+            norm = lambda s: TF.rms_norm(s, (d,), params[0], EPS)  # noqa: E731
+        else:
+            norm = lambda s: TF.layer_norm(s, (d,), params[0], params[1], EPS)  # noqa: E731
+    elif name == "torch-module":
+        module = (torch.nn.RMSNorm(d, eps=EPS) if _norm_kind(op) == "rms" else torch.nn.LayerNorm(d, eps=EPS)).to(device, dtype)
+        params = list(module.parameters())
+        norm = module
+    elif name == "hf":
+        if _norm_kind(op) != "rms":
+            return "HF's LayerNorm is nn.LayerNorm (see torch-module)"
+        norm = lambda s: _hf_llama_rms(s, params[0])  # noqa: E731
+    elif name == "liger":
+        if device.type != "cuda":
+            return "Liger-Kernel runs on CUDA only"
+        try:
+            from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm
+        except ImportError:
+            return "liger-kernel is not installed"
+        module = (LigerRMSNorm(d, eps=EPS) if _norm_kind(op) == "rms" else LigerLayerNorm(d, eps=EPS)).to(device, dtype)
+        params = list(module.parameters())
+        norm = module
+    elif name == "apex":
+        if device.type != "cuda":
+            return "apex runs on CUDA only"
+        try:
+            from apex.normalization import FusedLayerNorm, FusedRMSNorm
+        except ImportError:
+            return "apex is not installed"
+        module = (FusedRMSNorm(d, eps=EPS) if _norm_kind(op) == "rms" else FusedLayerNorm(d, eps=EPS)).to(device, dtype)
+        params = list(module.parameters())
+        norm = module
+    else:
+        raise ValueError(f"unknown backend {name!r}; choose from {', '.join(PEERS)}")
+    if add:
+        def fn(x, r):
+            s = x + r
+            return norm(s), s
+        return Peer(fn, params)
+    return Peer(lambda x, r: norm(x), params)
+
+
+# ---------------------------------------------------------------------------------- groups
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rotation(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    nbytes = math.prod(shape) * (torch.finfo(dtype).bits // 8)
+    return max(2, min(8, math.ceil(ROTATE_BYTES / nbytes)))
+
+
+def _build_group(ops, peers, passes, allocs, dtype_name, shape, device, gen) -> tuple[list[Case], list[str]]:
+    """The cases for one (dtype, shape) group, plus notes on peers that cannot run."""
+    dtype = DTYPES[dtype_name]
+    d = shape[-1]
+    k = _rotation(shape, dtype)
+
+    def rand():
+        return [torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype) for _ in range(k)]
+
+    xs, rs, dys, dss = rand(), rand(), rand(), rand()
+    shape_s = "x".join(map(str, shape))
+    out = torch.empty(shape, dtype=dtype, device=device)
+    copy_bytes = 2 * math.prod(shape) * (torch.finfo(dtype).bits // 8)
+    cases = [Case("copy", "torch", dtype_name, shape_s, "copy", "prealloc", copy_bytes, lambda i: out.copy_(xs[i % k]))]
+    notes = []
+    for op in ops:
+        for name in peers:
+            peer = make_peer(name, op, d, dtype, device)
+            if isinstance(peer, str):
+                notes.append(f"{name} skipped for {op}: {peer}")
+                continue
+            for pass_ in passes:
+                nbytes = moved_bytes(op, pass_, shape, dtype)
+                if pass_ == "fwd":
+                    for alloc in allocs:
+                        if alloc == "prealloc" and peer.out_fn is None:
+                            continue
+                        cases.append(Case(op, name, dtype_name, shape_s, pass_, alloc, nbytes, _fwd_runner(peer, alloc, xs, rs, out)))
+                else:
+                    cases.append(Case(op, name, dtype_name, shape_s, pass_, "alloc", nbytes, _bwd_runner(peer, pass_, xs, rs, dys, dss)))
+    return cases, notes
+
+
+def _fwd_runner(peer: Peer, alloc: str, xs, rs, out):
+    k = len(xs)
+    if alloc == "prealloc":
+        return lambda i: peer.out_fn(xs[i % k], rs[i % k], out)
+
+    def run(i):
+        with torch.no_grad():
+            return peer.fn(xs[i % k], rs[i % k])
+
+    return run
+
+
+def _bwd_runner(peer: Peer, pass_: str, xs, rs, dys, dss):
+    k = len(xs)
+    leaves = [(x.detach().clone().requires_grad_(), r.detach().clone().requires_grad_()) for x, r in zip(xs, rs)]
+    graphs: dict[int, tuple] = {}
+
+    def forward(j):
+        x, r = leaves[j]
+        outs = peer.fn(x, r)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        grads = (dys[j], dss[j])[: len(outs)]
+        inputs = [x, r] if len(outs) == 2 else [x]
+        return outs, grads, inputs + peer.params
+
+    def run(i):
+        j = i % k
+        if pass_ == "fwdbwd":
+            outs, grads, inputs = forward(j)
+            return torch.autograd.grad(outs, inputs, grads)
+        if j not in graphs:  # built on the first (warm-up) calls, then reused: times the backward only
+            graphs[j] = forward(j)
+        outs, grads, inputs = graphs[j]
+        return torch.autograd.grad(outs, inputs, grads, retain_graph=True)
+
+    return run
+
+
+# ------------------------------------------------------------------------------------- run
+
+
+def run_bench(
+    *,
+    ops=("rms_norm", "layer_norm"),
+    backends=("normlab", "reference", "torch", "torch-module", "hf", "compile", "liger", "apex"),
+    dtypes=("fp32", "bf16"),
+    shapes=DEFAULT_SHAPES,
+    passes=("fwd", "bwd"),
+    allocs=ALLOCS,
+    repeat: int = 10,
+    warmup: int = 2,
+    device: str = "cpu",
+    progress=None,
+    seed: int = 0,
+) -> tuple[list[dict], list[str]]:
+    """Measure every (op, backend, dtype, shape, pass, alloc) case; returns (records, notes)."""
+    for value, valid, what in ((ops, OPS, "op"), (backends, PEERS, "backend"), (dtypes, tuple(DTYPES), "dtype"),
+                               (passes, PASSES, "pass"), (allocs, ALLOCS, "alloc")):
+        bad = [v for v in value if v not in valid]
+        if bad:
+            raise ValueError(f"unknown {what} {', '.join(map(repr, bad))}; choose from {', '.join(valid)}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but torch sees no CUDA device")
+    parsed = [parse_shape(s) for s in shapes]
+    gen = torch.Generator().manual_seed(seed)
+    records: list[dict] = []
+    notes: list[str] = []
+    groups = [(dt, sh) for dt in dtypes for sh in parsed]
+    task = progress.add_task("bench", total=len(groups)) if progress else None
+    for dt, sh in groups:
+        if progress:
+            progress.update(task, description=f"{dt} {'x'.join(map(str, sh))}")
+        cases, group_notes = _build_group(ops, backends, passes, allocs, dt, sh, dev, gen)
+        notes.extend(n for n in group_notes if n not in notes)
+        for case in cases:  # warm-up, compilation included
+            for i in range(warmup):
+                case.run(i)
+        _sync(dev)
+        for i in range(repeat):
+            for case in cases:
+                _sync(dev)
+                t0 = time.perf_counter()
+                case.run(warmup + i)
+                _sync(dev)
+                case.times.append(time.perf_counter() - t0)
+        records.extend(_records(cases, dev))
+        del cases
+        if progress:
+            progress.advance(task)
+    return records, notes
+
+
+def _records(cases: list[Case], device: torch.device) -> list[dict]:
+    copy = cases[0]
+    copy_gbps = copy.nbytes / statistics.median(copy.times) / 1e9
+    out = []
+    for c in cases:
+        ms = statistics.median(c.times) * 1e3
+        gbps = c.nbytes / (ms / 1e3) / 1e9
+        out.append({
+            "op": c.op, "backend": c.backend, "dtype": c.dtype, "shape": c.shape, "pass": c.pass_, "alloc": c.alloc,
+            "ms": round(ms, 4), "gbps": round(gbps, 2), "frac_of_copy": round(gbps / copy_gbps, 3),
+            "bytes": c.nbytes, "runs": len(c.times), "device": str(device),
+        })
+    return out
+
+
+def environment() -> dict:
+    """Machine and versions, recorded with every result."""
+    import normlab
+
+    env = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": platform.machine(), "processor": _cpu_name(), "cpus": __import__("os").cpu_count(),
+        "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+        "torch": torch.__version__, "normlab": normlab.__version__,
+    }
+    for mod in ("numba", "triton", "liger_kernel"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except ImportError:
+            pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import subprocess
+
+        env["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except Exception:
+        pass
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def write_json(path: str, records: list[dict], env: dict) -> None:
+    with open(path, "w") as f:
+        json.dump({"environment": env, "records": records}, f, indent=1)
+
+
+def summary_rows(records: list[dict]) -> list[dict]:
+    """Records with ``x_normlab``: how many times longer the case took than normlab's
+    allocating call of the same op, dtype, shape and pass."""
+    ours = {(r["op"], r["dtype"], r["shape"], r["pass"]): r["ms"] for r in records if r["backend"] == "normlab" and r["alloc"] == "alloc"}
+    rows = []
+    for r in records:
+        base = ours.get((r["op"], r["dtype"], r["shape"], r["pass"]))
+        rows.append({**r, "x_normlab": round(r["ms"] / base, 2) if base else None})
+    return rows
+
