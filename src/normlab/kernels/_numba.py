@@ -94,29 +94,39 @@ def _round_like(a, v):  # pragma: no cover
     raise NotImplementedError
 
 
+# Indices go through np.uint64: numba wraps negative signed indices around (i += n when i < 0),
+# which makes the address non-affine and turned the blocked loops into AVX-512 gathers and
+# scatters at a fraction of the speed. An unsigned index has no wraparound.
+
+
 @overload(_load)
 def _ov_load(a, i):
     if a.dtype == types.float32:
-        return lambda a, i: a[i]
+        return lambda a, i: a[np.uint64(i)]
     if a.dtype == types.uint16:
-        return lambda a, i: _bf16_bits_to_f32(a[i])
+        return lambda a, i: _bf16_bits_to_f32(a[np.uint64(i)])
     if a.dtype == types.int16:
-        return lambda a, i: _f16_bits_to_f32(a[i])
+        return lambda a, i: _f16_bits_to_f32(a[np.uint64(i)])
 
 
 @njit
 def _store_f32(a, i, v):
-    a[i] = v
+    a[np.uint64(i)] = v
 
 
 @njit
 def _store_bf16(a, i, v):
-    a[i] = _f32_to_bf16_bits(v)
+    a[np.uint64(i)] = _f32_to_bf16_bits(v)
 
 
 @njit
 def _store_f16(a, i, v):
-    a[i] = _f32_to_f16_bits(v)
+    a[np.uint64(i)] = _f32_to_f16_bits(v)
+
+
+@njit
+def _accumulate(a, i, v):
+    a[np.uint64(i)] += v
 
 
 @overload(_store)
@@ -150,27 +160,18 @@ def _chunk(c, nchunks, n):
 # lanes) and add the block sums in float64: as fast as a plain float32 sum (a float64 sum ran at
 # half the speed and made the bf16 kernels compute-bound) and as accurate as a float64 one for
 # any row length.
+#
+# Software pipelining: rows are contiguous, so x is one long stream. A two-pass kernel (sum the
+# row, then write it) lets that stream idle while it writes from cache, and measured at about
+# two thirds of copy speed. So each kernel reduces row r + 1, streaming it from memory, in the
+# same loop that writes row r from cache: the ``*_next`` helpers below take the next row
+# (``None`` for the last row of a chunk; numba compiles that case without the reduction).
+#
+# ``rnd`` is a 1-element array whose dtype says where the normalized value is rounded before the
+# weight multiply: the output dtype for the llama cast order, float32 (no rounding) for gemma.
+# Making it a type keeps the choice out of the element loops.
 
 BLOCK = 256
-
-
-@njit
-def _mean(xr, n):
-    # Shifted by the row's first element: x - x0 is exact for values near each other (Sterbenz)
-    # and small, so float32 block sums stay accurate for rows with a large mean (1e4), where
-    # summing the raw values in float32 loses about an ulp of the mean.
-    x0 = _load(xr, 0)
-    total = 0.0
-    full = n - n % BLOCK
-    for j in range(0, full, BLOCK):
-        part = np.float32(0.0)
-        for i in range(j, j + BLOCK):
-            part += _load(xr, i) - x0
-        total += part
-    part = np.float32(0.0)
-    for i in range(full, n):
-        part += _load(xr, i) - x0
-    return np.float64(x0) + (total + part) / n
 
 
 @njit
@@ -198,7 +199,34 @@ def _centred(v, mhi, mlo):
 
 
 @njit
-def _sumsq_centred(xr, n, mhi, mlo):
+def _split(mean):
+    mhi = np.float32(mean)
+    return mhi, np.float32(mean - np.float64(mhi))
+
+
+@njit
+def _shifted_mean(xr, n):
+    # Shifted by the row's first element: x - x0 is exact for values near each other (Sterbenz)
+    # and small, so float32 block sums stay accurate for rows with a large mean (1e4), where
+    # summing the raw values in float32 loses about an ulp of the mean.
+    x0 = _load(xr, 0)
+    total = 0.0
+    full = n - n % BLOCK
+    for j in range(0, full, BLOCK):
+        part = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            part += _load(xr, i) - x0
+        total += part
+    part = np.float32(0.0)
+    for i in range(full, n):
+        part += _load(xr, i) - x0
+    return np.float64(x0) + (total + part) / n
+
+
+@njit
+def _variance(xr, n, mean):
+    """Second pass over a row in cache: mean((x - mean)^2), no E[x^2] - E[x]^2 cancellation."""
+    mhi, mlo = _split(mean)
     total = 0.0
     full = n - n % BLOCK
     for j in range(0, full, BLOCK):
@@ -211,227 +239,401 @@ def _sumsq_centred(xr, n, mhi, mlo):
     for i in range(full, n):
         c = _centred(_load(xr, i), mhi, mlo)
         part += c * c
-    return total + part
+    return (total + part) / n
 
 
 @njit
-def _dot_gx(dyr, w, xr, n):
-    """sum over the row of (dy * w) * x."""
+def _add_sumsq(xr, rr, sr, k):
+    """sr = xr + rr (rounded to sr's dtype, torch's semantics); returns the sum of squares of
+    the stored sr[:k]."""
     total = 0.0
-    full = n - n % BLOCK
+    full = k - k % BLOCK
     for j in range(0, full, BLOCK):
         part = np.float32(0.0)
         for i in range(j, j + BLOCK):
-            part += (_load(dyr, i) * w[i]) * _load(xr, i)
+            v = _round_like(sr, _load(xr, i) + _load(rr, i))
+            _store(sr, i, v)
+            part += v * v
         total += part
     part = np.float32(0.0)
-    for i in range(full, n):
-        part += (_load(dyr, i) * w[i]) * _load(xr, i)
+    for i in range(full, sr.shape[0]):
+        v = _round_like(sr, _load(xr, i) + _load(rr, i))
+        _store(sr, i, v)
+        if i < k:
+            part += v * v
     return total + part
 
 
 @njit
-def _dot_g_gxh(dyr, w, xr, n, mhi, mlo, rs):
-    """(sum of g, sum of g * xhat) with g = dy * w, xhat = (x - mean) * rstd."""
-    tg = 0.0
-    tgx = 0.0
-    full = n - n % BLOCK
-    for j in range(0, full, BLOCK):
-        pg = np.float32(0.0)
-        pgx = np.float32(0.0)
-        for i in range(j, j + BLOCK):
-            g = _load(dyr, i) * w[i]
-            pg += g
-            pgx += g * (_centred(_load(xr, i), mhi, mlo) * rs)
-        tg += pg
-        tgx += pgx
-    pg = np.float32(0.0)
-    pgx = np.float32(0.0)
-    for i in range(full, n):
-        g = _load(dyr, i) * w[i]
-        pg += g
-        pgx += g * (_centred(_load(xr, i), mhi, mlo) * rs)
-    return tg + pg, tgx + pgx
-
-
-@njit
-def _split(mean):
-    mhi = np.float32(mean)
-    return mhi, np.float32(mean - np.float64(mhi))
-
-
-@njit
-def _add_row(xr, rr, sr):
-    """sr = xr + rr in sr's dtype (float32 add, rounded once on store: torch's semantics)."""
-    for i in range(sr.shape[0]):
-        _store(sr, i, _load(xr, i) + _load(rr, i))
-
-
-@njit
-def _rms_rstd(xr, k, eps, inside):
-    ms = _sumsq(xr, k) / k
+def _rms_scale(ss, k, eps, inside):
+    ms = ss / k
     if inside:
         return np.float32(1.0 / math.sqrt(ms + eps))
     return np.float32(1.0 / (math.sqrt(ms) + eps))
 
 
 @njit
-def _rms_out_row(xr, w, yr, rstd, llama):
+def _rms_y(xr, w, yr, rs, rnd, i):
+    _store(yr, i, _round_like(rnd, _load(xr, i) * rs) * _load(w, i))
+
+
+@njit
+def _rms_write_next(xr, w, yr, rs, rnd, k, xn):
+    """Write yr = norm(xr); meanwhile return the sum of squares of xn[:k] (0 if xn is None)."""
     d = yr.shape[0]
-    if llama:  # normalize in fp32, round to the output dtype, then multiply by the weight
+    if xn is None:
         for i in range(d):
-            _store(yr, i, _round_like(yr, _load(xr, i) * rstd) * w[i])
-    else:  # multiply in fp32, round once on store
-        for i in range(d):
-            _store(yr, i, _load(xr, i) * rstd * w[i])
+            _rms_y(xr, w, yr, rs, rnd, i)
+        return 0.0
+    total = 0.0
+    full = k - k % BLOCK
+    for j in range(0, full, BLOCK):
+        part = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            v = _load(xn, i)
+            part += v * v
+            _rms_y(xr, w, yr, rs, rnd, i)
+        total += part
+    part = np.float32(0.0)
+    for i in range(full, k):
+        v = _load(xn, i)
+        part += v * v
+        _rms_y(xr, w, yr, rs, rnd, i)
+    for i in range(k, d):
+        _rms_y(xr, w, yr, rs, rnd, i)
+    return total + part
 
 
 @njit
-def _ln_stats(xr):
-    d = xr.shape[0]
-    mean = _mean(xr, d)
-    mhi, mlo = _split(mean)
-    # second pass over a row in cache: no E[x^2] - E[x]^2 cancellation
-    return mean, _sumsq_centred(xr, d, mhi, mlo) / d
+def _add_rms_write_next(sr, w, yr, rs, rnd, k, xn, rn, sn):
+    """Write yr = norm(sr); meanwhile form the next sum sn = xn + rn and return its sum of
+    squares over [:k] (0 if xn is None)."""
+    d = yr.shape[0]
+    if xn is None:
+        for i in range(d):
+            _rms_y(sr, w, yr, rs, rnd, i)
+        return 0.0
+    total = 0.0
+    full = k - k % BLOCK
+    for j in range(0, full, BLOCK):
+        part = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            v = _round_like(sn, _load(xn, i) + _load(rn, i))
+            _store(sn, i, v)
+            part += v * v
+            _rms_y(sr, w, yr, rs, rnd, i)
+        total += part
+    part = np.float32(0.0)
+    for i in range(full, k):
+        v = _round_like(sn, _load(xn, i) + _load(rn, i))
+        _store(sn, i, v)
+        part += v * v
+        _rms_y(sr, w, yr, rs, rnd, i)
+    for i in range(k, d):
+        _store(sn, i, _load(xn, i) + _load(rn, i))
+        _rms_y(sr, w, yr, rs, rnd, i)
+    return total + part
 
 
 @njit
-def _ln_out_row(xr, w, b, yr, mean, rstd):
+def _ln_y(xr, w, b, yr, mhi, mlo, rs, i):
+    _store(yr, i, _centred(_load(xr, i), mhi, mlo) * rs * _load(w, i) + _load(b, i))
+
+
+@njit
+def _next_value(xn, rn, sn, i):
+    """Element i of the next row: x, or the sum x + r rounded to and stored in sn."""
+    if rn is None:
+        return _load(xn, i)
+    v = _round_like(sn, _load(xn, i) + _load(rn, i))
+    _store(sn, i, v)
+    return v
+
+
+@njit
+def _ln_write_next(xr, w, b, yr, mean, rs, xn, rn, sn):
+    """Write yr = layer_norm(xr). Meanwhile stream the next row (forming sn = xn + rn first when
+    rn is given) and return its mean, shifted by its first element (see _shifted_mean)."""
+    d = yr.shape[0]
     mhi, mlo = _split(mean)
-    for i in range(yr.shape[0]):
-        _store(yr, i, _centred(_load(xr, i), mhi, mlo) * rstd * w[i] + b[i])
+    if xn is None:
+        for i in range(d):
+            _ln_y(xr, w, b, yr, mhi, mlo, rs, i)
+        return 0.0
+    x0 = _next_value(xn, rn, sn, 0)
+    total = 0.0
+    full = d - d % BLOCK
+    for j in range(0, full, BLOCK):
+        part = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            part += _next_value(xn, rn, sn, i) - x0
+            _ln_y(xr, w, b, yr, mhi, mlo, rs, i)
+        total += part
+    part = np.float32(0.0)
+    for i in range(full, d):
+        part += _next_value(xn, rn, sn, i) - x0
+        _ln_y(xr, w, b, yr, mhi, mlo, rs, i)
+    return np.float64(x0) + (total + part) / d
 
 
 # ----------------------------------------------------------------------------------- forward
 
 
 @njit(parallel=True, **JIT)
-def rms_fwd(x, w, y, rstd, eps, inside, k, llama, nchunks):
+def rms_fwd(x, w, y, rstd, eps, inside, k, rnd, nchunks):
     n = x.shape[0]
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
-        for r in range(r0, r1):
-            rs = _rms_rstd(x[r], k, eps, inside)
-            rstd[r] = rs
-            _rms_out_row(x[r], w, y[r], rs, llama)
+        if r1 > r0:
+            ss = _sumsq(x[r0], k)
+            for r in range(r0, r1):
+                rs = _rms_scale(ss, k, eps, inside)
+                rstd[r] = rs
+                if r + 1 < r1:
+                    ss = _rms_write_next(x[r], w, y[r], rs, rnd, k, x[r + 1])
+                else:
+                    _rms_write_next(x[r], w, y[r], rs, rnd, k, None)
 
 
 @njit(parallel=True, **JIT)
-def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, llama, nchunks):
+def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, rnd, nchunks):
     n = x.shape[0]
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
-        for r in range(r0, r1):
-            _add_row(x[r], res[r], s[r])
-            rs = _rms_rstd(s[r], k, eps, inside)
-            rstd[r] = rs
-            _rms_out_row(s[r], w, y[r], rs, llama)
+        if r1 > r0:
+            ss = _add_sumsq(x[r0], res[r0], s[r0], k)
+            for r in range(r0, r1):
+                rs = _rms_scale(ss, k, eps, inside)
+                rstd[r] = rs
+                if r + 1 < r1:
+                    ss = _add_rms_write_next(s[r], w, y[r], rs, rnd, k, x[r + 1], res[r + 1], s[r + 1])
+                else:
+                    _add_rms_write_next(s[r], w, y[r], rs, rnd, k, None, None, None)
 
 
 @njit(parallel=True, **JIT)
 def ln_fwd(x, w, b, y, mean, rstd, eps, nchunks):
-    n = x.shape[0]
+    n, d = x.shape
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
-        for r in range(r0, r1):
-            mu, var = _ln_stats(x[r])
-            rs = np.float32(1.0 / math.sqrt(var + eps))
-            mean[r] = mu
-            rstd[r] = rs
-            _ln_out_row(x[r], w, b, y[r], mu, rs)
+        if r1 > r0:
+            mu = _shifted_mean(x[r0], d)
+            for r in range(r0, r1):
+                rs = np.float32(1.0 / math.sqrt(_variance(x[r], d, mu) + eps))
+                mean[r] = mu
+                rstd[r] = rs
+                if r + 1 < r1:
+                    mu = _ln_write_next(x[r], w, b, y[r], mu, rs, x[r + 1], None, None)
+                else:
+                    _ln_write_next(x[r], w, b, y[r], mu, rs, None, None, None)
 
 
 @njit(parallel=True, **JIT)
 def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, nchunks):
-    n = x.shape[0]
+    n, d = x.shape
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
-        for r in range(r0, r1):
-            _add_row(x[r], res[r], s[r])
-            mu, var = _ln_stats(s[r])
-            rs = np.float32(1.0 / math.sqrt(var + eps))
-            mean[r] = mu
-            rstd[r] = rs
-            _ln_out_row(s[r], w, b, y[r], mu, rs)
+        if r1 > r0:
+            _add_sumsq(x[r0], res[r0], s[r0], 0)
+            mu = _shifted_mean(s[r0], d)
+            for r in range(r0, r1):
+                rs = np.float32(1.0 / math.sqrt(_variance(s[r], d, mu) + eps))
+                mean[r] = mu
+                rstd[r] = rs
+                if r + 1 < r1:
+                    mu = _ln_write_next(s[r], w, b, y[r], mu, rs, x[r + 1], res[r + 1], s[r + 1])
+                else:
+                    _ln_write_next(s[r], w, b, y[r], mu, rs, None, None, None)
 
 
 # ---------------------------------------------------------------------------------- backward
 # ``ds`` is the gradient flowing into the residual sum (add variants) or None; numba compiles the
 # None case without the add. ``dw_part`` / ``db_part`` are (nchunks, d) float32, zeroed by the
-# launcher. Loop-invariant choices are hoisted out of the element loops so that those vectorize.
+# launcher. Each row's reductions for row r + 1 stream alongside the writes of row r, as in the
+# forward kernels.
 
 
 @njit
-def _rms_dx_row(dyr, xr, w, dsr, dxr, rs, coef, k):
+def _dot_gx(dyr, w, xr, k):
+    """(sum over the row of (dy * w) * x, sum of x^2 over [:k]) for a chunk's first row."""
+    d = xr.shape[0]
+    tgx = 0.0
+    full = d - d % BLOCK
+    for j in range(0, full, BLOCK):
+        part = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            part += (_load(dyr, i) * _load(w, i)) * _load(xr, i)
+        tgx += part
+    part = np.float32(0.0)
+    for i in range(full, d):
+        part += (_load(dyr, i) * _load(w, i)) * _load(xr, i)
+    return tgx + part, _sumsq(xr, k)
+
+
+@njit
+def _rms_coef(rs, gx, ss, k, inside):
+    # d rstd / d ms: inside -rstd^3 / 2; outside -rstd^2 / (2 sqrt(ms)). The sum of g * x runs
+    # over all d features (every one is scaled by rstd); only ms is over the first k. DESIGN.md's
+    # pRMSNorm formula sums g * x over i < k only, which is wrong for k < d.
+    if inside:
+        return np.float32(np.float64(rs) ** 3 * gx / k)
+    rms = math.sqrt(ss / k)
+    return np.float32(np.float64(rs) ** 2 / rms * gx / k) if rms > 0.0 else np.float32(0.0)
+
+
+@njit
+def _rms_dx(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i, in_head):
+    xv = _load(xr, i)
+    dyv = _load(dyr, i)
+    v = rs * (dyv * _load(w, i))
+    if in_head:
+        v -= coef * xv
+    if dsr is not None:
+        v += _load(dsr, i)
+    _store(dxr, i, v)
+    _accumulate(dwc, i, dyv * _round_like(rnd, xv * rs))
+
+
+@njit
+def _rms_bwd_span(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, dyn, xn, i0, i1, head):
+    """dx and dw terms for elements [i0, i1) of this row (``head``: inside the first k, where
+    the rstd term applies); returns the next row's partial (sum g * x, sum x^2 if head)."""
+    tgx = 0.0
+    tss = 0.0
+    full = i0 + (i1 - i0) - (i1 - i0) % BLOCK
+    for j in range(i0, full, BLOCK):
+        pgx = np.float32(0.0)
+        pss = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            xv = _load(xn, i)
+            pgx += (_load(dyn, i) * _load(w, i)) * xv
+            if head:
+                pss += xv * xv
+            _rms_dx(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i, head)
+        tgx += pgx
+        tss += pss
+    pgx = np.float32(0.0)
+    pss = np.float32(0.0)
+    for i in range(full, i1):
+        xv = _load(xn, i)
+        pgx += (_load(dyn, i) * _load(w, i)) * xv
+        if head:
+            pss += xv * xv
+        _rms_dx(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i, head)
+    return tgx + pgx, tss + pss
+
+
+@njit
+def _rms_bwd_write_next(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, k, dyn, xn):
+    """Write dx of this row and add its dw terms; meanwhile return the next row's (sum g * x,
+    sum x^2 over [:k]), or zeros when xn is None."""
     d = dxr.shape[0]
-    if dsr is None:
+    if xn is None:
         for i in range(k):
-            _store(dxr, i, rs * (_load(dyr, i) * w[i]) - coef * _load(xr, i))
-        for i in range(k, d):  # features outside the statistic: no term from d rstd
-            _store(dxr, i, rs * (_load(dyr, i) * w[i]))
-    else:
-        for i in range(k):
-            _store(dxr, i, rs * (_load(dyr, i) * w[i]) - coef * _load(xr, i) + _load(dsr, i))
+            _rms_dx(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i, True)
         for i in range(k, d):
-            _store(dxr, i, rs * (_load(dyr, i) * w[i]) + _load(dsr, i))
-
-
-@njit
-def _rms_dw_row(dyr, xr, rs, dwc, llama):
-    d = dwc.shape[0]
-    if llama:  # the weight multiplied xhat rounded to the output dtype
-        for i in range(d):
-            dwc[i] += _load(dyr, i) * _round_like(dyr, _load(xr, i) * rs)
-    else:
-        for i in range(d):
-            dwc[i] += _load(dyr, i) * (_load(xr, i) * rs)
+            _rms_dx(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i, False)
+        return 0.0, 0.0
+    gx, ss = _rms_bwd_span(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, dyn, xn, 0, k, True)
+    gx2, _ = _rms_bwd_span(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, dyn, xn, k, d, False)
+    return gx + gx2, ss
 
 
 @njit(parallel=True, **JIT)
-def rms_bwd(dy, x, w, rstd, ds, dx, dw_part, eps, inside, k, llama, nchunks):
+def rms_bwd(dy, x, w, rstd, ds, dx, dw_part, eps, inside, k, rnd, nchunks):
     n, d = x.shape
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         dwc = dw_part[c]
-        for r in range(r0, r1):
-            xr, dyr = x[r], dy[r]
-            rs = rstd[r]
-            # sum(g * x) runs over all d features (every one is scaled by rstd), the sum of
-            # squares over the first k (only they enter rstd). DESIGN.md's pRMSNorm formula sums
-            # g * x over i < k only, which is wrong for k < d.
-            gx = _dot_gx(dyr, w, xr, d)
-            # d rstd / d ms: inside -rstd^3 / 2; outside -rstd^2 / (2 sqrt(ms))
-            if inside:
-                coef = np.float64(rs) ** 3 * gx / k
-            else:
-                rms = math.sqrt(_sumsq(xr, k) / k)
-                coef = (np.float64(rs) ** 2 / rms * gx / k) if rms > 0.0 else 0.0
-            if ds is None:  # resolved when numba compiles (ds has NoneType or an array type)
-                _rms_dx_row(dyr, xr, w, None, dx[r], rs, np.float32(coef), k)
-            else:
-                _rms_dx_row(dyr, xr, w, ds[r], dx[r], rs, np.float32(coef), k)
-            _rms_dw_row(dyr, xr, rs, dwc, llama)
+        if r1 > r0:
+            gx, ss = _dot_gx(dy[r0], w, x[r0], k)
+            for r in range(r0, r1):
+                rs = rstd[r]
+                coef = _rms_coef(rs, gx, ss, k, inside)
+                # ds is None or an array: numba resolves these branches when it compiles
+                if r + 1 < r1:
+                    if ds is None:
+                        gx, ss = _rms_bwd_write_next(dy[r], x[r], w, None, dx[r], dwc, rs, coef, rnd, k, dy[r + 1], x[r + 1])
+                    else:
+                        gx, ss = _rms_bwd_write_next(dy[r], x[r], w, ds[r], dx[r], dwc, rs, coef, rnd, k, dy[r + 1], x[r + 1])
+                else:
+                    if ds is None:
+                        _rms_bwd_write_next(dy[r], x[r], w, None, dx[r], dwc, rs, coef, rnd, k, None, None)
+                    else:
+                        _rms_bwd_write_next(dy[r], x[r], w, ds[r], dx[r], dwc, rs, coef, rnd, k, None, None)
 
 
 @njit
-def _ln_dx_row(dyr, xr, w, dsr, dxr, mhi, mlo, rs, mg, mgx):
+def _ln_sums(dyr, w, xr, mean, rs):
+    """(sum of g, sum of g * xhat) with g = dy * w, xhat = (x - mean) * rstd."""
+    mhi, mlo = _split(mean)
+    d = xr.shape[0]
+    tg = 0.0
+    tgx = 0.0
+    full = d - d % BLOCK
+    for j in range(0, full, BLOCK):
+        pg = np.float32(0.0)
+        pgx = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            g = _load(dyr, i) * _load(w, i)
+            pg += g
+            pgx += g * (_centred(_load(xr, i), mhi, mlo) * rs)
+        tg += pg
+        tgx += pgx
+    pg = np.float32(0.0)
+    pgx = np.float32(0.0)
+    for i in range(full, d):
+        g = _load(dyr, i) * _load(w, i)
+        pg += g
+        pgx += g * (_centred(_load(xr, i), mhi, mlo) * rs)
+    return tg + pg, tgx + pgx
+
+
+@njit
+def _ln_dx(dyr, xr, w, dsr, dxr, dwc, dbc, mhi, mlo, rs, mg, mgx, i):
+    dyv = _load(dyr, i)
+    xh = _centred(_load(xr, i), mhi, mlo) * rs
+    v = rs * (dyv * _load(w, i) - mg - xh * mgx)
+    if dsr is not None:
+        v += _load(dsr, i)
+    _store(dxr, i, v)
+    _accumulate(dwc, i, dyv * xh)
+    _accumulate(dbc, i, dyv)
+
+
+@njit
+def _ln_bwd_write_next(dyr, xr, w, dsr, dxr, dwc, dbc, mean, rs, sg, sgx, dyn, xn, mean_n, rs_n):
+    """Write dx of this row and add its dw, db terms; meanwhile return the next row's sums."""
     d = dxr.shape[0]
-    if dsr is None:
+    mhi, mlo = _split(mean)
+    mg = np.float32(sg / d)
+    mgx = np.float32(sgx / d)
+    if xn is None:
         for i in range(d):
-            xh = _centred(_load(xr, i), mhi, mlo) * rs
-            _store(dxr, i, rs * (_load(dyr, i) * w[i] - mg - xh * mgx))
-    else:
-        for i in range(d):
-            xh = _centred(_load(xr, i), mhi, mlo) * rs
-            _store(dxr, i, rs * (_load(dyr, i) * w[i] - mg - xh * mgx) + _load(dsr, i))
-
-
-@njit
-def _ln_dwb_row(dyr, xr, mhi, mlo, rs, dwc, dbc):
-    for i in range(dwc.shape[0]):
-        dyv = _load(dyr, i)
-        dwc[i] += dyv * (_centred(_load(xr, i), mhi, mlo) * rs)
-        dbc[i] += dyv
+            _ln_dx(dyr, xr, w, dsr, dxr, dwc, dbc, mhi, mlo, rs, mg, mgx, i)
+        return 0.0, 0.0
+    nhi, nlo = _split(mean_n)
+    tg = 0.0
+    tgx = 0.0
+    full = d - d % BLOCK
+    for j in range(0, full, BLOCK):
+        pg = np.float32(0.0)
+        pgx = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            g = _load(dyn, i) * _load(w, i)
+            pg += g
+            pgx += g * (_centred(_load(xn, i), nhi, nlo) * rs_n)
+            _ln_dx(dyr, xr, w, dsr, dxr, dwc, dbc, mhi, mlo, rs, mg, mgx, i)
+        tg += pg
+        tgx += pgx
+    pg = np.float32(0.0)
+    pgx = np.float32(0.0)
+    for i in range(full, d):
+        g = _load(dyn, i) * _load(w, i)
+        pg += g
+        pgx += g * (_centred(_load(xn, i), nhi, nlo) * rs_n)
+        _ln_dx(dyr, xr, w, dsr, dxr, dwc, dbc, mhi, mlo, rs, mg, mgx, i)
+    return tg + pg, tgx + pgx
 
 
 @njit(parallel=True, **JIT)
@@ -441,14 +643,20 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw_part, db_part, nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         dwc = dw_part[c]
         dbc = db_part[c]
-        for r in range(r0, r1):
-            xr, dyr = x[r], dy[r]
-            mhi, mlo = _split(mean[r])
-            rs = rstd[r]
-            sg, sgx = _dot_g_gxh(dyr, w, xr, d, mhi, mlo, rs)
-            mg, mgx = np.float32(sg / d), np.float32(sgx / d)
-            if ds is None:
-                _ln_dx_row(dyr, xr, w, None, dx[r], mhi, mlo, rs, mg, mgx)
-            else:
-                _ln_dx_row(dyr, xr, w, ds[r], dx[r], mhi, mlo, rs, mg, mgx)
-            _ln_dwb_row(dyr, xr, mhi, mlo, rs, dwc, dbc)
+        if r1 > r0:
+            sg, sgx = _ln_sums(dy[r0], w, x[r0], mean[r0], rstd[r0])
+            for r in range(r0, r1):
+                if r + 1 < r1:
+                    if ds is None:
+                        sg, sgx = _ln_bwd_write_next(dy[r], x[r], w, None, dx[r], dwc, dbc, mean[r], rstd[r], sg, sgx,
+                                                     dy[r + 1], x[r + 1], mean[r + 1], rstd[r + 1])
+                    else:
+                        sg, sgx = _ln_bwd_write_next(dy[r], x[r], w, ds[r], dx[r], dwc, dbc, mean[r], rstd[r], sg, sgx,
+                                                     dy[r + 1], x[r + 1], mean[r + 1], rstd[r + 1])
+                else:
+                    if ds is None:
+                        _ln_bwd_write_next(dy[r], x[r], w, None, dx[r], dwc, dbc, mean[r], rstd[r], sg, sgx,
+                                           None, None, 0.0, np.float32(0.0))
+                    else:
+                        _ln_bwd_write_next(dy[r], x[r], w, ds[r], dx[r], dwc, dbc, mean[r], rstd[r], sg, sgx,
+                                           None, None, 0.0, np.float32(0.0))

@@ -149,6 +149,15 @@ def nchunks(rows: int) -> int:
     return max(1, min(rows, threads))
 
 
+_NP_CODE = {torch.float32: np.float32, torch.bfloat16: np.uint16, torch.float16: np.int16}
+
+
+def _rnd(out_dtype: torch.dtype, llama: bool) -> np.ndarray:
+    """The kernels' ``rnd``: a 1-element array of the dtype xhat is rounded to before the weight
+    multiply (the output dtype in the llama order; float32, no rounding, in the gemma order)."""
+    return np.zeros(1, _NP_CODE[out_dtype] if llama else np.float32)
+
+
 def _rms_weight(weight: Tensor | None, d: int, out_dtype: torch.dtype, llama: bool, offset: float) -> np.ndarray:
     if weight is None:
         return np.ones(d, np.float32)
@@ -187,11 +196,11 @@ def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual
         s = empty(shape, _sum_dtype(x, residual, residual_in_fp32))
     if n:
         if s is None:
-            K.rms_fwd(_as_numpy(x2), w, _as_numpy(y.view(n, d)), rstd.view(n).numpy(), eps, inside, k, llama, nchunks(n))
+            K.rms_fwd(_as_numpy(x2), w, _as_numpy(y.view(n, d)), rstd.view(n).numpy(), eps, inside, k, _rnd(x.dtype, llama), nchunks(n))
         else:
             K.add_rms_fwd(
                 _as_numpy(x2), _as_numpy(_rows(residual)), w, _as_numpy(y.view(n, d)), _as_numpy(s.view(n, d)),
-                rstd.view(n).numpy(), eps, inside, k, llama, nchunks(n),
+                rstd.view(n).numpy(), eps, inside, k, _rnd(x.dtype, llama), nchunks(n),
             )
     return y, s, rstd
 
@@ -209,7 +218,7 @@ def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k):
         ds2 = _as_numpy(_rows(ds)) if ds is not None else None
         K.rms_bwd(
             _as_numpy(dy2), _as_numpy(x2), w, rstd.contiguous().view(n).numpy(), ds2, _as_numpy(dx.view(n, d)),
-            dw_part, eps, inside, k, llama, chunks,
+            dw_part, eps, inside, k, _rnd(dy.dtype, llama), chunks,
         )
     return dx, torch.from_numpy(_sum_chunks(dw_part))
 
