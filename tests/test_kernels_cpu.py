@@ -4,6 +4,7 @@ The bound (normlab.testing): a fused result may be at most twice as far from the
 as the reference computed in the same low-precision dtype, plus about one rounding step.
 """
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -336,3 +337,42 @@ def test_properties(op, dtype, rows, d, partial, eps_mode, cast, weight, seed):
     gen = torch.Generator().manual_seed(seed)
     opts = {"eps_mode": eps_mode, "cast": cast, "partial": partial} if "rms" in op else {}
     check(gen, op, (rows, d), dtype, opts, weight=weight)
+
+
+# ----------------------------------------------------------------------------- output buffers
+
+
+def test_buffer_pool_reuses_only_unreferenced_buffers():
+    pool = cpu.BufferPool(max_bytes=64 << 20, min_bytes=0)
+    a = pool.take(1 << 20)
+    b = pool.take(1 << 20)
+    assert a.ctypes.data != b.ctypes.data  # a is still held
+    addr = a.ctypes.data
+    del a
+    c = pool.take(1 << 20)
+    assert c.ctypes.data == addr  # a's buffer came back
+    view = torch.from_numpy(c.view(np.float32))[3:]  # a tensor view keeps it held
+    del c
+    assert pool.take(1 << 20).ctypes.data != addr
+    del view
+    assert pool.take(1 << 20).ctypes.data == addr
+    assert pool.stats()["buffers"] == 3
+
+
+def test_buffer_pool_respects_its_cap():
+    pool = cpu.BufferPool(max_bytes=3 << 20, min_bytes=0)
+    held = [pool.take(1 << 20) for _ in range(5)]  # beyond the cap: served, not pooled
+    assert pool.stats()["held_bytes"] == 3 << 20
+    del held
+    pool.take(2 << 20)  # evicts free 1 MiB buffers to make room
+    assert pool.stats()["held_bytes"] <= 3 << 20
+    pool.clear()
+    assert pool.stats()["held_bytes"] == 0
+
+
+def test_outputs_from_the_pool_are_not_overwritten_while_alive(gen):
+    x = torch.randn(512, 1024, generator=gen)
+    y1 = F.rms_norm(x, backend="cpu")
+    keep = y1.clone()
+    y2 = F.rms_norm(x * 2, backend="cpu")  # must not land in y1's buffer
+    assert y1.data_ptr() != y2.data_ptr() and torch.equal(y1, keep)

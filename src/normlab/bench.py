@@ -344,7 +344,7 @@ def _records(cases: list[Case], device: torch.device) -> list[dict]:
         gbps = c.nbytes / (ms / 1e3) / 1e9
         out.append({
             "op": c.op, "backend": c.backend, "dtype": c.dtype, "shape": c.shape, "pass": c.pass_, "alloc": c.alloc,
-            "ms": round(ms, 4), "gbps": round(gbps, 2), "frac_of_copy": round(gbps / copy_gbps, 3),
+            "ms": float(f"{ms:.4g}"), "gbps": float(f"{gbps:.4g}"), "frac_of_copy": float(f"{gbps / copy_gbps:.3g}"),
             "bytes": c.nbytes, "runs": len(c.times), "device": str(device),
         })
     return out

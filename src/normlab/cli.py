@@ -63,6 +63,12 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
     if torch.cuda.is_available():
         picks.append(f"CUDA tensors -> {kernels.resolve('auto', torch.device('cuda'))}")
     console.print("auto picks: " + "; ".join(picks))
+    if kernels.unavailable_reason("cpu") is None:
+        from normlab.kernels import cpu
+
+        status = cpu.cache_status()
+        state = "warm" if status["warm"] else "cold (the first call of each kernel compiles it, then caches it)"
+        console.print(f"numba cache: {state}; {status['dir']}")
     return 0
 
 
@@ -146,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=160)
     try:
         return int(args.func(args, console) or 0)
     except ValueError as err:  # bad option values: say what was wrong, no traceback

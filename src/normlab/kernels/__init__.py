@@ -115,9 +115,6 @@ def resolve(backend: str | None, device: torch.device) -> str:
     return _resolve(backend, device.type, device.index)
 
 
-# Under torch.compile the choice is made once, when the model is traced, and baked into the
-# graph (dynamo cannot trace a ContextVar): recompile to switch backends in a compiled model.
-@torch.compiler.assume_constant_result
 def _resolve(backend: str | None, device_type: str, device_index: int | None) -> str:
     device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
     name = check_name(backend or _override.get() or os.environ.get("NORMLAB_BACKEND") or "auto")
@@ -130,6 +127,14 @@ def _resolve(backend: str | None, device_type: str, device_index: int | None) ->
     if reason is not None:
         raise RuntimeError(f"normlab backend {name!r} cannot run here: {reason}")
     return name
+
+
+# Under torch.compile the choice is made once, when the model is traced, and baked into the
+# graph (dynamo cannot trace a ContextVar): recompile to switch backends in a compiled model.
+# This is what torch.compiler.assume_constant_result(_resolve) does; calling that here would
+# import torch._dynamo with normlab and add a second to every `import normlab`. The compile
+# tests (fullgraph=True) fail loudly if torch ever renames the mark.
+_resolve._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def get(name: str) -> ModuleType:

@@ -362,6 +362,12 @@ def _(dy, x, weight, mean, rstd, ds):
 
 
 # -------------------------------------------------------------------------------- autograd
+# Two doors to the same launchers. Under torch.compile the custom ops above are traced (their
+# fake implementations give shapes, register_autograd gives the backward). In eager mode a plain
+# autograd.Function calls the launchers directly: a custom op's first call imports
+# torch._dynamo (about a second, measured) and every call pays the op dispatcher, neither of
+# which eager users should pay. The gradient code (``_*_grads``) is shared; ``bwd`` is the
+# backward custom op or the backward launcher.
 
 
 def _grad_like(g: Tensor | None, t: Tensor | None, needed: bool) -> Tensor | None:
@@ -376,14 +382,11 @@ def _rms_setup(ctx, inputs, output):
     ctx.opts = (eps, inside, llama, offset, k)
 
 
-def _rms_backward(ctx, dy, _drstd):
+def _rms_grads(ctx, dy, bwd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = _rms_norm_bwd_op(dy, x, weight, rstd, None, *ctx.opts)
+    dx, dw = bwd(dy, x, weight, rstd, None, *ctx.opts)
     need = ctx.needs_input_grad
     return _grad_like(dx, x, need[0]), _grad_like(dw, weight, need[1]), None, None, None, None, None
-
-
-_rms_norm_op.register_autograd(_rms_backward, setup_context=_rms_setup)
 
 
 def _add_rms_setup(ctx, inputs, output):
@@ -393,16 +396,13 @@ def _add_rms_setup(ctx, inputs, output):
     ctx.dtypes = (x.dtype, residual.dtype)
 
 
-def _add_rms_backward(ctx, dy, ds, _drstd):
+def _add_rms_grads(ctx, dy, ds, bwd):
     s, weight, rstd = ctx.saved_tensors
-    dsum, dw = _rms_norm_bwd_op(dy, s, weight, rstd, ds, *ctx.opts)
+    dsum, dw = bwd(dy, s, weight, rstd, ds, *ctx.opts)
     need = ctx.needs_input_grad
     dx = dsum.to(ctx.dtypes[0]) if need[0] else None
     dres = dsum.to(ctx.dtypes[1]) if need[1] else None
     return dx, dres, _grad_like(dw, weight, need[2]), None, None, None, None, None, None
-
-
-_add_rms_norm_op.register_autograd(_add_rms_backward, setup_context=_add_rms_setup)
 
 
 def _ln_setup(ctx, inputs, output):
@@ -410,14 +410,11 @@ def _ln_setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight, bias, output[1], output[2])
 
 
-def _ln_backward(ctx, dy, _dmean, _drstd):
+def _ln_grads(ctx, dy, bwd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = _layer_norm_bwd_op(dy, x, weight, mean, rstd, None)
+    dx, dw, db = bwd(dy, x, weight, mean, rstd, None)
     need = ctx.needs_input_grad
     return _grad_like(dx, x, need[0]), _grad_like(dw, weight, need[1]), _grad_like(db, bias, need[2]), None
-
-
-_layer_norm_op.register_autograd(_ln_backward, setup_context=_ln_setup)
 
 
 def _add_ln_setup(ctx, inputs, output):
@@ -426,16 +423,71 @@ def _add_ln_setup(ctx, inputs, output):
     ctx.dtypes = (x.dtype, residual.dtype)
 
 
-def _add_ln_backward(ctx, dy, ds, _dmean, _drstd):
+def _add_ln_grads(ctx, dy, ds, bwd):
     s, weight, bias, mean, rstd = ctx.saved_tensors
-    dsum, dw, db = _layer_norm_bwd_op(dy, s, weight, mean, rstd, ds)
+    dsum, dw, db = bwd(dy, s, weight, mean, rstd, ds)
     need = ctx.needs_input_grad
     dx = dsum.to(ctx.dtypes[0]) if need[0] else None
     dres = dsum.to(ctx.dtypes[1]) if need[1] else None
     return dx, dres, _grad_like(dw, weight, need[2]), _grad_like(db, bias, need[3]), None, None
 
 
-_add_layer_norm_op.register_autograd(_add_ln_backward, setup_context=_add_ln_setup)
+_rms_norm_op.register_autograd(lambda ctx, dy, _: _rms_grads(ctx, dy, _rms_norm_bwd_op), setup_context=_rms_setup)
+_add_rms_norm_op.register_autograd(
+    lambda ctx, dy, ds, _: _add_rms_grads(ctx, dy, ds, _rms_norm_bwd_op), setup_context=_add_rms_setup
+)
+_layer_norm_op.register_autograd(lambda ctx, dy, _m, _r: _ln_grads(ctx, dy, _layer_norm_bwd_op), setup_context=_ln_setup)
+_add_layer_norm_op.register_autograd(
+    lambda ctx, dy, ds, _m, _r: _add_ln_grads(ctx, dy, ds, _layer_norm_bwd_op), setup_context=_add_ln_setup
+)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *inputs):
+        y, _, rstd = rms_fwd_launch(*inputs)
+        _rms_setup(ctx, inputs, (y, rstd))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _rms_grads(ctx, dy, rms_bwd_launch)
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, inside, llama, offset, k, residual_in_fp32):
+        y, s, rstd = rms_fwd_launch(x, weight, eps, inside, llama, offset, k, residual=residual, residual_in_fp32=residual_in_fp32)
+        _add_rms_setup(ctx, (x, residual, weight, eps, inside, llama, offset, k, residual_in_fp32), (y, s, rstd))
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, ds):
+        return _add_rms_grads(ctx, dy, ds, rms_bwd_launch)
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, _, mean, rstd = ln_fwd_launch(x, weight, bias, eps)
+        _ln_setup(ctx, (x, weight, bias, eps), (y, mean, rstd))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _ln_grads(ctx, dy, ln_bwd_launch)
+
+
+class _AddLayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, residual_in_fp32):
+        y, s, mean, rstd = ln_fwd_launch(x, weight, bias, eps, residual=residual, residual_in_fp32=residual_in_fp32)
+        _add_ln_setup(ctx, (x, residual, weight, bias, eps, residual_in_fp32), (y, s, mean, rstd))
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, ds):
+        return _add_ln_grads(ctx, dy, ds, ln_bwd_launch)
 
 
 # ------------------------------------------------------------------- the backend's functions
@@ -452,21 +504,27 @@ def _partial_k(d: int, partial: float | None) -> int:
 def layer_norm(x, weight=None, bias=None, eps=1e-5):
     if not _fused(x, weight, bias):
         return reference.layer_norm(x, weight, bias, eps)
-    return _layer_norm_op(x, weight, bias, eps)[0]
+    if torch.compiler.is_compiling():
+        return _layer_norm_op(x, weight, bias, eps)[0]
+    return _LayerNorm.apply(x, weight, bias, eps)
 
 
 def rms_norm(x, weight=None, eps=1e-6, *, eps_mode="inside", cast="llama", offset=0.0, partial=None):
     if not _fused(x, weight):
         return reference.rms_norm(x, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset, partial=partial)
-    k = _partial_k(x.shape[-1], partial)
-    return _rms_norm_op(x, weight, eps, eps_mode == "inside", cast == "llama", offset, k)[0]
+    args = (x, weight, eps, eps_mode == "inside", cast == "llama", offset, _partial_k(x.shape[-1], partial))
+    if torch.compiler.is_compiling():
+        return _rms_norm_op(*args)[0]
+    return _RMSNorm.apply(*args)
 
 
 def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, *, residual_in_fp32=False):
     if not _fused(x, residual, weight, bias):
         return reference.add_layer_norm(x, residual, weight, bias, eps, residual_in_fp32=residual_in_fp32)
-    y, s, _, _ = _add_layer_norm_op(x, residual, weight, bias, eps, residual_in_fp32)
-    return y, s
+    if torch.compiler.is_compiling():
+        y, s, _, _ = _add_layer_norm_op(x, residual, weight, bias, eps, residual_in_fp32)
+        return y, s
+    return _AddLayerNorm.apply(x, residual, weight, bias, eps, residual_in_fp32)
 
 
 def add_rms_norm(
@@ -478,9 +536,11 @@ def add_rms_norm(
             x, residual, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset, partial=partial,
             residual_in_fp32=residual_in_fp32,
         )
-    k = _partial_k(x.shape[-1], partial)
-    y, s, _ = _add_rms_norm_op(x, residual, weight, eps, eps_mode == "inside", cast == "llama", offset, k, residual_in_fp32)
-    return y, s
+    args = (x, residual, weight, eps, eps_mode == "inside", cast == "llama", offset, _partial_k(x.shape[-1], partial), residual_in_fp32)
+    if torch.compiler.is_compiling():
+        y, s, _ = _add_rms_norm_op(*args)
+        return y, s
+    return _AddRMSNorm.apply(*args)
 
 
 # ``out=`` variants: eager, no autograd, the kernel writes straight into ``out``.

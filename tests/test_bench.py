@@ -1,0 +1,74 @@
+"""normlab bench: records, byte counts and the command line (tiny sizes: a tool, not a timing test)."""
+
+import json
+
+import pytest
+import torch
+
+from normlab import bench
+from normlab.cli import main
+
+
+def test_moved_bytes_counts_what_each_op_must_move():
+    n, d, e = 8 * 16, 16, 4
+    assert bench.moved_bytes("rms_norm", "fwd", (8, 16), torch.float32) == 2 * n * e + d * e
+    assert bench.moved_bytes("layer_norm", "bwd", (8, 16), torch.float32) == 3 * n * e + 2 * 2 * d * e
+    assert bench.moved_bytes("add_rms_norm", "fwd", (8, 16), torch.bfloat16) == 4 * n * 2 + d * 2
+    fb = bench.moved_bytes("add_layer_norm", "fwdbwd", (8, 16), torch.float32)
+    assert fb == bench.moved_bytes("add_layer_norm", "fwd", (8, 16), torch.float32) + bench.moved_bytes("add_layer_norm", "bwd", (8, 16), torch.float32)
+
+
+@pytest.mark.parametrize("bad", ["8192", "axb", "0x4", "4x"])
+def test_parse_shape_rejects_bad_shapes(bad):
+    with pytest.raises(ValueError, match="ROWSxHIDDEN"):
+        bench.parse_shape(bad)
+
+
+def test_every_op_and_peer_runs_and_records_have_the_documented_keys():
+    records, notes = bench.run_bench(
+        ops=bench.OPS, backends=("normlab", "reference", "torch", "torch-module", "hf", "liger"),
+        dtypes=("fp32", "bf16"), shapes=("6x40",), passes=bench.PASSES, repeat=2, warmup=1,
+    )
+    keys = {"op", "backend", "dtype", "shape", "pass", "alloc", "ms", "gbps", "frac_of_copy"}
+    assert all(keys <= set(r) for r in records)
+    copies = [r for r in records if r["op"] == "copy"]
+    assert len(copies) == 2 and all(r["frac_of_copy"] == 1.0 for r in copies)
+    got = {(r["op"], r["backend"], r["pass"], r["alloc"]) for r in records if r["dtype"] == "fp32"}
+    for op in bench.OPS:
+        for p in bench.PASSES:
+            assert (op, "normlab", p, "alloc") in got
+    assert ("rms_norm", "normlab", "fwd", "prealloc") in got and ("add_rms_norm", "normlab", "fwd", "prealloc") not in got
+    assert ("rms_norm", "hf", "bwd", "alloc") in got and ("layer_norm", "hf", "fwd", "alloc") not in got
+    assert any("liger" in n for n in notes)
+    for r in records:  # GB/s and the fraction follow from the bytes and the time
+        assert r["gbps"] == pytest.approx(r["bytes"] / r["ms"] / 1e6, rel=0.02)
+
+
+def test_compile_peer_runs():
+    records, _ = bench.run_bench(ops=("rms_norm",), backends=("compile",), dtypes=("fp32",), shapes=("4x32",),
+                                 passes=("fwd",), allocs=("alloc",), repeat=1, warmup=1)
+    assert [r["backend"] for r in records] == ["torch", "compile"]
+
+
+def test_summary_rows_compare_with_normlab():
+    rows = bench.summary_rows([
+        {"op": "rms_norm", "backend": "normlab", "dtype": "fp32", "shape": "1x1", "pass": "fwd", "alloc": "alloc", "ms": 2.0},
+        {"op": "rms_norm", "backend": "torch", "dtype": "fp32", "shape": "1x1", "pass": "fwd", "alloc": "alloc", "ms": 6.0},
+    ])
+    assert [r["x_normlab"] for r in rows] == [1.0, 3.0]
+
+
+def test_command_line_writes_json(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    code = main(["bench", "--ops", "rms_norm", "--backends", "normlab,torch", "--dtypes", "fp32", "--shapes", "4x64",
+                 "--passes", "fwd", "--repeat", "1", "--json", str(path), "--quiet"])
+    assert code == 0
+    data = json.loads(path.read_text())
+    assert data["environment"]["torch"] == torch.__version__
+    assert {r["backend"] for r in data["records"]} == {"torch", "normlab"}
+    assert "x copy" in capsys.readouterr().out
+
+
+def test_command_line_rejects_unknown_names(capsys):
+    assert main(["bench", "--ops", "group_norm", "--quiet"]) == 2
+    assert "unknown op 'group_norm'" in capsys.readouterr().out
