@@ -149,7 +149,12 @@ def make_peer(name: str, op: str, d: int, dtype: torch.dtype, device: torch.devi
                     return F.rms_norm(x, params[0], EPS, partial=PARTIAL if op == "prms_norm" else None, out=out)
         return Peer(lambda x, r: call(x, r, *params), params, out_fn)
     if name == "compile":
-        call = torch.compile(_reference_call(op, "reference"))
+        # One compiled function per (op, dtype, shape, grad mode): past dynamo's default limit
+        # of 8 recompiles it silently falls back to eager, which would be measured as "compile".
+        import torch._dynamo as dynamo
+
+        dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 512)
+        call = torch.compile(_reference_call(op, "reference"), dynamic=False)
         return Peer(lambda x, r: call(x, r, *params), params)
     if op == "prms_norm":
         return "no partial RMSNorm"
@@ -238,7 +243,7 @@ def _build_group(ops, peers, passes, allocs, dtype_name, shape, device, gen) -> 
                             continue
                         cases.append(Case(op, name, dtype_name, shape_s, pass_, alloc, nbytes, _fwd_runner(peer, alloc, xs, rs, out)))
                 else:
-                    cases.append(Case(op, name, dtype_name, shape_s, pass_, "alloc", nbytes, _bwd_runner(peer, pass_, xs, rs, dys, dss)))
+                    cases.append(Case(op, name, dtype_name, shape_s, pass_, "alloc", nbytes, _bwd_runner(peer, pass_, xs, rs, dys, dss, device)))
     return cases, notes
 
 
@@ -254,10 +259,12 @@ def _fwd_runner(peer: Peer, alloc: str, xs, rs, out):
     return run
 
 
-def _bwd_runner(peer: Peer, pass_: str, xs, rs, dys, dss):
+def _bwd_runner(peer: Peer, pass_: str, xs, rs, dys, dss, device):
+    """fwdbwd: times forward + backward. bwd: builds the graph untimed, then times the backward
+    alone and returns that duration (a fresh graph each call: no retain_graph, which compiled
+    backwards with donated buffers refuse)."""
     k = len(xs)
     leaves = [(x.detach().clone().requires_grad_(), r.detach().clone().requires_grad_()) for x, r in zip(xs, rs)]
-    graphs: dict[int, tuple] = {}
 
     def forward(j):
         x, r = leaves[j]
@@ -272,10 +279,12 @@ def _bwd_runner(peer: Peer, pass_: str, xs, rs, dys, dss):
         if pass_ == "fwdbwd":
             outs, grads, inputs = forward(j)
             return torch.autograd.grad(outs, inputs, grads)
-        if j not in graphs:  # built on the first (warm-up) calls, then reused: times the backward only
-            graphs[j] = forward(j)
-        outs, grads, inputs = graphs[j]
-        return torch.autograd.grad(outs, inputs, grads, retain_graph=True)
+        outs, grads, inputs = forward(j)
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.autograd.grad(outs, inputs, grads)
+        _sync(device)
+        return time.perf_counter() - t0
 
     return run
 
@@ -286,18 +295,22 @@ def _bwd_runner(peer: Peer, pass_: str, xs, rs, dys, dss):
 def run_bench(
     *,
     ops=("rms_norm", "layer_norm"),
-    backends=("normlab", "reference", "torch", "torch-module", "hf", "compile", "liger", "apex"),
+    backends=("normlab", "torch", "torch-module", "hf", "compile", "liger", "apex"),
     dtypes=("fp32", "bf16"),
     shapes=DEFAULT_SHAPES,
     passes=("fwd", "bwd"),
     allocs=ALLOCS,
     repeat: int = 10,
     warmup: int = 2,
+    case_seconds: float = 1.0,
     device: str = "cpu",
     progress=None,
     seed: int = 0,
 ) -> tuple[list[dict], list[str]]:
-    """Measure every (op, backend, dtype, shape, pass, alloc) case; returns (records, notes)."""
+    """Measure every (op, backend, dtype, shape, pass, alloc) case; returns (records, notes).
+
+    Each case runs in up to ``repeat`` rounds; a case that has had 3 rounds and spent
+    ``case_seconds`` sits out the rest (slow peers need fewer samples to be told apart)."""
     for value, valid, what in ((ops, OPS, "op"), (backends, PEERS, "backend"), (dtypes, tuple(DTYPES), "dtype"),
                                (passes, PASSES, "pass"), (allocs, ALLOCS, "alloc")):
         bad = [v for v in value if v not in valid]
@@ -323,11 +336,15 @@ def run_bench(
         _sync(dev)
         for i in range(repeat):
             for case in cases:
+                if len(case.times) >= 3 and sum(case.times) >= case_seconds:
+                    continue
                 _sync(dev)
                 t0 = time.perf_counter()
-                case.run(warmup + i)
+                result = case.run(warmup + i)
                 _sync(dev)
-                case.times.append(time.perf_counter() - t0)
+                # a runner that times itself (the backward alone) returns its duration
+                case.times.append(result if isinstance(result, float) else time.perf_counter() - t0)
+                del result
         records.extend(_records(cases, dev))
         del cases
         if progress:

@@ -87,6 +87,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         records, notes = bench.run_bench(
             ops=_csv(args.ops), backends=backends, dtypes=_csv(args.dtypes), shapes=_csv(args.shapes),
             passes=_csv(args.passes), allocs=_csv(args.alloc), repeat=args.repeat, device=args.device, progress=progress,
+            case_seconds=args.case_seconds,
         )
     env = bench.environment()
     if args.json:
@@ -126,13 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="kernel speed in GB/s against a memory copy and against peers",
                        description=(bench.__doc__ or "").split("\n\n")[0])
     p.add_argument("--ops", default="rms_norm,layer_norm", help=f"comma-separated, from {','.join(bench.OPS)}")
-    p.add_argument("--backends", default="normlab,reference,torch,torch-module,hf,compile,liger,apex",
+    p.add_argument("--backends", default="normlab,torch,torch-module,hf,compile,liger,apex",
                    help=f"comma-separated, from {','.join(bench.PEERS)} (peers that cannot run are skipped with a note)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated, from fp32,bf16,fp16")
     p.add_argument("--shapes", default=",".join(bench.DEFAULT_SHAPES), help="comma-separated ROWSxHIDDEN")
     p.add_argument("--passes", default="fwd,bwd", help="comma-separated, from fwd,bwd,fwdbwd")
     p.add_argument("--alloc", default="alloc,prealloc", help="alloc (the call users make), prealloc (into out=)")
     p.add_argument("--repeat", type=int, default=10, help="timed rounds per case (median reported)")
+    p.add_argument("--case-seconds", type=float, default=1.0,
+                   help="a case that has run 3 rounds and this many seconds sits out the rest")
     p.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu or cuda")
     p.add_argument("--json", metavar="PATH", help="write one record per measurement to PATH")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
