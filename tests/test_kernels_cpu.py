@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from normlab import functional as F
-from normlab import kernels
+from normlab import kernels, reference
 from normlab.testing import assert_close
 
 pytest.importorskip("numba", reason="the cpu backend needs numba (pip install normlab[cpu])")
@@ -75,10 +75,30 @@ def check(gen, op, shape, dtype, opts=None, **leaf_kw):
     for i, (f, t, lp) in enumerate(zip(fast, truth, lowp)):
         assert f.dtype == lp.dtype and f.shape == lp.shape
         assert_close(f, t, lowp=lp, dtype=lp.dtype, name=f"{op} output {i}")
+    mag = _grad_terms(op, leaves, opts, grads[0])
     for name in fast_g:
-        rule = "tensor" if name in ("weight", "bias") else "row"
-        assert_close(fast_g[name], truth_g[name], lowp=lowp_g[name], dtype=leaves[name].dtype, name=f"{op} d{name}", rule=rule)
+        if name in ("weight", "bias"):
+            assert_close(fast_g[name], truth_g[name], lowp=lowp_g[name], dtype=leaves[name].dtype, name=f"{op} d{name}", rule="tensor")
+        else:
+            assert_close(fast_g[name], truth_g[name], lowp=lowp_g[name], dtype=leaves[name].dtype, name=f"{op} d{name}",
+                         rule="row", magnitude=mag)
     return fast, fast_g
+
+
+def _grad_terms(op, leaves, opts, dy):
+    """|rstd * dy * w|: the size of the terms a norm's input gradient is a difference of (see
+    normlab.testing.assert_close's ``magnitude``)."""
+    x = leaves["x"].double()
+    if op.startswith("add"):
+        x = x + leaves["residual"].double()
+    if "layer" in op:
+        var = x.var(-1, unbiased=False, keepdim=True)
+        rstd = torch.rsqrt(var + 1e-5)
+    else:
+        k = reference.partial_size(x.shape[-1], opts.get("partial"))
+        rstd = torch.rsqrt(x[..., :k].pow(2).mean(-1, keepdim=True) + 1e-6)
+    w = leaves["weight"].double() + opts.get("offset", 0.0) if "weight" in leaves else 1.0
+    return (rstd * dy.double() * w).abs()
 
 
 def _add_truth(op, leaves, opts, grads, s_lowp):
