@@ -92,7 +92,7 @@ def _grad_terms(op, leaves, opts, dy):
     if op.startswith("add"):
         x = x + leaves["residual"].double()
     if "layer" in op:
-        var = x.var(-1, unbiased=False, keepdim=True)
+        var = (x - x.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True)
         rstd = torch.rsqrt(var + 1e-5)
     else:
         k = reference.partial_size(x.shape[-1], opts.get("partial"))
