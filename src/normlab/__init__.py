@@ -8,6 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from normlab.functional import add_layer_norm, add_rms_norm, layer_norm, rms_norm, seq_batch_norm
 from normlab.kernels import available_backends, use_backend
+from normlab.model import Decoder, ModelConfig
 from normlab.nn import NORM_KINDS, LayerNorm, RMSNorm, SequenceBatchNorm, build_norm
 
 try:
@@ -26,6 +27,8 @@ __all__ = [
     "SequenceBatchNorm",
     "build_norm",
     "NORM_KINDS",
+    "ModelConfig",
+    "Decoder",
     "use_backend",
     "available_backends",
     "__version__",

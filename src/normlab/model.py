@@ -1,0 +1,442 @@
+"""A LLaMA-style decoder where the norm and its placement are config fields.
+
+Token embedding, rotary position embedding, causal grouped-query attention through
+``F.scaled_dot_product_attention``, a SwiGLU or GELU MLP, and blocks whose forward shows the four
+placements of a norm side by side (F = attention or MLP, N = a norm):
+
+    post      x = N(x + F(x))                   original Transformer, BERT
+    pre       x = x + F(N(x))                   GPT-2, Llama
+    sandwich  x = x + N_b(F(N_a(x)))            CogView, Gemma 2/3 (Peri-LN)
+    deepnorm  x = N(alpha * x + F(x))           DeepNet (Wang et al., 2022)
+
+Initialization: every linear and embedding weight ~ N(0, 0.02), and the two output projections
+of each block (attention's ``wo``, the MLP's ``down``) ~ N(0, 0.02 / sqrt(2 L)) (GPT-2's scaled
+init). DeepNorm replaces that with the DeepNet init: xavier_normal_ with gain beta =
+(8L)^(-1/4) on the value, output projection and all MLP weights, gain 1 on query and key, chosen
+by the module's role (attributes of Attention and MLP), never by the text of a parameter name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as TF
+from torch import Tensor, nn
+
+from normlab.functional import CASTS, EPS_MODES
+from normlab.kernels import CHOICES as BACKEND_CHOICES
+from normlab.nn import NORM_KINDS, SequenceBatchNorm, build_norm
+
+PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
+MLPS = ("swiglu", "gelu")
+# Whether a final norm sits before the LM head by default (DESIGN.md's placement table).
+FINAL_NORM_DEFAULT = {"post": False, "pre": True, "sandwich": True, "deepnorm": False}
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256  # tokens in the vocabulary (the tokenizer sets it)
+    d_model: int = 256  # width of the residual stream
+    n_layers: int = 4  # decoder blocks
+    n_heads: int = 4  # attention heads; d_model must divide by it
+    n_kv_heads: int | None = None  # key/value heads for grouped-query attention; None: n_heads
+    d_ff: int | None = None  # MLP hidden size; None: 4 d (gelu) or 8/3 d rounded up to 32 (swiglu)
+    max_seq_len: int = 256  # longest sequence (rotary tables and generation)
+    dropout: float = 0.0  # on attention weights and on each branch output
+    mlp: str = "swiglu"  # "swiglu" (Llama) or "gelu" (GPT-2)
+    rope_theta: float = 10000.0  # rotary base
+    tie_embeddings: bool = True  # the LM head shares the embedding matrix
+    norm: str = "rmsnorm"  # layernorm, rmsnorm, prmsnorm, batchnorm or none
+    norm_eps: float = 1e-5  # epsilon of every norm
+    norm_cast: str = "llama"  # RMSNorm cast order: "llama" or "gemma"
+    norm_partial: float | None = None  # pRMSNorm's p; None: 0.0625 for prmsnorm (only prmsnorm takes it)
+    norm_eps_mode: str = "inside"  # RMSNorm: eps inside or outside the square root
+    norm_weightless: bool = False  # norms without a learned scale (and bias)
+    placement: str = "pre"  # post, pre, sandwich or deepnorm
+    final_norm: bool | None = None  # a norm before the LM head; None: the placement's default
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3, OLMo 2)
+    deepnorm_alpha: float | None = None  # residual scale; None: (2 L)^(1/4)
+    deepnorm_beta: float | None = None  # init gain; None: (8 L)^(-1/4)
+    backend: str | None = None  # normlab backend for the norms; None: auto
+    init_std: float = 0.02  # std of the normal init (not used by deepnorm's xavier groups)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def choice(name, valid):
+            value = getattr(self, name)
+            if value not in valid:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, valid))}; got {value!r}")
+
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        choice("norm", NORM_KINDS)
+        choice("placement", PLACEMENTS)
+        choice("mlp", MLPS)
+        choice("norm_cast", CASTS)
+        choice("norm_eps_mode", EPS_MODES)
+        if self.backend is not None:
+            choice("backend", BACKEND_CHOICES)
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}); change one of them")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"head_dim = d_model / n_heads = {self.d_model // self.n_heads} must be even for rotary embeddings")
+        kv = self.kv_heads
+        if kv < 1 or self.n_heads % kv:
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({kv})")
+        if self.norm_partial is not None:
+            if self.norm != "prmsnorm":
+                raise ValueError(f"norm_partial is set ({self.norm_partial}) but norm is {self.norm!r}; use norm='prmsnorm' or drop norm_partial")
+            if not 0 < self.norm_partial <= 1:
+                raise ValueError(f"norm_partial must be in (0, 1], got {self.norm_partial}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.norm_eps < 0 or not math.isfinite(self.norm_eps):
+            raise ValueError(f"norm_eps must be a finite number >= 0, got {self.norm_eps}")
+        if self.d_ff is not None and self.d_ff < 1:
+            raise ValueError(f"d_ff must be positive or None, got {self.d_ff}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ff_dim(self) -> int:
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.mlp == "gelu":
+            return 4 * self.d_model
+        return 32 * math.ceil(8 * self.d_model / 3 / 32)
+
+    @property
+    def has_final_norm(self) -> bool:
+        return FINAL_NORM_DEFAULT[self.placement] if self.final_norm is None else self.final_norm
+
+    @property
+    def alpha(self) -> float:
+        """DeepNorm's residual scale (2L)^(1/4) for a decoder of L layers."""
+        return (2 * self.n_layers) ** 0.25 if self.deepnorm_alpha is None else self.deepnorm_alpha
+
+    @property
+    def beta(self) -> float:
+        """DeepNorm's init gain (8L)^(-1/4)."""
+        return (8 * self.n_layers) ** -0.25 if self.deepnorm_beta is None else self.deepnorm_beta
+
+    def norm_options(self) -> dict:
+        opts: dict = {"eps": self.norm_eps}
+        if self.norm in ("rmsnorm", "prmsnorm"):
+            opts.update(cast=self.norm_cast, eps_mode=self.norm_eps_mode)
+            if self.norm == "prmsnorm" and self.norm_partial is not None:
+                opts["partial"] = self.norm_partial
+        if self.norm in ("layernorm", "rmsnorm", "prmsnorm") and self.backend is not None:
+            opts["backend"] = self.backend
+        if self.norm_weightless:
+            opts["weightless"] = True
+        if self.norm == "none":
+            opts = {}
+        return opts
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> ModelConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+# Named sizes. "tiny": tests (28,832 parameters); "small": the CPU lab (3,279,104 with a 256 vocab);
+# "medium": a GPU, GPT-2-small-like (109,529,856; 84,953,856 without the embedding).
+PRESETS: dict[str, ModelConfig] = {}
+PRESETS["tiny"] = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=32)
+PRESETS["small"] = ModelConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=4, max_seq_len=256)
+PRESETS["medium"] = ModelConfig(vocab_size=32000, d_model=768, n_layers=12, n_heads=12, max_seq_len=1024)
+
+
+# ----------------------------------------------------------------------------------- layers
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[Tensor, Tensor]:
+    """cos and sin, (seq_len, head_dim), for rotating pairs (i, i + head_dim / 2) (Llama/HF)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x (B, H, T, hd); cos, sin (T, hd)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = build_norm("rmsnorm", cfg.head_dim, eps=cfg.norm_eps, backend=cfg.backend)
+            self.k_norm = build_norm("rmsnorm", cfg.head_dim, eps=cfg.norm_eps, backend=cfg.backend)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None, cache: dict | None) -> Tensor:
+        B, T, _ = x.shape  # (B, T, d)
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # generation: append to and attend over the cached keys/values
+            if "k" in cache:
+                k = torch.cat([cache["k"], k], dim=2)
+                v = torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = k, v
+        if self.kv_heads != self.n_heads:
+            rep = self.n_heads // self.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        p = self.dropout if self.training else 0.0
+        if attn_mask is None:
+            y = TF.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=T > 1 and k.shape[2] == T)
+        else:
+            y = TF.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); GELU: down(gelu(up(x)))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.kind = cfg.mlp
+        self.up = nn.Linear(cfg.d_model, cfg.ff_dim, bias=False)
+        self.gate = nn.Linear(cfg.d_model, cfg.ff_dim, bias=False) if cfg.mlp == "swiglu" else None
+        self.down = nn.Linear(cfg.ff_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.gate is not None:
+            return self.down(TF.silu(self.gate(x)) * self.up(x))
+        return self.down(TF.gelu(self.up(x)))
+
+
+def _norm(module: nn.Module, x: Tensor, mask: Tensor | None) -> Tensor:
+    """Call a norm; only sequence BatchNorm takes the padding mask."""
+    if isinstance(module, SequenceBatchNorm):
+        return module(x, mask)
+    return module(x)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.placement = cfg.placement
+        self.alpha = cfg.alpha if cfg.placement == "deepnorm" else 1.0
+        self.attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        norm = lambda: build_norm(cfg.norm, cfg.d_model, **cfg.norm_options())  # noqa: E731
+        self.attn_norm, self.mlp_norm = norm(), norm()
+        # sandwich only: the norm on each branch's output
+        self.attn_out_norm = norm() if cfg.placement == "sandwich" else None
+        self.mlp_out_norm = norm() if cfg.placement == "sandwich" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.record_rms = False  # diagnostics: keep the RMS of the residual stream this block emits
+        self.rms: Tensor | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, attn_mask: Tensor | None,
+                cache: dict | None = None) -> Tensor:
+        attn = lambda h: self.drop(self.attn(h, cos, sin, attn_mask, cache))  # noqa: E731
+        mlp = lambda h: self.drop(self.mlp(h))  # noqa: E731
+        if self.placement == "post":
+            x = _norm(self.attn_norm, x + attn(x), mask)
+            x = _norm(self.mlp_norm, x + mlp(x), mask)
+        elif self.placement == "pre":
+            x = x + attn(_norm(self.attn_norm, x, mask))
+            x = x + mlp(_norm(self.mlp_norm, x, mask))
+        elif self.placement == "sandwich":
+            x = x + _norm(self.attn_out_norm, attn(_norm(self.attn_norm, x, mask)), mask)
+            x = x + _norm(self.mlp_out_norm, mlp(_norm(self.mlp_norm, x, mask)), mask)
+        else:  # deepnorm
+            x = _norm(self.attn_norm, self.alpha * x + attn(x), mask)
+            x = _norm(self.mlp_norm, self.alpha * x + mlp(x), mask)
+        if self.record_rms:
+            self.rms = x.detach().float().pow(2).mean().sqrt()
+        return x
+
+
+# ------------------------------------------------------------------------------------ model
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.final_norm = build_norm(cfg.norm, cfg.d_model, **cfg.norm_options()) if cfg.has_final_norm else None
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ initialization
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        cfg = self.cfg
+        for module in self.modules():  # norms keep their own init (scale 1, bias 0)
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, 0.0, cfg.init_std)
+        for block in self.blocks:
+            if cfg.placement == "deepnorm":
+                self._deepnorm_init(block)
+            else:  # GPT-2's scaled init of the projections that write into the residual stream
+                for proj in (block.attn.wo, block.mlp.down):
+                    nn.init.normal_(proj.weight, 0.0, cfg.init_std / math.sqrt(2 * cfg.n_layers))
+
+    def _deepnorm_init(self, block: Block) -> None:
+        beta = self.cfg.beta
+        attn, mlp = block.attn, block.mlp
+        for proj in (attn.wq, attn.wk):
+            nn.init.xavier_normal_(proj.weight, gain=1.0)
+        for proj in (attn.wv, attn.wo, mlp.up, mlp.down) + ((mlp.gate,) if mlp.gate is not None else ()):
+            nn.init.xavier_normal_(proj.weight, gain=beta)
+
+    # ------------------------------------------------------------------------- forward
+
+    def _attn_mask(self, mask: Tensor | None, T: int, past: int) -> Tensor | None:
+        """Boolean (B, 1, T, past + T): causal, and only real keys; a query always sees itself,
+        so an all-padding row gives finite (ignored) outputs instead of nan."""
+        if mask is None:
+            return None
+        keys = mask if mask.shape[1] == past + T else TF.pad(mask, (past + T - mask.shape[1], 0), value=True)
+        q_pos = torch.arange(past, past + T, device=mask.device)[:, None]
+        k_pos = torch.arange(past + T, device=mask.device)[None, :]
+        causal = k_pos <= q_pos  # (T, S)
+        allowed = causal[None] & keys[:, None, :]
+        allowed = allowed | (k_pos == q_pos)[None]
+        return allowed[:, None]
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None, mask: Tensor | None = None,
+                caches: list[dict] | None = None) -> tuple[Tensor, Tensor | None]:
+        """Logits (B, T, vocab) and, with ``targets``, the mean cross-entropy over real tokens.
+
+        ``mask`` (B, T) bool: True at real tokens; padding is excluded from the loss, from
+        attention keys, and from sequence BatchNorm's statistics. ``caches``: one dict per
+        layer for incremental decoding (see :meth:`generate`).
+        """
+        B, T = idx.shape
+        past = caches[0]["k"].shape[2] if caches and "k" in caches[0] else 0
+        if past + T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {past + T} tokens is longer than max_seq_len={self.cfg.max_seq_len}")
+        if mask is not None and mask.shape != (B, T):
+            raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {(B, T)} (that of idx)")
+        cos, sin = self.rope_cos[past : past + T], self.rope_sin[past : past + T]
+        attn_mask = self._attn_mask(mask, T, past)
+        x = self.drop(self.embed(idx))
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, mask, attn_mask, caches[i] if caches is not None else None)
+        if self.final_norm is not None:
+            x = _norm(self.final_norm, x, mask)
+        logits = self.head(x)
+        loss = None
+        if targets is not None:
+            if mask is not None:
+                targets = targets.masked_fill(~mask, -100)
+            loss = TF.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> Tensor:
+        """Sample ``max_new_tokens`` tokens after ``idx`` (B, T) with a KV cache; temperature 0 is
+        greedy. The prompt is processed once, then one token per step."""
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if idx.shape[1] + max_new_tokens > self.cfg.max_seq_len:
+            raise ValueError(f"prompt ({idx.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len={self.cfg.max_seq_len}")
+        was_training = self.training
+        self.eval()
+        caches: list[dict] = [{} for _ in self.blocks]
+        step = idx
+        out = idx
+        for _ in range(max_new_tokens):
+            logits, _ = self(step, caches=caches)
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            out = torch.cat([out, nxt], dim=1)
+            step = nxt
+        self.train(was_training)
+        return out
+
+    # --------------------------------------------------------------------- diagnostics
+
+    def num_parameters(self, embeddings: bool = True) -> int:
+        """Parameter count (tied weights once); ``embeddings=False`` leaves out the token
+        embedding (and an untied LM head)."""
+        n = sum(p.numel() for p in self.parameters())
+        if not embeddings:
+            n -= self.embed.weight.numel()
+            if not self.cfg.tie_embeddings:
+                n -= self.head.weight.numel()
+        return n
+
+    def record_activations(self, enabled: bool = True) -> None:
+        """Keep each block's output RMS (the residual stream) on the next forwards."""
+        for block in self.blocks:
+            block.record_rms = enabled
+            block.rms = None
+
+    def activation_rms(self) -> list[float]:
+        """RMS of the residual stream after each block, from the last forward (see
+        :meth:`record_activations`)."""
+        return [float(b.rms) if b.rms is not None else float("nan") for b in self.blocks]
+
+    def grad_norms(self) -> list[dict[str, float]]:
+        """Per layer: gradient norms of the attention and MLP sublayers (all their weights), and
+        of their output projections alone (``attn_out``: wo, ``mlp_out``: the MLP's down
+        projection, the quantity of Xiong et al.'s Fig. 3). Reads ``.grad``: call after backward."""
+
+        def norm(params) -> float:
+            grads = [p.grad.detach().float() for p in params if p.grad is not None]
+            return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
+
+        out = []
+        for block in self.blocks:
+            out.append({
+                "attn": norm(block.attn.parameters()),
+                "mlp": norm(block.mlp.parameters()),
+                "attn_out": norm([block.attn.wo.weight]),
+                "mlp_out": norm([block.mlp.down.weight]),
+            })
+        return out

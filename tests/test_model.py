@@ -1,0 +1,270 @@
+"""The decoder: each placement's defining property, DeepNorm's init, the KV cache, BatchNorm's
+padding and batch dependence, every norm x placement training, torch.compile, parameter counts."""
+
+import math
+
+import pytest
+import torch
+
+from normlab.model import PLACEMENTS, Decoder, ModelConfig
+from normlab.nn import NORM_KINDS
+
+
+def model(gen, **kw):
+    torch.manual_seed(gen.initial_seed() % 2**31)
+    return Decoder(ModelConfig.preset("tiny", **kw))
+
+
+def tokens(gen, B=3, T=16, vocab=64):
+    return torch.randint(0, vocab, (B, T), generator=gen)
+
+
+def _block_outputs(m, idx, mask=None):
+    outs = []
+    hooks = [b.register_forward_hook(lambda mod, args, out: outs.append(out.detach())) for b in m.blocks]
+    m(idx, mask=mask)
+    for h in hooks:
+        h.remove()
+    return outs
+
+
+def _token_rms(x):
+    return x.pow(2).mean(-1).sqrt()  # (B, T)
+
+
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("placement", ["post", "deepnorm"])
+def test_post_and_deepnorm_blocks_emit_normalized_tokens(gen, placement, norm):
+    m = model(gen, placement=placement, norm=norm, n_layers=3)
+    for out in _block_outputs(m, tokens(gen)):
+        # the norm's weight is 1 at init: every token's RMS is 1 (LayerNorm: mean 0, std 1)
+        assert torch.allclose(_token_rms(out), torch.ones(()), atol=1e-3)
+    assert m.final_norm is None
+
+
+def test_pre_keeps_the_residual_stream_unnormalized_and_applies_the_final_norm(gen):
+    m = model(gen, placement="pre", n_layers=3)
+    idx = tokens(gen)
+    outs = _block_outputs(m, idx)
+    rms = torch.stack([_token_rms(o) for o in outs])
+    assert (rms - 1).abs().max() > 0.5  # embeddings at std 0.02: far from unit RMS
+    assert m.final_norm is not None
+    logits, _ = m(idx)
+    assert torch.allclose(logits, m.head(m.final_norm(outs[-1])), atol=1e-5)
+
+
+def test_sandwich_normalizes_each_branch_output(gen):
+    # branch outputs are tiny at init (std 0.02 weights): a small eps keeps it from dominating
+    m = model(gen, placement="sandwich", n_layers=2, norm_eps=1e-10)
+    seen = []
+    for b in m.blocks:
+        for n in (b.attn_out_norm, b.mlp_out_norm):
+            n.register_forward_hook(lambda mod, args, out: seen.append(out.detach()))
+    m(tokens(gen))
+    assert len(seen) == 4
+    for out in seen:
+        assert torch.allclose(_token_rms(out), torch.ones(()), atol=1e-3)
+    assert m.final_norm is not None
+
+
+def test_final_norm_override(gen):
+    assert model(gen, placement="post", final_norm=True).final_norm is not None
+    assert model(gen, placement="pre", final_norm=False).final_norm is None
+
+
+def test_deepnorm_alpha_and_init_follow_deepnet(gen):
+    L = 6
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny", placement="deepnorm", n_layers=L, d_model=64, n_heads=4)
+    m = Decoder(cfg)
+    assert cfg.alpha == pytest.approx((2 * L) ** 0.25) and cfg.beta == pytest.approx((8 * L) ** -0.25)
+    assert all(b.alpha == pytest.approx((2 * L) ** 0.25) for b in m.blocks)
+
+    def xavier_std(w, gain):
+        fan_out, fan_in = w.shape
+        return gain * math.sqrt(2.0 / (fan_in + fan_out))
+
+    groups = {"q, k (gain 1)": ([b.attn.wq.weight for b in m.blocks] + [b.attn.wk.weight for b in m.blocks], 1.0),
+              "v, o, mlp (gain beta)": ([w for b in m.blocks for w in (b.attn.wv.weight, b.attn.wo.weight, b.mlp.up.weight,
+                                                                       b.mlp.gate.weight, b.mlp.down.weight)], cfg.beta)}
+    for name, (weights, gain) in groups.items():
+        for w in weights:
+            expected = xavier_std(w, gain)
+            n = w.numel()
+            # the sample std of n normal draws is within a few 1/sqrt(2n) of the truth
+            assert abs(w.std().item() / expected - 1) < 5 / math.sqrt(2 * n), name
+    # the other placements use N(0, 0.02) and scaled output projections instead
+    pre = Decoder(ModelConfig.preset("tiny", n_layers=L, d_model=64, n_heads=4))
+    assert abs(pre.blocks[0].attn.wq.weight.std().item() - 0.02) < 0.002
+    assert abs(pre.blocks[0].attn.wo.weight.std().item() - 0.02 / math.sqrt(2 * L)) < 0.001
+
+
+def test_deepnorm_init_picks_weights_by_role_not_by_name(gen):
+    # renaming a projection must not change which init it gets: the init walks the modules
+    m = model(gen, placement="deepnorm")
+    assert not any("o_proj" in n or "down_proj" in n for n, _ in m.named_parameters())
+    assert hasattr(m.blocks[0].attn, "wo") and hasattr(m.blocks[0].mlp, "down")
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("extra", [{}, {"qk_norm": True, "n_kv_heads": 1}, {"mlp": "gelu", "norm": "layernorm"}], ids=str)
+def test_kv_cache_gives_the_full_forward_logits(gen, placement, extra):
+    m = model(gen, placement=placement, **extra).eval()
+    idx = tokens(gen, B=2, T=12)
+    full, _ = m(idx)
+    caches = [{} for _ in m.blocks]
+    steps = [m(idx[:, :5], caches=caches)[0]]
+    for t in range(5, 12):
+        steps.append(m(idx[:, t : t + 1], caches=caches)[0])
+    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
+
+
+def test_generate_greedy_matches_argmax_of_full_forward(gen):
+    m = model(gen).eval()
+    prompt = tokens(gen, B=2, T=4)
+    out = m.generate(prompt, 6, temperature=0)
+    assert out.shape == (2, 10) and torch.equal(out[:, :4], prompt)
+    for t in range(4, 10):
+        logits, _ = m(out[:, :t])
+        assert torch.equal(logits[:, -1].argmax(-1), out[:, t])
+    sampled = m.generate(prompt, 6, temperature=0.8, top_k=5, generator=torch.Generator().manual_seed(0))
+    assert sampled.shape == (2, 10)
+    with pytest.raises(ValueError, match="exceeds max_seq_len=32"):
+        m.generate(prompt, 40)
+
+
+def test_batchnorm_honours_the_mask_and_depends_on_batch_mates(gen):
+    m = model(gen, norm="batchnorm", placement="pre")
+    seq = tokens(gen, B=1, T=10)
+    pad_a = torch.cat([seq, tokens(gen, B=1, T=6)], dim=1)
+    pad_b = torch.cat([seq, tokens(gen, B=1, T=6)], dim=1)
+    mask = torch.tensor([[True] * 10 + [False] * 6])
+    m.train()
+    la, _ = m(pad_a, mask=mask)
+    lb, _ = m(pad_b, mask=mask)
+    assert torch.allclose(la[:, :10], lb[:, :10], atol=1e-5)  # padding after it changes nothing
+    mate = tokens(gen, B=1, T=16)
+    both, _ = m(torch.cat([pad_a, mate]), mask=torch.cat([mask, torch.ones(1, 16, dtype=torch.bool)]))
+    assert (both[0, :10] - la[0, :10]).abs().max() > 1e-3  # ...but a batch-mate does
+    m.eval()  # eval: running statistics, so batch-mates no longer matter
+    e1, _ = m(pad_a, mask=mask)
+    e2, _ = m(torch.cat([pad_a, mate]), mask=torch.cat([mask, torch.ones(1, 16, dtype=torch.bool)]))
+    assert torch.allclose(e1[0, :10], e2[0, :10], atol=1e-5)
+    bn = m.blocks[0].attn_norm
+    assert int(bn.num_batches_tracked) == 3 and not torch.equal(bn.running_mean, torch.zeros_like(bn.running_mean))
+
+
+def test_padding_is_excluded_from_the_loss(gen):
+    m = model(gen)
+    idx, tgt = tokens(gen), tokens(gen)
+    mask = torch.ones_like(idx, dtype=torch.bool)
+    mask[:, 12:] = False
+    _, loss = m(idx, tgt, mask=mask)
+    tgt2 = tgt.clone()
+    tgt2[:, 12:] = (tgt2[:, 12:] + 1) % 64
+    _, loss2 = m(idx, tgt2, mask=mask)
+    assert torch.equal(loss, loss2)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("norm", NORM_KINDS)
+def test_every_norm_and_placement_trains(gen, norm, placement):
+    m = model(gen, norm=norm, placement=placement)
+    idx, tgt = tokens(gen, B=4, T=16), tokens(gen, B=4, T=16)
+    opt = torch.optim.AdamW(m.parameters(), lr=5e-3)
+    losses = []
+    for _ in range(20):
+        _, loss = m(idx, tgt)
+        opt.zero_grad()
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_compiled_model_matches_eager(gen):
+    m = model(gen, qk_norm=True)
+    idx, tgt = tokens(gen), tokens(gen)
+    logits, loss = m(idx, tgt)
+    loss.backward()
+    g = m.blocks[0].attn.wq.weight.grad.clone()
+    m.zero_grad()
+    cm = torch.compile(m, backend="aot_eager", fullgraph=True)
+    clogits, closs = cm(idx, tgt)
+    closs.backward()
+    assert torch.allclose(clogits, logits, atol=1e-5) and torch.allclose(closs, loss, atol=1e-6)
+    assert torch.allclose(m.blocks[0].attn.wq.weight.grad, g, atol=1e-6)
+
+
+def test_diagnostics_do_not_change_the_forward(gen):
+    m = model(gen, n_layers=3)
+    idx, tgt = tokens(gen), tokens(gen)
+    base, loss = m(idx, tgt)
+    loss.backward()
+    norms = m.grad_norms()
+    assert len(norms) == 3 and all(n["mlp_out"] > 0 and n["attn"] > 0 for n in norms)
+    m.record_activations(True)
+    again, _ = m(idx, tgt)
+    assert torch.equal(base, again)
+    rms = m.activation_rms()
+    assert len(rms) == 3 and all(r > 0 for r in rms)
+    m.record_activations(False)
+    m(idx)
+    assert all(math.isnan(r) for r in m.activation_rms())
+
+
+def test_parameter_counts_of_the_presets():
+    for name in ("tiny", "small", "medium"):
+        cfg = ModelConfig.preset(name)
+        d, L, V, f = cfg.d_model, cfg.n_layers, cfg.vocab_size, cfg.ff_dim
+        kv = cfg.kv_heads * cfg.head_dim
+        per_block = d * d * 2 + d * kv * 2 + 3 * d * f + 2 * d  # q, o; k, v; gate/up/down; 2 RMSNorm weights
+        expected = V * d + L * per_block + d  # tied head; final norm
+        m = Decoder(cfg)
+        assert m.num_parameters() == expected, name
+        assert m.num_parameters(embeddings=False) == expected - V * d
+    assert Decoder(ModelConfig.preset("small")).num_parameters() == 3_279_104  # as documented in model.py
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"d_model": 30, "n_heads": 4}, r"d_model \(30\) must be divisible by n_heads \(4\)"),
+        ({"norm": "groupnorm"}, r"norm must be one of 'layernorm'.*got 'groupnorm'"),
+        ({"placement": "middle"}, r"placement must be one of 'post', 'pre', 'sandwich', 'deepnorm'; got 'middle'"),
+        ({"norm": "rmsnorm", "norm_partial": 0.25}, r"norm_partial is set \(0.25\) but norm is 'rmsnorm'; use norm='prmsnorm'"),
+        ({"n_heads": 4, "n_kv_heads": 3, "d_model": 32}, r"n_heads \(4\) must be divisible by n_kv_heads \(3\)"),
+        ({"mlp": "relu"}, r"mlp must be one of 'swiglu', 'gelu'"),
+        ({"dropout": 1.0}, r"dropout must be in \[0, 1\)"),
+        ({"n_layers": 0}, r"n_layers must be a positive int"),
+    ],
+)
+def test_config_errors_say_what_to_change(kw, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.preset("tiny", **kw)
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown preset 'huge'; choose from tiny, small, medium"):
+        ModelConfig.preset("huge")
+
+
+def test_prmsnorm_uses_the_papers_p_by_default(gen):
+    m = model(gen, norm="prmsnorm")
+    assert m.blocks[0].attn_norm.partial == 0.0625
+    assert model(gen, norm="prmsnorm", norm_partial=0.5).blocks[0].attn_norm.partial == 0.5
+
+
+def test_inductor_compiled_model_matches_eager(gen):
+    # the real compiler (C++ codegen on CPU), forward and backward; about 20 s
+    m = model(gen, norm="layernorm", placement="sandwich")
+    idx, tgt = tokens(gen), tokens(gen)
+    logits, loss = m(idx, tgt)
+    loss.backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    clogits, closs = torch.compile(m, fullgraph=True)(idx, tgt)
+    closs.backward()
+    assert torch.allclose(clogits, logits, atol=1e-5)
+    assert all(torch.allclose(p.grad, g, atol=1e-5) for p, g in zip(m.parameters(), grads))
