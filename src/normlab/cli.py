@@ -153,10 +153,10 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[bold]config[/bold] model: preset {tcfg.preset} + {model_overrides}")
     summary = train.train(tcfg, model_overrides, resume=bool(args.resume), console=console)
     if int(os.environ.get("RANK", "0")) == 0:
-        color = {"completed": "green", "diverged": "red", "interrupted": "yellow"}.get(summary["status"], "white")
+        color = {"completed": "green", "diverged": "red", "interrupted": "yellow", "stopped": "yellow"}.get(summary["status"], "white")
         console.print(f"[{color}]{summary['status']}[/{color}] at step {summary['step']}: loss {summary.get('loss', float('nan')):.4f}, "
                       f"val {summary.get('val_loss', float('nan')):.4f}, {summary.get('tokens_per_s') or 0:.0f} tokens/s; run in {tcfg.out}")
-    return 0 if summary["status"] in ("completed", "diverged") else 130
+    return 130 if summary["status"] == "interrupted" else 0
 
 
 def cmd_sample(args: argparse.Namespace, console: Console) -> int:
@@ -233,7 +233,13 @@ def _cuda() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # key=value overrides may come after options (`normlab train --quiet steps=10`)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if getattr(args, "command", None) == "train" and all("=" in e and not e.startswith("-") for e in extra):
+            args.overrides = list(args.overrides) + extra
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

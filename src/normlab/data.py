@@ -92,7 +92,10 @@ def extract_texts(archive: Path, dest: Path) -> list[Path]:
         for member in tar.getmembers():
             if not _modern_text_member(member.name):
                 continue
-            safe = tarfile.data_filter(member, str(dest))  # raises on absolute paths, .., links
+            try:
+                safe = tarfile.data_filter(member, str(dest))  # refuses absolute paths, .., links
+            except tarfile.FilterError as err:
+                raise DataError(f"archive {archive} has an unsafe member {member.name!r}: {err}") from err
             if not safe.isfile():
                 continue
             data = tar.extractfile(member).read()
@@ -354,17 +357,23 @@ class Batches:
     """Random windows of ``seq_len + 1`` tokens from a token array, drawn by a seeded generator.
 
     The generator's state is the position in the data: saving and restoring it (``state`` /
-    ``load_state``) replays exactly the same batches."""
+    ``load_state``) replays exactly the same batches. With ``world`` processes every rank draws
+    the same global batch of ``batch_size`` windows and reads only its own slice, so the global
+    batch, and the data position, are those of a single-process run."""
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int) -> None:
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, rank: int = 0, world: int = 1) -> None:
         if len(tokens) < seq_len + 2:
             raise DataError(f"the split has {len(tokens)} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}; "
                             f"use more text or a shorter seq_len")
+        if batch_size % world:
+            raise DataError(f"batch_size {batch_size} must divide by the number of processes ({world})")
         self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
+        per = batch_size // world
+        self.rows = slice(rank * per, (rank + 1) * per)
         self.gen = torch.Generator().manual_seed(seed)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.batch_size,), generator=self.gen)
+        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.batch_size,), generator=self.gen)[self.rows]
         rows = np.stack([np.asarray(self.tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in starts.tolist()])
         t = torch.from_numpy(rows)
         return t[:, :-1], t[:, 1:]

@@ -58,6 +58,7 @@ class TrainConfig:
     diag_every: int = 0  # steps between per-layer gradient norms and activation RMS (0: never)
     ckpt_every: int = 500  # steps between checkpoints (0: only at the end)
     diverge_factor: float = 3.0  # a loss above this times the first loss ends the run as "diverged"
+    stop_at: int = 0  # stop with a checkpoint after this step, to --resume later (0: run to the end)
     seed: int = 0
     out: str = "runs/default"  # the run directory
     quiet: bool = False  # no progress bar
@@ -232,7 +233,7 @@ def train(tcfg: TrainConfig, model_overrides: dict | None = None, *, resume: boo
 def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank, world, main_rank, distributed):
     if resume:
         saved = json.loads((out / "config.json").read_text())
-        tcfg = TrainConfig(**{**saved["train"], "out": str(out), "quiet": tcfg.quiet})
+        tcfg = TrainConfig(**{**saved["train"], "out": str(out), "quiet": tcfg.quiet, "stop_at": tcfg.stop_at})
         model_overrides = saved["model"]
     dataset = D.prepare(tcfg.data, tcfg.tokenizer, tcfg.bpe_vocab, tcfg.val_fraction)
     mcfg = ModelConfig.preset(tcfg.preset, **{**model_overrides, "vocab_size": dataset.tokenizer.vocab_size})
@@ -243,8 +244,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
     model = Decoder(mcfg).to(device)
     opt = make_optimizer(model, tcfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, tcfg) / tcfg.lr)
-    per_rank = tcfg.batch_size // world
-    batches = D.Batches(dataset.train, per_rank, seq_len, tcfg.seed * 1000 + rank)
+    batches = D.Batches(dataset.train, tcfg.batch_size, seq_len, tcfg.seed, rank, world)
     val_batches = [b for b in _fixed_batches(dataset.val, tcfg, seq_len)]
     start = 0
     first_loss = None  # the divergence test compares with it (restored on resume)
@@ -258,7 +258,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
-        batches.load_state(state["data"][rank] if rank < len(state["data"]) else state["data"][0])
+        batches.load_state(state["data"])
         start = int(state["step"])
         first_loss = state.get("first_loss")
     elif main_rank:
@@ -280,15 +280,12 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
             metrics.flush()  # a crash loses nothing that was logged
 
     def checkpoint(step: int) -> None:
-        data_states = [batches.state()]
-        if distributed:
-            gathered = [torch.empty_like(data_states[0]) for _ in range(world)]
-            dist.all_gather(gathered, data_states[0])
-            data_states = gathered
-        if main_rank:
+        if main_rank:  # every rank holds the same data position and (DDP) the same weights
             save_checkpoint(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
                                         "scheduler": sched.state_dict(), "rng": torch.get_rng_state(),
-                                        "data": data_states, "step": step, "first_loss": first_loss})
+                                        "data": batches.state(), "step": step, "first_loss": first_loss})
+        if distributed:
+            dist.barrier()
 
     status = "completed"
     with _Stop() as stop, (progress or _null()):
@@ -341,6 +338,9 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
                 checkpoint(step + 1)
             if stop.requested:
                 status = "interrupted"
+                break
+            if tcfg.stop_at and step + 1 >= tcfg.stop_at and not last:
+                status = "stopped"
                 break
     if status != "diverged" or not ckpt_path.exists():
         # diverged: the last good checkpoint stays; with none written yet, the state reached is

