@@ -244,11 +244,12 @@ def test_non_finite_rows_stay_in_their_row(gen, op, dtype, bad):
     x = leaves["x"].requires_grad_()
     outs = _call(op, leaves, {}, "cpu")
     good = [0, 1, 2, 4, 5]
-    ref = _call(op, {k: (v[good] if v.dim() == 2 else v) for k, v in leaves.items()}, {}, "reference")
-    for o, r in zip(outs, ref):
+    # rows are independent: the good rows come out bitwise as if the bad row were not there
+    alone = _call(op, {k: (v[good].detach() if v.dim() == 2 else v) for k, v in leaves.items()}, {}, "cpu")
+    for o, r in zip(outs, alone):
         assert torch.isfinite(o[good]).all()
         assert not torch.isfinite(o[3]).all()
-        assert_close(o[good], r.double(), lowp=r, dtype=r.dtype)
+        assert torch.equal(o[good], r)
     (g,) = torch.autograd.grad(outs[0].float().sum(), x)
     assert torch.isfinite(g[good]).all()
 
