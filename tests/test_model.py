@@ -268,3 +268,15 @@ def test_inductor_compiled_model_matches_eager(gen):
     closs.backward()
     assert torch.allclose(clogits, logits, atol=1e-5)
     assert all(torch.allclose(p.grad, g, atol=1e-5) for p, g in zip(m.parameters(), grads))
+
+
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+def test_torch_norm_impl_gives_the_same_model(gen, norm):
+    ours = model(gen, norm=norm)
+    theirs = Decoder(ModelConfig.preset("tiny", norm=norm, norm_impl="torch"))
+    theirs.load_state_dict(ours.state_dict())  # same parameter names
+    assert type(theirs.blocks[0].attn_norm).__module__.startswith("torch.nn")
+    idx = tokens(gen)
+    assert torch.allclose(ours(idx)[0], theirs(idx)[0], atol=1e-5)
+    with pytest.raises(ValueError, match="norm_impl='torch' exists for layernorm and rmsnorm only"):
+        ModelConfig.preset("tiny", norm="prmsnorm", norm_impl="torch")

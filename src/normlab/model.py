@@ -61,6 +61,7 @@ class ModelConfig:
     deepnorm_alpha: float | None = None  # residual scale; None: (2 L)^(1/4)
     deepnorm_beta: float | None = None  # init gain; None: (8 L)^(-1/4)
     backend: str | None = None  # normlab backend for the norms; None: auto
+    norm_impl: str = "normlab"  # "torch": torch.nn.LayerNorm / nn.RMSNorm instead (speed comparisons)
     init_std: float = 0.02  # std of the normal init (not used by deepnorm's xavier groups)
 
     def __post_init__(self) -> None:
@@ -99,6 +100,9 @@ class ModelConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.norm_eps < 0 or not math.isfinite(self.norm_eps):
             raise ValueError(f"norm_eps must be a finite number >= 0, got {self.norm_eps}")
+        choice("norm_impl", ("normlab", "torch"))
+        if self.norm_impl == "torch" and self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"norm_impl='torch' exists for layernorm and rmsnorm only, not {self.norm!r}")
         if self.d_ff is not None and self.d_ff < 1:
             raise ValueError(f"d_ff must be positive or None, got {self.d_ff}")
 
@@ -238,6 +242,16 @@ class MLP(nn.Module):
         return self.down(TF.gelu(self.up(x)))
 
 
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """The norm the config asks for, over d_model."""
+    if cfg.norm_impl == "torch":
+        affine = not cfg.norm_weightless
+        if cfg.norm == "layernorm":
+            return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, elementwise_affine=affine)
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps, elementwise_affine=affine)
+    return build_norm(cfg.norm, cfg.d_model, **cfg.norm_options())
+
+
 def _norm(module: nn.Module, x: Tensor, mask: Tensor | None) -> Tensor:
     """Call a norm; only sequence BatchNorm takes the padding mask."""
     if isinstance(module, SequenceBatchNorm):
@@ -252,11 +266,10 @@ class Block(nn.Module):
         self.alpha = cfg.alpha if cfg.placement == "deepnorm" else 1.0
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg)
-        norm = lambda: build_norm(cfg.norm, cfg.d_model, **cfg.norm_options())  # noqa: E731
-        self.attn_norm, self.mlp_norm = norm(), norm()
+        self.attn_norm, self.mlp_norm = make_norm(cfg), make_norm(cfg)
         # sandwich only: the norm on each branch's output
-        self.attn_out_norm = norm() if cfg.placement == "sandwich" else None
-        self.mlp_out_norm = norm() if cfg.placement == "sandwich" else None
+        self.attn_out_norm = make_norm(cfg) if cfg.placement == "sandwich" else None
+        self.mlp_out_norm = make_norm(cfg) if cfg.placement == "sandwich" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.record_rms = False  # diagnostics: keep the RMS of the residual stream this block emits
         self.rms: Tensor | None = None
@@ -293,7 +306,7 @@ class Decoder(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.final_norm = build_norm(cfg.norm, cfg.d_model, **cfg.norm_options()) if cfg.has_final_norm else None
+        self.final_norm = make_norm(cfg) if cfg.has_final_norm else None
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
