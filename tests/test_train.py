@@ -147,3 +147,13 @@ def test_cli_refuses_to_overwrite_a_run_and_reports_data_errors(corpus, tmp_path
     assert "already holds a run" in capsys.readouterr().out
     assert main(["train", f"data={tmp_path / 'nothing'}", "--quiet", f"out={tmp_path / 'r2'}"]) == 2
     assert "neither a corpus" in capsys.readouterr().out
+
+
+def test_bf16_autocast_and_gradient_accumulation_train(corpus, tmp_path):
+    tcfg, m = tiny(corpus, tmp_path / "bf16", dtype="bf16", grad_accum=2, steps=20, eval_every=0, ckpt_every=0)
+    summary = T.train(tcfg, m)
+    assert summary["status"] == "completed"
+    ls = losses(tmp_path / "bf16")
+    assert len(ls) == 20 and ls[-1] < ls[0] - 0.3
+    step = json.loads((tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["tokens_per_s"] > 0 and step["lr"] == pytest.approx(3e-3 / 3)  # warmup: step 1 of 3

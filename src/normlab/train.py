@@ -41,7 +41,7 @@ class TrainConfig:
     val_fraction: float = 0.1  # share of documents held out for validation
     preset: str = "small"  # model preset; model fields (d_model=..., norm=...) override it
     steps: int = 1000  # optimizer steps
-    batch_size: int = 16  # sequences per step (all ranks together)
+    batch_size: int = 16  # sequences per micro-batch, all ranks together (a step: batch_size * grad_accum)
     seq_len: int | None = None  # tokens per sequence; None: the model's max_seq_len
     grad_accum: int = 1  # micro-batches per step
     lr: float = 1e-3  # peak learning rate
