@@ -397,3 +397,14 @@ def test_outputs_from_the_pool_are_not_overwritten_while_alive(gen):
     keep = y1.clone()
     y2 = F.rms_norm(x * 2, backend="cpu")  # must not land in y1's buffer
     assert y1.data_ptr() != y2.data_ptr() and torch.equal(y1, keep)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_forward_is_batch_invariant(gen, op, dtype):
+    # a row's output does not depend on how many rows share the call (chunk boundaries move)
+    leaves = _leaves(gen, op, (9, 300), dtype)
+    full = _call(op, leaves, {}, "cpu")
+    for rows in ([4], [0, 8], [2, 3, 4, 5, 6]):
+        part = _call(op, {k: (v[rows] if v.dim() == 2 else v) for k, v in leaves.items()}, {}, "cpu")
+        assert all(torch.equal(f[rows], p) for f, p in zip(full, part)), rows

@@ -205,25 +205,6 @@ def _split(mean):
 
 
 @njit
-def _shifted_mean(xr, n):
-    # Shifted by the row's first element: x - x0 is exact for values near each other (Sterbenz)
-    # and small, so float32 block sums stay accurate for rows with a large mean (1e4), where
-    # summing the raw values in float32 loses about an ulp of the mean.
-    x0 = _load(xr, 0)
-    total = 0.0
-    full = n - n % BLOCK
-    for j in range(0, full, BLOCK):
-        part = np.float32(0.0)
-        for i in range(j, j + BLOCK):
-            part += _load(xr, i) - x0
-        total += part
-    part = np.float32(0.0)
-    for i in range(full, n):
-        part += _load(xr, i) - x0
-    return np.float64(x0) + (total + part) / n
-
-
-@njit
 def _variance(xr, n, mean):
     """Second pass over a row in cache: mean((x - mean)^2), no E[x^2] - E[x]^2 cancellation."""
     mhi, mlo = _split(mean)
@@ -240,28 +221,6 @@ def _variance(xr, n, mean):
         c = _centred(_load(xr, i), mhi, mlo)
         part += c * c
     return (total + part) / n
-
-
-@njit
-def _add_sumsq(xr, rr, sr, k):
-    """sr = xr + rr (rounded to sr's dtype, torch's semantics); returns the sum of squares of
-    the stored sr[:k]."""
-    total = 0.0
-    full = k - k % BLOCK
-    for j in range(0, full, BLOCK):
-        part = np.float32(0.0)
-        for i in range(j, j + BLOCK):
-            v = _round_like(sr, _load(xr, i) + _load(rr, i))
-            _store(sr, i, v)
-            part += v * v
-        total += part
-    part = np.float32(0.0)
-    for i in range(full, sr.shape[0]):
-        v = _round_like(sr, _load(xr, i) + _load(rr, i))
-        _store(sr, i, v)
-        if i < k:
-            part += v * v
-    return total + part
 
 
 @njit
@@ -353,7 +312,9 @@ def _next_value(xn, rn, sn, i):
 @njit
 def _ln_write_next(xr, w, b, yr, mean, rs, xn, rn, sn):
     """Write yr = layer_norm(xr). Meanwhile stream the next row (forming sn = xn + rn first when
-    rn is given) and return its mean, shifted by its first element (see _shifted_mean)."""
+    rn is given) and return its mean. The sum is shifted by the row's first element: x - x0 is exact for
+    values near each other (Sterbenz) and small, so float32 block sums stay accurate for rows with
+    a large mean (1e4), where summing the raw values in float32 loses about an ulp of the mean."""
     d = yr.shape[0]
     mhi, mlo = _split(mean)
     if xn is None:
@@ -385,7 +346,10 @@ def rms_fwd(x, w, y, rstd, eps, inside, k, rnd, nchunks):
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         if r1 > r0:
-            ss = _sumsq(x[r0], k)
+            # the chunk's first row goes through the same fused loop as the others (its output
+            # is written again below): every row's sums then add in the same order, so a row's
+            # result does not depend on where the chunk boundaries fall (batch invariance)
+            ss = _rms_write_next(x[r0], w, y[r0], np.float32(0.0), rnd, k, x[r0])
             for r in range(r0, r1):
                 rs = _rms_scale(ss, k, eps, inside)
                 rstd[r] = rs
@@ -401,7 +365,10 @@ def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, rnd, nchunks):
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         if r1 > r0:
-            ss = _add_sumsq(x[r0], res[r0], s[r0], k)
+            # a scratch "current" row: s[r0] itself would alias the row being formed, and LLVM
+            # then takes its scalar fallback loop, whose sums round differently
+            scratch = np.zeros_like(s[r0])
+            ss = _add_rms_write_next(scratch, w, y[r0], np.float32(0.0), rnd, k, x[r0], res[r0], s[r0])
             for r in range(r0, r1):
                 rs = _rms_scale(ss, k, eps, inside)
                 rstd[r] = rs
@@ -417,7 +384,7 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, nchunks):
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         if r1 > r0:
-            mu = _shifted_mean(x[r0], d)
+            mu = _ln_write_next(x[r0], w, b, y[r0], 0.0, np.float32(0.0), x[r0], None, None)
             for r in range(r0, r1):
                 rs = np.float32(1.0 / math.sqrt(_variance(x[r], d, mu) + eps))
                 mean[r] = mu
@@ -434,8 +401,8 @@ def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, nchunks):
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         if r1 > r0:
-            _add_sumsq(x[r0], res[r0], s[r0], 0)
-            mu = _shifted_mean(s[r0], d)
+            scratch = np.zeros_like(s[r0])  # not s[r0]: see add_rms_fwd
+            mu = _ln_write_next(scratch, w, b, y[r0], 0.0, np.float32(0.0), x[r0], res[r0], s[r0])
             for r in range(r0, r1):
                 rs = np.float32(1.0 / math.sqrt(_variance(s[r], d, mu) + eps))
                 mean[r] = mu
