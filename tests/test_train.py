@@ -157,3 +157,14 @@ def test_bf16_autocast_and_gradient_accumulation_train(corpus, tmp_path):
     assert len(ls) == 20 and ls[-1] < ls[0] - 0.3
     step = json.loads((tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()[0])
     assert step["tokens_per_s"] > 0 and step["lr"] == pytest.approx(3e-3 / 3)  # warmup: step 1 of 3
+
+
+def test_resuming_with_an_incompatible_checkpoint_says_so(corpus, tmp_path):
+    tcfg, m = tiny(corpus, tmp_path / "run", steps=3, eval_every=0)
+    T.train(tcfg, m)
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    cfg["model"]["d_model"] = 64  # the saved weights are for d_model 32
+    (tmp_path / "run" / "config.json").write_text(json.dumps(cfg))
+    tcfg, _ = tiny(corpus, tmp_path / "run", steps=3)
+    with pytest.raises(ValueError, match="does not fit this model config"):
+        T.train(tcfg, None, resume=True)
