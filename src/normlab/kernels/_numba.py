@@ -1,5 +1,9 @@
 """numba kernels for the CPU backend: the compute layer only (launchers live in cpu.py).
 
+One file on purpose, although it passes STYLE.md's 600 lines: numba's on-disk cache checks only
+the timestamp of the file that defines a kernel, so helpers split into another module could
+change while cached kernels that inlined them stay stale.
+
 Every kernel takes 2-D C-contiguous (rows, d) arrays and splits the rows into ``nchunks``
 contiguous chunks, one ``prange`` iteration each. A chunk owns its slice of the outputs and its
 own row of the weight-gradient partials, so results do not depend on which thread ran which
