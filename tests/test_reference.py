@@ -51,7 +51,11 @@ def test_layer_norm(gen, dtype, lead, d, affine):
     b = rand(gen, d, dtype=dtype) if affine == "weight+bias" else None
     y = R.layer_norm(x, w, b, 1e-5)
     assert y.dtype == dtype
-    assert_close(y, ln_truth(x, w, b, 1e-5))
+    # x - mean cancels when a row's values are close (d = 3): the error scales with |x| * rstd
+    xd = x.double()
+    rstd = torch.rsqrt((xd - xd.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True) + 1e-5)
+    mag = (xd.abs() + xd.mean(-1, keepdim=True).abs()) * rstd * (w.double().abs() if w is not None else 1.0)
+    assert_close(y, ln_truth(x, w, b, 1e-5), magnitude=mag)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
