@@ -278,5 +278,8 @@ def test_layer_norm_properties(lead, d, affine, mean, seed):
     mu = xd.sum(-1, keepdim=True) / d
     var = ((xd - mu) ** 2).sum(-1, keepdim=True) / d
     truth = (xd - mu) / torch.sqrt(var + 1e-5) * (w.double() if w is not None else 1.0) + (b.double() if b is not None else 0.0)
-    # Inputs near 1e3 carry fp32 rounding of ~6e-5 per element: relative to unit spread.
-    assert torch.allclose(y.double(), truth, atol=1e-5 + 2e-7 * mean * (1 + (w.abs().max().item() if w is not None else 0)), rtol=1e-5)
+    # fp32 x - mean carries an ulp of |x| (large for mean 1e3), scaled by rstd (large when a
+    # row's few values are close): the bound follows the size of those terms.
+    rstd = torch.rsqrt(var + 1e-5)
+    terms = (xd.abs() + mu.abs()) * rstd * (w.double().abs() if w is not None else 1.0)
+    assert torch.all((y.double() - truth).abs() <= 1e-5 + 1e-5 * truth.abs() + 4e-7 * terms)
