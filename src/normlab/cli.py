@@ -208,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train a decoder. Keys are the training fields (steps, lr, warmup, batch_size, data, "
                                    "tokenizer, out, ...) and the model fields (preset, norm, placement, d_model, ...); "
                                    "key=value overrides win over --config, which wins over the defaults.")
+    p.epilog = _train_keys()
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.add_argument("--config", help="a JSON file of fields")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR exactly where it stopped")
@@ -223,6 +225,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_sample)
     return parser
+
+
+def _train_keys() -> str:
+    """Every key `normlab train` takes, with its default."""
+    import textwrap
+
+    from normlab.model import PRESETS, ModelConfig
+    from normlab.train import TrainConfig
+
+    def listing(cls, skip=()):
+        items = [f"{f.name}={f.default}" for f in dataclasses.fields(cls) if f.name not in skip]
+        return textwrap.fill(", ".join(items), width=100, initial_indent="  ", subsequent_indent="  ")
+
+    return (f"training keys (defaults):\n{listing(TrainConfig)}\n"
+            f"model keys (defaults of preset 'small'; presets: {', '.join(PRESETS)}):\n"
+            f"{listing(type(PRESETS['small']), skip=('vocab_size',))}\n"
+            "vocab_size comes from the tokenizer.")
 
 
 def _cuda() -> bool:
