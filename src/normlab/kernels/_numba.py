@@ -241,69 +241,6 @@ def _rms_y(xr, w, yr, rs, rnd, i):
 
 
 @njit
-def _rms_write_next(xr, w, yr, rs, rnd, k, xn):
-    """Write yr = norm(xr); meanwhile return the sum of squares of xn[:k] (0 if xn is None)."""
-    d = yr.shape[0]
-    if xn is None:
-        for i in range(d):
-            _rms_y(xr, w, yr, rs, rnd, i)
-        return 0.0
-    total = 0.0
-    full = k - k % BLOCK
-    for j in range(0, full, BLOCK):
-        part = np.float32(0.0)
-        for i in range(j, j + BLOCK):
-            v = _load(xn, i)
-            part += v * v
-            _rms_y(xr, w, yr, rs, rnd, i)
-        total += part
-    part = np.float32(0.0)
-    for i in range(full, k):
-        v = _load(xn, i)
-        part += v * v
-        _rms_y(xr, w, yr, rs, rnd, i)
-    for i in range(k, d):
-        _rms_y(xr, w, yr, rs, rnd, i)
-    return total + part
-
-
-@njit
-def _add_rms_write_next(sr, w, yr, rs, rnd, k, xn, rn, sn):
-    """Write yr = norm(sr); meanwhile form the next sum sn = xn + rn and return its sum of
-    squares over [:k] (0 if xn is None)."""
-    d = yr.shape[0]
-    if xn is None:
-        for i in range(d):
-            _rms_y(sr, w, yr, rs, rnd, i)
-        return 0.0
-    total = 0.0
-    full = k - k % BLOCK
-    for j in range(0, full, BLOCK):
-        part = np.float32(0.0)
-        for i in range(j, j + BLOCK):
-            v = _round_like(sn, _load(xn, i) + _load(rn, i))
-            _store(sn, i, v)
-            part += v * v
-            _rms_y(sr, w, yr, rs, rnd, i)
-        total += part
-    part = np.float32(0.0)
-    for i in range(full, k):
-        v = _round_like(sn, _load(xn, i) + _load(rn, i))
-        _store(sn, i, v)
-        part += v * v
-        _rms_y(sr, w, yr, rs, rnd, i)
-    for i in range(k, d):
-        _store(sn, i, _load(xn, i) + _load(rn, i))
-        _rms_y(sr, w, yr, rs, rnd, i)
-    return total + part
-
-
-@njit
-def _ln_y(xr, w, b, yr, mhi, mlo, rs, i):
-    _store(yr, i, _centred(_load(xr, i), mhi, mlo) * rs * _load(w, i) + _load(b, i))
-
-
-@njit
 def _next_value(xn, rn, sn, i):
     """Element i of the next row: x, or the sum x + r rounded to and stored in sn."""
     if rn is None:
@@ -311,6 +248,41 @@ def _next_value(xn, rn, sn, i):
     v = _round_like(sn, _load(xn, i) + _load(rn, i))
     _store(sn, i, v)
     return v
+
+
+@njit
+def _rms_write_next(xr, w, yr, rs, rnd, k, xn, rn, sn):
+    """Write yr = norm(xr). Meanwhile stream the next row (forming sn = xn + rn first when rn is
+    given) and return its sum of squares over [:k]; 0 when xn is None (the chunk's last row)."""
+    d = yr.shape[0]
+    if xn is None:
+        for i in range(d):
+            _rms_y(xr, w, yr, rs, rnd, i)
+        return 0.0
+    total = 0.0
+    full = k - k % BLOCK
+    for j in range(0, full, BLOCK):
+        part = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            v = _next_value(xn, rn, sn, i)
+            part += v * v
+            _rms_y(xr, w, yr, rs, rnd, i)
+        total += part
+    part = np.float32(0.0)
+    for i in range(full, k):
+        v = _next_value(xn, rn, sn, i)
+        part += v * v
+        _rms_y(xr, w, yr, rs, rnd, i)
+    for i in range(k, d):  # past the statistic: the sum is still formed, not accumulated
+        if rn is not None:
+            _next_value(xn, rn, sn, i)
+        _rms_y(xr, w, yr, rs, rnd, i)
+    return total + part
+
+
+@njit
+def _ln_y(xr, w, b, yr, mhi, mlo, rs, i):
+    _store(yr, i, _centred(_load(xr, i), mhi, mlo) * rs * _load(w, i) + _load(b, i))
 
 
 @njit
@@ -353,14 +325,14 @@ def rms_fwd(x, w, y, rstd, eps, inside, k, rnd, nchunks):
             # the chunk's first row goes through the same fused loop as the others (its output
             # is written again below): every row's sums then add in the same order, so a row's
             # result does not depend on where the chunk boundaries fall (batch invariance)
-            ss = _rms_write_next(x[r0], w, y[r0], np.float32(0.0), rnd, k, x[r0])
+            ss = _rms_write_next(x[r0], w, y[r0], np.float32(0.0), rnd, k, x[r0], None, None)
             for r in range(r0, r1):
                 rs = _rms_scale(ss, k, eps, inside)
                 rstd[r] = rs
                 if r + 1 < r1:
-                    ss = _rms_write_next(x[r], w, y[r], rs, rnd, k, x[r + 1])
+                    ss = _rms_write_next(x[r], w, y[r], rs, rnd, k, x[r + 1], None, None)
                 else:
-                    _rms_write_next(x[r], w, y[r], rs, rnd, k, None)
+                    _rms_write_next(x[r], w, y[r], rs, rnd, k, None, None, None)
 
 
 @njit(parallel=True, **JIT)
@@ -372,14 +344,14 @@ def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, rnd, nchunks):
             # a scratch "current" row: s[r0] itself would alias the row being formed, and LLVM
             # then takes its scalar fallback loop, whose sums round differently
             scratch = np.zeros_like(s[r0])
-            ss = _add_rms_write_next(scratch, w, y[r0], np.float32(0.0), rnd, k, x[r0], res[r0], s[r0])
+            ss = _rms_write_next(scratch, w, y[r0], np.float32(0.0), rnd, k, x[r0], res[r0], s[r0])
             for r in range(r0, r1):
                 rs = _rms_scale(ss, k, eps, inside)
                 rstd[r] = rs
                 if r + 1 < r1:
-                    ss = _add_rms_write_next(s[r], w, y[r], rs, rnd, k, x[r + 1], res[r + 1], s[r + 1])
+                    ss = _rms_write_next(s[r], w, y[r], rs, rnd, k, x[r + 1], res[r + 1], s[r + 1])
                 else:
-                    _add_rms_write_next(s[r], w, y[r], rs, rnd, k, None, None, None)
+                    _rms_write_next(s[r], w, y[r], rs, rnd, k, None, None, None)
 
 
 @njit(parallel=True, **JIT)
