@@ -20,6 +20,7 @@ they are importable (CUDA only).
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import platform
@@ -32,7 +33,6 @@ import torch
 import torch.nn.functional as TF
 
 from normlab import functional as F
-from normlab import reference
 
 OPS = ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "prms_norm")
 PASSES = ("fwd", "bwd", "fwdbwd")
@@ -42,6 +42,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SHAPES = ("8192x1024", "4096x4096", "1024x16384")
 EPS = 1e-6
 PARTIAL = 0.0625
+
+# Fused peers importable on CUDA machines: (name in notes, module, RMSNorm class, LayerNorm class).
+FUSED_PEERS = {
+    "liger": ("Liger-Kernel", "liger_kernel.transformers", "LigerRMSNorm", "LigerLayerNorm"),
+    "apex": ("apex", "apex.normalization", "FusedRMSNorm", "FusedLayerNorm"),
+}
 
 # Inputs rotate over at least this many bytes, four times a 32 MiB last-level cache.
 ROTATE_BYTES = 128 << 20
@@ -171,24 +177,16 @@ def make_peer(name: str, op: str, d: int, dtype: torch.dtype, device: torch.devi
         if _norm_kind(op) != "rms":
             return "HF's LayerNorm is nn.LayerNorm (see torch-module)"
         norm = lambda s: _hf_llama_rms(s, params[0])  # noqa: E731
-    elif name == "liger":
+    elif name in FUSED_PEERS:
+        label, module_name, rms_cls, ln_cls = FUSED_PEERS[name]
         if device.type != "cuda":
-            return "Liger-Kernel runs on CUDA only"
+            return f"{label} runs on CUDA only"
         try:
-            from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm
+            lib = importlib.import_module(module_name)
         except ImportError:
-            return "liger-kernel is not installed"
-        module = (LigerRMSNorm(d, eps=EPS) if _norm_kind(op) == "rms" else LigerLayerNorm(d, eps=EPS)).to(device, dtype)
-        params = list(module.parameters())
-        norm = module
-    elif name == "apex":
-        if device.type != "cuda":
-            return "apex runs on CUDA only"
-        try:
-            from apex.normalization import FusedLayerNorm, FusedRMSNorm
-        except ImportError:
-            return "apex is not installed"
-        module = (FusedRMSNorm(d, eps=EPS) if _norm_kind(op) == "rms" else FusedLayerNorm(d, eps=EPS)).to(device, dtype)
+            return f"{label} is not installed"
+        cls = getattr(lib, rms_cls if _norm_kind(op) == "rms" else ln_cls)
+        module = cls(d, eps=EPS).to(device, dtype)
         params = list(module.parameters())
         norm = module
     else:

@@ -89,6 +89,12 @@ def check_offset(offset: object) -> float:
     return float(offset)
 
 
+def check_momentum(momentum: object) -> float:
+    if isinstance(momentum, bool) or not isinstance(momentum, Real) or not (0.0 <= momentum <= 1.0):
+        raise ValueError(f"momentum must be a number in [0, 1], got {momentum!r}")
+    return float(momentum)
+
+
 def _check_residual(residual: object, x: Tensor) -> None:
     check_x(residual, "residual")
     assert isinstance(residual, Tensor)
@@ -268,11 +274,10 @@ def seq_batch_norm(
     for t, name in ((running_mean, "running_mean"), (running_var, "running_var"), (weight, "weight"), (bias, "bias")):
         _check_param(t, name, x)
     eps = check_eps(eps)
-    if isinstance(momentum, bool) or not isinstance(momentum, Real) or not (0.0 <= momentum <= 1.0):
-        raise ValueError(f"momentum must be a number in [0, 1], got {momentum!r}")
+    momentum = check_momentum(momentum)
     if x.numel() == 0:
         return x.clone()
     return reference.seq_batch_norm(
         x, mask, running_mean, running_var, weight, bias,
-        training=bool(training), momentum=float(momentum), eps=eps,
+        training=bool(training), momentum=momentum, eps=eps,
     )

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as TF
 from torch import Tensor, nn
 
-from normlab.functional import CASTS, EPS_MODES
+from normlab.functional import CASTS, EPS_MODES, check_choice
 from normlab.kernels import CHOICES as BACKEND_CHOICES
 from normlab.nn import NORM_KINDS, SequenceBatchNorm, build_norm
 
@@ -69,9 +69,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         def choice(name, valid):
-            value = getattr(self, name)
-            if value not in valid:
-                raise ValueError(f"{name} must be one of {', '.join(map(repr, valid))}; got {value!r}")
+            check_choice(getattr(self, name), name, valid)
 
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             value = getattr(self, name)

@@ -148,9 +148,7 @@ class SequenceBatchNorm(nn.Module):
     ) -> None:
         super().__init__()
         self.dim = _check_dim(dim)
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"momentum must be a number in [0, 1], got {momentum!r}")
-        self.momentum = float(momentum)
+        self.momentum = F.check_momentum(momentum)
         self.eps = F.check_eps(eps)
         self.affine = bool(affine)
         self.track_running_stats = bool(track_running_stats)

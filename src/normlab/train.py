@@ -13,6 +13,7 @@ Multi-process: ``torchrun --nproc_per_node=N -m normlab train ...`` runs Distrib
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -288,7 +289,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
             dist.barrier()
 
     status = "completed"
-    with _Stop() as stop, (progress or _null()):
+    with _Stop() as stop, (progress or contextlib.nullcontext()):
         for step in range(start, tcfg.steps):
             t0 = time.perf_counter()
             diag = tcfg.diag_every and step % tcfg.diag_every == 0
@@ -298,7 +299,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
                 x, y = batches.next()
                 x, y = x.to(device), y.to(device)
                 sync = not distributed or micro == tcfg.grad_accum - 1
-                ctx = net.no_sync() if distributed and not sync else _null()
+                ctx = net.no_sync() if distributed and not sync else contextlib.nullcontext()
                 with ctx, autocast:
                     _, loss = net(x, y)
                 (loss / tcfg.grad_accum).backward()
@@ -372,14 +373,6 @@ def evaluate(model: Decoder, batches: list, device, autocast) -> float:
         total += loss.item()
     model.train(was)
     return total / len(batches)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _progress(tcfg: TrainConfig, start: int, console):

@@ -23,7 +23,6 @@ import math
 import os
 import sys
 import threading
-import time
 
 import numba
 import numpy as np
@@ -497,10 +496,6 @@ def _fused(*tensors: Tensor | None) -> bool:
     return all(t is None or t.dtype in FUSED_DTYPES for t in tensors)
 
 
-def _partial_k(d: int, partial: float | None) -> int:
-    return reference.partial_size(d, partial)
-
-
 def layer_norm(x, weight=None, bias=None, eps=1e-5):
     if not _fused(x, weight, bias):
         return reference.layer_norm(x, weight, bias, eps)
@@ -512,7 +507,7 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5):
 def rms_norm(x, weight=None, eps=1e-6, *, eps_mode="inside", cast="llama", offset=0.0, partial=None):
     if not _fused(x, weight):
         return reference.rms_norm(x, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset, partial=partial)
-    args = (x, weight, eps, eps_mode == "inside", cast == "llama", offset, _partial_k(x.shape[-1], partial))
+    args = (x, weight, eps, eps_mode == "inside", cast == "llama", offset, reference.partial_size(x.shape[-1], partial))
     if torch.compiler.is_compiling():
         return _rms_norm_op(*args)[0]
     return _RMSNorm.apply(*args)
@@ -536,7 +531,7 @@ def add_rms_norm(
             x, residual, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset, partial=partial,
             residual_in_fp32=residual_in_fp32,
         )
-    args = (x, residual, weight, eps, eps_mode == "inside", cast == "llama", offset, _partial_k(x.shape[-1], partial), residual_in_fp32)
+    args = (x, residual, weight, eps, eps_mode == "inside", cast == "llama", offset, reference.partial_size(x.shape[-1], partial), residual_in_fp32)
     if torch.compiler.is_compiling():
         y, s, _ = _add_rms_norm_op(*args)
         return y, s
@@ -549,7 +544,7 @@ def add_rms_norm(
 def rms_norm_out(x, weight=None, eps=1e-6, *, eps_mode="inside", cast="llama", offset=0.0, partial=None, out):
     if not (_fused(x, weight) and out.is_contiguous()):
         return out.copy_(reference.rms_norm(x, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset, partial=partial))
-    k = _partial_k(x.shape[-1], partial)
+    k = reference.partial_size(x.shape[-1], partial)
     rms_fwd_launch(x, weight, eps, eps_mode == "inside", cast == "llama", offset, k, y=out)
     return out
 
@@ -576,17 +571,3 @@ def cache_status() -> dict[str, object]:
         cache_dir = getattr(cache, "_cache_path", cache_dir)
         entries[kernel.__name__] = bool(index and os.path.exists(index))
     return {"dir": cache_dir, "kernels": entries, "warm": all(entries.values())}
-
-
-def warm_up(dtypes: tuple[torch.dtype, ...] = FUSED_DTYPES) -> float:
-    """Compile (or load from the cache) the common specializations; returns seconds taken."""
-    t0 = time.perf_counter()
-    for dtype in dtypes:
-        x = torch.randn(4, 8).to(dtype).requires_grad_()
-        w = torch.ones(8, dtype=dtype, requires_grad=True)
-        y = rms_norm(x, w)
-        z = layer_norm(x, w, w)
-        a, s = add_rms_norm(x, x, w)
-        b, t = add_layer_norm(x, x, w, w)
-        (y.float().sum() + z.float().sum() + a.float().sum() + s.float().sum() + b.float().sum() + t.float().sum()).backward()
-    return time.perf_counter() - t0
