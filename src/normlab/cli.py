@@ -167,6 +167,52 @@ def cmd_sample(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace, console: Console) -> int:
+    from rich.table import Table
+
+    from normlab import experiments, report
+
+    names = [a for a in args.items if "=" not in a]
+    overrides = _pairs([a for a in args.items if "=" in a])
+    if not names:
+        raise ValueError(f"name a preset: {', '.join(list(experiments.PRESETS) + list(experiments.GROUPS))}")
+    settings = experiments.Settings(out=args.out, quick=args.quick, seeds=args.seeds, data=args.data, steps=args.steps,
+                                    overrides=overrides, quiet=args.quiet)
+    flags = [f"--{k} {v}" for k, v in (("seeds", args.seeds), ("data", args.data), ("steps", args.steps), ("out", args.out))
+             if v is not None] + (["--quick"] if args.quick else [])
+    command = " ".join(["normlab compare", *args.items, *flags])
+    try:
+        results = experiments.run_presets(names, settings, console, command=command)
+    except experiments.Interrupted as err:
+        console.print(f"[yellow]interrupted:[/yellow] {err}. Finished runs are kept: run the same command again to resume.")
+        return 130
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted.[/yellow] Finished runs and measurements are kept in {args.out}: "
+                      "run the same command again to resume.")
+        return 130
+    paths = report.render(results, args.out)
+    table = Table(title="claims (verdicts computed from the numbers by each claim's rule)")
+    for col in ("preset", "claim", "verdict"):
+        table.add_column(col)
+    colours = {"holds": "green", "does not hold": "red", "inconclusive": "yellow"}
+    done = experiments.expand(names)
+    for name, section in results["presets"].items():
+        if name in done:
+            for c in section["claims"]:
+                table.add_row(name, c["claim"], f"[{colours[c['verdict']]}]{c['verdict']}[/]")
+    console.print(table)
+    console.print(f"report: {paths['html']} (and report.md, results.json, plots) in {args.out}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace, console: Console) -> int:
+    from normlab import report
+
+    paths = report.render(report.load(args.dir), args.dir)
+    console.print(f"report: {paths['html']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from normlab import __version__
 
@@ -216,6 +262,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
+    from normlab import experiments
+
+    p = sub.add_parser("compare", help="reproduce the published claims about norms: tables, plots, an HTML report",
+                       description=(experiments.__doc__ or "").split("\n\n")[0] + " PRESET is one of "
+                       + ", ".join(list(experiments.PRESETS) + list(experiments.GROUPS)) + ".",
+                       epilog=experiments.__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("items", nargs="+", metavar="PRESET|key=value",
+                   help="presets to run, then training/model fields for every run (e.g. d_model=128 dtype=bf16)")
+    p.add_argument("--quick", action="store_true", help="sizes for 2 CPU cores (all presets in about 15 minutes); demo implies it")
+    p.add_argument("--seeds", type=int, help="seeds per setting (default: the preset's)")
+    p.add_argument("--data", help="corpus: shakespeare (default), or a .txt file or folder")
+    p.add_argument("--steps", type=int, help="training steps of every run (default: the preset's)")
+    p.add_argument("--out", default="runs/compare", help="output directory (default: runs/compare); rerun to resume")
+    p.add_argument("--quiet", action="store_true", help="no per-run progress bars")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("report", help="redraw the plots and report of a compare directory from its results.json")
+    p.add_argument("dir", help="the --out directory of normlab compare")
+    p.set_defaults(func=cmd_report)
+
     p = sub.add_parser("sample", help="generate text from a trained run")
     p.add_argument("--run", required=True, help="the run directory")
     p.add_argument("--prompt", default="\n")
@@ -255,8 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     # key=value overrides may come after options (`normlab train --quiet steps=10`)
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if getattr(args, "command", None) == "train" and all("=" in e and not e.startswith("-") for e in extra):
+        positional = all("=" in e and not e.startswith("-") for e in extra)
+        if getattr(args, "command", None) == "train" and positional:
             args.overrides = list(args.overrides) + extra
+        elif getattr(args, "command", None) == "compare" and positional:
+            args.items = list(args.items) + extra
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):

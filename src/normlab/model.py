@@ -14,6 +14,10 @@ of each block (attention's ``wo``, the MLP's ``down``) ~ N(0, 0.02 / sqrt(2 L)) 
 init). DeepNorm replaces that with the DeepNet init: xavier_normal_ with gain beta =
 (8L)^(-1/4) on the value, output projection and all MLP weights, gain 1 on query and key, chosen
 by the module's role (attributes of Attention and MLP), never by the text of a parameter name.
+``init="xavier"`` gives every block matrix xavier_normal_ without depth scaling, the setting of
+Xiong et al. (2020) and of DeepNet's Post-LN baselines (the lab's warmup, gradients and depth
+presets use it: with GPT-2's small scaled init the branches start so small that Post-LN's
+gradients are flat across layers at initialization).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from normlab.nn import NORM_KINDS, SequenceBatchNorm, build_norm
 
 PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
 MLPS = ("swiglu", "gelu")
+INITS = ("gpt2", "xavier")
 # Whether a final norm sits before the LM head by default (DESIGN.md's placement table).
 FINAL_NORM_DEFAULT = {"post": False, "pre": True, "sandwich": True, "deepnorm": False}
 
@@ -63,6 +68,7 @@ class ModelConfig:
     backend: str | None = None  # normlab backend for the norms; None: auto
     norm_impl: str = "normlab"  # "torch": torch.nn.LayerNorm / nn.RMSNorm instead (speed comparisons)
     init_std: float = 0.02  # std of the normal init (not used by deepnorm's xavier groups)
+    init: str = "gpt2"  # block weights: "gpt2" (N(0, init_std), output projections / sqrt(2 L)) or "xavier" (Xiong et al., DeepNet baselines)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -99,6 +105,7 @@ class ModelConfig:
         if self.norm_eps < 0 or not math.isfinite(self.norm_eps):
             raise ValueError(f"norm_eps must be a finite number >= 0, got {self.norm_eps}")
         choice("norm_impl", ("normlab", "torch"))
+        choice("init", INITS)
         if self.norm_impl == "torch" and self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"norm_impl='torch' exists for layernorm and rmsnorm only, not {self.norm!r}")
         if self.d_ff is not None and self.d_ff < 1:
@@ -324,6 +331,10 @@ class Decoder(nn.Module):
         for block in self.blocks:
             if cfg.placement == "deepnorm":
                 self._deepnorm_init(block)
+            elif cfg.init == "xavier":  # the original Transformer's: every block matrix xavier, no depth scaling
+                for module in block.modules():
+                    if isinstance(module, nn.Linear):
+                        nn.init.xavier_normal_(module.weight)
             else:  # GPT-2's scaled init of the projections that write into the residual stream
                 for proj in (block.attn.wo, block.mlp.down):
                     nn.init.normal_(proj.weight, 0.0, cfg.init_std / math.sqrt(2 * cfg.n_layers))

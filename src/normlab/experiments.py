@@ -1,0 +1,833 @@
+"""``normlab compare``: presets that test published claims about norms on this machine.
+
+Each preset trains or measures what its claims need and returns a section of results.json: the
+settings, a table, the series its plots draw, and the claims with verdicts computed from the
+numbers by their rules (normlab.claims). Presets:
+
+    norms      RMSNorm matches LayerNorm and is faster; pRMSNorm matches; no norm trains worse
+    warmup     Post-LN needs learning-rate warmup, Pre-LN does not
+    gradients  at init Post-LN's gradient norm grows toward the last layers, Pre-LN's is flat
+    depth      DeepNorm keeps a deep Post-LN model trainable
+    batchnorm  BatchNorm's output depends on batch-mates and padding; train/eval mismatch
+    precision  fp32 statistics are needed in fp16/bf16
+    speed      kernel GB/s per backend, and training-step time with normlab's and torch's norms
+
+``demo`` runs norms, gradients, batchnorm and precision at --quick size; ``all`` runs every preset.
+
+Everything lives in the output directory: ``runs/<label>-<hash>/`` holds one training run (the
+hash covers its whole config, so a run is reused by any preset, or any later command, that asks
+for the same config), ``jobs/<preset>/`` the measurements that are not training runs, and
+results.json the sections finished so far. Rerunning the same command skips what is finished and
+resumes an interrupted training run from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as TF
+
+from normlab import claims as C
+from normlab import data as D
+from normlab import reference
+from normlab import functional as F
+from normlab.model import Decoder, ModelConfig
+from normlab.train import TrainConfig, load_run, split_overrides, train
+
+ZHANG19 = "Zhang & Sennrich (2019), Root Mean Square Layer Normalization, NeurIPS"
+XIONG20 = "Xiong et al. (2020), On Layer Normalization in the Transformer Architecture, ICML"
+WANG22 = "Wang et al. (2022), DeepNet: Scaling Transformers to 1,000 Layers"
+SHEN20 = "Shen et al. (2020), PowerNorm: Rethinking Batch Normalization in Transformers, ICML"
+MICIK18 = "Micikevicius et al. (2018), Mixed Precision Training, ICLR"
+NORMLAB = "normlab's aim (DESIGN.md): fused kernels faster than the framework's own norms"
+
+NORMS = ("layernorm", "rmsnorm", "prmsnorm", "batchnorm", "none")
+PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
+
+
+class Interrupted(Exception):
+    """A training run was stopped by Ctrl-C/SIGTERM; its checkpoint is saved."""
+
+
+@dataclass
+class Settings:
+    out: str = "runs/compare"
+    quick: bool = False
+    seeds: int | None = None  # None: the preset's default number of seeds
+    data: str | None = None  # None: the default corpus
+    steps: int | None = None  # None: the preset's default
+    overrides: dict = field(default_factory=dict)  # key=value training and model fields for every run
+    quiet: bool = False  # no per-run progress bars
+
+
+class Lab:
+    """Runs and caches the training runs and measurements of presets in one output directory."""
+
+    def __init__(self, settings: Settings, console=None) -> None:
+        self.s = settings
+        self.out = Path(settings.out)
+        self.console = console
+        self.train_over, self.model_over = split_overrides(settings.overrides)
+        if settings.steps is not None:
+            self.train_over["steps"] = settings.steps
+        if settings.data is not None:
+            self.train_over["data"] = settings.data
+        if settings.seeds is not None and settings.seeds < 1:
+            raise ValueError(f"--seeds must be at least 1, got {settings.seeds}")
+        self.quick = settings.quick
+        self.preset = ""
+        self._dataset = None
+
+    # -- sizes and seeds
+    def pick(self, quick, full):
+        return quick if self.quick else full
+
+    def seeds(self, quick: int, full: int) -> list[int]:
+        return list(range(self.s.seeds or self.pick(quick, full)))
+
+    def say(self, text: str) -> None:
+        if self.console is not None:
+            self.console.print(text)
+
+    @property
+    def dataset(self) -> D.Dataset:
+        if self._dataset is None:
+            t = TrainConfig(**{k: v for k, v in self.train_over.items() if k in ("data", "tokenizer", "bpe_vocab", "val_fraction")})
+            self._dataset = D.prepare(t.data, t.tokenizer, t.bpe_vocab, t.val_fraction)
+        return self._dataset
+
+    def model_config(self, model: dict) -> ModelConfig:
+        """A measurement's model: the preset's fields < the user's overrides (vocabulary from the data)."""
+        fields = {**model, **self.model_over, "vocab_size": self.dataset.tokenizer.vocab_size}
+        return ModelConfig.preset(fields.pop("preset", "small"), **fields)
+
+    # -- training runs
+    def run(self, label: str, train_fields: dict, model_fields: dict, varied: dict) -> dict:
+        """Train (or reuse, or resume) one run: the preset's base fields < the user's overrides <
+        the ``varied`` fields the preset compares. Returns the run's summary and curves."""
+        t_varied = {k: v for k, v in varied.items() if k in _TRAIN_FIELDS}
+        m_varied = {k: v for k, v in varied.items() if k not in _TRAIN_FIELDS}
+        tf = {**train_fields, **self.train_over, **t_varied}
+        mf = {**model_fields, **self.model_over, **m_varied}
+        key = hashlib.sha256(json.dumps([tf, mf], sort_keys=True, default=str).encode()).hexdigest()[:10]
+        folder = self.out / "runs" / f"{label}-{key}"
+        summary_path = folder / "summary.json"
+        resume = False
+        if summary_path.exists():
+            summary = json.loads(summary_path.read_text())
+            if summary.get("status") in ("completed", "diverged"):
+                return _run_result(folder, summary)
+            resume = (folder / "checkpoint.pt").exists()
+        elif (folder / "checkpoint.pt").exists() and (folder / "config.json").exists():
+            resume = True  # killed without a summary: its last checkpoint stands
+        if not resume and folder.exists():
+            shutil.rmtree(folder)
+        self.say(f"  [bold]{self.preset}[/bold] {label}" + (" (resuming)" if resume else ""))
+        tcfg = TrainConfig(**{**tf, "out": str(folder), "quiet": self.s.quiet})
+        tcfg.validate()
+        summary = train(tcfg, mf, resume=resume, console=self.console)
+        if summary["status"] in ("interrupted", "stopped"):
+            raise Interrupted(f"{label} stopped at step {summary['step']}; its checkpoint is in {folder}")
+        return _run_result(folder, summary)
+
+    # -- measurements that are not training runs
+    def job(self, name: str, params: dict, fn: Callable[[], dict]) -> dict:
+        """``fn()``'s result, cached as JSON under jobs/<preset>/ by ``name`` and ``params``."""
+        key = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:10]
+        path = self.out / "jobs" / self.preset / f"{name}-{key}.json"
+        if path.exists():
+            return json.loads(path.read_text())
+        self.say(f"  [bold]{self.preset}[/bold] {name}")
+        result = fn()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(_clean(result)))
+        os.replace(tmp, path)
+        return result
+
+
+_TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def _run_result(folder: Path, summary: dict) -> dict:
+    """A run's summary plus its curves from metrics.jsonl (validation loss against step and
+    against training time, and the training loss, thinned to at most 200 points)."""
+    val_steps, val_loss, val_time, steps, losses, step_ms = [], [], [], [], [], []
+    elapsed = 0.0
+    with open(folder / "metrics.jsonl") as f:
+        for line in f:
+            r = json.loads(line)
+            if "val_loss" in r:
+                val_steps.append(r["step"])
+                val_loss.append(r["val_loss"])
+                val_time.append(round(elapsed, 3))
+            elif "step_ms" in r:
+                elapsed += r["step_ms"] / 1e3
+                steps.append(r["step"])
+                losses.append(r["loss"])
+                step_ms.append(r["step_ms"])
+    stride = max(1, len(steps) // 200)
+    diverged = summary["status"] == "diverged"
+    return {
+        "run": folder.name, "status": summary["status"], "steps": summary["step"],
+        "val_loss": None if diverged else summary.get("val_loss"),
+        "train_loss": summary.get("loss"), "wall_s": summary.get("wall_s"),
+        "step_ms": statistics.median(step_ms[len(step_ms) // 5:]) if step_ms else None,  # past the first fifth
+        "tokens_per_s": summary.get("tokens_per_s"),
+        "val_curve": {"step": val_steps, "loss": val_loss, "time_s": val_time},
+        "train_curve": {"step": steps[::stride], "loss": losses[::stride]},
+    }
+
+
+def stats(values) -> dict:
+    """mean, std (None with fewer than two values), min and max of the finite values."""
+    v = [float(x) for x in values if x is not None and math.isfinite(x)]
+    if not v:
+        return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
+    return {"mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else None,
+            "min": min(v), "max": max(v), "n": len(v)}
+
+
+def time_steps(configs: dict[str, ModelConfig], batch: tuple, rounds: int, steps_per_round: int = 2) -> dict:
+    """Median training-step time (forward, backward, AdamW) of each config, measured round-robin
+    (each round runs every model in a rotated order) so that a drifting machine does not favour one.
+    Returns {label: {"ms": median, "se": standard error of the median-free mean, "rounds": [...]}}."""
+    x, y = batch
+    setups = {}
+    for label, cfg in configs.items():
+        torch.manual_seed(0)
+        model = Decoder(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        setups[label] = (model, opt)
+
+    def step(model, opt):
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for model, opt in setups.values():  # warm-up: first calls, kernel loading
+        for _ in range(2):
+            step(model, opt)
+    times = {label: [] for label in setups}
+    labels = list(setups)
+    for r in range(rounds):
+        order = labels[r % len(labels):] + labels[: r % len(labels)]
+        for label in order:
+            model, opt = setups[label]
+            t0 = time.perf_counter()
+            for _ in range(steps_per_round):
+                step(model, opt)
+            times[label].append((time.perf_counter() - t0) / steps_per_round * 1e3)
+    out = {}
+    for label, ts in times.items():
+        se = statistics.stdev(ts) / math.sqrt(len(ts)) if len(ts) > 1 else None
+        out[label] = {"ms": statistics.median(ts), "se": se, "rounds": ts}
+    return out
+
+
+def _round(x, digits=4):
+    return None if x is None else float(f"{x:.{digits}g}")
+
+
+# ======================================================================================= norms
+
+
+def lm_sizes(lab: Lab) -> tuple[dict, dict]:
+    """Training and model fields of the language-model comparisons (norms, batchnorm)."""
+    train_fields = dict(preset="small", tokenizer="char", ckpt_every=0, diverge_factor=3.0, weight_decay=0.1)
+    if lab.quick:
+        train_fields.update(steps=200, batch_size=16, seq_len=64, lr=2e-3, min_lr=2e-4, warmup=20, eval_every=25, eval_batches=8)
+        model = dict(d_model=96, n_layers=4, n_heads=4, max_seq_len=64)
+    else:
+        train_fields.update(steps=1000, batch_size=16, seq_len=256, lr=1e-3, min_lr=1e-4, warmup=100, eval_every=50, eval_batches=20)
+        model = dict(d_model=256, n_layers=4, n_heads=4, max_seq_len=256)
+    return train_fields, model
+
+
+def train_norms(lab: Lab, norms, seeds) -> dict[str, list[dict]]:
+    train_fields, model = lm_sizes(lab)
+    return {norm: [lab.run(f"{norm}-s{seed}", train_fields, {**model, "placement": "pre"}, {"norm": norm, "seed": seed})
+                   for seed in seeds] for norm in norms}
+
+
+def preset_norms(lab: Lab) -> dict:
+    seeds = lab.seeds(2, 3)
+    runs = train_norms(lab, NORMS, seeds)
+    train_fields, model = lm_sizes(lab)
+    tf = {**train_fields, **lab.train_over}
+    batch = D.Batches(lab.dataset.train, tf["batch_size"], tf["seq_len"], seed=99).next()
+    timing = lab.job("step_time", {"model": model, "over": lab.model_over, "batch": [tf["batch_size"], tf["seq_len"]]},
+                     lambda: time_steps({n: lab.model_config({**model, "norm": n}) for n in NORMS}, batch,
+                                        rounds=lab.pick(6, 10)))
+    rows, measured = [], {}
+    ln_ms = timing["layernorm"]["ms"]
+    for norm in NORMS:
+        rs = runs[norm]
+        val = stats([r["val_loss"] for r in rs])
+        diverged = sum(r["status"] == "diverged" for r in rs)
+        rows.append({
+            "norm": norm, "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2),
+            "val_min": _round(val["min"]), "val_max": _round(val["max"]), "seeds": len(rs), "diverged": diverged,
+            "run_step_ms": _round(statistics.median([r["step_ms"] for r in rs if r["step_ms"]]), 3),
+            "tokens_per_s": _round(statistics.median([r["tokens_per_s"] for r in rs if r["tokens_per_s"]]), 4),
+            "step_ms": _round(timing[norm]["ms"], 4), "step_vs_layernorm": _round(timing[norm]["ms"] / ln_ms, 3),
+        })
+        measured[f"{norm}_val"] = val["mean"]
+        measured[f"{norm}_val_std"] = val["std"]
+        measured[f"{norm}_diverged"] = diverged
+        measured[f"{norm}_step_ms"] = timing[norm]["ms"]
+        measured[f"{norm}_step_ms_se"] = timing[norm]["se"]
+    claims = [
+        C.claim("norms.rms_quality", "RMSNorm reaches the same quality as LayerNorm", ZHANG19, _pick(measured, "rmsnorm_val", "layernorm_val"),
+                C.within("rmsnorm_val", "layernorm_val", 0.02, noise=["rmsnorm_val_std", "layernorm_val_std"])),
+        C.claim("norms.rms_speed", "RMSNorm makes a training step faster than LayerNorm does (the paper: 7% to 64% less running time)",
+                ZHANG19, _pick(measured, "rmsnorm_step_ms", "layernorm_step_ms"),
+                C.below("rmsnorm_step_ms", "layernorm_step_ms", 0.07, noise=["rmsnorm_step_ms_se", "layernorm_step_ms_se"])),
+        C.claim("norms.prms_quality", "partial RMSNorm (p = 6.25%) reaches the same quality as RMSNorm", ZHANG19,
+                _pick(measured, "prmsnorm_val", "rmsnorm_val"),
+                C.within("prmsnorm_val", "rmsnorm_val", 0.02, noise=["prmsnorm_val_std", "rmsnorm_val_std"])),
+        C.claim("norms.none_worse", "a model without normalization trains worse", ZHANG19,
+                _pick(measured, "none_val", "layernorm_val", "none_diverged"),
+                C.any_of(C.at_least("none_diverged", 1), C.above("none_val", "layernorm_val", 0.02, noise=["none_val_std", "layernorm_val_std"]))),
+    ]
+    return {
+        "title": "RMSNorm vs LayerNorm vs pRMSNorm vs BatchNorm vs no norm",
+        "question": "Does RMSNorm match LayerNorm's quality while running faster, and does a model need a norm at all?",
+        "settings": {"train": {**train_fields, **lab.train_over}, "model": {**model, **lab.model_over, "placement": "pre"}, "seeds": seeds},
+        "columns": ["norm", "val_loss", "val_std", "val_min", "val_max", "seeds", "diverged", "run_step_ms", "tokens_per_s",
+                    "step_ms", "step_vs_layernorm"],
+        "rows": rows, "claims": claims,
+        "series": {"runs": {norm: [{"seed": s, **_curves(r)} for s, r in zip(seeds, rs)] for norm, rs in runs.items()}},
+        "notes": ["val_loss: validation loss at the end of training (mean over seeds; std, min, max over seeds). "
+                  "step_ms: median training-step time measured round-robin across the norms in one process "
+                  "(run_step_ms: the median within each training run, more exposed to machine noise)."],
+    }
+
+
+def _pick(measured: dict, *keys) -> dict:
+    """The measured values a claim uses (with their noise terms when present)."""
+    out = {}
+    for k in keys:
+        out[k] = measured.get(k)
+        for extra in (f"{k}_std", f"{k}_se"):
+            if extra in measured:
+                out[extra] = measured[extra]
+    return out
+
+
+def _curves(run: dict) -> dict:
+    return {"status": run["status"], "val_curve": run["val_curve"], "train_curve": run["train_curve"]}
+
+
+# ====================================================================================== warmup
+
+
+def deep_sizes(lab: Lab, depth_quick: int, depth_full: int) -> tuple[dict, dict]:
+    train_fields = dict(preset="small", tokenizer="char", ckpt_every=0, schedule="cosine", diverge_factor=3.0)
+    if lab.quick:
+        train_fields.update(steps=200, batch_size=8, seq_len=64, eval_every=50, eval_batches=4)
+        model = dict(d_model=64, n_layers=depth_quick, n_heads=4, max_seq_len=64, init="xavier")
+    else:
+        train_fields.update(steps=1000, batch_size=16, seq_len=128, eval_every=100, eval_batches=10)
+        model = dict(d_model=128, n_layers=depth_full, n_heads=4, max_seq_len=128, init="xavier")
+    return train_fields, model
+
+
+def preset_warmup(lab: Lab) -> dict:
+    train_fields, model = deep_sizes(lab, 12, 18)
+    lrs = lab.pick((3e-3, 1e-2), (1e-3, 3e-3, 1e-2))
+    warm = lab.pick(50, 200)
+    seed = 0
+    rows, runs, measured = [], {}, {}
+    for placement in PLACEMENTS:
+        for lr in lrs:
+            for w in (0, warm):
+                r = lab.run(f"{placement}-lr{lr:g}-w{w}", train_fields, model,
+                            {"placement": placement, "lr": lr, "min_lr": lr / 10, "warmup": w, "seed": seed})
+                runs[f"{placement}|{lr:g}|{w}"] = r
+                rows.append({"placement": placement, "lr": lr, "warmup": w, "status": r["status"],
+                             "val_loss": _round(r["val_loss"]), "train_loss": _round(r["train_loss"])})
+    top = max(lrs)
+    for placement in PLACEMENTS:
+        for w, tag in ((0, "nowarm"), (warm, "warm")):
+            r = runs[f"{placement}|{top:g}|{w}"]
+            measured[f"{placement}_{tag}_val"] = r["val_loss"]
+            measured[f"{placement}_{tag}_diverged"] = int(r["status"] == "diverged")
+    claims = [
+        C.claim("warmup.post_needs", f"Post-LN needs learning-rate warmup: without it (lr {top:g}) it diverges or ends at least "
+                f"2% worse than with {warm} warmup steps", XIONG20,
+                _pick(measured, "post_nowarm_val", "post_warm_val", "post_nowarm_diverged", "post_warm_diverged"),
+                C.all_of(C.at_most("post_warm_diverged", 0),
+                         C.any_of(C.at_least("post_nowarm_diverged", 1), C.above("post_nowarm_val", "post_warm_val", 0.02)))),
+        C.claim("warmup.pre_not", f"Pre-LN does not need warmup: without it (lr {top:g}) it trains and ends within 2% of "
+                f"(or below) the loss with warmup", XIONG20,
+                _pick(measured, "pre_nowarm_val", "pre_warm_val", "pre_nowarm_diverged"),
+                C.all_of(C.at_most("pre_nowarm_diverged", 0), C.at_most("pre_nowarm_val", "pre_warm_val", 0.02))),
+    ]
+    return {
+        "title": f"Warmup: Post-LN vs Pre-LN (and Sandwich, DeepNorm) at {model['n_layers'] if 'n_layers' not in lab.model_over else lab.model_over['n_layers']} layers",
+        "question": "Does Post-LN need learning-rate warmup where Pre-LN does not?",
+        "settings": {"train": {**train_fields, **lab.train_over}, "model": {**model, **lab.model_over}, "lrs": list(lrs),
+                     "warmup_steps": warm, "seed": seed},
+        "columns": ["placement", "lr", "warmup", "status", "val_loss", "train_loss"],
+        "rows": rows, "claims": claims,
+        "series": {"runs": {k: _curves(r) for k, r in runs.items()}, "lrs": list(lrs), "warmup": warm},
+        "notes": [f"Each cell is one training run (seed {seed}); the claims read the largest learning rate, {top:g}. "
+                  "'diverged': the loss left 3x its first value or became non-finite."],
+    }
+
+
+# =================================================================================== gradients
+
+
+def layer_grad_norms(cfg: ModelConfig, batches: list, seed: int) -> list[float]:
+    """Per layer, the gradient norm of the MLP output weight at initialization, averaged over batches."""
+    torch.manual_seed(seed)
+    model = Decoder(cfg)
+    total = np.zeros(cfg.n_layers)
+    for x, y in batches:
+        model.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        total += np.array([g["mlp_out"] for g in model.grad_norms()])
+    return (total / len(batches)).tolist()
+
+
+def log_slope(norms: list[float]) -> float:
+    """Least-squares slope of log(norm) against the layer index."""
+    idx = np.arange(len(norms))
+    return float(np.polyfit(idx, np.log(np.asarray(norms)), 1)[0])
+
+
+def preset_gradients(lab: Lab) -> dict:
+    depths = lab.pick((6, 10, 14), (6, 8, 10, 12, 14))
+    seeds = lab.seeds(2, 3)
+    n_batches = lab.pick(4, 16)
+    model = lab.pick(dict(d_model=64, n_heads=4, max_seq_len=64), dict(d_model=256, n_heads=4, max_seq_len=128))
+    B, T = lab.pick((8, 64), (16, 128))
+    deep = max(depths)
+    gen = D.Batches(lab.dataset.train, B, T, seed=2020)
+    batches = [gen.next() for _ in range(n_batches)]
+    # the paper's init for every depth; GPT-2's small scaled init for post and pre at the deepest, as a contrast
+    cells = [(p, depth, "xavier") for p in PLACEMENTS for depth in depths] + [(p, deep, "gpt2") for p in ("post", "pre")]
+
+    def measure():
+        out = {}
+        for placement, depth, init in cells:
+            cfg = lab.model_config({**model, "n_layers": depth, "placement": placement, "init": init})
+            per_seed = [layer_grad_norms(cfg, batches, seed) for seed in seeds]
+            out[f"{placement}|{depth}|{init}"] = np.mean(per_seed, axis=0).tolist()
+        return out
+
+    norms = lab.job("grad_norms", {"cells": cells, "seeds": seeds, "batches": [n_batches, B, T], "model": model,
+                                   "over": lab.model_over}, measure)
+    rows, measured = [], {}
+    for placement, depth, init in cells:
+        g = norms[f"{placement}|{depth}|{init}"]
+        slope = log_slope(g)
+        growth = math.exp(slope * (depth - 1))
+        rows.append({"placement": placement, "init": init, "layers": depth, "first": _round(g[0]), "last": _round(g[-1]),
+                     "slope_log_per_layer": _round(slope, 3), "fitted_last_over_first": _round(growth, 3)})
+        if depth == deep:
+            tag = "" if init == "xavier" else "_gpt2init"
+            measured[f"{placement}{tag}_growth"] = growth
+            measured[f"{placement}{tag}_slope"] = slope
+    claims = [
+        C.claim("gradients.post_grows", f"at initialization, Post-LN's gradient norm grows toward the last layers "
+                f"({deep} layers, xavier init: fitted last/first ratio of the MLP output weight's gradient norm >= 1.5)", XIONG20,
+                _pick(measured, "post_growth", "post_slope"), C.above("post_growth", 1.0, 0.5)),
+        C.claim("gradients.pre_flat", f"at initialization, Pre-LN's gradient norm is flat across layers ({deep} layers, "
+                "xavier init: fitted last/first ratio within 0.5-1.5)", XIONG20, _pick(measured, "pre_growth", "pre_slope"),
+                C.within("pre_growth", 1.0, 0.5)),
+    ]
+    return {
+        "title": "Gradient norms by layer at initialization",
+        "question": "Is Post-LN's gradient norm larger near the output at initialization, and Pre-LN's flat (Xiong et al., Fig. 3)?",
+        "settings": {"model": {**model, **lab.model_over}, "depths": list(depths), "seeds": seeds, "batches": n_batches,
+                     "batch_size": B, "seq_len": T},
+        "columns": ["placement", "init", "layers", "first", "last", "slope_log_per_layer", "fitted_last_over_first"],
+        "rows": rows, "claims": claims, "series": {"norms": norms, "depths": list(depths)},
+        "notes": ["Gradient norm of each block's MLP output projection (W2 in the paper) at initialization, averaged over "
+                  f"{n_batches} batches and {len(seeds)} seeds; slope: least squares of ln(norm) against layer index. "
+                  "xavier: the paper's init (every block matrix xavier-normal); gpt2: N(0, 0.02) with the output "
+                  "projections scaled by 1/sqrt(2 L), under which the branches start small and Post-LN's norms "
+                  "divide by about 1, so its gradients hardly grow."],
+    }
+
+
+# ======================================================================================= depth
+
+
+def preset_depth(lab: Lab) -> dict:
+    train_fields, model = deep_sizes(lab, 32, 64)
+    model = {**model, **lab.pick(dict(d_model=32, n_heads=2), dict(d_model=64, n_heads=4))}
+    train_fields = {**train_fields, **lab.pick(dict(steps=150, batch_size=8, eval_every=25), {})}
+    lr = lab.pick(3e-3, 3e-3)
+    runs, rows, measured = {}, [], {}
+    for placement in ("post", "deepnorm", "pre"):
+        r = lab.run(f"{placement}-deep", train_fields, model, {"placement": placement, "lr": lr, "min_lr": lr / 10, "warmup": 0, "seed": 0})
+        runs[placement] = r
+        rows.append({"placement": placement, "status": r["status"], "steps": r["steps"], "val_loss": _round(r["val_loss"]),
+                     "train_loss": _round(r["train_loss"])})
+        measured[f"{placement}_val"] = r["val_loss"]
+        measured[f"{placement}_diverged"] = int(r["status"] == "diverged")
+    layers = lab.model_over.get("n_layers", model["n_layers"])
+    claims = [
+        C.claim("depth.post_fails", f"a deep Post-LN model ({layers} layers, no warmup) diverges or ends at least 5% worse than Pre-LN",
+                WANG22, _pick(measured, "post_val", "pre_val", "post_diverged"),
+                C.any_of(C.at_least("post_diverged", 1), C.above("post_val", "pre_val", 0.05))),
+        C.claim("depth.deepnorm_trains", f"DeepNorm keeps the same Post-LN model trainable: it does not diverge and ends "
+                "below Post-LN (or Post-LN diverged) and within 5% of Pre-LN", WANG22,
+                _pick(measured, "deepnorm_val", "post_val", "pre_val", "deepnorm_diverged", "post_diverged"),
+                C.all_of(C.at_most("deepnorm_diverged", 0),
+                         C.any_of(C.at_least("post_diverged", 1), C.below("deepnorm_val", "post_val")),
+                         C.at_most("deepnorm_val", "pre_val", 0.05))),
+    ]
+    return {
+        "title": f"Depth: Post-LN vs DeepNorm vs Pre-LN at {layers} layers without warmup",
+        "question": "Does DeepNorm keep a deep Post-LN model trainable?",
+        "settings": {"train": {**train_fields, **lab.train_over, "lr": lr, "warmup": 0}, "model": {**model, **lab.model_over}},
+        "columns": ["placement", "status", "steps", "val_loss", "train_loss"],
+        "rows": rows, "claims": claims, "series": {"runs": {k: _curves(r) for k, r in runs.items()}},
+        "notes": ["One run per placement, seed 0, constant-free cosine schedule without warmup."],
+    }
+
+
+# =================================================================================== batchnorm
+
+
+@torch.no_grad()
+def batch_effects(run_folder: Path, val_tokens, batch_size: int, seq_len: int, n_batches: int) -> dict:
+    """For a trained model: how much one sequence's logits change (relative to their RMS) when its
+    batch-mates change and when the batch-mates are half padding, in training mode (batch
+    statistics); and the validation loss in eval mode and in training mode."""
+    model, _ = load_run(run_folder)
+    gen = D.Batches(val_tokens, batch_size, seq_len, seed=4242)
+    batches = [gen.next() for _ in range(n_batches)]
+    model.eval()
+    eval_loss = statistics.fmean(model(x, y)[1].item() for x, y in batches)
+    model.train()  # batch statistics, as in training (running statistics move; the model is not saved)
+    train_loss = statistics.fmean(model(x, y)[1].item() for x, y in batches)
+    (xa, _), (xb, _) = batches[0], batches[1]
+    la = model(xa)[0][0]
+    scale = la.pow(2).mean().sqrt().item()
+    mates = torch.cat([xa[:1], xb[1:]])
+    lb = model(mates)[0][0]
+    mask = torch.ones_like(xa, dtype=torch.bool)
+    mask[1:, seq_len // 2:] = False
+    padded = xa.masked_fill(~mask, 0)
+    lp = model(padded, mask=mask)[0][0]
+    return {"mates_change": (la - lb).abs().max().item() / scale, "padding_change": (la - lp).abs().max().item() / scale,
+            "eval_loss": eval_loss, "train_mode_loss": train_loss}
+
+
+def preset_batchnorm(lab: Lab) -> dict:
+    seeds = lab.seeds(2, 3)
+    norms = ("batchnorm", "layernorm", "rmsnorm")
+    runs = train_norms(lab, norms, seeds)
+    train_fields, _ = lm_sizes(lab)
+    tf = {**train_fields, **lab.train_over}
+    effects = {}
+    for norm in norms:
+        effects[norm] = [lab.job(f"effects-{norm}", {"run": r["run"], "bs": tf["batch_size"], "T": tf["seq_len"]},
+                                 lambda r=r: batch_effects(lab.out / "runs" / r["run"], lab.dataset.val, tf["batch_size"],
+                                                           tf["seq_len"], lab.pick(4, 10))) for r in runs[norm]]
+    rows, measured = [], {}
+    for norm in norms:
+        e = effects[norm]
+        mates = max(x["mates_change"] for x in e)
+        pad = max(x["padding_change"] for x in e)
+        gap = statistics.fmean(abs(x["train_mode_loss"] - x["eval_loss"]) / x["eval_loss"] for x in e)
+        val = stats([r["val_loss"] for r in runs[norm]])
+        rows.append({"norm": norm, "mates_change": _round(mates, 3), "padding_change": _round(pad, 3),
+                     "eval_loss": _round(statistics.fmean(x["eval_loss"] for x in e)),
+                     "train_mode_loss": _round(statistics.fmean(x["train_mode_loss"] for x in e)),
+                     "train_eval_gap": _round(gap, 3), "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2)})
+        measured.update({f"{norm}_mates_change": mates, f"{norm}_padding_change": pad, f"{norm}_train_eval_gap": gap,
+                         f"{norm}_val": val["mean"], f"{norm}_val_std": val["std"]})
+    claims = [
+        C.claim("batchnorm.mates", "under BatchNorm a sequence's output changes with its batch-mates and their padding "
+                "(largest change of its logits >= 1e-3 of their RMS), under LayerNorm and RMSNorm it does not (<= 1e-5)", SHEN20,
+                _pick(measured, *[f"{n}_{k}" for n in norms for k in ("mates_change", "padding_change")]),
+                C.all_of(C.at_least("batchnorm_mates_change", 1e-3), C.at_least("batchnorm_padding_change", 1e-3),
+                         *[C.at_most(f"{n}_{k}", 1e-5) for n in ("layernorm", "rmsnorm") for k in ("mates_change", "padding_change")])),
+        C.claim("batchnorm.train_eval", "BatchNorm's loss differs between training mode (batch statistics) and eval mode "
+                "(running statistics) by at least 1%", SHEN20, _pick(measured, "batchnorm_train_eval_gap", "layernorm_train_eval_gap"),
+                C.at_least("batchnorm_train_eval_gap", 0.01)),
+        C.claim("batchnorm.worse", "a BatchNorm language model ends at least 2% worse than a LayerNorm one", SHEN20,
+                _pick(measured, "batchnorm_val", "layernorm_val"),
+                C.above("batchnorm_val", "layernorm_val", 0.02, noise=["batchnorm_val_std", "layernorm_val_std"])),
+    ]
+    return {
+        "title": "Why text models left BatchNorm",
+        "question": "Does BatchNorm make a sequence's output depend on its batch, and does it cost quality?",
+        "settings": {"train": tf, "seeds": seeds},
+        "columns": ["norm", "mates_change", "padding_change", "eval_loss", "train_mode_loss", "train_eval_gap", "val_loss", "val_std"],
+        "rows": rows, "claims": claims, "series": {"rows": rows},
+        "notes": ["mates_change / padding_change: largest change of one sequence's logits, relative to their RMS, when its "
+                  "batch-mates are swapped for others / half padded (training mode: batch statistics; largest over seeds). "
+                  "train_eval_gap: |loss in training mode - loss in eval mode| / eval loss on the same validation batches. "
+                  "In a causal LM, training-mode BatchNorm also pools statistics over future positions."],
+    }
+
+
+# =================================================================================== precision
+
+EPS16 = {"bf16": 2.0**-7, "fp16": 2.0**-10}  # machine epsilon
+
+
+def precision_errors(op: str, dtype_name: str, scales, d: int, rows: int, seed: int) -> dict:
+    """Max error (relative to the output's largest magnitude) against float64 of normlab's fused
+    kernel, torch's own op and a naive version with statistics in the input dtype, at each scale;
+    None where an output is not finite."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(rows, d, generator=gen, dtype=torch.float64)
+    w = (1 + 0.1 * torch.randn(d, generator=gen, dtype=torch.float64)).to(dtype)
+    b = (0.1 * torch.randn(d, generator=gen, dtype=torch.float64)).to(dtype)
+    eps = 1e-6 if op == "rms_norm" else 1e-5
+    impls = {
+        "rms_norm": {
+            "normlab": lambda x: F.rms_norm(x, w, eps=eps),
+            "torch": lambda x: TF.rms_norm(x, (d,), w, eps=eps),
+            "naive": lambda x: reference.rms_norm(x, w, eps=eps, upcast=False),
+        },
+        "layer_norm": {
+            "normlab": lambda x: F.layer_norm(x, w, b, eps=eps),
+            "torch": lambda x: TF.layer_norm(x, (d,), w, b, eps=eps),
+            "naive": lambda x: reference.layer_norm(x, w, b, eps=eps, upcast=False),
+        },
+    }[op]
+    out = {name: [] for name in impls}
+    for scale in scales:
+        x = (base * scale).to(dtype)
+        x64 = x.double()
+        truth = (reference.rms_norm(x64, w.double(), eps=eps) if op == "rms_norm"
+                 else reference.layer_norm(x64, w.double(), b.double(), eps=eps))
+        top = truth.abs().max().item()
+        for name, fn in impls.items():
+            y = fn(x).double()
+            out[name].append((y - truth).abs().max().item() / top if torch.isfinite(y).all() else None)
+    return out
+
+
+def preset_precision(lab: Lab) -> dict:
+    exps = lab.pick(np.arange(-4, 4.01, 0.5), np.arange(-4, 4.01, 0.25))
+    scales = [float(10.0**e) for e in exps]
+    d, n = lab.pick((4096, 16), (4096, 256))
+    ops, dtypes = ("rms_norm", "layer_norm"), ("bf16", "fp16")
+    errors = lab.job("errors", {"scales": scales, "d": d, "rows": n},
+                     lambda: {f"{op}|{dt}": precision_errors(op, dt, scales, d, n, seed=7) for op in ops for dt in dtypes})
+    rows, measured = [], {}
+    broken = lambda e: sum(1 for v in e if v is None or v > 0.1)  # noqa: E731
+    for op in ops:
+        for dt in dtypes:
+            e = errors[f"{op}|{dt}"]
+            for impl in ("normlab", "torch", "naive"):
+                finite = [v for v in e[impl] if v is not None]
+                first_bad = next((s for s, v in zip(scales, e[impl]) if v is None or v > 0.1), None)
+                rows.append({"op": op, "dtype": dt, "impl": impl,
+                             "max_err_in_eps": _round(max(finite) / EPS16[dt], 3) if finite else None,
+                             "median_err_in_eps": _round(statistics.median(finite) / EPS16[dt], 3) if finite else None,
+                             "broken_scales": broken(e[impl]), "first_broken_scale": first_bad})
+                measured[f"{op}_{dt}_{impl}_broken"] = broken(e[impl])
+                measured[f"{op}_{dt}_{impl}_max_eps"] = max(finite) / EPS16[dt] if finite else None
+                measured[f"{op}_{dt}_{impl}_median_eps"] = statistics.median(finite) / EPS16[dt] if finite else None
+    combos = [(op, dt) for op in ops for dt in dtypes]
+    claims = [
+        C.claim("precision.fp16_overflow", "in fp16, statistics kept in the input dtype break (overflow or underflow: "
+                "non-finite or >10% wrong output) over part of the activation range; fp32 statistics do not", MICIK18,
+                _pick(measured, *[f"{op}_fp16_{i}_broken" for op in ops for i in ("naive", "normlab")]),
+                C.all_of(*[C.at_least(f"{op}_fp16_naive_broken", 1) for op in ops],
+                         *[C.at_most(f"{op}_fp16_normlab_broken", 0) for op in ops])),
+        C.claim("precision.fp32_stats_exact", "with fp32 statistics the fused kernels stay within two machine epsilons of "
+                "the float64 result at every scale, in bf16 and fp16", MICIK18,
+                _pick(measured, *[f"{op}_{dt}_normlab_max_eps" for op, dt in combos]),
+                C.all_of(*[C.at_most(f"{op}_{dt}_normlab_max_eps", 2.0) for op, dt in combos])),
+        C.claim("precision.naive_bf16_worse", "where it does not break, bf16 arithmetic for the statistics still costs "
+                "accuracy: the naive version's median error is at least twice the fused kernel's", MICIK18,
+                _pick(measured, *[f"{op}_bf16_{i}_median_eps" for op in ops for i in ("naive", "normlab")]),
+                C.all_of(*[C.above(f"{op}_bf16_naive_median_eps", f"{op}_bf16_normlab_median_eps", 1.0) for op in ops])),
+    ]
+    return {
+        "title": "Why statistics are kept in fp32",
+        "question": "What happens to RMSNorm and LayerNorm in bf16/fp16 when the statistics are not kept in fp32?",
+        "settings": {"d": d, "rows": n, "scales": scales},
+        "columns": ["op", "dtype", "impl", "max_err_in_eps", "median_err_in_eps", "broken_scales", "first_broken_scale"],
+        "rows": rows, "claims": claims, "series": {"errors": errors, "scales": scales, "eps": EPS16},
+        "notes": ["x = scale * N(0, 1) rows of d features, rounded to the dtype; error: largest |y - y64| over the tensor "
+                  "divided by the largest |y64|, in units of the dtype's machine epsilon (bf16 2^-7, fp16 2^-10). "
+                  "naive: normlab's reference with upcast=False (squares, mean and rsqrt in the input dtype); "
+                  "'broken': non-finite or more than 10% of the output scale off. fp16's largest value is 65504: "
+                  "a square overflows once |x| passes 256."],
+    }
+
+
+# ======================================================================================= speed
+
+
+def preset_speed(lab: Lab) -> dict:
+    from normlab import bench
+
+    shapes = lab.pick(("4096x1024", "1024x4096"), bench.DEFAULT_SHAPES)
+    backends = lab.pick(("normlab", "torch", "torch-module", "hf"), ("normlab", "torch", "torch-module", "hf", "compile", "liger", "apex"))
+    params = {"shapes": shapes, "backends": backends}
+
+    def kernels():
+        records, notes = bench.run_bench(ops=("rms_norm", "layer_norm"), backends=backends, dtypes=("fp32", "bf16"),
+                                         shapes=shapes, passes=("fwd", "bwd"), allocs=("alloc",),
+                                         repeat=lab.pick(6, 10), case_seconds=lab.pick(0.4, 1.0))
+        return {"records": records, "notes": notes}
+
+    kern = lab.job("kernels", params, kernels)
+    model = dict(d_model=256, n_layers=4, n_heads=4, max_seq_len=128)
+    B, T = 8, 128
+    batch = D.Batches(lab.dataset.train, B, T, seed=5).next()
+    variants = {f"{n}|{impl}": {**model, "norm": n, "norm_impl": impl} for n in ("layernorm", "rmsnorm") for impl in ("normlab", "torch")}
+    timing = lab.job("step_time", {"model": model, "over": lab.model_over, "B": B, "T": T},
+                     lambda: time_steps({k: lab.model_config(v) for k, v in variants.items()}, batch, rounds=lab.pick(6, 12)))
+    rows, measured = [], {}
+    for r in kern["records"]:
+        if r["op"] != "copy":
+            rows.append({"what": "kernel", "op": r["op"], "backend": r["backend"], "dtype": r["dtype"], "shape": r["shape"],
+                         "pass": r["pass"], "ms": r["ms"], "gbps": r["gbps"], "frac_of_copy": r["frac_of_copy"]})
+    for key, t in timing.items():
+        norm, impl = key.split("|")
+        rows.append({"what": "train step", "op": norm, "backend": impl, "dtype": "fp32", "shape": f"{B}x{T}x{model['d_model']}",
+                     "pass": "fwd+bwd+adamw", "ms": _round(t["ms"], 4), "gbps": None, "frac_of_copy": None})
+        measured[f"{norm}_{impl}_step_ms"] = t["ms"]
+        measured[f"{norm}_{impl}_step_ms_se"] = t["se"]
+    for backend in ("normlab", "torch"):
+        for op in ("rms_norm", "layer_norm"):
+            ms = [r["ms"] for r in kern["records"] if r["backend"] == backend and r["op"] == op]
+            measured[f"{backend}_{op}_total_ms"] = sum(ms) if ms else None
+    claims = [
+        C.claim(f"speed.rms_kernel_{backend}", f"RMSNorm's kernel takes at least 7% less time than LayerNorm's ({backend}: "
+                "forward + backward, summed over shapes and dtypes)", ZHANG19,
+                _pick(measured, f"{backend}_rms_norm_total_ms", f"{backend}_layer_norm_total_ms"),
+                C.below(f"{backend}_rms_norm_total_ms", f"{backend}_layer_norm_total_ms", 0.07))
+        for backend in ("normlab", "torch")
+    ] + [
+        C.claim(f"speed.step_{norm}", f"normlab's {norm} makes a training step at least 2% faster than torch's module", NORMLAB,
+                _pick(measured, f"{norm}_normlab_step_ms", f"{norm}_torch_step_ms"),
+                C.below(f"{norm}_normlab_step_ms", f"{norm}_torch_step_ms", 0.02,
+                        noise=[f"{norm}_normlab_step_ms_se", f"{norm}_torch_step_ms_se"]))
+        for norm in ("layernorm", "rmsnorm")
+    ]
+    return {
+        "title": "Speed: kernels against the copy ceiling, and whole training steps",
+        "question": "How fast are the norms per backend, and what do the fused kernels buy a training step?",
+        "settings": {"shapes": list(shapes), "backends": list(backends), "step_model": model, "step_batch": [B, T]},
+        "columns": ["what", "op", "backend", "dtype", "shape", "pass", "ms", "gbps", "frac_of_copy"],
+        "rows": rows, "claims": claims, "series": {"records": kern["records"], "timing": {k: v["ms"] for k, v in timing.items()}},
+        "notes": ["Kernel rows come from normlab bench (allocating calls, median of interleaved rounds; frac_of_copy: GB/s "
+                  "over the GB/s of y.copy_(x) on the same tensor in the same run). Train-step rows: median time of a "
+                  "forward, backward and AdamW step, measured round-robin in one process."] + kern["notes"],
+    }
+
+
+# ===================================================================================== presets
+
+PRESETS: dict[str, Callable[[Lab], dict]] = {
+    "norms": preset_norms,
+    "warmup": preset_warmup,
+    "gradients": preset_gradients,
+    "depth": preset_depth,
+    "batchnorm": preset_batchnorm,
+    "precision": preset_precision,
+    "speed": preset_speed,
+}
+GROUPS = {"all": tuple(PRESETS), "demo": ("norms", "gradients", "batchnorm", "precision")}
+# The fields a preset compares: the user cannot override them for it.
+VARIES = {"norms": {"norm", "seed"}, "warmup": {"placement", "lr", "min_lr", "warmup", "seed"},
+          "gradients": {"placement", "n_layers"}, "depth": {"placement", "lr", "min_lr", "warmup", "seed"},
+          "batchnorm": {"norm", "seed"}, "precision": set(), "speed": {"norm", "norm_impl"}}
+
+
+def expand(names: list[str]) -> list[str]:
+    out = []
+    for name in names:
+        if name in GROUPS:
+            out.extend(GROUPS[name])
+        elif name in PRESETS:
+            out.append(name)
+        else:
+            raise ValueError(f"unknown preset {name!r}; choose from {', '.join(list(PRESETS) + list(GROUPS))}")
+    return list(dict.fromkeys(out))
+
+
+def check_overrides(presets: list[str], overrides: dict) -> None:
+    for name in presets:
+        clash = sorted(set(overrides) & VARIES[name])
+        if clash:
+            raise ValueError(f"the {name} preset compares {', '.join(clash)}; it cannot be overridden for it "
+                             f"(run another preset, or train that setting alone with `normlab train`)")
+
+
+def run_presets(names: list[str], settings: Settings, console=None, command: str = "") -> dict:
+    """Run the presets (skipping finished work) and write results.json; returns the results."""
+    presets = expand(names)
+    if "demo" in names:
+        settings = dataclasses.replace(settings, quick=True)
+    check_overrides(presets, settings.overrides)
+    lab = Lab(settings, console)
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    results = json.loads(path.read_text()) if path.exists() else {"presets": {}}
+    from normlab.bench import environment
+
+    for i, name in enumerate(presets, 1):
+        lab.preset = name
+        lab.say(f"[bold cyan]({i}/{len(presets)}) {name}[/bold cyan]")
+        t0 = time.perf_counter()
+        section = PRESETS[name](lab)
+        section["seconds"] = round(time.perf_counter() - t0, 1)
+        section["quick"] = lab.quick
+        results["presets"][name] = section
+        results["presets"] = {k: results["presets"][k] for k in PRESETS if k in results["presets"]}
+        results["meta"] = {**environment(), "command": command, "quick": lab.quick, "seeds": settings.seeds,
+                           "data": settings.data or "shakespeare", "overrides": settings.overrides}
+        _write_json(path, results)
+    return results
+
+
+def _clean(obj):
+    """JSON without NaN/Infinity (not JSON): non-finite numbers become null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(_clean(obj), indent=1, allow_nan=False))
+    os.replace(tmp, path)
+
+
+def recheck(results: dict) -> list[str]:
+    """Claims whose recorded verdict does not follow from their numbers by their rule (should be none)."""
+    bad = []
+    for name, section in results.get("presets", {}).items():
+        for c in section.get("claims", []):
+            if C.judge(c["rule"], c["measured"]) != c["verdict"]:
+                bad.append(f"{name}: {c['id']}")
+    return bad

@@ -1,0 +1,363 @@
+"""Plots and the HTML / Markdown report of ``normlab compare``, rendered from results.json alone
+(``normlab report DIR`` redraws them without rerunning anything)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+
+VERDICT_COLOURS = {"holds": "#1a7f37", "does not hold": "#cf222e", "inconclusive": "#9a6700"}
+NORM_COLOURS = {"layernorm": "C0", "rmsnorm": "C1", "prmsnorm": "C2", "batchnorm": "C3", "none": "C7"}
+PLACEMENT_COLOURS = {"post": "C3", "pre": "C0", "sandwich": "C2", "deepnorm": "C4"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _mean_curve(curves: list[dict], key: str) -> tuple[list, list, list, list]:
+    """Mean, min and max over seeds of val loss at the steps all finished runs share."""
+    done = [c["val_curve"] for c in curves if c["status"] != "diverged" and c["val_curve"]["step"]]
+    if not done:
+        return [], [], [], []
+    n = min(len(c["step"]) for c in done)
+    xs = [sum(c[key][i] for c in done) / len(done) for i in range(n)]
+    losses = [[c["loss"][i] for c in done] for i in range(n)]
+    return xs, [sum(v) / len(v) for v in losses], [min(v) for v in losses], [max(v) for v in losses]
+
+
+def plot_norms(section: dict, plt) -> dict:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for norm, curves in section["series"]["runs"].items():
+        for ax, key, label in ((axes[0], "step", "step"), (axes[1], "time_s", "training time (s)")):
+            xs, mean, lo, hi = _mean_curve(curves, key)
+            if xs:
+                ax.plot(xs, mean, label=norm, color=NORM_COLOURS.get(norm))
+                ax.fill_between(xs, lo, hi, alpha=0.2, color=NORM_COLOURS.get(norm))
+            ax.set_xlabel(label)
+    axes[0].set_ylabel("validation loss")
+    axes[0].set_title("per step")
+    axes[1].set_title("per second of training")
+    axes[0].legend()
+    _trim_y(axes[0], section)
+    fig.suptitle("Validation loss by norm (mean over seeds, band: min-max)")
+    fig.tight_layout()
+    return {"norms_loss.png": fig}
+
+
+def _trim_y(ax, section):
+    """Zoom in on the part of the curves where the norms differ (the first evaluations dwarf it)."""
+    finals = [r["val_loss"] for r in section["rows"] if r.get("val_loss") is not None]
+    if finals:
+        lo, hi = min(finals), max(finals)
+        ax.set_ylim(lo - 0.1 * (hi - lo + 0.1), hi + 1.0)
+
+
+def plot_warmup(section: dict, plt) -> dict:
+    runs, lrs, warm = section["series"]["runs"], section["series"]["lrs"], section["series"]["warmup"]
+    placements = list(dict.fromkeys(k.split("|")[0] for k in runs))
+    fig, axes = plt.subplots(1, len(lrs), figsize=(5 * len(lrs), 4), sharey=True, squeeze=False)
+    finals = [r["val_curve"]["loss"][-1] for r in runs.values() if r["status"] != "diverged" and r["val_curve"]["loss"]]
+    top = max(finals) * 1.1 if finals else 1.0
+    for ax, lr in zip(axes[0], lrs):
+        for j, w in enumerate((0, warm)):
+            xs, hs, hatch = [], [], []
+            for i, p in enumerate(placements):
+                r = runs[f"{p}|{lr:g}|{w}"]
+                xs.append(i + (j - 0.5) * 0.38)
+                ok = r["status"] != "diverged" and r["val_curve"]["loss"]
+                hs.append(r["val_curve"]["loss"][-1] if ok else top)
+                hatch.append(not ok)
+            bars = ax.bar(xs, hs, width=0.38, label=f"warmup {w}", color="C1" if w == 0 else "C0")
+            for bar, diverged in zip(bars, hatch):
+                if diverged:
+                    bar.set_hatch("xx")
+                    bar.set_facecolor("white")
+                    bar.set_edgecolor("C3")
+                    ax.text(bar.get_x() + bar.get_width() / 2, top, "diverged", ha="center", va="bottom", fontsize=8, color="C3", rotation=90)
+        ax.set_xticks(range(len(placements)), placements)
+        ax.set_title(f"lr {lr:g}")
+        ax.set_ylim(min(finals) * 0.9 if finals else 0, top * 1.15)
+    axes[0][0].set_ylabel("final validation loss")
+    axes[0][0].legend()
+    fig.suptitle("Final loss by placement, learning rate and warmup")
+    fig.tight_layout()
+    fig2, ax = plt.subplots(figsize=(7, 4))
+    lr = max(lrs)
+    for p in placements:
+        for w, style in ((0, "-"), (warm, "--")):
+            c = runs[f"{p}|{lr:g}|{w}"]["train_curve"]
+            ax.plot(c["step"], c["loss"], style, color=PLACEMENT_COLOURS.get(p), label=f"{p}, warmup {w}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"Training loss at lr {lr:g}")
+    ax.legend(fontsize=8)
+    fig2.tight_layout()
+    return {"warmup_final.png": fig, "warmup_curves.png": fig2}
+
+
+def plot_gradients(section: dict, plt) -> dict:
+    norms, depths = section["series"]["norms"], section["series"]["depths"]
+    placements = list(dict.fromkeys(k.split("|")[0] for k in norms))
+    fig, axes = plt.subplots(1, len(placements), figsize=(4 * len(placements), 3.6), sharey=True)
+    for ax, p in zip(axes, placements):
+        for i, depth in enumerate(depths):
+            g = norms[f"{p}|{depth}|xavier"]
+            ax.plot(range(1, len(g) + 1), g, marker="o", ms=3, label=f"{depth} layers", color=f"C{i}")
+        g = norms.get(f"{p}|{max(depths)}|gpt2")
+        if g:
+            ax.plot(range(1, len(g) + 1), g, ls="--", color="grey", label=f"{max(depths)} layers, gpt2 init")
+        ax.set_yscale("log")
+        ax.set_title(p)
+        ax.set_xlabel("layer")
+    axes[0].set_ylabel("grad norm of MLP output weight")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Gradient norm by layer at initialization (xavier init; dashed: GPT-2's scaled init)")
+    fig.tight_layout()
+    return {"gradients.png": fig}
+
+
+def plot_depth(section: dict, plt) -> dict:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for p, r in section["series"]["runs"].items():
+        c = r["train_curve"]
+        label = p + (" (diverged)" if r["status"] == "diverged" else "")
+        ax.plot(c["step"], c["loss"], color=PLACEMENT_COLOURS.get(p), label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.legend()
+    ax.set_title(section["title"])
+    fig.tight_layout()
+    return {"depth.png": fig}
+
+
+def plot_batchnorm(section: dict, plt) -> dict:
+    rows = section["series"]["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["norm"] for r in rows]
+    floor = 1e-12
+    for j, key in enumerate(("mates_change", "padding_change")):
+        vals = [max(r[key] or 0.0, floor) for r in rows]
+        axes[0].bar([i + (j - 0.5) * 0.38 for i in range(len(rows))], vals, width=0.38, label=key.replace("_", " "))
+    axes[0].set_yscale("log")
+    axes[0].set_ylim(floor / 2, None)
+    axes[0].set_xticks(range(len(rows)), names)
+    axes[0].set_title("change of one sequence's logits (rel. to RMS; 1e-12: none)")
+    axes[0].legend()
+    for j, key in enumerate(("eval_loss", "train_mode_loss")):
+        axes[1].bar([i + (j - 0.5) * 0.38 for i in range(len(rows))], [r[key] for r in rows], width=0.38, label=key.replace("_", " "))
+    axes[1].set_xticks(range(len(rows)), names)
+    lows = [min(r["eval_loss"], r["train_mode_loss"]) for r in rows]
+    axes[1].set_ylim(min(lows) * 0.9, max(max(r["eval_loss"], r["train_mode_loss"]) for r in rows) * 1.05)
+    axes[1].set_title("validation loss: eval mode vs training mode")
+    axes[1].legend()
+    fig.tight_layout()
+    return {"batchnorm.png": fig}
+
+
+def plot_precision(section: dict, plt) -> dict:
+    errors, scales, eps = section["series"]["errors"], section["series"]["scales"], section["series"]["eps"]
+    keys = list(errors)
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), sharey=True)
+    for ax, key in zip(axes, keys):
+        op, dt = key.split("|")
+        top = 1e4
+        for i, (impl, errs) in enumerate(errors[key].items()):
+            ys = [top if e is None else max(e / eps[dt], 1e-3) for e in errs]
+            ax.plot(scales, ys, marker="o", ms=3, label=impl, color=f"C{i}")
+            bad = [(s, top) for s, e in zip(scales, errs) if e is None]
+            if bad:
+                ax.scatter(*zip(*bad), marker="x", s=50, color="C3", zorder=3)
+        ax.axhline(2, color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"{op} {dt}")
+        ax.set_xlabel("activation scale")
+    axes[0].set_ylabel("max error / machine eps (x: not finite)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Error against float64 as activations grow")
+    fig.tight_layout()
+    return {"precision.png": fig}
+
+
+def plot_speed(section: dict, plt) -> dict:
+    recs = [r for r in section["series"]["records"] if r["op"] != "copy"]
+    groups = sorted({(r["op"], r["pass"], r["dtype"]) for r in recs})
+    backends = list(dict.fromkeys(r["backend"] for r in recs))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2.2, 1]})
+    width = 0.8 / max(1, len(backends))
+    for j, b in enumerate(backends):
+        vals = []
+        for g in groups:
+            sel = [r["frac_of_copy"] for r in recs if (r["op"], r["pass"], r["dtype"]) == g and r["backend"] == b]
+            vals.append(sum(sel) / len(sel) if sel else 0)
+        axes[0].bar([i + (j - (len(backends) - 1) / 2) * width for i in range(len(groups))], vals, width=width, label=b)
+    axes[0].set_xticks(range(len(groups)), [f"{o}\n{p} {d}" for o, p, d in groups], fontsize=8)
+    axes[0].axhline(1.0, color="grey", lw=0.8, ls=":")
+    axes[0].set_ylabel("fraction of copy bandwidth (mean over shapes)")
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("kernels (allocating calls)")
+    timing = section["series"]["timing"]
+    labels = list(timing)
+    axes[1].barh(range(len(labels)), [timing[k] for k in labels], color=["C0" if k.endswith("normlab") else "C7" for k in labels])
+    axes[1].set_yticks(range(len(labels)), [k.replace("|", " / ") for k in labels])
+    axes[1].set_xlabel("ms per training step")
+    axes[1].set_title("training step")
+    fig.tight_layout()
+    return {"speed.png": fig}
+
+
+PLOTS = {"norms": plot_norms, "warmup": plot_warmup, "gradients": plot_gradients, "depth": plot_depth,
+         "batchnorm": plot_batchnorm, "precision": plot_precision, "speed": plot_speed}
+
+
+def render(results: dict, out: str | Path) -> dict[str, Path]:
+    """Write the PNG plots, report.md and report.html into ``out``; returns their paths."""
+    plt = _plt()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    images: dict[str, list[str]] = {}
+    for name, section in results["presets"].items():
+        images[name] = []
+        for filename, fig in PLOTS[name](section, plt).items():
+            fig.savefig(out / filename, dpi=110)
+            plt.close(fig)
+            images[name].append(filename)
+    md = out / "report.md"
+    md.write_text(markdown(results, images))
+    page = out / "report.html"
+    page.write_text(html_page(results, images, out))
+    return {"markdown": md, "html": page, **{f: out / f for fs in images.values() for f in fs}}
+
+
+# ------------------------------------------------------------------------------------- text
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if v == 0 or (1e-3 <= abs(v) < 1e5):
+            return f"{v:.4g}"
+        return f"{v:.2e}"
+    return str(v)
+
+
+def _meta_lines(meta: dict) -> list[str]:
+    keys = ("date", "processor", "cpus", "torch_threads", "gpu", "python", "torch", "numba", "triton", "normlab", "git")
+    env = ", ".join(f"{k} {meta[k]}" for k in keys if meta.get(k) is not None)
+    seeds = meta.get("seeds")
+    return [f"Machine and versions: {env}.",
+            f"Command: `{meta.get('command') or 'normlab compare'}` ({'quick sizes' if meta.get('quick') else 'full sizes'}; "
+            f"seeds: {seeds if seeds else 'each preset default'}; data: {meta.get('data')}; overrides: {meta.get('overrides') or 'none'})."]
+
+
+def verdict_counts(results: dict) -> dict[str, int]:
+    counts = {"holds": 0, "does not hold": 0, "inconclusive": 0}
+    for section in results["presets"].values():
+        for c in section["claims"]:
+            counts[c["verdict"]] += 1
+    return counts
+
+
+def _measured_text(measured: dict) -> str:
+    return ", ".join(f"{k} = {_fmt(v)}" for k, v in measured.items())
+
+
+def markdown(results: dict, images: dict[str, list[str]]) -> str:
+    meta = results.get("meta", {})
+    lines = ["# normlab compare: report", ""] + [f"{line}  " for line in _meta_lines(meta)] + [""]
+    counts = verdict_counts(results)
+    lines += [f"Claims: {counts['holds']} hold, {counts['does not hold']} do not hold, {counts['inconclusive']} inconclusive "
+              "at this scale. Verdicts are computed from the measured numbers by the stated rule.", ""]
+    lines += ["| preset | claim | verdict |", "|---|---|---|"]
+    for name, section in results["presets"].items():
+        for c in section["claims"]:
+            lines.append(f"| {name} | {c['claim']} | **{c['verdict']}** |")
+    lines.append("")
+    for name, section in results["presets"].items():
+        lines += [f"## {name}: {section['title']}", "", f"*{section['question']}*", ""]
+        cols = section["columns"]
+        lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for row in section["rows"]:
+            lines.append("| " + " | ".join(_fmt(row.get(c)) for c in cols) + " |")
+        lines.append("")
+        for c in section["claims"]:
+            lines += [f"- **{c['verdict']}**: {c['claim']} ({c['source']}).  ",
+                      f"  Rule: {c['rule_text']}.  ", f"  Measured: {_measured_text(c['measured'])}."]
+        if any(c["verdict"] != "holds" for c in section["claims"]):
+            lines.append(f"- Not every claim reproduced here: at this scale ({'quick' if section.get('quick') else 'full'} "
+                         "sizes, a few minutes of CPU) the effect may be smaller than the noise or absent; the numbers above "
+                         "say which.")
+        lines.append("")
+        for note in section.get("notes", []):
+            lines += [f"> {note}", ""]
+        for img in images.get(name, []):
+            lines += [f"![{name}]({img})", ""]
+        lines += [f"Settings: `{json.dumps(section['settings'], default=str)}`; took {section.get('seconds', 0):.0f} s.", ""]
+    return "\n".join(lines)
+
+
+CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#1f2328;line-height:1.45}
+table{border-collapse:collapse;margin:.6em 0;font-size:.9em}td,th{border:1px solid #d0d7de;padding:.25em .6em;text-align:right}
+th{background:#f6f8fa}td:first-child,th:first-child{text-align:left}img{max-width:100%}
+.verdict{font-weight:600;padding:.05em .4em;border-radius:.3em;color:#fff;white-space:nowrap}
+.claim{margin:.5em 0 .8em}.rule,.measured{font-size:.85em;color:#57606a}.note{font-size:.88em;color:#57606a;border-left:3px solid #d0d7de;padding-left:.7em}
+code{font-size:.85em;background:#f6f8fa;padding:.1em .3em}"""
+
+
+def _badge(verdict: str) -> str:
+    return f'<span class="verdict" style="background:{VERDICT_COLOURS[verdict]}">{html.escape(verdict)}</span>'
+
+
+def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
+    e = html.escape
+    meta = results.get("meta", {})
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>normlab compare report</title><style>{CSS}</style></head><body>",
+             "<h1>normlab compare: report</h1>"]
+    parts += [f"<p>{e(line)}</p>" for line in _meta_lines(meta)]
+    counts = verdict_counts(results)
+    parts.append(f"<p>Claims: {counts['holds']} hold, {counts['does not hold']} do not hold, {counts['inconclusive']} inconclusive at "
+                 "this scale. Every verdict is computed from the measured numbers by the rule shown with it.</p>")
+    parts.append("<table><tr><th>preset</th><th>claim</th><th>verdict</th></tr>")
+    for name, section in results["presets"].items():
+        for c in section["claims"]:
+            parts.append(f"<tr><td>{e(name)}</td><td style='text-align:left'>{e(c['claim'])}</td><td>{_badge(c['verdict'])}</td></tr>")
+    parts.append("</table>")
+    for name, section in results["presets"].items():
+        parts += [f"<h2 id='{e(name)}'>{e(name)}: {e(section['title'])}</h2>", f"<p><em>{e(section['question'])}</em></p>"]
+        cols = section["columns"]
+        parts.append("<table><tr>" + "".join(f"<th>{e(c)}</th>" for c in cols) + "</tr>")
+        for row in section["rows"]:
+            parts.append("<tr>" + "".join(f"<td>{e(_fmt(row.get(c)))}</td>" for c in cols) + "</tr>")
+        parts.append("</table>")
+        for c in section["claims"]:
+            parts.append(f"<div class='claim'>{_badge(c['verdict'])} {e(c['claim'])} <span class='rule'>({e(c['source'])})</span><br>"
+                         f"<span class='rule'>Rule: {e(c['rule_text'])}</span><br>"
+                         f"<span class='measured'>Measured: {e(_measured_text(c['measured']))}</span></div>")
+        if any(c["verdict"] != "holds" for c in section["claims"]):
+            parts.append("<p class='note'>Not every claim reproduced here: at this scale the effect may be smaller than the "
+                         "noise or absent; the numbers above say which.</p>")
+        for note in section.get("notes", []):
+            parts.append(f"<p class='note'>{e(note)}</p>")
+        for img in images.get(name, []):
+            data = base64.b64encode((folder / img).read_bytes()).decode()
+            parts.append(f"<p><img alt='{e(img)}' src='data:image/png;base64,{data}'></p>")
+        parts.append(f"<p class='rule'>Settings: <code>{e(json.dumps(section['settings'], default=str))}</code>; "
+                     f"took {section.get('seconds', 0):.0f} s.</p>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def load(folder: str | Path) -> dict:
+    path = Path(folder) / "results.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no results.json in {folder}; run `normlab compare PRESET --out {folder}` first")
+    return json.loads(path.read_text())
