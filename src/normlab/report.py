@@ -255,7 +255,7 @@ def _meta_lines(meta: dict) -> list[str]:
     env = ", ".join(f"{k} {meta[k]}" for k in keys if meta.get(k) is not None)
     seeds = meta.get("seeds")
     return [f"Machine and versions: {env}.",
-            f"Command: `{meta.get('command') or 'normlab compare'}` ({'quick sizes' if meta.get('quick') else 'full sizes'}; "
+            f"Command: `{meta.get('command') or 'normlab compare'}` ({meta.get('size', 'full')} sizes; "
             f"seeds: {seeds if seeds else 'each preset default'}; data: {meta.get('data')}; overrides: {meta.get('overrides') or 'none'})."]
 
 
@@ -293,7 +293,7 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
             lines += [f"- **{c['verdict']}**: {c['claim']} ({c['source']}).  ",
                       f"  Rule: {c['rule_text']}.  ", f"  Measured: {_measured_text(c['measured'])}."]
         if any(c["verdict"] != "holds" for c in section["claims"]):
-            lines.append(f"- Not every claim reproduced here: at this scale ({'quick' if section.get('quick') else 'full'} "
+            lines.append(f"- Not every claim reproduced here: at this scale ({section.get('size', 'full')} "
                          "sizes, a few minutes of CPU) the effect may be smaller than the noise or absent; the numbers above "
                          "say which.")
         lines.append("")

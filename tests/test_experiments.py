@@ -1,0 +1,188 @@
+"""`normlab compare` end to end at tiny size on a corpus made here: every preset writes a complete
+section whose verdicts follow from its numbers by their rules (and flip when the numbers do), the
+report renders, a second run redoes nothing, and an interrupted run resumes from its checkpoint."""
+
+import base64
+import copy
+import json
+import random
+
+import pytest
+
+from normlab import claims as C
+from normlab import experiments as E
+from normlab import report
+from normlab.cli import main
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(1)
+    words = "the king queen love death night day sword crown heart blood fair sweet lord lady".split()
+    for i in range(6):
+        (folder / f"play{i}.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(10)) for _ in range(200)))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("NORMLAB_CACHE", str(tmp_path_factory.mktemp("cache")))
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def finished(corpus, env, tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    settings = E.Settings(out=str(out), size="tiny", data=str(corpus), quiet=True)
+    results = E.run_presets(["all"], settings, command="normlab compare all --size tiny")
+    return out, results
+
+
+def test_every_preset_writes_a_complete_section(finished):
+    out, results = finished
+    saved = json.loads((out / "results.json").read_text())
+    assert list(saved["presets"]) == list(E.PRESETS)
+    for name, section in saved["presets"].items():
+        for key in ("title", "question", "settings", "columns", "rows", "claims", "series", "notes"):
+            assert key in section, (name, key)
+        assert section["rows"], name
+        for row in section["rows"]:
+            assert set(section["columns"]) <= set(row), name
+        assert section["claims"], name
+        for c in section["claims"]:
+            assert c["verdict"] in C.VERDICTS
+            assert c["source"] and c["rule_text"] and c["claim"]
+            assert set(c["measured"]) >= _keys(c["rule"]), (name, c["id"])
+    assert saved["meta"]["command"] == "normlab compare all --size tiny"
+    assert saved["meta"]["torch"] and saved["meta"]["processor"]
+
+
+def _keys(rule) -> set:
+    if rule["kind"] in ("all", "any"):
+        return set().union(*(_keys(r) for r in rule["rules"]))
+    return {v for v in (rule["a"], rule["b"]) if isinstance(v, str)}
+
+
+def test_verdicts_follow_from_the_numbers(finished):
+    _, results = finished
+    assert E.recheck(results) == []
+    # and a recorded verdict that does not follow is caught
+    broken = copy.deepcopy(results)
+    c = broken["presets"]["norms"]["claims"][0]
+    c["verdict"] = next(v for v in C.VERDICTS if v != c["verdict"])
+    assert E.recheck(broken) == ["norms: norms.rms_quality"]
+
+
+def _claim(results, cid):
+    return next(c for s in results["presets"].values() for c in s["claims"] if c["id"] == cid)
+
+
+@pytest.mark.parametrize("cid, holds, fails", [
+    ("norms.rms_quality", {"rmsnorm_val": 2.0, "layernorm_val": 2.01, "rmsnorm_val_std": 0.001, "layernorm_val_std": 0.001},
+     {"rmsnorm_val": 2.5, "layernorm_val": 2.0, "rmsnorm_val_std": 0.001, "layernorm_val_std": 0.001}),
+    ("norms.none_worse", {"none_val": 3.0, "layernorm_val": 2.0, "none_diverged": 0, "none_val_std": None, "layernorm_val_std": None},
+     {"none_val": 2.0, "layernorm_val": 2.1, "none_diverged": 0, "none_val_std": None, "layernorm_val_std": None}),
+    ("warmup.post_needs", {"post_nowarm_val_lr0.003": None, "post_warm_val_lr0.003": 2.0, "post_nowarm_diverged_lr0.003": 1,
+                           "post_warm_diverged_lr0.003": 0},
+     {f"post_{t}_{k}_lr{lr}": v for lr in ("0.001", "0.003") for t in ("warm", "nowarm") for k, v in (("val", 2.0), ("diverged", 0))}),
+    ("warmup.pre_not", {f"pre_{t}_{k}_lr{lr}": v for lr in ("0.001", "0.003") for t in ("warm", "nowarm") for k, v in (("val", 2.0), ("diverged", 0))},
+     {"pre_nowarm_val_lr0.001": 2.5, "pre_warm_val_lr0.001": 2.0, "pre_nowarm_diverged_lr0.001": 0}),
+    ("gradients.post_grows", {"post_growth": 3.0, "post_slope": 0.1}, {"post_growth": 0.8, "post_slope": -0.02}),
+    ("depth.deepnorm_trains", {"deepnorm_val": 2.0, "post_val": None, "pre_val": 1.95, "deepnorm_diverged": 0, "post_diverged": 1},
+     {"deepnorm_val": None, "post_val": None, "pre_val": 1.95, "deepnorm_diverged": 1, "post_diverged": 1}),
+    ("batchnorm.train_eval", {"batchnorm_train_eval_gap": 0.05, "layernorm_train_eval_gap": 0.0},
+     {"batchnorm_train_eval_gap": 0.001, "layernorm_train_eval_gap": 0.0}),
+    ("speed.rms_kernel_normlab", {"normlab_rms_norm_total_ms": 0.8, "normlab_layer_norm_total_ms": 1.0},
+     {"normlab_rms_norm_total_ms": 1.1, "normlab_layer_norm_total_ms": 1.0}),
+])
+def test_changing_the_numbers_flips_the_verdict(finished, cid, holds, fails):
+    c = _claim(finished[1], cid)
+    assert C.judge(c["rule"], {**c["measured"], **holds}) == "holds"
+    assert C.judge(c["rule"], {**c["measured"], **fails}) == "does not hold"
+
+
+def test_batchnorm_depends_on_batch_mates_and_layernorm_does_not(finished):
+    rows = {r["norm"]: r for r in finished[1]["presets"]["batchnorm"]["rows"]}
+    assert rows["batchnorm"]["mates_change"] > 1e-3 and rows["batchnorm"]["padding_change"] > 1e-3
+    assert rows["layernorm"]["mates_change"] <= 1e-5 and rows["rmsnorm"]["padding_change"] <= 1e-5
+    assert rows["layernorm"]["train_eval_gap"] == 0  # no dropout, no batch statistics
+
+
+def test_precision_finds_the_fp16_overflow(finished):
+    rows = [r for r in finished[1]["presets"]["precision"]["rows"] if r["dtype"] == "fp16"]
+    naive = [r for r in rows if r["impl"] == "naive"]
+    assert all(r["broken_scales"] >= 1 and r["first_broken_scale"] <= 1e3 for r in naive)
+    assert all(r["broken_scales"] == 0 for r in rows if r["impl"] == "normlab")
+
+
+def test_report_renders(finished):
+    out, results = finished
+    paths = report.render(results, out)
+    page = paths["html"].read_text()
+    assert page.count("data:image/png;base64,") == sum(len(v) for v in _images(out))
+    png = page.split("data:image/png;base64,")[1].split("'")[0]
+    assert base64.b64decode(png)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "does not hold" in page or "holds" in page
+    md = paths["markdown"].read_text()
+    for name in E.PRESETS:
+        assert f"## {name}:" in md
+    assert "Machine and versions" in md and "normlab compare all --size tiny" in md
+
+
+def _images(out):
+    return [[p] for p in out.glob("*.png")]
+
+
+def test_second_run_redoes_nothing(finished, monkeypatch):
+    out, results = finished
+
+    def fail(*a, **k):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(E, "train", fail)
+    monkeypatch.setattr(E, "time_steps", fail)
+    monkeypatch.setattr(E, "precision_errors", fail)
+    again = E.run_presets(["all"], E.Settings(out=str(out), size="tiny", data=results["meta"]["data"], quiet=True))
+    for name in E.PRESETS:
+        assert again["presets"][name]["rows"] == results["presets"][name]["rows"]
+
+
+def test_interrupted_run_resumes_from_its_checkpoint(corpus, env, tmp_path):
+    settings = E.Settings(out=str(tmp_path), size="tiny", data=str(corpus), quiet=True, overrides={"stop_at": "3"})
+    lab = E.Lab(settings)
+    lab.preset = "norms"
+    fields, model = E.lm_sizes(lab)
+    with pytest.raises(E.Interrupted, match="stopped at step 3"):
+        lab.run("rmsnorm-s0", fields, model, {"norm": "rmsnorm", "seed": 0})
+    lab = E.Lab(E.Settings(out=str(tmp_path), size="tiny", data=str(corpus), quiet=True))
+    said = []
+    lab.say = said.append
+    lab.preset = "norms"
+    result = lab.run("rmsnorm-s0", fields, model, {"norm": "rmsnorm", "seed": 0})
+    assert any("resuming" in s for s in said)
+    assert result["status"] == "completed" and result["steps"] == fields["steps"]
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "runs" / result["run"] / "metrics.jsonl") if "step_ms" in line]
+    assert steps == list(range(fields["steps"]))  # each step once: nothing redone, nothing skipped
+
+
+def test_overriding_what_a_preset_compares_is_an_error():
+    with pytest.raises(ValueError, match="the norms preset compares norm"):
+        E.check_overrides(["norms"], {"norm": "rmsnorm"})
+    with pytest.raises(ValueError, match="unknown preset 'nrms'"):
+        E.expand(["nrms"])
+    assert E.expand(["demo", "norms"]) == ["norms", "gradients", "batchnorm", "precision"]
+
+
+def test_cli_compare_and_report(finished, capsys):
+    out, results = finished
+    code = main(["compare", "precision", "--size", "tiny", "--out", str(out), "--data", results["meta"]["data"], "--quiet"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "precision" in text and "report:" in text
+    assert main(["report", str(out)]) == 0
+    assert main(["compare", "norms", "norm=rmsnorm", "--out", str(out)]) == 2
+    assert "compares norm" in capsys.readouterr().out
+    assert main(["report", str(out / "nothing")]) == 2
