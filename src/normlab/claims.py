@@ -95,11 +95,11 @@ def describe(rule: dict) -> str:
     elif kind == "above":
         text = f"{a} at least {pct} above {b_txt}" if rel else f"{a} above {b_txt}"
         if rel:
-            text += f" (not above it: does not hold; in between: inconclusive)"
+            text += " (not above it: does not hold; in between: inconclusive)"
     elif kind == "below":
         text = f"{a} at least {pct} below {b_txt}" if rel else f"{a} below {b_txt}"
         if rel:
-            text += f" (not below it: does not hold; in between: inconclusive)"
+            text += " (not below it: does not hold; in between: inconclusive)"
     elif kind == "at_most":
         text = f"{a} <= {b_txt}" + (f" + {pct}" if rel else "")
     else:

@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     from normlab import experiments
 
     p = sub.add_parser("compare", help="reproduce the published claims about norms: tables, plots, an HTML report",
-                       description=(experiments.__doc__ or "").split("\n\n")[0] + " PRESET is one of "
+                       description=(experiments.__doc__ or "").split("\n\n")[0].replace("``", "") + " PRESET is one of "
                        + ", ".join(list(experiments.PRESETS) + list(experiments.GROUPS)) + ".",
                        epilog=experiments.__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("items", nargs="+", metavar="PRESET|key=value",

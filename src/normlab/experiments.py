@@ -25,7 +25,6 @@ resumes an interrupted training run from its checkpoint.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import json
@@ -511,7 +510,7 @@ def preset_depth(lab: Lab) -> dict:
         C.claim("depth.post_fails", f"a deep Post-LN model ({layers} layers, no warmup) diverges or ends at least 5% worse than Pre-LN",
                 WANG22, _pick(measured, "post_val", "pre_val", "post_diverged"),
                 C.any_of(C.at_least("post_diverged", 1), C.above("post_val", "pre_val", 0.05))),
-        C.claim("depth.deepnorm_trains", f"DeepNorm keeps the same Post-LN model trainable: it does not diverge and ends "
+        C.claim("depth.deepnorm_trains", "DeepNorm keeps the same Post-LN model trainable: it does not diverge and ends "
                 "below Post-LN (or Post-LN diverged) and within 5% of Pre-LN", WANG22,
                 _pick(measured, "deepnorm_val", "post_val", "pre_val", "deepnorm_diverged", "post_diverged"),
                 C.all_of(C.at_most("deepnorm_diverged", 0),
