@@ -213,6 +213,31 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_check_model(args: argparse.Namespace, console: Console) -> int:
+    from rich.table import Table
+
+    from normlab import hf
+
+    if args.model in hf.ARCHS:
+        model, what = hf.tiny_model(args.model), f"{args.model} (small random-weight model from its transformers config)"
+    else:
+        model, what = hf.load_model(args.model), args.model
+    r = hf.check_model(model, dtype=args.dtype, batch=args.batch, seq=args.seq, backend=args.backend,
+                       fuse_residual=args.fuse_residual)
+    console.print(str(r["report"]))
+    table = Table(title=f"normlab check-model: {what}, {args.dtype}, batch {args.batch} x seq {args.seq}")
+    for col in ("logits diff", "grad diff", "bound", "greedy 20 tokens", "fwd+bwd ms unpatched", "fwd+bwd ms patched", "verdict"):
+        table.add_column(col)
+    bound = f"{r['bound']:g} relative" if isinstance(r["bound"], float) else r["bound"]
+    gen = {None: "-", True: "identical", False: "DIFFERENT"}[r["generation_identical"]]
+    table.add_row(f"{r['logits_diff']:.3g}", f"{r['grad_diff']:.3g}", bound, gen, f"{r['ms_unpatched']:.1f}", f"{r['ms_patched']:.1f}",
+                  "[green]ok[/green]" if r["ok"] else "[red]exceeds the bound[/red]")
+    console.print(table)
+    console.print("diff: largest |patched - unpatched| / largest |unpatched| over the logits, and over every gradient "
+                  "(input embeddings and all parameters)")
+    return 0 if r["ok"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     from normlab import __version__
 
@@ -284,6 +309,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="the --out directory of normlab compare")
     p.set_defaults(func=cmd_report)
 
+    p = sub.add_parser("check-model", help="patch a transformers model with normlab's norms and compare it with the original",
+                       description="Patch a transformers model (normlab.hf.patch) and report the largest difference of logits "
+                                   "and gradients against the unpatched model, greedy generation (fp32) and the "
+                                   "forward+backward time of both. Exit status 1 when a difference exceeds the bound. "
+                                   "Needs transformers (pip install 'normlab[hf]').")
+    p.add_argument("model", metavar="ARCH|PATH", help="llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, olmo2, t5, gpt2, bert "
+                                                      "(a small random model; nothing is downloaded) or a local checkpoint directory")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--backend", default="auto", help="normlab backend: auto, cpu, reference, triton")
+    p.add_argument("--fuse-residual", action="store_true", help="also fuse residual add + norm in Llama-family layers")
+    p.set_defaults(func=cmd_check_model)
+
     p = sub.add_parser("sample", help="generate text from a trained run")
     p.add_argument("--run", required=True, help="the run directory")
     p.add_argument("--prompt", default="\n")
@@ -336,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=160)
     try:
         return int(args.func(args, console) or 0)
-    except (ValueError, FileNotFoundError) as err:  # bad input: say what was wrong, no traceback
+    except (ValueError, FileNotFoundError, ImportError) as err:  # bad input or a missing extra: say so, no traceback
         console.print(f"[red]error:[/red] {err}")
         return 2
     except KeyboardInterrupt:
