@@ -74,3 +74,12 @@ def test_claim_records_verdict_and_rule_in_words():
 def test_unknown_rule_kind_is_an_error():
     with pytest.raises(ValueError, match="unknown rule kind 'between'"):
         C.judge({"kind": "between", "a": "a", "b": 1}, {"a": 1})
+
+
+def test_given_is_inconclusive_unless_its_condition_holds():
+    rule = C.given(C.at_most("warm", "base", -0.1), C.above("cold", "warm", 0.02))
+    m = {"base": 3.4, "warm": 2.0, "cold": 2.5}
+    assert C.judge(rule, m) == "holds"
+    assert C.judge(rule, {**m, "cold": 1.9}) == "does not hold"
+    assert C.judge(rule, {**m, "warm": 3.39, "cold": 3.39}) == "inconclusive"  # nothing trained: untestable
+    assert C.describe(rule) == "if warm <= base x 0.9 then cold at least 2% above warm (not above it: does not hold; in between: inconclusive), else inconclusive"

@@ -63,6 +63,8 @@ def test_every_preset_writes_a_complete_section(finished):
 def _keys(rule) -> set:
     if rule["kind"] in ("all", "any"):
         return set().union(*(_keys(r) for r in rule["rules"]))
+    if rule["kind"] == "given":
+        return _keys(rule["if"]) | _keys(rule["then"])
     return {v for v in (rule["a"], rule["b"]) if isinstance(v, str)}
 
 
@@ -86,8 +88,9 @@ def _claim(results, cid):
     ("norms.none_worse", {"none_val": 3.0, "layernorm_val": 2.0, "none_diverged": 0, "none_val_std": None, "layernorm_val_std": None},
      {"none_val": 2.0, "layernorm_val": 2.1, "none_diverged": 0, "none_val_std": None, "layernorm_val_std": None}),
     ("warmup.post_needs", {"post_nowarm_val_lr0.003": None, "post_warm_val_lr0.003": 2.0, "post_nowarm_diverged_lr0.003": 1,
-                           "post_warm_diverged_lr0.003": 0},
-     {f"post_{t}_{k}_lr{lr}": v for lr in ("0.001", "0.003") for t in ("warm", "nowarm") for k, v in (("val", 2.0), ("diverged", 0))}),
+                           "post_warm_diverged_lr0.003": 0, "unigram_loss": 3.4},
+     {"unigram_loss": 3.4, **{f"post_{t}_{k}_lr{lr}": v for lr in ("0.001", "0.003") for t in ("warm", "nowarm")
+                             for k, v in (("val", 2.0), ("diverged", 0))}}),
     ("warmup.pre_not", {f"pre_{t}_{k}_lr{lr}": v for lr in ("0.001", "0.003") for t in ("warm", "nowarm") for k, v in (("val", 2.0), ("diverged", 0))},
      {"pre_nowarm_val_lr0.001": 2.5, "pre_warm_val_lr0.001": 2.0, "pre_nowarm_diverged_lr0.001": 0}),
     ("gradients.post_grows", {"post_growth": 3.0, "post_slope": 0.1}, {"post_growth": 0.8, "post_slope": -0.02}),
@@ -102,6 +105,12 @@ def test_changing_the_numbers_flips_the_verdict(finished, cid, holds, fails):
     c = _claim(finished[1], cid)
     assert C.judge(c["rule"], {**c["measured"], **holds}) == "holds"
     assert C.judge(c["rule"], {**c["measured"], **fails}) == "does not hold"
+
+
+def test_warmup_is_untestable_where_post_ln_never_trains(finished):
+    c = _claim(finished[1], "warmup.post_needs")
+    stuck = {f"post_{t}_{k}_lr{lr}": v for lr in ("0.001", "0.003") for t in ("warm", "nowarm") for k, v in (("val", 3.39), ("diverged", 0))}
+    assert C.judge(c["rule"], {**c["measured"], **stuck, "unigram_loss": 3.4}) == "inconclusive"
 
 
 def test_batchnorm_depends_on_batch_mates_and_layernorm_does_not(finished):

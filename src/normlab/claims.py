@@ -13,6 +13,9 @@ Leaf rules compare a measured value ``a`` (a key of ``measured``) with ``b`` (a 
 - ``at_most``:  a <= b (1 + rel) holds; otherwise does not hold.
 - ``at_least``: a >= b (1 - rel) holds; otherwise does not hold.
 
+``given`` judges its ``then`` rule only when its ``if`` rule holds, and is inconclusive otherwise:
+a claim about what warmup changes cannot be tested where nothing trained in the first place.
+
 ``noise`` (a list of keys of standard deviations, e.g. over seeds) makes a verdict that rests on a
 gap no larger than twice the combined noise ``inconclusive`` instead: a difference the seeds
 themselves produce does not decide a claim either way. A missing value (None: a run diverged, or
@@ -49,6 +52,8 @@ def _noise(measured: dict, keys) -> float:
 def judge(rule: dict, measured: dict) -> str:
     """The verdict of ``rule`` on ``measured`` (see the module docstring)."""
     kind = rule["kind"]
+    if kind == "given":
+        return judge(rule["then"], measured) if judge(rule["if"], measured) == HOLDS else UNSURE
     if kind in ("all", "any"):
         verdicts = [judge(r, measured) for r in rule["rules"]]
         decisive, other = (FAILS, HOLDS) if kind == "all" else (HOLDS, FAILS)
@@ -56,7 +61,7 @@ def judge(rule: dict, measured: dict) -> str:
             return decisive
         return other if all(v == other for v in verdicts) else UNSURE
     if kind not in LEAVES:
-        raise ValueError(f"unknown rule kind {kind!r}; expected one of {', '.join(LEAVES + ('all', 'any'))}")
+        raise ValueError(f"unknown rule kind {kind!r}; expected one of {', '.join(LEAVES + ('all', 'any', 'given'))}")
     a, b = _value(measured, rule["a"]), _value(measured, rule["b"])
     if a is None or b is None:
         return UNSURE
@@ -84,6 +89,8 @@ def judge(rule: dict, measured: dict) -> str:
 def describe(rule: dict) -> str:
     """The rule in words, as the report prints it."""
     kind = rule["kind"]
+    if kind == "given":
+        return f"if {describe(rule['if'])} then {describe(rule['then'])}, else inconclusive"
     if kind in ("all", "any"):
         joiner = " and " if kind == "all" else " or "
         return "(" + joiner.join(describe(r) for r in rule["rules"]) + ")"
@@ -101,9 +108,9 @@ def describe(rule: dict) -> str:
         if rel:
             text += " (not below it: does not hold; in between: inconclusive)"
     elif kind == "at_most":
-        text = f"{a} <= {b_txt}" + (f" + {pct}" if rel else "")
+        text = f"{a} <= {b_txt}" + (f" x {1 + rel:g}" if rel else "")
     else:
-        text = f"{a} >= {b_txt}" + (f" - {pct}" if rel else "")
+        text = f"{a} >= {b_txt}" + (f" x {1 - rel:g}" if rel else "")
     if rule.get("noise"):
         text += "; inconclusive when the gap is within 2 standard deviations of the seed noise"
     return text
@@ -142,6 +149,10 @@ def all_of(*rules) -> dict:
 
 def any_of(*rules) -> dict:
     return {"kind": "any", "rules": list(rules)}
+
+
+def given(condition: dict, then: dict) -> dict:
+    return {"kind": "given", "if": condition, "then": then}
 
 
 def _leaf(kind, a, b, rel, noise) -> dict:

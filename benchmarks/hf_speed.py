@@ -1,0 +1,81 @@
+"""Forward+backward time of transformers models with and without normlab's norms, in one process.
+
+    python benchmarks/hf_speed.py [--archs llama,gemma2] [--dtypes fp32,bf16] [--hidden 1024] [--layers 4]
+                                  [--batch 2] [--seq 256] [--rounds 5] [--json PATH]
+
+Random-weight models from the transformers configs (normlab.hf.tiny_model at the given size;
+nothing is downloaded). Each round times one forward+backward unpatched and one patched (then
+with fuse_residual), alternating, so a drifting machine does not favour either; medians reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from normlab import hf
+from normlab.bench import environment
+
+
+def step(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+
+
+def measure(arch: str, dtype: torch.dtype, args) -> dict:
+    model = hf.tiny_model(arch, hidden=args.hidden, layers=args.layers, heads=args.heads, ff=args.ff).to(dtype)
+    model.train()
+    ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    modes = {"unpatched": lambda: hf.unpatch(model), "patched": lambda: (hf.unpatch(model), hf.patch(model)),
+             "patched+fused": lambda: (hf.unpatch(model), hf.patch(model, fuse_residual=True))}
+    times = {m: [] for m in modes}
+    for setup in modes.values():  # warm-up
+        setup()
+        step(model, ids)
+    for _ in range(args.rounds):
+        for mode, setup in modes.items():
+            setup()
+            t0 = time.perf_counter()
+            step(model, ids)
+            times[mode].append(time.perf_counter() - t0)
+    hf.unpatch(model)
+    ms = {m: statistics.median(t) * 1e3 for m, t in times.items()}
+    return {"arch": arch, "dtype": str(dtype).replace("torch.", ""), **{f"{m}_ms": round(v, 1) for m, v in ms.items()},
+            "speedup": round(ms["unpatched"] / ms["patched"], 3), "speedup_fused": round(ms["unpatched"] / ms["patched+fused"], 3)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--archs", default="llama,gemma2")
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--ff", type=int, default=2816)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", help="write the rows and the environment here")
+    args = p.parse_args()
+    rows = []
+    for arch in args.archs.split(","):
+        for name in args.dtypes.split(","):
+            rows.append(measure(arch, {"fp32": torch.float32, "bf16": torch.bfloat16}[name], args))
+            print(rows[-1], flush=True)
+    print("| arch | dtype | unpatched ms | patched ms | patched+fused ms | speedup | speedup fused |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['arch']} | {r['dtype']} | {r['unpatched_ms']} | {r['patched_ms']} | {r['patched+fused_ms']} | "
+              f"{r['speedup']:.2f} | {r['speedup_fused']:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": environment(), "args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
