@@ -301,7 +301,7 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
             lines += [f"> {note}", ""]
         for img in images.get(name, []):
             lines += [f"![{name}]({img})", ""]
-        lines += [f"Settings: `{json.dumps(section['settings'], default=str)}`; took {section.get('seconds', 0):.0f} s.", ""]
+        lines += [f"Settings: `{json.dumps(section['settings'], default=str)}`; compute time {section.get('seconds', 0):.0f} s.", ""]
     return "\n".join(lines)
 
 
@@ -351,7 +351,7 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
             data = base64.b64encode((folder / img).read_bytes()).decode()
             parts.append(f"<p><img alt='{e(img)}' src='data:image/png;base64,{data}'></p>")
         parts.append(f"<p class='rule'>Settings: <code>{e(json.dumps(section['settings'], default=str))}</code>; "
-                     f"took {section.get('seconds', 0):.0f} s.</p>")
+                     f"compute time {section.get('seconds', 0):.0f} s.</p>")
     parts.append("</body></html>")
     return "\n".join(parts)
 
