@@ -119,3 +119,28 @@ def test_cli_check_model(capsys, tmp_path):
     hf.tiny_model("qwen2").save_pretrained(tmp_path / "qwen2")  # a local checkpoint directory (safetensors)
     assert main(["check-model", str(tmp_path / "qwen2"), "--dtype", "bf16"]) == 0
     assert "Qwen2RMSNorm" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("eps", [None, 1e-5])
+def test_plain_torch_norms(dtype, eps):
+    model = nn.Sequential(nn.RMSNorm(48, eps=eps), nn.Linear(48, 48), nn.LayerNorm(48)).to(dtype)
+    with torch.no_grad():
+        model[0].weight.normal_(1, 0.2)
+        model[2].weight.normal_(1, 0.2)
+        model[2].bias.normal_(0, 0.2)
+    x = torch.randn(16, 48, dtype=dtype) * 3
+    expected = model(x)
+    report = hf.patch(model)
+    assert [n for n, _, _ in report.patched] == ["0", "2"]
+    got = model(x)
+    tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    assert ((got.float() - expected.float()).abs() <= tol * (expected.float().abs() + 1)).all()
+
+
+def test_check_model_fails_when_the_numerics_are_wrong(monkeypatch, capsys):
+    # skip the probe and give Gemma no offset: the patched model is wrong, and check-model says so
+    monkeypatch.setattr(hf, "_matches", lambda *a: "")
+    monkeypatch.setitem(hf.RMS_CLASSES, "GemmaRMSNorm", ("rms", "gemma", 0.0, "eps"))
+    assert main(["check-model", "gemma", "--seq", "8"]) == 1
+    assert "exceeds the bound" in capsys.readouterr().out

@@ -15,7 +15,7 @@ subclassed keep working. Each family's numerics (DESIGN.md):
 | Olmo2RMSNorm | rms_norm, cast="gemma" (weight times fp32 xhat, cast last) |
 | T5LayerNorm | rms_norm, cast="llama" (no mean, no bias) |
 | torch.nn.LayerNorm (GPT-2, BERT with eps 1e-12, ...) | layer_norm |
-| torch.nn.RMSNorm | rms_norm, cast="gemma" (eps None: the dtype's machine epsilon, as torch does) |
+| torch.nn.RMSNorm | rms_norm, cast="gemma" (eps None: fp32's machine epsilon, as torch uses for fp32/bf16/fp16) |
 
 Before a module is patched, the normlab op and the original forward run on the same small random
 input (the module's own weights, in its dtype) and must agree to within the error bound;
@@ -98,7 +98,8 @@ def _make_forward(spec: dict, backend: str | None):
             return self._normlab_original(x)  # mixed dtypes: the original's promotion rules apply
         if op == "ln":
             return F.layer_norm(x, w, b, eps=spec["eps"], backend=backend)
-        eps = spec["eps"] if spec["eps"] is not None else torch.finfo(x.dtype).eps
+        # eps None: torch takes the machine epsilon of the dtype it computes in (fp32 for fp16/bf16/fp32)
+        eps = spec["eps"] if spec["eps"] is not None else torch.finfo(torch.float32).eps
         return F.rms_norm(x, w, eps, cast=spec["cast"], offset=spec["offset"], backend=backend)
 
     forward.spec = spec
@@ -177,7 +178,7 @@ def patch(model: nn.Module, *, backend: str = "auto", fuse_residual: bool = Fals
 def _mode_text(spec: dict) -> str:
     if spec["op"] == "ln":
         return f"layer_norm eps={spec['eps']:g}"
-    eps = "dtype eps" if spec["eps"] is None else f"{spec['eps']:g}"
+    eps = "fp32 eps" if spec["eps"] is None else f"{spec['eps']:g}"
     return f"rms_norm cast={spec['cast']} offset={spec['offset']:g} eps={eps}"
 
 
