@@ -30,8 +30,12 @@ add_rms_norm; the results are the same (the sum is rounded to the residual's dty
 
 from __future__ import annotations
 
+import copy
+import statistics
+import time
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -183,15 +187,16 @@ def _mode_text(spec: dict) -> str:
 
 
 def _fused_layer_forward(backend):
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                position_embeddings=None, **kwargs):
+    def forward(self, hidden_states, *args, **kwargs):
+        if args:  # called positionally beyond hidden_states: not the call this rewrite knows
+            return self._normlab_original(hidden_states, *args, **kwargs)
         norm = self.post_attention_layernorm
         spec = norm._normlab_spec
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
-        hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                          past_key_values=past_key_values, use_cache=use_cache,
-                                          position_embeddings=position_embeddings, **kwargs)
+        # the caller's keywords go to attention as the original layer passes them (no defaults added:
+        # transformers renames them between releases)
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
         if hidden_states.dtype == residual.dtype == norm.weight.dtype and hidden_states.dtype != torch.float64:
             # one pass: s = residual + attn_out (rounded to the residual's dtype, as the unfused add is), y = norm(s)
             hidden_states, residual = F.add_rms_norm(hidden_states, residual, norm.weight, spec["eps"], cast=spec["cast"],
@@ -283,8 +288,6 @@ def tiny_model(arch: str, seed: int = 0, **sizes) -> nn.Module:
 
 def load_model(path: str) -> nn.Module:
     """A local checkpoint directory (config.json + weights); nothing is downloaded."""
-    from pathlib import Path
-
     T = _transformers()
 
     if not (Path(path) / "config.json").exists():
