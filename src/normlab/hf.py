@@ -329,9 +329,6 @@ def check_model(model: nn.Module, *, dtype: str = "fp32", batch: int = 2, seq: i
     forward+backward time of both, greedy generation (fp32), and whether the differences are
     within the bound (fp32: 1e-5 relative; bf16/fp16: the patched model's error against a float64
     copy at most twice the unpatched model's plus the dtype's epsilon, as in DESIGN.md)."""
-    import copy
-    import statistics
-    import time
 
     F.check_choice(dtype, "dtype", ("fp32", "bf16", "fp16"))
     tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
