@@ -5,6 +5,10 @@ import torch
 
 # Tests pick their backends explicitly; a NORMLAB_BACKEND left in the shell must not change them.
 os.environ.pop("NORMLAB_BACKEND", None)
+# Without a GPU the Triton kernels run under Triton's interpreter, on CPU tensors. Triton reads the
+# flag when a kernel is defined, so it is set before anything imports normlab.kernels.triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

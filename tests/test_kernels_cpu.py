@@ -58,15 +58,16 @@ def _run(op, leaves, opts, backend, grads, convert=None):
     return outs, dict(zip(names, gs))
 
 
-def check(gen, op, shape, dtype, opts=None, **leaf_kw):
-    """Outputs and all gradients of ``op`` on the cpu backend against the float64 reference."""
+def check(gen, op, shape, dtype, opts=None, backend="cpu", **leaf_kw):
+    """Outputs and all gradients of ``op`` on ``backend`` against the float64 reference (the
+    triton tests use it too)."""
     opts = opts or {}
     leaves = _leaves(gen, op, shape, dtype, **leaf_kw)
     with torch.no_grad():
         outs = _call(op, leaves, opts, "reference")
     # Output gradients in the outputs' dtypes, so the float64 truth sees the very same values.
     grads = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype) for o in outs]
-    fast, fast_g = _run(op, leaves, opts, "cpu", grads)
+    fast, fast_g = _run(op, leaves, opts, backend, grads)
     lowp, lowp_g = _run(op, leaves, opts, "reference", grads)
     if op.startswith("add"):
         truth, truth_g = _add_truth(op, leaves, opts, grads, lowp[1])

@@ -1,0 +1,192 @@
+"""Triton kernels: one forward and one backward for every norm, with compile-time flags.
+
+Flags (``tl.constexpr``): IS_RMS (else LayerNorm), HAS_W, HAS_B, HAS_RES (fused residual add:
+s = x + residual is written and normalized), HAS_DS (backward: the gradient of s is added), LLAMA
+(round xhat to the output dtype before the weight multiply), INSIDE (eps inside the square root).
+Run-time scalars stay fp32 (eps, offset) or int (rows, columns, k, strides): a new batch shape does
+not recompile.
+
+Rows are walked in column blocks of BLOCK, so every hidden size works (a row wider than BLOCK is
+read more than once, no cliff). Addresses are int64. Statistics are fp32. The backward runs a
+fixed number of programs, each over a fixed, strided set of rows, and writes its dw/db partial
+sums to its own row of a (programs, d) buffer that is then summed in a fixed order: the same
+inputs give bitwise the same gradients, with no atomics.
+
+Low-precision rounding is done explicitly (``_round``: round-to-nearest-even through the bits for
+bf16) before every store and wherever the op's definition rounds (LLAMA's xhat, the residual sum):
+the result is exact on a GPU and also under TRITON_INTERPRET=1, whose own float-to-bf16
+conversion truncates.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FP32, BF16, FP16 = 0, 1, 2  # rounding kinds
+
+
+@triton.jit
+def _round(x, KIND: tl.constexpr):
+    """x (fp32) rounded to the dtype KIND, kept in fp32."""
+    if KIND == 1:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
+    elif KIND == 2:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _row_value(X, R, row_x, row_r, cols, mask, HAS_RES: tl.constexpr, SUM_KIND: tl.constexpr):
+    """x, or the residual sum s = x + r rounded to the sum's dtype, as fp32."""
+    x = tl.load(X + row_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(R + row_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _round(x + r, SUM_KIND)
+    return x
+
+
+@triton.jit
+def norm_fwd(
+    X, R, W, B, Y, S, MEAN, RSTD,
+    n_cols, k, stride_x, stride_r, stride_y, stride_s, eps, offset,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr, LLAMA: tl.constexpr,
+    INSIDE: tl.constexpr, OUT_KIND: tl.constexpr, SUM_KIND: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_x, row_r, row_y, row_s = row * stride_x, row * stride_r, row * stride_y, row * stride_s
+    base = tl.arange(0, BLOCK)
+    # pass 1: the sum (LayerNorm's mean) or the sum of squares over the first k (RMSNorm)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + base
+        mask = cols < n_cols
+        x = _row_value(X, R, row_x, row_r, cols, mask, HAS_RES, SUM_KIND)
+        if HAS_RES:
+            tl.store(S + row_s + cols, x.to(S.dtype.element_ty), mask=mask)
+        if IS_RMS:
+            acc += tl.where(cols < k, x * x, 0.0)
+        else:
+            acc += x
+    if IS_RMS:
+        ms = tl.sum(acc, axis=0) / k
+        if INSIDE:
+            rstd = 1.0 / tl.sqrt(ms + eps)
+        else:
+            rstd = 1.0 / (tl.sqrt(ms) + eps)
+        mean = 0.0
+    else:
+        mean = tl.sum(acc, axis=0) / n_cols
+        # pass 2 (LayerNorm): the variance around the mean, never E[x^2] - E[x]^2
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + base
+            mask = cols < n_cols
+            x = _row_value(X, R, row_x, row_r, cols, mask, HAS_RES, SUM_KIND)
+            xc = tl.where(mask, x - mean, 0.0)
+            acc += xc * xc
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / n_cols + eps)
+        tl.store(MEAN + row, mean)
+    tl.store(RSTD + row, rstd)
+    # last pass: normalize, scale, shift, round once (or twice in the LLAMA order) and store
+    for start in range(0, n_cols, BLOCK):
+        cols = start + base
+        mask = cols < n_cols
+        x = _row_value(X, R, row_x, row_r, cols, mask, HAS_RES, SUM_KIND)
+        xhat = (x - mean) * rstd
+        if LLAMA:
+            xhat = _round(xhat, OUT_KIND)
+        if HAS_W:
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
+            if LLAMA:
+                w = _round(w, OUT_KIND)
+            xhat = xhat * w
+        if HAS_B:
+            xhat += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y + row_y + cols, _round(xhat, OUT_KIND).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def norm_bwd(
+    DY, X, W, MEAN, RSTD, DS, DX, DW, DB,
+    n_rows, n_cols, k, stride_dy, stride_x, stride_ds, stride_dx, offset,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr, LLAMA: tl.constexpr,
+    INSIDE: tl.constexpr, IN_KIND: tl.constexpr, DX_KIND: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """dx for rows pid, pid + P, ... and this program's dw/db partial sums in DW[pid], DB[pid]."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    base = tl.arange(0, BLOCK)
+    part_row = pid.to(tl.int64) * n_cols
+    zero64 = pid.to(tl.int64) * 0  # int64 rows (the loop variable is a plain int under the interpreter)
+    for row in range(pid, n_rows, n_prog):
+        row64 = zero64 + row
+        rstd = tl.load(RSTD + row64)
+        if IS_RMS:
+            mean = 0.0
+        else:
+            mean = tl.load(MEAN + row64)
+        # the row's sums: of g = dy * w, of g * xhat (LayerNorm) or g * x, and of x^2 over [:k]
+        acc_g = tl.zeros([BLOCK], dtype=tl.float32)
+        acc_gx = tl.zeros([BLOCK], dtype=tl.float32)
+        acc_ss = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + base
+            mask = cols < n_cols
+            dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            g = dy
+            if HAS_W:
+                w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
+                if LLAMA:
+                    w = _round(w, IN_KIND)
+                g = dy * w
+            if IS_RMS:
+                acc_gx += g * x
+                acc_ss += tl.where(cols < k, x * x, 0.0)
+            else:
+                acc_g += g
+                acc_gx += g * tl.where(mask, (x - mean) * rstd, 0.0)
+        if IS_RMS:
+            gx = tl.sum(acc_gx, axis=0)
+            if INSIDE:
+                coef = rstd * rstd * rstd * gx / k
+            else:
+                rms = tl.sqrt(tl.sum(acc_ss, axis=0) / k)
+                coef = tl.where(rms > 0.0, rstd * rstd / tl.maximum(rms, 1e-38) * gx / k, 0.0)
+            mg = 0.0
+            mgx = 0.0
+        else:
+            coef = 0.0
+            mg = tl.sum(acc_g, axis=0) / n_cols
+            mgx = tl.sum(acc_gx, axis=0) / n_cols
+        for start in range(0, n_cols, BLOCK):
+            cols = start + base
+            mask = cols < n_cols
+            dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            g = dy
+            if HAS_W:
+                w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
+                if LLAMA:
+                    w = _round(w, IN_KIND)
+                g = dy * w
+            xhat = (x - mean) * rstd
+            if IS_RMS:
+                dx = rstd * g - tl.where(cols < k, coef * x, 0.0)
+            else:
+                dx = rstd * (g - mg - xhat * mgx)
+            if HAS_DS:
+                dx += tl.load(DS + row64 * stride_ds + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + row64 * stride_dx + cols, _round(dx, DX_KIND).to(DX.dtype.element_ty), mask=mask)
+            if HAS_W:
+                if LLAMA:
+                    xhat = _round(xhat, IN_KIND)
+                dw = tl.load(DW + part_row + cols, mask=mask, other=0.0)
+                tl.store(DW + part_row + cols, dw + dy * xhat, mask=mask)
+            if HAS_B:
+                db = tl.load(DB + part_row + cols, mask=mask, other=0.0)
+                tl.store(DB + part_row + cols, db + dy, mask=mask)

@@ -1,0 +1,128 @@
+"""The ``triton`` backend: the Triton kernels of ``_triton.py`` behind torch.library custom ops.
+
+Launchers allocate outputs, make the last dimension contiguous and pick the kernel flags; the
+custom ops (``normlab::triton_*``), fake implementations, autograd and public functions come from
+``_glue.build``, shared with the cpu backend. CUDA tensors; CPU tensors too under
+``TRITON_INTERPRET=1`` (the tests), slowly.
+
+dtypes: float32, bfloat16 and float16 are fused; float64 runs the reference. Weights of any float
+dtype are read as fp32 (``offset + w``; rounded to the output dtype in the llama order).
+The backward runs a fixed number of programs for a device (4 per SM; 4 under the interpreter), so
+dw/db, summed from per-program fp32 partials in program order, are bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+import triton
+from torch import Tensor
+
+from normlab.kernels import _glue
+from normlab.kernels import _triton as K
+from normlab.kernels._glue import _sum_dtype
+
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KIND = {torch.float32: K.FP32, torch.bfloat16: K.BF16, torch.float16: K.FP16}
+MAX_BLOCK = 4096  # columns per step; wider rows loop
+
+
+def _block(d: int) -> int:
+    return min(triton.next_power_of_2(max(d, 1)), MAX_BLOCK)
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 2048 else 16
+
+
+def _rows(t: Tensor) -> Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+@functools.cache
+def _programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _launch_fwd(x, residual, weight, bias, y, s, mean, rstd, eps, offset, k, is_rms, llama, inside):
+    d = x.shape[-1]
+    x2 = _rows(x)
+    n = x2.shape[0]
+    if n == 0:
+        return
+    r2 = _rows(residual) if residual is not None else x2
+    y2, s2 = y.view(n, d), (s.view(n, d) if s is not None else y.view(n, d))
+    block = _block(d)
+    K.norm_fwd[(n,)](
+        x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, y2, s2,
+        mean if mean is not None else rstd, rstd,
+        d, k, x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0), float(eps), float(offset),
+        IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, HAS_RES=residual is not None, LLAMA=llama,
+        INSIDE=inside, OUT_KIND=KIND[x.dtype], SUM_KIND=KIND.get(s.dtype, K.FP32) if s is not None else K.FP32,
+        BLOCK=block, num_warps=_warps(block),
+    )
+
+
+def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None, residual_in_fp32=False):
+    """Returns (y, s or None, rstd). With ``residual``: s = x + residual is written and normalized."""
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if y is None else y
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    s = None if residual is None else torch.empty(x.shape, dtype=_sum_dtype(x, residual, residual_in_fp32), device=x.device)
+    _launch_fwd(x, residual, weight, None, y, s, None, rstd, eps, offset, k, True, llama, inside)
+    return y, s, rstd
+
+
+def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp32=False):
+    """Returns (y, s or None, mean, rstd), the statistics float32."""
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if y is None else y
+    mean = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    s = None if residual is None else torch.empty(x.shape, dtype=_sum_dtype(x, residual, residual_in_fp32), device=x.device)
+    _launch_fwd(x, residual, weight, bias, y, s, mean, rstd, eps, 0.0, x.shape[-1], False, False, True)
+    return y, s, mean, rstd
+
+
+def _launch_bwd(dy, x, weight, mean, rstd, ds, offset, k, is_rms, llama, inside, want_db):
+    d = x.shape[-1]
+    x2, dy2 = _rows(x), _rows(dy)
+    n = x2.shape[0]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    programs = max(1, min(n, _programs(x.device)))
+    dw = torch.zeros((programs, d), dtype=torch.float32, device=x.device)
+    db = torch.zeros((programs, d), dtype=torch.float32, device=x.device) if want_db else dw
+    if n:
+        ds2 = _rows(ds) if ds is not None else dy2
+        dx2 = dx.view(n, d)
+        block = _block(d)
+        K.norm_bwd[(programs,)](
+            dy2, x2, weight if weight is not None else dy2, mean if mean is not None else rstd, rstd.reshape(-1), ds2, dx2,
+            dw, db, n, d, k, dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0), float(offset),
+            IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=want_db, HAS_DS=ds is not None, LLAMA=llama, INSIDE=inside,
+            IN_KIND=KIND[dy.dtype], DX_KIND=KIND[x.dtype], BLOCK=block, num_warps=_warps(block),
+        )
+    # programs in order: deterministic for a given device
+    return dx, dw.sum(0), (db.sum(0) if want_db else None)
+
+
+def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k):
+    """Returns (dx in x's dtype, dw float32 of shape (d,)). ``ds`` (optional) is added to dx."""
+    dx, dw, _ = _launch_bwd(dy, x, weight, None, rstd, ds, offset, k, True, llama, inside, False)
+    return dx, dw
+
+
+def ln_bwd_launch(dy, x, weight, mean, rstd, ds):
+    """Returns (dx in x's dtype, dw, db), the last two float32 (d,)."""
+    return _launch_bwd(dy, x, weight, mean.reshape(-1), rstd, ds, 0.0, x.shape[-1], False, False, True, True)
+
+
+# ------------------------------------------------------- custom ops, autograd, public functions
+
+_api = _glue.build("triton", ("cuda", "cpu"), sys.modules[__name__], FUSED_DTYPES, torch.float32)
+layer_norm, rms_norm = _api.layer_norm, _api.rms_norm
+add_layer_norm, add_rms_norm = _api.add_layer_norm, _api.add_rms_norm
+rms_norm_out, layer_norm_out = _api.rms_norm_out, _api.layer_norm_out
