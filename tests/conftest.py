@@ -1,4 +1,5 @@
 import os
+import random
 
 import pytest
 import torch
@@ -36,3 +37,15 @@ def pytest_runtest_makereport(item, call):
     g = getattr(item, "funcargs", {}).get("gen")
     if report.failed and g is not None:
         report.sections.append(("random inputs", f"rerun with NORMLAB_TEST_SEED={g.initial_seed()}"))
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A small corpus of six 'plays' (documents) of random words, for training and lab tests."""
+    folder = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    words = "the king queen love death night day sword crown heart blood fair sweet lord lady".split()
+    for i in range(6):
+        lines = [" ".join(rng.choice(words) for _ in range(10)) for _ in range(300)]
+        (folder / f"play{i}.txt").write_text("\n".join(lines))
+    return folder

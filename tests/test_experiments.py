@@ -5,7 +5,6 @@ report renders, a second run redoes nothing, and an interrupted run resumes from
 import base64
 import copy
 import json
-import random
 
 import pytest
 
@@ -13,16 +12,6 @@ from normlab import claims as C
 from normlab import experiments as E
 from normlab import report
 from normlab.cli import main
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(1)
-    words = "the king queen love death night day sword crown heart blood fair sweet lord lady".split()
-    for i in range(6):
-        (folder / f"play{i}.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(10)) for _ in range(200)))
-    return folder
 
 
 @pytest.fixture(scope="module")

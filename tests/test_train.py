@@ -3,7 +3,6 @@ two-process DDP (gloo) against one process, config resolution and checkpoint err
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -15,17 +14,6 @@ import torch
 
 from normlab import train as T
 from normlab.cli import main
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    words = "the king queen love death night day sword crown heart blood fair sweet lord lady".split()
-    for i in range(6):
-        lines = [" ".join(rng.choice(words) for _ in range(10)) for _ in range(300)]
-        (folder / f"play{i}.txt").write_text("\n".join(lines))
-    return folder
 
 
 @pytest.fixture(autouse=True)

@@ -110,6 +110,20 @@ def norm_fwd(
 
 
 @triton.jit
+def _bwd_inputs(DY, X, W, row_dy, row_x, cols, mask, offset, HAS_W: tl.constexpr, LLAMA: tl.constexpr, IN_KIND: tl.constexpr):
+    """dy, x and g = dy * (offset + w) (w rounded to the input dtype in the llama order), as fp32."""
+    dy = tl.load(DY + row_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + row_x + cols, mask=mask, other=0.0).to(tl.float32)
+    g = dy
+    if HAS_W:
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
+        if LLAMA:
+            w = _round(w, IN_KIND)
+        g = dy * w
+    return dy, x, g
+
+
+@triton.jit
 def norm_bwd(
     DY, X, W, MEAN, RSTD, DS, DX, DW, DB,
     n_rows, n_cols, k, stride_dy, stride_x, stride_ds, stride_dx, offset,
@@ -136,14 +150,7 @@ def norm_bwd(
         for start in range(0, n_cols, BLOCK):
             cols = start + base
             mask = cols < n_cols
-            dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-            x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-            g = dy
-            if HAS_W:
-                w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
-                if LLAMA:
-                    w = _round(w, IN_KIND)
-                g = dy * w
+            dy, x, g = _bwd_inputs(DY, X, W, row64 * stride_dy, row64 * stride_x, cols, mask, offset, HAS_W, LLAMA, IN_KIND)
             if IS_RMS:
                 acc_gx += g * x
                 acc_ss += tl.where(cols < k, x * x, 0.0)
@@ -166,14 +173,7 @@ def norm_bwd(
         for start in range(0, n_cols, BLOCK):
             cols = start + base
             mask = cols < n_cols
-            dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-            x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-            g = dy
-            if HAS_W:
-                w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
-                if LLAMA:
-                    w = _round(w, IN_KIND)
-                g = dy * w
+            dy, x, g = _bwd_inputs(DY, X, W, row64 * stride_dy, row64 * stride_x, cols, mask, offset, HAS_W, LLAMA, IN_KIND)
             xhat = (x - mean) * rstd
             if IS_RMS:
                 dx = rstd * g - tl.where(cols < k, coef * x, 0.0)

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from normlab import reference
 from normlab.kernels import _glue
 from normlab.kernels import _numba as K
 
