@@ -41,8 +41,7 @@ def _call(op, x, r, w, b, backend):
     return F.add_layer_norm(x, r, w, b, backend=backend)
 
 
-def check_case(op, dtype, rows, d, gen) -> dict:
-    dev = "cuda"
+def check_case(op, dtype, rows, d, gen, dev="cuda") -> dict:
     x = torch.randn(rows, d, generator=gen, device=dev, dtype=torch.float32).to(dtype)
     r = torch.randn(rows, d, generator=gen, device=dev, dtype=torch.float32).to(dtype)
     w = (1 + 0.3 * torch.randn(d, generator=gen, device=dev)).to(dtype)

@@ -163,3 +163,20 @@ def test_compiled_module_on_gpu(gen):
     compiled = torch.compile(block, fullgraph=True)(x)
     assert torch.allclose(eager, compiled, atol=1e-5)
     compiled.sum().backward()
+
+
+def test_gpu_check_script_runs_its_checks_here():
+    # benchmarks/gpu_check.py is run in a short GPU window: its checking code is exercised here
+    # first, on small CPU tensors under the interpreter, so that window is not spent on its bugs
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    gen = torch.Generator().manual_seed(0)
+    for op in gpu_check.OPS:
+        for dtype in gpu_check.DTYPES.values():
+            result = gpu_check.check_case(op, dtype, 4, 96, gen, dev="cpu")
+            assert set(result["grad_rel_err"]) >= {"x", "weight"}
