@@ -181,6 +181,9 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     flags = [f"--{k} {v}" for k, v in (("seeds", args.seeds), ("data", args.data), ("steps", args.steps), ("out", args.out))
              if v is not None] + (["--quick"] if args.quick else []) + ([f"--size {args.size}"] if args.size != "full" else [])
     command = " ".join(["normlab compare", *args.items, *flags])
+    if settings.size == "full" and "demo" not in names and not _cuda():
+        console.print("[yellow]note:[/yellow] full sizes on a CPU take hours; --quick fits 2 cores in minutes "
+                      "(finished runs are kept either way: stop with Ctrl-C and rerun to resume)")
     try:
         results = experiments.run_presets(names, settings, console, command=command)
     except experiments.Interrupted as err:
