@@ -50,63 +50,105 @@ def _row_value(X, R, row_x, row_r, cols, mask, HAS_RES: tl.constexpr, SUM_KIND: 
 
 
 @triton.jit
+def _rms_rstd(ss, k, eps, INSIDE: tl.constexpr):
+    ms = ss / k
+    if INSIDE:
+        return 1.0 / tl.sqrt(ms + eps)
+    else:
+        return 1.0 / (tl.sqrt(ms) + eps)
+
+
+@triton.jit
+def _centred(x, mean, IS_RMS: tl.constexpr):
+    """x - mean in fp32 from the float64 mean (LayerNorm; rows with a mean of 1e4 and unit spread
+    lose nothing), or x itself (RMSNorm)."""
+    if IS_RMS:
+        return x
+    else:
+        return (x.to(tl.float64) - mean).to(tl.float32)
+
+
+@triton.jit
+def _write_y(Y, W, B, row_y, x, mean, rstd, cols, mask, offset, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
+             HAS_B: tl.constexpr, LLAMA: tl.constexpr, OUT_KIND: tl.constexpr):
+    """Normalize, scale, shift, round once (twice in the LLAMA order) and store one block."""
+    xhat = _centred(x, mean, IS_RMS) * rstd
+    if LLAMA:
+        xhat = _round(xhat, OUT_KIND)
+    if HAS_W:
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
+        if LLAMA:
+            w = _round(w, OUT_KIND)
+        xhat = xhat * w
+    if HAS_B:
+        xhat += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row_y + cols, _round(xhat, OUT_KIND).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def norm_fwd(
     X, R, W, B, Y, S, MEAN, RSTD,
     n_cols, k, stride_x, stride_r, stride_y, stride_s, eps, offset,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr, LLAMA: tl.constexpr,
-    INSIDE: tl.constexpr, OUT_KIND: tl.constexpr, SUM_KIND: tl.constexpr, BLOCK: tl.constexpr,
+    INSIDE: tl.constexpr, OUT_KIND: tl.constexpr, SUM_KIND: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
 ):
+    """One row per program. SINGLE (the row fits one block): the row is read once and kept in
+    registers; otherwise it is walked in blocks, once for the statistics (twice for LayerNorm's
+    variance) and once more for the output."""
     row = tl.program_id(0).to(tl.int64)
     row_x, row_r, row_y, row_s = row * stride_x, row * stride_r, row * stride_y, row * stride_s
     base = tl.arange(0, BLOCK)
-    # pass 1: the sum (LayerNorm's mean) or the sum of squares over the first k (RMSNorm)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + base
-        mask = cols < n_cols
-        x = _row_value(X, R, row_x, row_r, cols, mask, HAS_RES, SUM_KIND)
+    if SINGLE:
+        mask = base < n_cols
+        x = _row_value(X, R, row_x, row_r, base, mask, HAS_RES, SUM_KIND)
         if HAS_RES:
-            tl.store(S + row_s + cols, x.to(S.dtype.element_ty), mask=mask)
+            tl.store(S + row_s + base, x.to(S.dtype.element_ty), mask=mask)
         if IS_RMS:
-            acc += tl.where(cols < k, x * x, 0.0)
+            rstd = _rms_rstd(tl.sum(tl.where(base < k, x * x, 0.0), axis=0), k, eps, INSIDE)
+            mean = 0.0
         else:
-            acc += x
-    if IS_RMS:
-        ms = tl.sum(acc, axis=0) / k
-        if INSIDE:
-            rstd = 1.0 / tl.sqrt(ms + eps)
-        else:
-            rstd = 1.0 / (tl.sqrt(ms) + eps)
-        mean = 0.0
+            mean = tl.sum(x.to(tl.float64), axis=0) / n_cols
+            xc = tl.where(mask, _centred(x, mean, IS_RMS), 0.0)  # the variance around the mean, never E[x^2] - E[x]^2
+            rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
+            tl.store(MEAN + row, mean)
+        tl.store(RSTD + row, rstd)
+        _write_y(Y, W, B, row_y, x, mean, rstd, base, mask, offset, IS_RMS, HAS_W, HAS_B, LLAMA, OUT_KIND)
     else:
-        mean = tl.sum(acc, axis=0) / n_cols
-        # pass 2 (LayerNorm): the variance around the mean, never E[x^2] - E[x]^2
+        # pass 1: the sum (LayerNorm's mean) or the sum of squares over the first k (RMSNorm)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
+        acc64 = tl.zeros([BLOCK], dtype=tl.float64)
         for start in range(0, n_cols, BLOCK):
             cols = start + base
             mask = cols < n_cols
             x = _row_value(X, R, row_x, row_r, cols, mask, HAS_RES, SUM_KIND)
-            xc = tl.where(mask, x - mean, 0.0)
-            acc += xc * xc
-        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / n_cols + eps)
-        tl.store(MEAN + row, mean)
-    tl.store(RSTD + row, rstd)
-    # last pass: normalize, scale, shift, round once (or twice in the LLAMA order) and store
-    for start in range(0, n_cols, BLOCK):
-        cols = start + base
-        mask = cols < n_cols
-        x = _row_value(X, R, row_x, row_r, cols, mask, HAS_RES, SUM_KIND)
-        xhat = (x - mean) * rstd
-        if LLAMA:
-            xhat = _round(xhat, OUT_KIND)
-        if HAS_W:
-            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
-            if LLAMA:
-                w = _round(w, OUT_KIND)
-            xhat = xhat * w
-        if HAS_B:
-            xhat += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Y + row_y + cols, _round(xhat, OUT_KIND).to(Y.dtype.element_ty), mask=mask)
+            if HAS_RES:
+                tl.store(S + row_s + cols, x.to(S.dtype.element_ty), mask=mask)
+            if IS_RMS:
+                acc += tl.where(cols < k, x * x, 0.0)
+            else:
+                acc64 += x.to(tl.float64)
+        if IS_RMS:
+            rstd = _rms_rstd(tl.sum(acc, axis=0), k, eps, INSIDE)
+            mean = 0.0
+        else:
+            mean = tl.sum(acc64, axis=0) / n_cols
+            # pass 2 (LayerNorm): the variance around the mean
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK):
+                cols = start + base
+                mask = cols < n_cols
+                x = _row_value(X, R, row_x, row_r, cols, mask, HAS_RES, SUM_KIND)
+                xc = tl.where(mask, _centred(x, mean, IS_RMS), 0.0)
+                acc += xc * xc
+            rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / n_cols + eps)
+            tl.store(MEAN + row, mean)
+        tl.store(RSTD + row, rstd)
+        # last pass: the output
+        for start in range(0, n_cols, BLOCK):
+            cols = start + base
+            mask = cols < n_cols
+            x = _row_value(X, R, row_x, row_r, cols, mask, HAS_RES, SUM_KIND)
+            _write_y(Y, W, B, row_y, x, mean, rstd, cols, mask, offset, IS_RMS, HAS_W, HAS_B, LLAMA, OUT_KIND)
 
 
 @triton.jit
@@ -156,7 +198,7 @@ def norm_bwd(
                 acc_ss += tl.where(cols < k, x * x, 0.0)
             else:
                 acc_g += g
-                acc_gx += g * tl.where(mask, (x - mean) * rstd, 0.0)
+                acc_gx += g * tl.where(mask, _centred(x, mean, IS_RMS) * rstd, 0.0)
         if IS_RMS:
             gx = tl.sum(acc_gx, axis=0)
             if INSIDE:
@@ -174,7 +216,7 @@ def norm_bwd(
             cols = start + base
             mask = cols < n_cols
             dy, x, g = _bwd_inputs(DY, X, W, row64 * stride_dy, row64 * stride_x, cols, mask, offset, HAS_W, LLAMA, IN_KIND)
-            xhat = (x - mean) * rstd
+            xhat = _centred(x, mean, IS_RMS) * rstd
             if IS_RMS:
                 dx = rstd * g - tl.where(cols < k, coef * x, 0.0)
             else:

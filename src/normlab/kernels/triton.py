@@ -64,7 +64,7 @@ def _launch_fwd(x, residual, weight, bias, y, s, mean, rstd, eps, offset, k, is_
         d, k, x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0), float(eps), float(offset),
         IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, HAS_RES=residual is not None, LLAMA=llama,
         INSIDE=inside, OUT_KIND=KIND[x.dtype], SUM_KIND=KIND.get(s.dtype, K.FP32) if s is not None else K.FP32,
-        BLOCK=block, num_warps=_warps(block),
+        BLOCK=block, SINGLE=block >= d, num_warps=_warps(block),
     )
 
 
@@ -78,9 +78,9 @@ def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual
 
 
 def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp32=False):
-    """Returns (y, s or None, mean, rstd), the statistics float32."""
+    """Returns (y, s or None, mean float64, rstd float32)."""
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if y is None else y
-    mean = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    mean = torch.empty(x.shape[:-1], dtype=torch.float64, device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     s = None if residual is None else torch.empty(x.shape, dtype=_sum_dtype(x, residual, residual_in_fp32), device=x.device)
     _launch_fwd(x, residual, weight, bias, y, s, mean, rstd, eps, 0.0, x.shape[-1], False, False, True)
@@ -122,7 +122,7 @@ def ln_bwd_launch(dy, x, weight, mean, rstd, ds):
 
 # ------------------------------------------------------- custom ops, autograd, public functions
 
-_api = _glue.build("triton", ("cuda", "cpu"), sys.modules[__name__], FUSED_DTYPES, torch.float32)
+_api = _glue.build("triton", ("cuda", "cpu"), sys.modules[__name__], FUSED_DTYPES, torch.float64)
 layer_norm, rms_norm = _api.layer_norm, _api.rms_norm
 add_layer_norm, add_rms_norm = _api.add_layer_norm, _api.add_rms_norm
 rms_norm_out, layer_norm_out = _api.rms_norm_out, _api.layer_norm_out
