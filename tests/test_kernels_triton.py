@@ -185,3 +185,44 @@ def test_gpu_check_script_runs_its_checks_here():
         for dtype in gpu_check.DTYPES.values():
             result = gpu_check.check_case(op, dtype, 4, 96, gen, dev="cpu")
             assert set(result["grad_rel_err"]) >= {"x", "weight"}
+
+
+COMPILE_FOR_H200 = r"""
+import itertools, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from normlab.kernels import _triton as K
+
+FWD = {"X": "*{dt}", "R": "*{dt}", "W": "*{dt}", "B": "*{dt}", "Y": "*{dt}", "S": "*{dt}", "MEAN": "*fp64", "RSTD": "*fp32",
+       "n_cols": "i32", "k": "i32", "stride_x": "i64", "stride_r": "i64", "stride_y": "i64", "stride_s": "i64",
+       "eps": "fp32", "offset": "fp32"}
+BWD = {"DY": "*{dt}", "X": "*{dt}", "W": "*{dt}", "MEAN": "*fp64", "RSTD": "*fp32", "DS": "*{dt}", "DX": "*{dt}",
+       "DW": "*fp32", "DB": "*fp32", "n_rows": "i32", "n_cols": "i32", "k": "i32", "stride_dy": "i64", "stride_x": "i64",
+       "stride_ds": "i64", "stride_dx": "i64", "offset": "fp32"}
+n = 0
+for (dt, kind), is_rms, extra, single in itertools.product((("bf16", 1), ("fp32", 0)), (True, False), (True, False), (True, False)):
+    block = 1024 if single else 4096
+    fwd = dict(IS_RMS=is_rms, HAS_W=True, HAS_B=not is_rms, HAS_RES=extra, LLAMA=is_rms, INSIDE=not extra,
+               OUT_KIND=kind, SUM_KIND=kind, BLOCK=block, SINGLE=single)
+    bwd = dict(IS_RMS=is_rms, HAS_W=True, HAS_B=not is_rms, HAS_DS=extra, LLAMA=is_rms, INSIDE=not extra,
+               IN_KIND=kind, DX_KIND=kind, BLOCK=block, SINGLE=single)
+    for fn, sig, flags in ((K.norm_fwd, FWD, fwd), (K.norm_bwd, BWD, bwd)):
+        signature = {name: t.format(dt=dt) for name, t in sig.items()}
+        signature.update({name: "constexpr" for name in flags})
+        triton.compile(ASTSource(fn=fn, signature=signature, constexprs=flags), target=GPUTarget("cuda", 90, 32))
+        n += 1
+print("compiled", n)
+"""
+
+
+def test_kernels_compile_for_an_h200_without_one():
+    # the interpreter runs the kernels' Python, not Triton's compiler: compile them for sm_90 here
+    # (Triton ships the CUDA toolchain), so a GPU window is not spent on a compile error
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", COMPILE_FOR_H200], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "compiled 32" in out.stdout

@@ -166,69 +166,120 @@ def _bwd_inputs(DY, X, W, row_dy, row_x, cols, mask, offset, HAS_W: tl.constexpr
 
 
 @triton.jit
+def _row_terms(g, x, xc, rstd, cols, mask, k, IS_RMS: tl.constexpr):
+    """Per element: (g, g * xhat or g * x, x^2 within the first k), the row sums' terms."""
+    if IS_RMS:
+        return g, g * x, tl.where(cols < k, x * x, 0.0)
+    else:
+        return g, g * tl.where(mask, xc * rstd, 0.0), g
+
+
+@triton.jit
+def _coefs(sum_g, sum_gx, sum_ss, rstd, k, n_cols, IS_RMS: tl.constexpr, INSIDE: tl.constexpr):
+    """RMSNorm: the coefficient of x in dx (d rstd / d ms: -rstd^3/2 inside the root, -rstd^2 /
+    (2 rms) outside; g * x summed over all d features, ms over the first k). LayerNorm: mean(g)
+    and mean(g * xhat)."""
+    if IS_RMS:
+        if INSIDE:
+            coef = rstd * rstd * rstd * sum_gx / k
+        else:
+            rms = tl.sqrt(sum_ss / k)
+            coef = tl.where(rms > 0.0, rstd * rstd / tl.maximum(rms, 1e-38) * sum_gx / k, 0.0)
+        return coef, 0.0, 0.0
+    else:
+        return 0.0, sum_g / n_cols, sum_gx / n_cols
+
+
+@triton.jit
+def _write_dx(DX, DS, row_dx, row_ds, g, x, xc, rstd, coef, mg, mgx, cols, mask, k, IS_RMS: tl.constexpr,
+              HAS_DS: tl.constexpr, DX_KIND: tl.constexpr):
+    if IS_RMS:
+        dx = rstd * g - tl.where(cols < k, coef * x, 0.0)
+    else:
+        dx = rstd * (g - mg - xc * rstd * mgx)
+    if HAS_DS:
+        dx += tl.load(DS + row_ds + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DX + row_dx + cols, _round(dx, DX_KIND).to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def norm_bwd(
     DY, X, W, MEAN, RSTD, DS, DX, DW, DB,
     n_rows, n_cols, k, stride_dy, stride_x, stride_ds, stride_dx, offset,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr, LLAMA: tl.constexpr,
-    INSIDE: tl.constexpr, IN_KIND: tl.constexpr, DX_KIND: tl.constexpr, BLOCK: tl.constexpr,
+    INSIDE: tl.constexpr, IN_KIND: tl.constexpr, DX_KIND: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
 ):
-    """dx for rows pid, pid + P, ... and this program's dw/db partial sums in DW[pid], DB[pid]."""
+    """dx for rows pid, pid + P, ... and this program's dw/db partial sums in DW[pid], DB[pid].
+    SINGLE (a row fits one block): each row is read once and the partials stay in registers;
+    otherwise rows are walked in blocks twice (sums, then dx) and the partials live in DW/DB."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     base = tl.arange(0, BLOCK)
     part_row = pid.to(tl.int64) * n_cols
     zero64 = pid.to(tl.int64) * 0  # int64 rows (the loop variable is a plain int under the interpreter)
-    for row in range(pid, n_rows, n_prog):
-        row64 = zero64 + row
-        rstd = tl.load(RSTD + row64)
-        if IS_RMS:
-            mean = 0.0
-        else:
-            mean = tl.load(MEAN + row64)
-        # the row's sums: of g = dy * w, of g * xhat (LayerNorm) or g * x, and of x^2 over [:k]
-        acc_g = tl.zeros([BLOCK], dtype=tl.float32)
-        acc_gx = tl.zeros([BLOCK], dtype=tl.float32)
-        acc_ss = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, n_cols, BLOCK):
-            cols = start + base
-            mask = cols < n_cols
-            dy, x, g = _bwd_inputs(DY, X, W, row64 * stride_dy, row64 * stride_x, cols, mask, offset, HAS_W, LLAMA, IN_KIND)
+    if SINGLE:
+        mask = base < n_cols
+        acc_dw = tl.zeros([BLOCK], dtype=tl.float32)
+        acc_db = tl.zeros([BLOCK], dtype=tl.float32)
+        for row in range(pid, n_rows, n_prog):
+            row64 = zero64 + row
+            rstd = tl.load(RSTD + row64)
             if IS_RMS:
-                acc_gx += g * x
-                acc_ss += tl.where(cols < k, x * x, 0.0)
+                mean = 0.0
             else:
-                acc_g += g
-                acc_gx += g * tl.where(mask, _centred(x, mean, IS_RMS) * rstd, 0.0)
-        if IS_RMS:
-            gx = tl.sum(acc_gx, axis=0)
-            if INSIDE:
-                coef = rstd * rstd * rstd * gx / k
-            else:
-                rms = tl.sqrt(tl.sum(acc_ss, axis=0) / k)
-                coef = tl.where(rms > 0.0, rstd * rstd / tl.maximum(rms, 1e-38) * gx / k, 0.0)
-            mg = 0.0
-            mgx = 0.0
-        else:
-            coef = 0.0
-            mg = tl.sum(acc_g, axis=0) / n_cols
-            mgx = tl.sum(acc_gx, axis=0) / n_cols
-        for start in range(0, n_cols, BLOCK):
-            cols = start + base
-            mask = cols < n_cols
-            dy, x, g = _bwd_inputs(DY, X, W, row64 * stride_dy, row64 * stride_x, cols, mask, offset, HAS_W, LLAMA, IN_KIND)
-            xhat = _centred(x, mean, IS_RMS) * rstd
-            if IS_RMS:
-                dx = rstd * g - tl.where(cols < k, coef * x, 0.0)
-            else:
-                dx = rstd * (g - mg - xhat * mgx)
-            if HAS_DS:
-                dx += tl.load(DS + row64 * stride_ds + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + row64 * stride_dx + cols, _round(dx, DX_KIND).to(DX.dtype.element_ty), mask=mask)
+                mean = tl.load(MEAN + row64)
+            dy, x, g = _bwd_inputs(DY, X, W, row64 * stride_dy, row64 * stride_x, base, mask, offset, HAS_W, LLAMA, IN_KIND)
+            xc = _centred(x, mean, IS_RMS)
+            t_g, t_gx, t_ss = _row_terms(g, x, xc, rstd, base, mask, k, IS_RMS)
+            coef, mg, mgx = _coefs(tl.sum(t_g, axis=0), tl.sum(t_gx, axis=0), tl.sum(t_ss, axis=0), rstd, k, n_cols,
+                                   IS_RMS, INSIDE)
+            _write_dx(DX, DS, row64 * stride_dx, row64 * stride_ds, g, x, xc, rstd, coef, mg, mgx, base, mask, k,
+                      IS_RMS, HAS_DS, DX_KIND)
             if HAS_W:
+                xhat = xc * rstd
                 if LLAMA:
                     xhat = _round(xhat, IN_KIND)
-                dw = tl.load(DW + part_row + cols, mask=mask, other=0.0)
-                tl.store(DW + part_row + cols, dw + dy * xhat, mask=mask)
+                acc_dw += dy * xhat
             if HAS_B:
-                db = tl.load(DB + part_row + cols, mask=mask, other=0.0)
-                tl.store(DB + part_row + cols, db + dy, mask=mask)
+                acc_db += dy
+        if HAS_W:
+            tl.store(DW + part_row + base, acc_dw, mask=mask)
+        if HAS_B:
+            tl.store(DB + part_row + base, acc_db, mask=mask)
+    else:
+        for row in range(pid, n_rows, n_prog):
+            row64 = zero64 + row
+            rstd = tl.load(RSTD + row64)
+            if IS_RMS:
+                mean = 0.0
+            else:
+                mean = tl.load(MEAN + row64)
+            acc_g = tl.zeros([BLOCK], dtype=tl.float32)
+            acc_gx = tl.zeros([BLOCK], dtype=tl.float32)
+            acc_ss = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK):
+                cols = start + base
+                mask = cols < n_cols
+                dy, x, g = _bwd_inputs(DY, X, W, row64 * stride_dy, row64 * stride_x, cols, mask, offset, HAS_W, LLAMA, IN_KIND)
+                t_g, t_gx, t_ss = _row_terms(g, x, _centred(x, mean, IS_RMS), rstd, cols, mask, k, IS_RMS)
+                acc_g += t_g
+                acc_gx += t_gx
+                acc_ss += t_ss
+            coef, mg, mgx = _coefs(tl.sum(acc_g, axis=0), tl.sum(acc_gx, axis=0), tl.sum(acc_ss, axis=0), rstd, k, n_cols,
+                                   IS_RMS, INSIDE)
+            for start in range(0, n_cols, BLOCK):
+                cols = start + base
+                mask = cols < n_cols
+                dy, x, g = _bwd_inputs(DY, X, W, row64 * stride_dy, row64 * stride_x, cols, mask, offset, HAS_W, LLAMA, IN_KIND)
+                xc = _centred(x, mean, IS_RMS)
+                _write_dx(DX, DS, row64 * stride_dx, row64 * stride_ds, g, x, xc, rstd, coef, mg, mgx, cols, mask, k,
+                          IS_RMS, HAS_DS, DX_KIND)
+                if HAS_W:
+                    xhat = xc * rstd
+                    if LLAMA:
+                        xhat = _round(xhat, IN_KIND)
+                    dw = tl.load(DW + part_row + cols, mask=mask, other=0.0)
+                    tl.store(DW + part_row + cols, dw + dy * xhat, mask=mask)
+                if HAS_B:
+                    db = tl.load(DB + part_row + cols, mask=mask, other=0.0)
+                    tl.store(DB + part_row + cols, db + dy, mask=mask)

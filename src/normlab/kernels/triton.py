@@ -103,7 +103,7 @@ def _launch_bwd(dy, x, weight, mean, rstd, ds, offset, k, is_rms, llama, inside,
             dy2, x2, weight if weight is not None else dy2, mean if mean is not None else rstd, rstd.reshape(-1), ds2, dx2,
             dw, db, n, d, k, dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0), float(offset),
             IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=want_db, HAS_DS=ds is not None, LLAMA=llama, INSIDE=inside,
-            IN_KIND=KIND[dy.dtype], DX_KIND=KIND[x.dtype], BLOCK=block, num_warps=_warps(block),
+            IN_KIND=KIND[dy.dtype], DX_KIND=KIND[x.dtype], BLOCK=block, SINGLE=block >= d, num_warps=_warps(block),
         )
     # programs in order: deterministic for a given device
     return dx, dw.sum(0), (db.sum(0) if want_db else None)
