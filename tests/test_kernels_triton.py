@@ -43,6 +43,13 @@ def test_rows_wider_than_a_block_loop(gen, op, monkeypatch):
         tcheck(gen, op, (4, 100), dtype)
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_many_short_rows_in_tiles(gen, op):
+    # q/k norms over head_dim: (batch, heads, tokens, 16) gives 16 rows per program and more row
+    # tiles than programs, the last one partial
+    tcheck(gen, op, (2, 4, 37, 16), torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("opts", RMS_OPTIONS, ids=str)
 @pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
@@ -194,7 +201,7 @@ from triton.compiler import ASTSource
 from normlab.kernels import _triton as K
 
 FWD = {"X": "*{dt}", "R": "*{dt}", "W": "*{dt}", "B": "*{dt}", "Y": "*{dt}", "S": "*{dt}", "MEAN": "*fp64", "RSTD": "*fp32",
-       "n_cols": "i32", "k": "i32", "stride_x": "i64", "stride_r": "i64", "stride_y": "i64", "stride_s": "i64",
+       "n_rows": "i32", "n_cols": "i32", "k": "i32", "stride_x": "i64", "stride_r": "i64", "stride_y": "i64", "stride_s": "i64",
        "eps": "fp32", "offset": "fp32"}
 BWD = {"DY": "*{dt}", "X": "*{dt}", "W": "*{dt}", "MEAN": "*fp64", "RSTD": "*fp32", "DS": "*{dt}", "DX": "*{dt}",
        "DW": "*fp32", "DB": "*fp32", "n_rows": "i32", "n_cols": "i32", "k": "i32", "stride_dy": "i64", "stride_x": "i64",
@@ -203,9 +210,9 @@ n = 0
 for (dt, kind), is_rms, extra, single in itertools.product((("bf16", 1), ("fp32", 0)), (True, False), (True, False), (True, False)):
     block = 1024 if single else 4096
     fwd = dict(IS_RMS=is_rms, HAS_W=True, HAS_B=not is_rms, HAS_RES=extra, LLAMA=is_rms, INSIDE=not extra,
-               OUT_KIND=kind, SUM_KIND=kind, BLOCK=block, SINGLE=single)
+               OUT_KIND=kind, SUM_KIND=kind, BLOCK=block, SINGLE=single, ROWS=2 if single else 1)
     bwd = dict(IS_RMS=is_rms, HAS_W=True, HAS_B=not is_rms, HAS_DS=extra, LLAMA=is_rms, INSIDE=not extra,
-               IN_KIND=kind, DX_KIND=kind, BLOCK=block, SINGLE=single)
+               IN_KIND=kind, DX_KIND=kind, BLOCK=block, SINGLE=single, ROWS=2 if single else 1)
     for fn, sig, flags in ((K.norm_fwd, FWD, fwd), (K.norm_bwd, BWD, bwd)):
         signature = {name: t.format(dt=dt) for name, t in sig.items()}
         signature.update({name: "constexpr" for name in flags})

@@ -88,32 +88,39 @@ def _write_y(Y, W, B, row_y, x, mean, rstd, cols, mask, offset, IS_RMS: tl.const
 @triton.jit
 def norm_fwd(
     X, R, W, B, Y, S, MEAN, RSTD,
-    n_cols, k, stride_x, stride_r, stride_y, stride_s, eps, offset,
+    n_rows, n_cols, k, stride_x, stride_r, stride_y, stride_s, eps, offset,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr, LLAMA: tl.constexpr,
     INSIDE: tl.constexpr, OUT_KIND: tl.constexpr, SUM_KIND: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    """One row per program. SINGLE (the row fits one block): the row is read once and kept in
-    registers; otherwise it is walked in blocks, once for the statistics (twice for LayerNorm's
+    """SINGLE (a row fits one block): ROWS rows per program, each read once and kept in
+    registers (many rows per program for small hidden sizes: q/k norms over head_dim). Otherwise
+    one row per program, walked in blocks: once for the statistics (twice for LayerNorm's
     variance) and once more for the output."""
-    row = tl.program_id(0).to(tl.int64)
-    row_x, row_r, row_y, row_s = row * stride_x, row * stride_r, row * stride_y, row * stride_s
     base = tl.arange(0, BLOCK)
     if SINGLE:
-        mask = base < n_cols
-        x = _row_value(X, R, row_x, row_r, base, mask, HAS_RES, SUM_KIND)
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        rmask = rows < n_rows
+        r2 = rows[:, None]
+        cols = base[None, :]
+        mask = rmask[:, None] & (cols < n_cols)
+        x = _row_value(X, R, r2 * stride_x, r2 * stride_r, cols, mask, HAS_RES, SUM_KIND)
         if HAS_RES:
-            tl.store(S + row_s + base, x.to(S.dtype.element_ty), mask=mask)
+            tl.store(S + r2 * stride_s + cols, x.to(S.dtype.element_ty), mask=mask)
         if IS_RMS:
-            rstd = _rms_rstd(tl.sum(tl.where(base < k, x * x, 0.0), axis=0), k, eps, INSIDE)
-            mean = 0.0
+            rstd = _rms_rstd(tl.sum(tl.where(cols < k, x * x, 0.0), axis=1), k, eps, INSIDE)
+            mean2 = 0.0
         else:
-            mean = tl.sum(x.to(tl.float64), axis=0) / n_cols
-            xc = tl.where(mask, _centred(x, mean, IS_RMS), 0.0)  # the variance around the mean, never E[x^2] - E[x]^2
-            rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
-            tl.store(MEAN + row, mean)
-        tl.store(RSTD + row, rstd)
-        _write_y(Y, W, B, row_y, x, mean, rstd, base, mask, offset, IS_RMS, HAS_W, HAS_B, LLAMA, OUT_KIND)
+            mean = tl.sum(x.to(tl.float64), axis=1) / n_cols
+            mean2 = mean[:, None]
+            xc = tl.where(mask, _centred(x, mean2, IS_RMS), 0.0)  # the variance around the mean, never E[x^2] - E[x]^2
+            rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+            tl.store(MEAN + rows, mean, mask=rmask)
+        tl.store(RSTD + rows, rstd, mask=rmask)
+        _write_y(Y, W, B, r2 * stride_y, x, mean2, rstd[:, None], cols, mask, offset, IS_RMS, HAS_W, HAS_B, LLAMA, OUT_KIND)
     else:
+        row = tl.program_id(0).to(tl.int64)
+        row_x, row_r, row_y, row_s = row * stride_x, row * stride_r, row * stride_y, row * stride_s
         # pass 1: the sum (LayerNorm's mean) or the sum of squares over the first k (RMSNorm)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         acc64 = tl.zeros([BLOCK], dtype=tl.float64)
@@ -208,44 +215,59 @@ def norm_bwd(
     n_rows, n_cols, k, stride_dy, stride_x, stride_ds, stride_dx, offset,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr, LLAMA: tl.constexpr,
     INSIDE: tl.constexpr, IN_KIND: tl.constexpr, DX_KIND: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     """dx for rows pid, pid + P, ... and this program's dw/db partial sums in DW[pid], DB[pid].
-    SINGLE (a row fits one block): each row is read once and the partials stay in registers;
-    otherwise rows are walked in blocks twice (sums, then dx) and the partials live in DW/DB."""
+    SINGLE (a row fits one block): tiles of ROWS rows (row blocks pid, pid + P, ...), each row
+    read once, the partials in registers; otherwise rows are walked in blocks twice (sums, then
+    dx) and the partials live in DW/DB."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     base = tl.arange(0, BLOCK)
     part_row = pid.to(tl.int64) * n_cols
     zero64 = pid.to(tl.int64) * 0  # int64 rows (the loop variable is a plain int under the interpreter)
     if SINGLE:
-        mask = base < n_cols
+        cols = base[None, :]
+        colmask = cols < n_cols
         acc_dw = tl.zeros([BLOCK], dtype=tl.float32)
         acc_db = tl.zeros([BLOCK], dtype=tl.float32)
-        for row in range(pid, n_rows, n_prog):
-            row64 = zero64 + row
-            rstd = tl.load(RSTD + row64)
+        for rb in range(pid, tl.cdiv(n_rows, ROWS), n_prog):
+            rows = zero64 + rb * ROWS + tl.arange(0, ROWS)
+            rmask = rows < n_rows
+            mask = rmask[:, None] & colmask
+            r2 = rows[:, None]
+            rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+            rstd2 = rstd[:, None]
             if IS_RMS:
-                mean = 0.0
+                mean2 = 0.0
             else:
-                mean = tl.load(MEAN + row64)
-            dy, x, g = _bwd_inputs(DY, X, W, row64 * stride_dy, row64 * stride_x, base, mask, offset, HAS_W, LLAMA, IN_KIND)
-            xc = _centred(x, mean, IS_RMS)
-            t_g, t_gx, t_ss = _row_terms(g, x, xc, rstd, base, mask, k, IS_RMS)
-            coef, mg, mgx = _coefs(tl.sum(t_g, axis=0), tl.sum(t_gx, axis=0), tl.sum(t_ss, axis=0), rstd, k, n_cols,
+                mean2 = tl.load(MEAN + rows, mask=rmask, other=0.0)[:, None]
+            dy, x, g = _bwd_inputs(DY, X, W, r2 * stride_dy, r2 * stride_x, cols, mask, offset, HAS_W, LLAMA, IN_KIND)
+            xc = _centred(x, mean2, IS_RMS)
+            t_g, t_gx, t_ss = _row_terms(g, x, xc, rstd2, cols, mask, k, IS_RMS)
+            coef, mg, mgx = _coefs(tl.sum(t_g, axis=1), tl.sum(t_gx, axis=1), tl.sum(t_ss, axis=1), rstd, k, n_cols,
                                    IS_RMS, INSIDE)
-            _write_dx(DX, DS, row64 * stride_dx, row64 * stride_ds, g, x, xc, rstd, coef, mg, mgx, base, mask, k,
+            if IS_RMS:
+                coef2 = coef[:, None]
+                mg2 = 0.0
+                mgx2 = 0.0
+            else:
+                coef2 = 0.0
+                mg2 = mg[:, None]
+                mgx2 = mgx[:, None]
+            _write_dx(DX, DS, r2 * stride_dx, r2 * stride_ds, g, x, xc, rstd2, coef2, mg2, mgx2, cols, mask, k,
                       IS_RMS, HAS_DS, DX_KIND)
             if HAS_W:
-                xhat = xc * rstd
+                xhat = xc * rstd2
                 if LLAMA:
                     xhat = _round(xhat, IN_KIND)
-                acc_dw += dy * xhat
+                acc_dw += tl.sum(dy * xhat, axis=0)
             if HAS_B:
-                acc_db += dy
+                acc_db += tl.sum(dy, axis=0)
         if HAS_W:
-            tl.store(DW + part_row + base, acc_dw, mask=mask)
+            tl.store(DW + part_row + base, acc_dw, mask=base < n_cols)
         if HAS_B:
-            tl.store(DB + part_row + base, acc_db, mask=mask)
+            tl.store(DB + part_row + base, acc_db, mask=base < n_cols)
     else:
         for row in range(pid, n_rows, n_prog):
             row64 = zero64 + row

@@ -37,6 +37,11 @@ def _warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 2048 else 16
 
 
+def _tile_rows(block: int, d: int) -> int:
+    """Rows per program: several when a row fits one small block (q/k norms over head_dim)."""
+    return max(1, min(16, 2048 // block)) if block >= d else 1
+
+
 def _rows(t: Tensor) -> Tensor:
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
@@ -58,13 +63,14 @@ def _launch_fwd(x, residual, weight, bias, y, s, mean, rstd, eps, offset, k, is_
     r2 = _rows(residual) if residual is not None else x2
     y2, s2 = y.view(n, d), (s.view(n, d) if s is not None else y.view(n, d))
     block = _block(d)
-    K.norm_fwd[(n,)](
+    tile = _tile_rows(block, d)
+    K.norm_fwd[(triton.cdiv(n, tile),)](
         x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, y2, s2,
         mean if mean is not None else rstd, rstd,
-        d, k, x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0), float(eps), float(offset),
+        n, d, k, x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0), float(eps), float(offset),
         IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, HAS_RES=residual is not None, LLAMA=llama,
         INSIDE=inside, OUT_KIND=KIND[x.dtype], SUM_KIND=KIND.get(s.dtype, K.FP32) if s is not None else K.FP32,
-        BLOCK=block, SINGLE=block >= d, num_warps=_warps(block),
+        BLOCK=block, SINGLE=block >= d, ROWS=tile, num_warps=_warps(block * tile),
     )
 
 
@@ -92,18 +98,20 @@ def _launch_bwd(dy, x, weight, mean, rstd, ds, offset, k, is_rms, llama, inside,
     x2, dy2 = _rows(x), _rows(dy)
     n = x2.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    programs = max(1, min(n, _programs(x.device)))
+    block = _block(d)
+    tile = _tile_rows(block, d)
+    programs = max(1, min(triton.cdiv(n, tile), _programs(x.device)))
     dw = torch.zeros((programs, d), dtype=torch.float32, device=x.device)
     db = torch.zeros((programs, d), dtype=torch.float32, device=x.device) if want_db else dw
     if n:
         ds2 = _rows(ds) if ds is not None else dy2
         dx2 = dx.view(n, d)
-        block = _block(d)
         K.norm_bwd[(programs,)](
             dy2, x2, weight if weight is not None else dy2, mean if mean is not None else rstd, rstd.reshape(-1), ds2, dx2,
             dw, db, n, d, k, dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0), float(offset),
             IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=want_db, HAS_DS=ds is not None, LLAMA=llama, INSIDE=inside,
-            IN_KIND=KIND[dy.dtype], DX_KIND=KIND[x.dtype], BLOCK=block, SINGLE=block >= d, num_warps=_warps(block),
+            IN_KIND=KIND[dy.dtype], DX_KIND=KIND[x.dtype], BLOCK=block, SINGLE=block >= d, ROWS=tile,
+            num_warps=_warps(block * tile),
         )
     # programs in order: deterministic for a given device
     return dx, dw.sum(0), (db.sum(0) if want_db else None)
