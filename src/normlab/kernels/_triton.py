@@ -210,6 +210,15 @@ def _write_dx(DX, DS, row_dx, row_ds, g, x, xc, rstd, coef, mg, mgx, cols, mask,
 
 
 @triton.jit
+def _dw_term(dy, xc, rstd, LLAMA: tl.constexpr, IN_KIND: tl.constexpr):
+    """dy * xhat, xhat rounded to the input dtype in the LLAMA order (as the forward multiplied it)."""
+    xhat = xc * rstd
+    if LLAMA:
+        xhat = _round(xhat, IN_KIND)
+    return dy * xhat
+
+
+@triton.jit
 def norm_bwd(
     DY, X, W, MEAN, RSTD, DS, DX, DW, DB,
     n_rows, n_cols, k, stride_dy, stride_x, stride_ds, stride_dx, offset,
@@ -258,10 +267,7 @@ def norm_bwd(
             _write_dx(DX, DS, r2 * stride_dx, r2 * stride_ds, g, x, xc, rstd2, coef2, mg2, mgx2, cols, mask, k,
                       IS_RMS, HAS_DS, DX_KIND)
             if HAS_W:
-                xhat = xc * rstd2
-                if LLAMA:
-                    xhat = _round(xhat, IN_KIND)
-                acc_dw += tl.sum(dy * xhat, axis=0)
+                acc_dw += tl.sum(_dw_term(dy, xc, rstd2, LLAMA, IN_KIND), axis=0)
             if HAS_B:
                 acc_db += tl.sum(dy, axis=0)
         if HAS_W:
@@ -297,11 +303,8 @@ def norm_bwd(
                 _write_dx(DX, DS, row64 * stride_dx, row64 * stride_ds, g, x, xc, rstd, coef, mg, mgx, cols, mask, k,
                           IS_RMS, HAS_DS, DX_KIND)
                 if HAS_W:
-                    xhat = xc * rstd
-                    if LLAMA:
-                        xhat = _round(xhat, IN_KIND)
                     dw = tl.load(DW + part_row + cols, mask=mask, other=0.0)
-                    tl.store(DW + part_row + cols, dw + dy * xhat, mask=mask)
+                    tl.store(DW + part_row + cols, dw + _dw_term(dy, xc, rstd, LLAMA, IN_KIND), mask=mask)
                 if HAS_B:
                     db = tl.load(DB + part_row + cols, mask=mask, other=0.0)
                     tl.store(DB + part_row + cols, db + dy, mask=mask)

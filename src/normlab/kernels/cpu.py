@@ -31,6 +31,7 @@ from torch import Tensor
 
 from normlab.kernels import _glue
 from normlab.kernels import _numba as K
+from normlab.kernels._glue import _sum_dtype
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -172,11 +173,6 @@ def _ln_weights(weight: Tensor | None, bias: Tensor | None, d: int) -> tuple[np.
     w = np.ones(d, np.float32) if weight is None else weight.detach().float().contiguous().numpy()
     b = np.zeros(d, np.float32) if bias is None else bias.detach().float().contiguous().numpy()
     return w, b
-
-
-def _sum_dtype(x: Tensor, residual: Tensor, residual_in_fp32: bool) -> torch.dtype:
-    dtype = torch.promote_types(x.dtype, residual.dtype)
-    return torch.promote_types(dtype, torch.float32) if residual_in_fp32 else dtype
 
 
 # -------------------------------------------------------------------------------- launchers

@@ -74,11 +74,18 @@ def _launch_fwd(x, residual, weight, bias, y, s, mean, rstd, eps, offset, k, is_
     )
 
 
+def _sum_out(x, residual, residual_in_fp32):
+    """The residual sum's output tensor, or None without a residual."""
+    if residual is None:
+        return None
+    return torch.empty(x.shape, dtype=_sum_dtype(x, residual, residual_in_fp32), device=x.device)
+
+
 def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None, residual_in_fp32=False):
     """Returns (y, s or None, rstd). With ``residual``: s = x + residual is written and normalized."""
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if y is None else y
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    s = None if residual is None else torch.empty(x.shape, dtype=_sum_dtype(x, residual, residual_in_fp32), device=x.device)
+    s = _sum_out(x, residual, residual_in_fp32)
     _launch_fwd(x, residual, weight, None, y, s, None, rstd, eps, offset, k, True, llama, inside)
     return y, s, rstd
 
@@ -88,7 +95,7 @@ def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if y is None else y
     mean = torch.empty(x.shape[:-1], dtype=torch.float64, device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    s = None if residual is None else torch.empty(x.shape, dtype=_sum_dtype(x, residual, residual_in_fp32), device=x.device)
+    s = _sum_out(x, residual, residual_in_fp32)
     _launch_fwd(x, residual, weight, bias, y, s, mean, rstd, eps, 0.0, x.shape[-1], False, False, True)
     return y, s, mean, rstd
 
