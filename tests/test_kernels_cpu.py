@@ -58,11 +58,11 @@ def _run(op, leaves, opts, backend, grads, convert=None):
     return outs, dict(zip(names, gs))
 
 
-def check(gen, op, shape, dtype, opts=None, backend="cpu", **leaf_kw):
+def check(gen, op, shape, dtype, opts=None, backend="cpu", leaves=None, **leaf_kw):
     """Outputs and all gradients of ``op`` on ``backend`` against the float64 reference (the
-    triton tests use it too)."""
+    triton tests use it too). ``leaves`` replaces the random inputs."""
     opts = opts or {}
-    leaves = _leaves(gen, op, shape, dtype, **leaf_kw)
+    leaves = leaves or _leaves(gen, op, shape, dtype, **leaf_kw)
     with torch.no_grad():
         outs = _call(op, leaves, opts, "reference")
     # Output gradients in the outputs' dtypes, so the float64 truth sees the very same values.
@@ -247,6 +247,59 @@ def test_large_mean_rows(gen, dtype):
     mean = 1e4 if dtype != torch.float16 else 1e3
     check(gen, "layer_norm", (8, 1000), dtype, mean=mean)
     check(gen, "rms_norm", (8, 1000), dtype, mean=mean)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["layer_norm", "add_layer_norm"])
+def test_rows_whose_first_block_is_unlike_the_rest(gen, op, dtype):
+    # LayerNorm's statistics are one pass over sums shifted by the mean of the row's first block
+    # of 256; where that block sits far from the rest (a shifted mean much larger than the
+    # spread), E[u^2] - E[u]^2 would cancel, and the kernel must take its second pass instead.
+    # Long rows: the first block's offset adds to the variance too, so E[u]^2 / var is at most
+    # d / 256 (64 here: without the second pass the saved rstd of the 300-offset row was off by
+    # 4.5e-7 to 8e-7, 4 to 7 ulps, its outputs by 8x torch's error; with it, under an ulp).
+    leaves = _leaves(gen, op, (6, 16384), dtype)
+    x = leaves["x"].double()
+    x[:, :256] += torch.tensor([30.0, -30.0, 300.0, 3.0, 1.0, 0.0]).view(6, 1)
+    leaves["x"] = x.to(dtype)
+    check(gen, op, None, dtype, leaves=leaves)
+    res = leaves.get("residual")
+    _, s, mean, rstd = cpu.ln_fwd_launch(leaves["x"], None, None, 1e-5, residual=res)
+    row = (s if res is not None else leaves["x"]).double()
+    true_rstd = torch.rsqrt(row.var(-1, unbiased=False) + 1e-5)
+    assert torch.allclose(mean, row.mean(-1), rtol=0, atol=1e-6 * row.abs().max().item())
+    assert ((rstd.double() - true_rstd).abs() / true_rstd).max() < 2 * 2.0**-23  # 1 to 2 ulps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_streaming_stores_give_the_same_bits(gen, op, dtype, monkeypatch):
+    # Large outputs are written with non-temporal stores from a staging row; the values must
+    # be those of the plain path, bit for bit, whatever the alignment of the rows (d = 1000:
+    # every row of a float32 output starts at a different offset from a 64-byte boundary).
+    leaves = _leaves(gen, op, (37, 1000), dtype)
+    runs = []
+    for min_bytes in (1 << 62, 0):
+        monkeypatch.setattr(cpu, "STREAM_MIN_BYTES", min_bytes)
+        grads = torch.Generator().manual_seed(7)
+        runs.append(_run(op, leaves, {}, "cpu", [torch.randn(leaves["x"].shape, generator=grads).to(dtype)] * 2))
+    (plain, plain_g), (streamed, streamed_g) = runs
+    assert all(torch.equal(a, b) for a, b in zip(plain, streamed))
+    assert all(torch.equal(plain_g[k], streamed_g[k]) for k in plain_g)
+
+
+def test_streamed_spans_are_aligned_blocks():
+    from normlab.kernels import _numba as K
+
+    x = torch.zeros(4, 1000).numpy()
+    for r in range(4):
+        row = x[r]
+        a, b = K._spans(row, 0, 1000, True)
+        assert (row.ctypes.data + 4 * a) % 64 == 0 and 0 <= a < 16
+        assert (b - a) % K.BLOCK == 0 and 1000 - b < K.BLOCK and b - a >= 3 * K.BLOCK
+        assert K._spans(row, 0, 1000, False) == (1000, 1000)
+        a, b = K._spans(row, 990, 1000, True)  # too short for a block: all plain
+        assert a == b and 990 <= a <= 1000
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])

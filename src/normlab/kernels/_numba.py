@@ -23,10 +23,12 @@ so that rows with a large mean (1e4) keep their centred values exact in the back
 from __future__ import annotations
 
 import math
+import platform
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 # Reassociation lets LLVM vectorize the reductions. No nnan/ninf: inf and nan rows must behave as
@@ -160,16 +162,15 @@ def _chunk(c, nchunks, n):
 
 
 # ------------------------------------------------------------------------------- row helpers
+# Every kernel works a row at a time in two passes: first the row's statistics (streaming it
+# from memory), then its outputs (reading it again from L1/L2). A row's sums are formed by the
+# same loops whatever the rest of the call looks like, so a row's result does not depend on the
+# batch it came in, on where the chunk boundaries fall, or on the store path below.
+#
 # Row sums run in float32 over blocks of BLOCK elements (vectorized: LLVM keeps several float32
 # lanes) and add the block sums in float64: as fast as a plain float32 sum (a float64 sum ran at
 # half the speed and made the bf16 kernels compute-bound) and as accurate as a float64 one for
 # any row length.
-#
-# Software pipelining: rows are contiguous, so x is one long stream. A two-pass kernel (sum the
-# row, then write it) lets that stream idle while it writes from cache, and measured at about
-# two thirds of copy speed. So each kernel reduces row r + 1, streaming it from memory, in the
-# same loop that writes row r from cache: the ``*_next`` helpers below take the next row
-# (``None`` for the last row of a chunk; numba compiles that case without the reduction).
 #
 # ``rnd`` is a 1-element array whose dtype says where the normalized value is rounded before the
 # weight multiply: the output dtype for the llama cast order, float32 (no rounding) for gemma.
@@ -179,20 +180,74 @@ BLOCK = 256
 
 
 @njit
-def _sumsq(xr, n):
+def _value(xr, rr, sr, i):
+    """Element i of the row being normalized: x, or in the add variants (rr given) the residual
+    sum x + r rounded to sr's dtype, which is stored in sr on the way."""
+    if rr is None:
+        return _load(xr, i)
+    v = _round_like(sr, _load(xr, i) + _load(rr, i))
+    _store(sr, i, v)
+    return v
+
+
+@njit
+def _sumsq(xr, rr, sr, k):
+    """Sum of the row's squares over [:k] (forming the whole residual sum when rr is given)."""
     total = 0.0
-    full = n - n % BLOCK
+    full = k - k % BLOCK
     for j in range(0, full, BLOCK):
         part = np.float32(0.0)
         for i in range(j, j + BLOCK):
-            v = _load(xr, i)
+            v = _value(xr, rr, sr, i)
             part += v * v
         total += part
     part = np.float32(0.0)
-    for i in range(full, n):
-        v = _load(xr, i)
+    for i in range(full, k):
+        v = _value(xr, rr, sr, i)
         part += v * v
+    if rr is not None:
+        for i in range(k, xr.shape[0]):  # past the statistic: the sum is still formed
+            _value(xr, rr, sr, i)
     return total + part
+
+
+@njit
+def _moments(xr, rr, sr, row):
+    """(mean, variance) of the row (``row`` is x, or the residual sum sr) in one pass: sums of
+    u = x - c and u^2, with c the mean of the row's first block, then var = E[u^2] - E[u]^2.
+    x - c is exact for x near c (Sterbenz), which keeps rows with a large mean (1e4) exact. The
+    difference loses accuracy when E[u]^2 is not small against var (a first block unlike the
+    rest of the row): then the variance comes from a second pass over the row, in cache."""
+    d = row.shape[0]
+    head = min(d, BLOCK)
+    c = np.float32(0.0)
+    for i in range(head):
+        c += _value(xr, rr, sr, i)
+    c = np.float32(c / head)
+    s1 = 0.0
+    s2 = 0.0
+    full = d - d % BLOCK
+    for j in range(0, full, BLOCK):
+        p1 = np.float32(0.0)
+        p2 = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            u = _value(xr, rr, sr, i) - c
+            p1 += u
+            p2 += u * u
+        s1 += p1
+        s2 += p2
+    p1 = np.float32(0.0)
+    p2 = np.float32(0.0)
+    for i in range(full, d):
+        u = _value(xr, rr, sr, i) - c
+        p1 += u
+        p2 += u * u
+    m1 = (s1 + p1) / d
+    mean = np.float64(c) + m1
+    var = (s2 + p2) / d - m1 * m1
+    if not m1 * m1 <= var * 0.0625:  # also taken for var <= 0 and nan
+        var = _variance(row, d, mean)
+    return mean, var
 
 
 @njit
@@ -210,7 +265,7 @@ def _split(mean):
 
 @njit
 def _variance(xr, n, mean):
-    """Second pass over a row in cache: mean((x - mean)^2), no E[x^2] - E[x]^2 cancellation."""
+    """A second pass over a row in cache: mean((x - mean)^2), no cancellation."""
     mhi, mlo = _split(mean)
     total = 0.0
     full = n - n % BLOCK
@@ -235,182 +290,227 @@ def _rms_scale(ss, k, eps, inside):
     return np.float32(1.0 / (math.sqrt(ms) + eps))
 
 
-@njit
-def _rms_y(xr, w, yr, rs, rnd, i):
-    _store(yr, i, _round_like(rnd, _load(xr, i) * rs) * _load(w, i))
+def _row(a, r):  # pragma: no cover - replaced by the overload below
+    raise NotImplementedError
+
+
+@overload(_row)
+def _ov_row(a, r):
+    """a[r], or None when a is None (an optional input such as the residual gradient). An
+    overload rather than an ``if a is None`` branch: numba would type that value Optional."""
+    if isinstance(a, (types.NoneType, types.Omitted)):
+        return lambda a, r: None
+    return lambda a, r: a[r]
+
+
+# ------------------------------------------------------------------------ streaming stores
+# Outputs larger than the last-level cache go out with non-temporal stores. A normal store
+# first reads the line it writes into the cache (read-for-ownership), so a kernel that reads x
+# and writes y moves three streams through memory; a non-temporal store writes the line out
+# whole: two streams. Measured on the 2-core EPYC (docs/results/cpu-bench-2026-11-29.md): y = 2x
+# with non-temporal stores ran at 1.2x-1.5x the speed of torch's copy_, with normal stores at
+# 0.9x-1.0x; on a tensor that fits in cache they are 3x slower, hence the size threshold in
+# the launchers (``nt``).
+#
+# LLVM vectorizes a non-temporal store only where it can prove the vector aligned, which a
+# scalar loop cannot state. So an output row is written as: plain stores up to its first
+# 64-byte boundary, then blocks of BLOCK values computed into a small staging row (one per
+# chunk, in L1) and copied out by ``_stream_block`` with aligned 64-byte non-temporal vector
+# stores, then plain stores for the tail. The arithmetic is the same on every path.
+
+
+@intrinsic
+def _stream_block(typingctx, dst, j, src):
+    """dst[j:j + BLOCK] = src[:BLOCK] with non-temporal stores; &dst[j] must be 64-byte aligned."""
+    if dst.dtype != src.dtype:
+        return None
+    lanes = 64 // (src.dtype.bitwidth // 8)
+
+    def codegen(context, builder, signature, args):
+        dst_data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        src_data = context.make_array(signature.args[2])(context, builder, args[2]).data
+        vec = ir.VectorType(context.get_data_type(signature.args[2].dtype), lanes)
+        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        base = builder.gep(dst_data, [args[1]])
+        for v in range(BLOCK // lanes):
+            off = ir.Constant(ir.IntType(64), v * lanes)
+            value = builder.load(builder.bitcast(builder.gep(src_data, [off]), vec.as_pointer()), align=1)
+            target = builder.bitcast(builder.gep(base, [off]), vec.as_pointer())
+            builder.store(value, target, align=64).set_metadata("nontemporal", nontemporal)
+        return context.get_dummy_value()
+
+    return types.void(dst, types.uint64, src), codegen
+
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@intrinsic
+def _store_fence(typingctx):
+    """This thread's non-temporal stores become visible before anything after it: sfence on
+    x86 (a plain fence there orders only normal stores), a full fence elsewhere."""
+
+    def codegen(context, builder, signature, args):
+        if X86:
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.sse.sfence"), [])
+        else:
+            builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
 
 
 @njit
-def _next_value(xn, rn, sn, i):
-    """Element i of the next row: x, or the sum x + r rounded to and stored in sn."""
-    if rn is None:
-        return _load(xn, i)
-    v = _round_like(sn, _load(xn, i) + _load(rn, i))
-    _store(sn, i, v)
-    return v
-
-
-@njit
-def _rms_write_next(xr, w, yr, rs, rnd, k, xn, rn, sn):
-    """Write yr = norm(xr). Meanwhile stream the next row (forming sn = xn + rn first when rn is
-    given) and return its sum of squares over [:k]; 0 when xn is None (the chunk's last row)."""
-    d = yr.shape[0]
-    if xn is None:
-        for i in range(d):
-            _rms_y(xr, w, yr, rs, rnd, i)
-        return 0.0
-    total = 0.0
-    full = k - k % BLOCK
-    for j in range(0, full, BLOCK):
-        part = np.float32(0.0)
-        for i in range(j, j + BLOCK):
-            v = _next_value(xn, rn, sn, i)
-            part += v * v
-            _rms_y(xr, w, yr, rs, rnd, i)
-        total += part
-    part = np.float32(0.0)
-    for i in range(full, k):
-        v = _next_value(xn, rn, sn, i)
-        part += v * v
-        _rms_y(xr, w, yr, rs, rnd, i)
-    for i in range(k, d):  # past the statistic: the sum is still formed, not accumulated
-        if rn is not None:
-            _next_value(xn, rn, sn, i)
-        _rms_y(xr, w, yr, rs, rnd, i)
-    return total + part
-
-
-@njit
-def _ln_y(xr, w, b, yr, mhi, mlo, rs, i):
-    _store(yr, i, _centred(_load(xr, i), mhi, mlo) * rs * _load(w, i) + _load(b, i))
-
-
-@njit
-def _ln_write_next(xr, w, b, yr, mean, rs, xn, rn, sn):
-    """Write yr = layer_norm(xr). Meanwhile stream the next row (forming sn = xn + rn first when
-    rn is given) and return its mean. The sum is shifted by the row's first element: x - x0 is exact for
-    values near each other (Sterbenz) and small, so float32 block sums stay accurate for rows with
-    a large mean (1e4), where summing the raw values in float32 loses about an ulp of the mean."""
-    d = yr.shape[0]
-    mhi, mlo = _split(mean)
-    if xn is None:
-        for i in range(d):
-            _ln_y(xr, w, b, yr, mhi, mlo, rs, i)
-        return 0.0
-    x0 = _next_value(xn, rn, sn, 0)
-    total = 0.0
-    full = d - d % BLOCK
-    for j in range(0, full, BLOCK):
-        part = np.float32(0.0)
-        for i in range(j, j + BLOCK):
-            part += _next_value(xn, rn, sn, i) - x0
-            _ln_y(xr, w, b, yr, mhi, mlo, rs, i)
-        total += part
-    part = np.float32(0.0)
-    for i in range(full, d):
-        part += _next_value(xn, rn, sn, i) - x0
-        _ln_y(xr, w, b, yr, mhi, mlo, rs, i)
-    return np.float64(x0) + (total + part) / d
+def _spans(out, i0, i1, nt):
+    """Split [i0, i1) of an output row into plain [i0, a), streamed [a, b) (whole blocks from a
+    64-byte boundary) and plain [b, i1). Without ``nt`` everything is plain: a = b = i1."""
+    if not nt:
+        return i1, i1
+    size = out.itemsize
+    misalign = (np.int64(out.ctypes.data) + i0 * size) % 64
+    a = i0 + min(i1 - i0, ((64 - misalign) % 64) // size)
+    return a, a + (i1 - a) // BLOCK * BLOCK
 
 
 # ----------------------------------------------------------------------------------- forward
 
 
+@njit
+def _rms_y(xr, w, out, rs, rnd, i, o):
+    _store(out, i - o, _round_like(rnd, _load(xr, i) * rs) * _load(w, i))
+
+
+@njit
+def _rms_write(xr, w, yr, rs, rnd, stage, nt):
+    d = yr.shape[0]
+    a, b = _spans(yr, 0, d, nt)
+    for i in range(a):
+        _rms_y(xr, w, yr, rs, rnd, i, 0)
+    for j in range(a, b, BLOCK):
+        for i in range(j, j + BLOCK):
+            _rms_y(xr, w, stage, rs, rnd, i, j)
+        _stream_block(yr, np.uint64(j), stage)
+    for i in range(b, d):
+        _rms_y(xr, w, yr, rs, rnd, i, 0)
+
+
+@njit
+def _ln_y(xr, w, bias, out, mhi, mlo, rs, i, o):
+    _store(out, i - o, _centred(_load(xr, i), mhi, mlo) * rs * _load(w, i) + _load(bias, i))
+
+
+@njit
+def _ln_write(xr, w, bias, yr, mean, rs, stage, nt):
+    d = yr.shape[0]
+    mhi, mlo = _split(mean)
+    a, b = _spans(yr, 0, d, nt)
+    for i in range(a):
+        _ln_y(xr, w, bias, yr, mhi, mlo, rs, i, 0)
+    for j in range(a, b, BLOCK):
+        for i in range(j, j + BLOCK):
+            _ln_y(xr, w, bias, stage, mhi, mlo, rs, i, j)
+        _stream_block(yr, np.uint64(j), stage)
+    for i in range(b, d):
+        _ln_y(xr, w, bias, yr, mhi, mlo, rs, i, 0)
+
+
+# The kernels take ``stages`` (nchunks, BLOCK) in the output dtype, one staging row per chunk;
+# its row count is the chunk count. ``nt`` turns the streaming stores on (see above).
+
+
 @njit(parallel=True, **JIT)
-def rms_fwd(x, w, y, rstd, eps, inside, k, rnd, nchunks):
+def rms_fwd(x, w, y, rstd, eps, inside, k, rnd, stages, nt):
     n = x.shape[0]
+    nchunks = stages.shape[0]
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
-        if r1 > r0:
-            # the chunk's first row goes through the same fused loop as the others (its output
-            # is written again below): every row's sums then add in the same order, so a row's
-            # result does not depend on where the chunk boundaries fall (batch invariance)
-            ss = _rms_write_next(x[r0], w, y[r0], np.float32(0.0), rnd, k, x[r0], None, None)
-            for r in range(r0, r1):
-                rs = _rms_scale(ss, k, eps, inside)
-                rstd[r] = rs
-                if r + 1 < r1:
-                    ss = _rms_write_next(x[r], w, y[r], rs, rnd, k, x[r + 1], None, None)
-                else:
-                    _rms_write_next(x[r], w, y[r], rs, rnd, k, None, None, None)
+        for r in range(r0, r1):
+            rs = _rms_scale(_sumsq(x[r], None, None, k), k, eps, inside)
+            rstd[r] = rs
+            _rms_write(x[r], w, y[r], rs, rnd, stages[c], nt)
+        if nt:
+            _store_fence()
 
 
 @njit(parallel=True, **JIT)
-def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, rnd, nchunks):
+def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, rnd, stages, nt):
     n = x.shape[0]
+    nchunks = stages.shape[0]
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
-        if r1 > r0:
-            # a scratch "current" row: s[r0] itself would alias the row being formed, and LLVM
-            # then takes its scalar fallback loop, whose sums round differently
-            scratch = np.zeros_like(s[r0])
-            ss = _rms_write_next(scratch, w, y[r0], np.float32(0.0), rnd, k, x[r0], res[r0], s[r0])
-            for r in range(r0, r1):
-                rs = _rms_scale(ss, k, eps, inside)
-                rstd[r] = rs
-                if r + 1 < r1:
-                    ss = _rms_write_next(s[r], w, y[r], rs, rnd, k, x[r + 1], res[r + 1], s[r + 1])
-                else:
-                    _rms_write_next(s[r], w, y[r], rs, rnd, k, None, None, None)
+        for r in range(r0, r1):
+            # s is an output too, but the second pass reads it back: plain stores keep it cached
+            rs = _rms_scale(_sumsq(x[r], res[r], s[r], k), k, eps, inside)
+            rstd[r] = rs
+            _rms_write(s[r], w, y[r], rs, rnd, stages[c], nt)
+        if nt:
+            _store_fence()
 
 
 @njit(parallel=True, **JIT)
-def ln_fwd(x, w, b, y, mean, rstd, eps, nchunks):
-    n, d = x.shape
+def ln_fwd(x, w, b, y, mean, rstd, eps, stages, nt):
+    n = x.shape[0]
+    nchunks = stages.shape[0]
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
-        if r1 > r0:
-            mu = _ln_write_next(x[r0], w, b, y[r0], 0.0, np.float32(0.0), x[r0], None, None)
-            for r in range(r0, r1):
-                rs = np.float32(1.0 / math.sqrt(_variance(x[r], d, mu) + eps))
-                mean[r] = mu
-                rstd[r] = rs
-                if r + 1 < r1:
-                    mu = _ln_write_next(x[r], w, b, y[r], mu, rs, x[r + 1], None, None)
-                else:
-                    _ln_write_next(x[r], w, b, y[r], mu, rs, None, None, None)
+        for r in range(r0, r1):
+            mu, var = _moments(x[r], None, None, x[r])
+            rs = np.float32(1.0 / math.sqrt(var + eps))
+            mean[r] = mu
+            rstd[r] = rs
+            _ln_write(x[r], w, b, y[r], mu, rs, stages[c], nt)
+        if nt:
+            _store_fence()
 
 
 @njit(parallel=True, **JIT)
-def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, nchunks):
-    n, d = x.shape
+def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, nt):
+    n = x.shape[0]
+    nchunks = stages.shape[0]
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
-        if r1 > r0:
-            scratch = np.zeros_like(s[r0])  # not s[r0]: see add_rms_fwd
-            mu = _ln_write_next(scratch, w, b, y[r0], 0.0, np.float32(0.0), x[r0], res[r0], s[r0])
-            for r in range(r0, r1):
-                rs = np.float32(1.0 / math.sqrt(_variance(s[r], d, mu) + eps))
-                mean[r] = mu
-                rstd[r] = rs
-                if r + 1 < r1:
-                    mu = _ln_write_next(s[r], w, b, y[r], mu, rs, x[r + 1], res[r + 1], s[r + 1])
-                else:
-                    _ln_write_next(s[r], w, b, y[r], mu, rs, None, None, None)
+        for r in range(r0, r1):
+            mu, var = _moments(x[r], res[r], s[r], s[r])
+            rs = np.float32(1.0 / math.sqrt(var + eps))
+            mean[r] = mu
+            rstd[r] = rs
+            _ln_write(s[r], w, b, y[r], mu, rs, stages[c], nt)
+        if nt:
+            _store_fence()
 
 
 # ---------------------------------------------------------------------------------- backward
 # ``ds`` is the gradient flowing into the residual sum (add variants) or None; numba compiles the
 # None case without the add. ``dw_part`` / ``db_part`` are (nchunks, d) float32, zeroed by the
-# launcher. Each row's reductions for row r + 1 stream alongside the writes of row r, as in the
-# forward kernels.
+# launcher: each chunk adds its rows' terms to its own row, element by element.
 
 
 @njit
 def _dot_gx(dyr, w, xr, k):
-    """(sum over the row of (dy * w) * x, sum of x^2 over [:k]) for a chunk's first row."""
+    """(sum over the row of (dy * w) * x, sum of x^2 over [:k]), one pass over [:k]."""
     d = xr.shape[0]
     tgx = 0.0
-    full = d - d % BLOCK
+    tss = 0.0
+    full = k - k % BLOCK
     for j in range(0, full, BLOCK):
-        part = np.float32(0.0)
+        pgx = np.float32(0.0)
+        pss = np.float32(0.0)
         for i in range(j, j + BLOCK):
-            part += (_load(dyr, i) * _load(w, i)) * _load(xr, i)
-        tgx += part
-    part = np.float32(0.0)
-    for i in range(full, d):
-        part += (_load(dyr, i) * _load(w, i)) * _load(xr, i)
-    return tgx + part, _sumsq(xr, k)
+            xv = _load(xr, i)
+            pgx += (_load(dyr, i) * _load(w, i)) * xv
+            pss += xv * xv
+        tgx += pgx
+        tss += pss
+    pgx = np.float32(0.0)
+    pss = np.float32(0.0)
+    for i in range(full, k):
+        xv = _load(xr, i)
+        pgx += (_load(dyr, i) * _load(w, i)) * xv
+        pss += xv * xv
+    for i in range(k, d):  # past the statistic (pRMSNorm): g * x only
+        pgx += (_load(dyr, i) * _load(w, i)) * _load(xr, i)
+    return tgx + pgx, tss + pss
 
 
 @njit
@@ -425,7 +525,7 @@ def _rms_coef(rs, gx, ss, k, inside):
 
 
 @njit
-def _rms_dx(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i, in_head):
+def _rms_dx(dyr, xr, w, dsr, out, dwc, rs, coef, rnd, i, o, in_head):
     xv = _load(xr, i)
     dyv = _load(dyr, i)
     v = rs * (dyv * _load(w, i))
@@ -433,77 +533,41 @@ def _rms_dx(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i, in_head):
         v -= coef * xv
     if dsr is not None:
         v += _load(dsr, i)
-    _store(dxr, i, v)
+    _store(out, i - o, v)
     _accumulate(dwc, i, dyv * _round_like(rnd, xv * rs))
 
 
 @njit
-def _rms_bwd_span(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, dyn, xn, i0, i1, head):
-    """dx and dw terms for elements [i0, i1) of this row (``head``: inside the first k, where
-    the rstd term applies); returns the next row's partial (sum g * x, sum x^2 if head)."""
-    tgx = 0.0
-    tss = 0.0
-    full = i0 + (i1 - i0) - (i1 - i0) % BLOCK
-    for j in range(i0, full, BLOCK):
-        pgx = np.float32(0.0)
-        pss = np.float32(0.0)
+def _rms_bwd_write(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i0, i1, head, stage, nt):
+    """dx over [i0, i1) and its dw terms (``head``: inside the first k, where the rstd term
+    applies)."""
+    a, b = _spans(dxr, i0, i1, nt)
+    for i in range(i0, a):
+        _rms_dx(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i, 0, head)
+    for j in range(a, b, BLOCK):
         for i in range(j, j + BLOCK):
-            xv = _load(xn, i)
-            pgx += (_load(dyn, i) * _load(w, i)) * xv
-            if head:
-                pss += xv * xv
-            _rms_dx(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i, head)
-        tgx += pgx
-        tss += pss
-    pgx = np.float32(0.0)
-    pss = np.float32(0.0)
-    for i in range(full, i1):
-        xv = _load(xn, i)
-        pgx += (_load(dyn, i) * _load(w, i)) * xv
-        if head:
-            pss += xv * xv
-        _rms_dx(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i, head)
-    return tgx + pgx, tss + pss
-
-
-@njit
-def _rms_bwd_write_next(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, k, dyn, xn):
-    """Write dx of this row and add its dw terms; meanwhile return the next row's (sum g * x,
-    sum x^2 over [:k]), or zeros when xn is None."""
-    d = dxr.shape[0]
-    if xn is None:
-        for i in range(k):
-            _rms_dx(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i, True)
-        for i in range(k, d):
-            _rms_dx(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i, False)
-        return 0.0, 0.0
-    gx, ss = _rms_bwd_span(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, dyn, xn, 0, k, True)
-    gx2, _ = _rms_bwd_span(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, dyn, xn, k, d, False)
-    return gx + gx2, ss
+            _rms_dx(dyr, xr, w, dsr, stage, dwc, rs, coef, rnd, i, j, head)
+        _stream_block(dxr, np.uint64(j), stage)
+    for i in range(b, i1):
+        _rms_dx(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i, 0, head)
 
 
 @njit(parallel=True, **JIT)
-def rms_bwd(dy, x, w, rstd, ds, dx, dw_part, eps, inside, k, rnd, nchunks):
+def rms_bwd(dy, x, w, rstd, ds, dx, dw_part, eps, inside, k, rnd, stages, nt):
     n, d = x.shape
+    nchunks = stages.shape[0]
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         dwc = dw_part[c]
-        if r1 > r0:
-            gx, ss = _dot_gx(dy[r0], w, x[r0], k)
-            for r in range(r0, r1):
-                rs = rstd[r]
-                coef = _rms_coef(rs, gx, ss, k, inside)
-                # ds is None or an array: numba resolves these branches when it compiles
-                if r + 1 < r1:
-                    if ds is None:
-                        gx, ss = _rms_bwd_write_next(dy[r], x[r], w, None, dx[r], dwc, rs, coef, rnd, k, dy[r + 1], x[r + 1])
-                    else:
-                        gx, ss = _rms_bwd_write_next(dy[r], x[r], w, ds[r], dx[r], dwc, rs, coef, rnd, k, dy[r + 1], x[r + 1])
-                else:
-                    if ds is None:
-                        _rms_bwd_write_next(dy[r], x[r], w, None, dx[r], dwc, rs, coef, rnd, k, None, None)
-                    else:
-                        _rms_bwd_write_next(dy[r], x[r], w, ds[r], dx[r], dwc, rs, coef, rnd, k, None, None)
+        for r in range(r0, r1):
+            rs = rstd[r]
+            gx, ss = _dot_gx(dy[r], w, x[r], k)
+            coef = _rms_coef(rs, gx, ss, k, inside)
+            dsr = _row(ds, r)
+            _rms_bwd_write(dy[r], x[r], w, dsr, dx[r], dwc, rs, coef, rnd, 0, k, True, stages[c], nt)
+            _rms_bwd_write(dy[r], x[r], w, dsr, dx[r], dwc, rs, coef, rnd, k, d, False, stages[c], nt)
+        if nt:
+            _store_fence()
 
 
 @njit
@@ -533,73 +597,45 @@ def _ln_sums(dyr, w, xr, mean, rs):
 
 
 @njit
-def _ln_dx(dyr, xr, w, dsr, dxr, dwc, dbc, mhi, mlo, rs, mg, mgx, i):
+def _ln_dx(dyr, xr, w, dsr, out, dwc, dbc, mhi, mlo, rs, mg, mgx, i, o):
     dyv = _load(dyr, i)
     xh = _centred(_load(xr, i), mhi, mlo) * rs
     v = rs * (dyv * _load(w, i) - mg - xh * mgx)
     if dsr is not None:
         v += _load(dsr, i)
-    _store(dxr, i, v)
+    _store(out, i - o, v)
     _accumulate(dwc, i, dyv * xh)
     _accumulate(dbc, i, dyv)
 
 
 @njit
-def _ln_bwd_write_next(dyr, xr, w, dsr, dxr, dwc, dbc, mean, rs, sg, sgx, dyn, xn, mean_n, rs_n):
-    """Write dx of this row and add its dw, db terms; meanwhile return the next row's sums."""
+def _ln_bwd_write(dyr, xr, w, dsr, dxr, dwc, dbc, mean, rs, sg, sgx, stage, nt):
+    """dx of this row and its dw, db terms."""
     d = dxr.shape[0]
     mhi, mlo = _split(mean)
     mg = np.float32(sg / d)
     mgx = np.float32(sgx / d)
-    if xn is None:
-        for i in range(d):
-            _ln_dx(dyr, xr, w, dsr, dxr, dwc, dbc, mhi, mlo, rs, mg, mgx, i)
-        return 0.0, 0.0
-    nhi, nlo = _split(mean_n)
-    tg = 0.0
-    tgx = 0.0
-    full = d - d % BLOCK
-    for j in range(0, full, BLOCK):
-        pg = np.float32(0.0)
-        pgx = np.float32(0.0)
+    a, b = _spans(dxr, 0, d, nt)
+    for i in range(a):
+        _ln_dx(dyr, xr, w, dsr, dxr, dwc, dbc, mhi, mlo, rs, mg, mgx, i, 0)
+    for j in range(a, b, BLOCK):
         for i in range(j, j + BLOCK):
-            g = _load(dyn, i) * _load(w, i)
-            pg += g
-            pgx += g * (_centred(_load(xn, i), nhi, nlo) * rs_n)
-            _ln_dx(dyr, xr, w, dsr, dxr, dwc, dbc, mhi, mlo, rs, mg, mgx, i)
-        tg += pg
-        tgx += pgx
-    pg = np.float32(0.0)
-    pgx = np.float32(0.0)
-    for i in range(full, d):
-        g = _load(dyn, i) * _load(w, i)
-        pg += g
-        pgx += g * (_centred(_load(xn, i), nhi, nlo) * rs_n)
-        _ln_dx(dyr, xr, w, dsr, dxr, dwc, dbc, mhi, mlo, rs, mg, mgx, i)
-    return tg + pg, tgx + pgx
+            _ln_dx(dyr, xr, w, dsr, stage, dwc, dbc, mhi, mlo, rs, mg, mgx, i, j)
+        _stream_block(dxr, np.uint64(j), stage)
+    for i in range(b, d):
+        _ln_dx(dyr, xr, w, dsr, dxr, dwc, dbc, mhi, mlo, rs, mg, mgx, i, 0)
 
 
 @njit(parallel=True, **JIT)
-def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw_part, db_part, nchunks):
-    n, d = x.shape
+def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw_part, db_part, stages, nt):
+    n = x.shape[0]
+    nchunks = stages.shape[0]
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         dwc = dw_part[c]
         dbc = db_part[c]
-        if r1 > r0:
-            sg, sgx = _ln_sums(dy[r0], w, x[r0], mean[r0], rstd[r0])
-            for r in range(r0, r1):
-                if r + 1 < r1:
-                    if ds is None:
-                        sg, sgx = _ln_bwd_write_next(dy[r], x[r], w, None, dx[r], dwc, dbc, mean[r], rstd[r], sg, sgx,
-                                                     dy[r + 1], x[r + 1], mean[r + 1], rstd[r + 1])
-                    else:
-                        sg, sgx = _ln_bwd_write_next(dy[r], x[r], w, ds[r], dx[r], dwc, dbc, mean[r], rstd[r], sg, sgx,
-                                                     dy[r + 1], x[r + 1], mean[r + 1], rstd[r + 1])
-                else:
-                    if ds is None:
-                        _ln_bwd_write_next(dy[r], x[r], w, None, dx[r], dwc, dbc, mean[r], rstd[r], sg, sgx,
-                                           None, None, 0.0, np.float32(0.0))
-                    else:
-                        _ln_bwd_write_next(dy[r], x[r], w, ds[r], dx[r], dwc, dbc, mean[r], rstd[r], sg, sgx,
-                                           None, None, 0.0, np.float32(0.0))
+        for r in range(r0, r1):
+            sg, sgx = _ln_sums(dy[r], w, x[r], mean[r], rstd[r])
+            _ln_bwd_write(dy[r], x[r], w, _row(ds, r), dx[r], dwc, dbc, mean[r], rstd[r], sg, sgx, stages[c], nt)
+        if nt:
+            _store_fence()
