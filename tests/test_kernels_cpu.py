@@ -288,6 +288,21 @@ def test_streaming_stores_give_the_same_bits(gen, op, dtype, monkeypatch):
     assert all(torch.equal(plain_g[k], streamed_g[k]) for k in plain_g)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
+def test_nan_free_rows_give_the_same_bits_as_the_nan_safe_path(gen, op, dtype, monkeypatch):
+    # RMSNorm rows with a finite sum of squares (and finite weights) round to bf16 without the
+    # nan select; with the weights' finiteness hidden from the kernels every row takes the
+    # nan-safe loops.
+    leaves = _leaves(gen, op, (21, 700), dtype)
+    dy = torch.randn(leaves["x"].shape, generator=gen).to(dtype)
+    fast = _run(op, leaves, {}, "cpu", [dy, dy])
+    monkeypatch.setattr(cpu, "_finite", lambda *w: False)
+    safe = _run(op, leaves, {}, "cpu", [dy, dy])
+    assert all(torch.equal(a, b) for a, b in zip(fast[0], safe[0]))
+    assert all(torch.equal(fast[1][k], safe[1][k]) for k in fast[1])
+
+
 def test_streamed_spans_are_aligned_blocks():
     from normlab.kernels import _numba as K
 

@@ -126,6 +126,11 @@ def _store_bf16(a, i, v):
 
 
 @njit
+def _store_bf16_finite(a, i, v):
+    a[np.uint64(i)] = _f32_to_bf16_bits_finite(v)
+
+
+@njit
 def _store_f16(a, i, v):
     a[np.uint64(i)] = _f32_to_f16_bits(v)
 
@@ -143,6 +148,45 @@ def _ov_store(a, i, v):
         return lambda a, i, v: _store_bf16(a, i, v)
     if a.dtype == types.int16:
         return lambda a, i, v: _store_f16(a, i, v)
+
+
+@njit
+def _f32_to_bf16_bits_finite(v):
+    """_f32_to_bf16_bits for a v that is not nan (no select): inf and overflow round right."""
+    b = _f32_as_u32(v)
+    return np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+def _store_out(a, i, v, fast):  # pragma: no cover - replaced by the overload below
+    raise NotImplementedError
+
+
+def _round_out(a, v, fast):  # pragma: no cover
+    raise NotImplementedError
+
+
+# An output element: ``fast`` is () where the kernel has shown the value cannot be a nan with a
+# payload (a row whose statistics are finite, finite weights), None elsewhere; then bf16
+# rounding needs no nan select. Two marker types rather than a flag, so that numba compiles
+# each loop without the test.
+
+
+def _is_fast(fast):
+    return not isinstance(fast, (types.NoneType, types.Omitted))
+
+
+@overload(_store_out)
+def _ov_store_out(a, i, v, fast):
+    if a.dtype == types.uint16 and _is_fast(fast):
+        return lambda a, i, v, fast: _store_bf16_finite(a, i, v)
+    return lambda a, i, v, fast: _store(a, i, v)
+
+
+@overload(_round_out)
+def _ov_round_out(a, v, fast):
+    if a.dtype == types.uint16 and _is_fast(fast):
+        return lambda a, v, fast: _bf16_bits_to_f32(_f32_to_bf16_bits_finite(v))
+    return lambda a, v, fast: _round_like(a, v)
 
 
 @overload(_round_like)
@@ -377,22 +421,22 @@ def _spans(out, i0, i1, nt):
 
 
 @njit
-def _rms_y(xr, w, out, rs, rnd, i, o):
-    _store(out, i - o, _round_like(rnd, _load(xr, i) * rs) * _load(w, i))
+def _rms_y(xr, w, out, rs, rnd, i, o, fast):
+    _store_out(out, i - o, _round_out(rnd, _load(xr, i) * rs, fast) * _load(w, i), fast)
 
 
 @njit
-def _rms_write(xr, w, yr, rs, rnd, stage, nt):
+def _rms_write(xr, w, yr, rs, rnd, stage, nt, fast):
     d = yr.shape[0]
     a, b = _spans(yr, 0, d, nt)
     for i in range(a):
-        _rms_y(xr, w, yr, rs, rnd, i, 0)
+        _rms_y(xr, w, yr, rs, rnd, i, 0, fast)
     for j in range(a, b, BLOCK):
         for i in range(j, j + BLOCK):
-            _rms_y(xr, w, stage, rs, rnd, i, j)
+            _rms_y(xr, w, stage, rs, rnd, i, j, fast)
         _stream_block(yr, np.uint64(j), stage)
     for i in range(b, d):
-        _rms_y(xr, w, yr, rs, rnd, i, 0)
+        _rms_y(xr, w, yr, rs, rnd, i, 0, fast)
 
 
 @njit
@@ -415,35 +459,49 @@ def _ln_write(xr, w, bias, yr, mean, rs, stage, nt):
         _ln_y(xr, w, bias, yr, mhi, mlo, rs, i, 0)
 
 
-# The kernels take ``stages`` (nchunks, BLOCK) in the output dtype, one staging row per chunk;
-# its row count is the chunk count. ``nt`` turns the streaming stores on (see above).
+# The kernels take ``stages`` (nchunks, >= BLOCK) in the output dtype, one staging row per
+# chunk; its row count is the chunk count. ``nt`` turns the streaming stores on (see above).
+# ``wfin`` (RMSNorm forward): the weights are finite. A row whose sum of squares is finite then
+# holds no nan, and any nan the arithmetic makes from it is the hardware's default one, which
+# the bf16 rounding without the nan select keeps a nan: such rows take the ``fast`` loops.
+# Measured on one core, bf16 rows in L2: 7% (gemma order) to 10% (llama) faster; LayerNorm and
+# the backward kernels gained 2-3%, not worth their second copy of the loops, which numba
+# compiles for every dtype combination.
 
 
 @njit(parallel=True, **JIT)
-def rms_fwd(x, w, y, rstd, eps, inside, k, rnd, stages, nt):
-    n = x.shape[0]
+def rms_fwd(x, w, y, rstd, eps, inside, k, rnd, stages, nt, wfin):
+    n, d = x.shape
     nchunks = stages.shape[0]
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         for r in range(r0, r1):
-            rs = _rms_scale(_sumsq(x[r], None, None, k), k, eps, inside)
+            ss = _sumsq(x[r], None, None, k)
+            rs = _rms_scale(ss, k, eps, inside)
             rstd[r] = rs
-            _rms_write(x[r], w, y[r], rs, rnd, stages[c], nt)
+            if wfin and k == d and math.isfinite(ss):
+                _rms_write(x[r], w, y[r], rs, rnd, stages[c], nt, ())
+            else:
+                _rms_write(x[r], w, y[r], rs, rnd, stages[c], nt, None)
         if nt:
             _store_fence()
 
 
 @njit(parallel=True, **JIT)
-def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, rnd, stages, nt):
-    n = x.shape[0]
+def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, rnd, stages, nt, wfin):
+    n, d = x.shape
     nchunks = stages.shape[0]
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         for r in range(r0, r1):
             # s is an output too, but the second pass reads it back: plain stores keep it cached
-            rs = _rms_scale(_sumsq(x[r], res[r], s[r], k), k, eps, inside)
+            ss = _sumsq(x[r], res[r], s[r], k)
+            rs = _rms_scale(ss, k, eps, inside)
             rstd[r] = rs
-            _rms_write(s[r], w, y[r], rs, rnd, stages[c], nt)
+            if wfin and k == d and math.isfinite(ss):
+                _rms_write(s[r], w, y[r], rs, rnd, stages[c], nt, ())
+            else:
+                _rms_write(s[r], w, y[r], rs, rnd, stages[c], nt, None)
         if nt:
             _store_fence()
 

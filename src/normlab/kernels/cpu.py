@@ -214,6 +214,11 @@ def _stages(out: Tensor, rows: int) -> tuple[np.ndarray, bool]:
     return _as_numpy(rows_ if size == 4 else rows_.view(out.dtype)), stream  # a row: BLOCK used, then pad
 
 
+def _finite(w: np.ndarray) -> bool:
+    """Whether the folded weight vector is finite (the RMSNorm forward kernels' ``wfin``)."""
+    return bool(np.isfinite(w).all())
+
+
 def _rms_weight(weight: Tensor | None, d: int, out_dtype: torch.dtype, llama: bool, offset: float) -> np.ndarray:
     if weight is None:
         return np.ones(d, np.float32)
@@ -248,11 +253,11 @@ def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual
     if n:
         if s is None:
             K.rms_fwd(_as_numpy(x2), w, _as_numpy(y.view(n, d)), rstd.view(n).numpy(), eps, inside, k, _rnd(x.dtype, llama),
-                      *_stages(y, n))
+                      *_stages(y, n), _finite(w))
         else:
             K.add_rms_fwd(
                 _as_numpy(x2), _as_numpy(_rows(residual)), w, _as_numpy(y.view(n, d)), _as_numpy(s.view(n, d)),
-                rstd.view(n).numpy(), eps, inside, k, _rnd(x.dtype, llama), *_stages(y, n),
+                rstd.view(n).numpy(), eps, inside, k, _rnd(x.dtype, llama), *_stages(y, n), _finite(w),
             )
     return y, s, rstd
 
