@@ -25,7 +25,9 @@ from __future__ import annotations
 import math
 import platform
 
+import numba
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -126,11 +128,6 @@ def _store_bf16(a, i, v):
 
 
 @njit
-def _store_bf16_finite(a, i, v):
-    a[np.uint64(i)] = _f32_to_bf16_bits_finite(v)
-
-
-@njit
 def _store_f16(a, i, v):
     a[np.uint64(i)] = _f32_to_f16_bits(v)
 
@@ -148,45 +145,6 @@ def _ov_store(a, i, v):
         return lambda a, i, v: _store_bf16(a, i, v)
     if a.dtype == types.int16:
         return lambda a, i, v: _store_f16(a, i, v)
-
-
-@njit
-def _f32_to_bf16_bits_finite(v):
-    """_f32_to_bf16_bits for a v that is not nan (no select): inf and overflow round right."""
-    b = _f32_as_u32(v)
-    return np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-
-
-def _store_out(a, i, v, fast):  # pragma: no cover - replaced by the overload below
-    raise NotImplementedError
-
-
-def _round_out(a, v, fast):  # pragma: no cover
-    raise NotImplementedError
-
-
-# An output element: ``fast`` is () where the kernel has shown the value cannot be a nan with a
-# payload (a row whose statistics are finite, finite weights), None elsewhere; then bf16
-# rounding needs no nan select. Two marker types rather than a flag, so that numba compiles
-# each loop without the test.
-
-
-def _is_fast(fast):
-    return not isinstance(fast, (types.NoneType, types.Omitted))
-
-
-@overload(_store_out)
-def _ov_store_out(a, i, v, fast):
-    if a.dtype == types.uint16 and _is_fast(fast):
-        return lambda a, i, v, fast: _store_bf16_finite(a, i, v)
-    return lambda a, i, v, fast: _store(a, i, v)
-
-
-@overload(_round_out)
-def _ov_round_out(a, v, fast):
-    if a.dtype == types.uint16 and _is_fast(fast):
-        return lambda a, v, fast: _bf16_bits_to_f32(_f32_to_bf16_bits_finite(v))
-    return lambda a, v, fast: _round_like(a, v)
 
 
 @overload(_round_like)
@@ -347,46 +305,124 @@ def _ov_row(a, r):
     return lambda a, r: a[r]
 
 
-# ------------------------------------------------------------------------ streaming stores
-# Outputs larger than the last-level cache go out with non-temporal stores. A normal store
-# first reads the line it writes into the cache (read-for-ownership), so a kernel that reads x
-# and writes y moves three streams through memory; a non-temporal store writes the line out
-# whole: two streams. Measured on the 2-core EPYC (docs/results/cpu-bench-2026-11-29.md): y = 2x
-# with non-temporal stores ran at 1.2x-1.5x the speed of torch's copy_, with normal stores at
-# 0.9x-1.0x; on a tensor that fits in cache they are 3x slower, hence the size threshold in
-# the launchers (``nt``).
+# ------------------------------------------------------------------------- block output
+# Output rows are written in blocks of BLOCK values. An element loop computes a block in float32
+# into a staging row (one per chunk, in L1; LLVM vectorizes it as plain float arithmetic), and
+# ``_emit`` converts it to the output dtype and stores it, written out as explicit 16-lane
+# vectors: bf16 through the CPU's vcvtneps2bf16 where it has one (AVX512-BF16), else by integer
+# round-to-nearest-even with a nan select; fp16 through vcvtps2ph. Done element by element inside
+# the vectorized loop, the same roundings made the bf16 kernels compute-bound; converted a block
+# at a time they run 1.3x (llama order) to 1.5x (gemma) faster on one core (same bits, below).
+# Float32 blocks are computed straight into the row unless they are streamed.
 #
-# LLVM vectorizes a non-temporal store only where it can prove the vector aligned, which a
-# scalar loop cannot state. So an output row is written as: plain stores up to its first
-# 64-byte boundary, then blocks of BLOCK values computed into a small staging row (one per
-# chunk, in L1) and copied out by ``_stream_block`` with aligned 64-byte non-temporal vector
-# stores, then plain stores for the tail. The arithmetic is the same on every path.
-
-
-@intrinsic
-def _stream_block(typingctx, dst, j, src):
-    """dst[j:j + BLOCK] = src[:BLOCK] with non-temporal stores; &dst[j] must be 64-byte aligned."""
-    if dst.dtype != src.dtype:
-        return None
-    lanes = 64 // (src.dtype.bitwidth // 8)
-
-    def codegen(context, builder, signature, args):
-        dst_data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        src_data = context.make_array(signature.args[2])(context, builder, args[2]).data
-        vec = ir.VectorType(context.get_data_type(signature.args[2].dtype), lanes)
-        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-        base = builder.gep(dst_data, [args[1]])
-        for v in range(BLOCK // lanes):
-            off = ir.Constant(ir.IntType(64), v * lanes)
-            value = builder.load(builder.bitcast(builder.gep(src_data, [off]), vec.as_pointer()), align=1)
-            target = builder.bitcast(builder.gep(base, [off]), vec.as_pointer())
-            builder.store(value, target, align=64).set_metadata("nontemporal", nontemporal)
-        return context.get_dummy_value()
-
-    return types.void(dst, types.uint64, src), codegen
-
+# Streaming: outputs larger than the last-level cache go out with non-temporal stores. A normal
+# store first reads the line it writes into the cache (read-for-ownership), so a kernel that
+# reads x and writes y moves three streams through memory; a non-temporal store writes the line
+# out whole: two streams. Measured on the 2-core EPYC: y = 2x with non-temporal stores ran at
+# 1.2x-1.5x the speed of torch's copy_, with normal stores at 0.9x-1.0x; on a tensor that fits in
+# cache they are 2x-3x slower, hence the size threshold in the launchers (``nt``). With ``nt`` a
+# row's blocks start at its first 64-byte boundary (plain stores before it and after the last
+# whole block), so every vector store is aligned, as non-temporal stores must be.
+#
+# The vector conversions give the bits of the scalar ones (``_store``, ``_round_like``) that
+# write the rows' heads and tails, with two exceptions where the CPU's bf16 instruction is used:
+# results below bf16's smallest normal (1.2e-38) flush to zero, and a nan keeps its sign and
+# payload (quieted) instead of becoming 0x7FC0. Neither occurs in a normalized row of finite
+# values (tests/test_kernels_cpu.py checks the conversions against the scalar ones).
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
+HW_BF16 = numba.config.CPU_NAME is None and bool(llvm.get_host_cpu_features().get("avx512bf16", False))
+
+
+class _BFloat(ir.types.Type):
+    """LLVM's bfloat type, which llvmlite.ir does not spell."""
+
+    null = "0.0"
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash(_BFloat)
+
+
+_LANES = 16
+
+
+def _vconst(ty, value):
+    return ir.Constant(ir.VectorType(ty, _LANES), [value] * _LANES)
+
+
+def _narrow(builder, x, kind, hw):
+    """<16 x float> -> the output's bits (<16 x i16>), or x itself for float32. ``hw``: bf16
+    through the CPU's instruction."""
+    i16, i32 = ir.IntType(16), ir.IntType(32)
+    if kind == types.float32:
+        return x
+    if kind == types.int16:  # fp16
+        return builder.bitcast(builder.fptrunc(x, ir.VectorType(ir.HalfType(), _LANES)), ir.VectorType(i16, _LANES))
+    if hw:
+        return builder.bitcast(builder.fptrunc(x, ir.VectorType(_BFloat(), _LANES)), ir.VectorType(i16, _LANES))
+    b = builder.bitcast(x, ir.VectorType(i32, _LANES))
+    lsb = builder.and_(builder.lshr(b, _vconst(i32, 16)), _vconst(i32, 1))
+    r = builder.lshr(builder.add(builder.add(b, _vconst(i32, 0x7FFF)), lsb), _vconst(i32, 16))
+    r = builder.select(builder.fcmp_unordered("uno", x, x), _vconst(i32, 0x7FC0), r)
+    return builder.trunc(r, ir.VectorType(i16, _LANES))
+
+
+def _widen(builder, bits, kind):
+    """The inverse of _narrow: the rounded values as <16 x float>."""
+    f32 = ir.VectorType(ir.FloatType(), _LANES)
+    if kind == types.float32:
+        return bits
+    if kind == types.int16:
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), _LANES)), f32)
+    wide = builder.zext(bits, ir.VectorType(ir.IntType(32), _LANES))
+    return builder.bitcast(builder.shl(wide, _vconst(ir.IntType(32), 16)), f32)
+
+
+def _make_emit(llama, nt, hw=HW_BF16):
+    """dst[j:j + BLOCK] = src[:BLOCK] converted to dst's dtype. ``llama``: src holds x * rstd,
+    which is rounded to dst's dtype, widened, multiplied by w[j:j + BLOCK] and rounded again.
+    ``nt``: non-temporal stores (&dst[j] 64-byte aligned)."""
+
+    def emit(typingctx, dst, j, src, w):
+        kind = dst.dtype
+
+        def codegen(context, builder, signature, args):
+            dst_data, src_data, w_data = (
+                context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 2, 3)
+            )
+            f32 = ir.VectorType(ir.FloatType(), _LANES)
+            base = builder.gep(dst_data, [args[1]])
+            wbase = builder.gep(w_data, [args[1]])
+            nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+            for v in range(BLOCK // _LANES):
+                off = ir.Constant(ir.IntType(64), v * _LANES)
+                x = builder.load(builder.bitcast(builder.gep(src_data, [off]), f32.as_pointer()), align=4)
+                if llama:
+                    x = _widen(builder, _narrow(builder, x, kind, hw), kind)
+                    x = builder.fmul(x, builder.load(builder.bitcast(builder.gep(wbase, [off]), f32.as_pointer()), align=4))
+                y = _narrow(builder, x, kind, hw)
+                ptr = builder.bitcast(builder.gep(base, [off]), y.type.as_pointer())
+                if nt:
+                    builder.store(y, ptr, align=_LANES * (kind.bitwidth // 8)).set_metadata("nontemporal", nontemporal)
+                else:
+                    builder.store(y, ptr, align=kind.bitwidth // 8)
+            return context.get_dummy_value()
+
+        return types.void(dst, types.uint64, src, w), codegen
+
+    return intrinsic(emit)
+
+
+_EMIT = {(llama, nt): _make_emit(llama, nt) for llama in (False, True) for nt in (False, True)}
+_emit_plain, _emit_plain_nt = _EMIT[False, False], _EMIT[False, True]
+_emit_llama, _emit_llama_nt = _EMIT[True, False], _EMIT[True, True]
+_EMIT_INTEGER_BF16 = {llama: _make_emit(llama, False, hw=False) for llama in (False, True)}  # tested on every CPU
 
 
 @intrinsic
@@ -407,36 +443,99 @@ def _store_fence(typingctx):
 
 @njit
 def _spans(out, i0, i1, nt):
-    """Split [i0, i1) of an output row into plain [i0, a), streamed [a, b) (whole blocks from a
-    64-byte boundary) and plain [b, i1). Without ``nt`` everything is plain: a = b = i1."""
-    if not nt:
-        return i1, i1
-    size = out.itemsize
-    misalign = (np.int64(out.ctypes.data) + i0 * size) % 64
-    a = i0 + min(i1 - i0, ((64 - misalign) % 64) // size)
+    """Split [i0, i1) of an output row into a plain head [i0, a), whole blocks [a, b) and a plain
+    tail [b, i1). With ``nt`` the blocks start at the row's first 64-byte boundary."""
+    a = i0
+    if nt:
+        size = out.itemsize
+        misalign = (np.int64(out.ctypes.data) + i0 * size) % 64
+        a = i0 + min(i1 - i0, ((64 - misalign) % 64) // size)
     return a, a + (i1 - a) // BLOCK * BLOCK
+
+
+def _block_target(out, stage, j, nt):  # pragma: no cover - replaced by the overloads below
+    """Where a block starting at j is computed, in float32: (array, offset)."""
+    raise NotImplementedError
+
+
+def _block_done(out, j, stage, nt, w, rnd):  # pragma: no cover
+    """Convert and store a block computed into the staging row (``rnd``: as in _rms_y; None for
+    ops without the llama order)."""
+    raise NotImplementedError
+
+
+def _pre_weight(rnd, v, w, i):  # pragma: no cover
+    """RMSNorm's block value: x * rstd * w, or in the llama order x * rstd (_emit_llama applies
+    w after rounding)."""
+    raise NotImplementedError
+
+
+@overload(_block_target)
+def _ov_block_target(out, stage, j, nt):
+    if out.dtype == types.float32:
+
+        def target(out, stage, j, nt):
+            if nt:
+                return stage, j
+            return out, 0
+
+        return target
+    return lambda out, stage, j, nt: (stage, j)
+
+
+def _is_llama(rnd):
+    return not isinstance(rnd, (types.NoneType, types.Omitted)) and rnd.dtype != types.float32
+
+
+@overload(_block_done)
+def _ov_block_done(out, j, stage, nt, w, rnd):
+    llama = _is_llama(rnd)
+    if out.dtype == types.float32:
+
+        def done(out, j, stage, nt, w, rnd):
+            if nt:
+                _emit_plain_nt(out, np.uint64(j), stage, w)
+
+        return done
+    plain, streamed = (_emit_llama, _emit_llama_nt) if llama else (_emit_plain, _emit_plain_nt)
+
+    def done(out, j, stage, nt, w, rnd):
+        if nt:
+            streamed(out, np.uint64(j), stage, w)
+        else:
+            plain(out, np.uint64(j), stage, w)
+
+    return done
+
+
+@overload(_pre_weight)
+def _ov_pre_weight(rnd, v, w, i):
+    if _is_llama(rnd):
+        return lambda rnd, v, w, i: v
+    return lambda rnd, v, w, i: v * _load(w, i)
 
 
 # ----------------------------------------------------------------------------------- forward
 
 
 @njit
-def _rms_y(xr, w, out, rs, rnd, i, o, fast):
-    _store_out(out, i - o, _round_out(rnd, _load(xr, i) * rs, fast) * _load(w, i), fast)
+def _rms_y(xr, w, yr, rs, rnd, i):
+    _store(yr, i, _round_like(rnd, _load(xr, i) * rs) * _load(w, i))
 
 
 @njit
-def _rms_write(xr, w, yr, rs, rnd, stage, nt, fast):
+def _rms_write(xr, w, yr, rs, rnd, stage, nt):
     d = yr.shape[0]
     a, b = _spans(yr, 0, d, nt)
     for i in range(a):
-        _rms_y(xr, w, yr, rs, rnd, i, 0, fast)
+        _rms_y(xr, w, yr, rs, rnd, i)
     for j in range(a, b, BLOCK):
+        out, o = _block_target(yr, stage, j, nt)
         for i in range(j, j + BLOCK):
-            _rms_y(xr, w, stage, rs, rnd, i, j, fast)
-        _stream_block(yr, np.uint64(j), stage)
+            _store(out, i - o, _pre_weight(rnd, _load(xr, i) * rs, w, i))
+        _block_done(yr, j, stage, nt, w, rnd)
     for i in range(b, d):
-        _rms_y(xr, w, yr, rs, rnd, i, 0, fast)
+        _rms_y(xr, w, yr, rs, rnd, i)
 
 
 @njit
@@ -452,56 +551,43 @@ def _ln_write(xr, w, bias, yr, mean, rs, stage, nt):
     for i in range(a):
         _ln_y(xr, w, bias, yr, mhi, mlo, rs, i, 0)
     for j in range(a, b, BLOCK):
+        out, o = _block_target(yr, stage, j, nt)
         for i in range(j, j + BLOCK):
-            _ln_y(xr, w, bias, stage, mhi, mlo, rs, i, j)
-        _stream_block(yr, np.uint64(j), stage)
+            _ln_y(xr, w, bias, out, mhi, mlo, rs, i, o)
+        _block_done(yr, j, stage, nt, w, None)
     for i in range(b, d):
         _ln_y(xr, w, bias, yr, mhi, mlo, rs, i, 0)
 
 
-# The kernels take ``stages`` (nchunks, >= BLOCK) in the output dtype, one staging row per
-# chunk; its row count is the chunk count. ``nt`` turns the streaming stores on (see above).
-# ``wfin`` (RMSNorm forward): the weights are finite. A row whose sum of squares is finite then
-# holds no nan, and any nan the arithmetic makes from it is the hardware's default one, which
-# the bf16 rounding without the nan select keeps a nan: such rows take the ``fast`` loops.
-# Measured on one core, bf16 rows in L2: 7% (gemma order) to 10% (llama) faster; LayerNorm and
-# the backward kernels gained 2-3%, not worth their second copy of the loops, which numba
-# compiles for every dtype combination.
+# The kernels take ``stages``: (nchunks, >= BLOCK) float32, one staging row per chunk; its row
+# count is the chunk count. ``nt`` turns the streaming stores on (see "block output").
 
 
 @njit(parallel=True, **JIT)
-def rms_fwd(x, w, y, rstd, eps, inside, k, rnd, stages, nt, wfin):
-    n, d = x.shape
+def rms_fwd(x, w, y, rstd, eps, inside, k, rnd, stages, nt):
+    n = x.shape[0]
     nchunks = stages.shape[0]
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         for r in range(r0, r1):
-            ss = _sumsq(x[r], None, None, k)
-            rs = _rms_scale(ss, k, eps, inside)
+            rs = _rms_scale(_sumsq(x[r], None, None, k), k, eps, inside)
             rstd[r] = rs
-            if wfin and k == d and math.isfinite(ss):
-                _rms_write(x[r], w, y[r], rs, rnd, stages[c], nt, ())
-            else:
-                _rms_write(x[r], w, y[r], rs, rnd, stages[c], nt, None)
+            _rms_write(x[r], w, y[r], rs, rnd, stages[c], nt)
         if nt:
             _store_fence()
 
 
 @njit(parallel=True, **JIT)
-def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, rnd, stages, nt, wfin):
-    n, d = x.shape
+def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, rnd, stages, nt):
+    n = x.shape[0]
     nchunks = stages.shape[0]
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         for r in range(r0, r1):
             # s is an output too, but the second pass reads it back: plain stores keep it cached
-            ss = _sumsq(x[r], res[r], s[r], k)
-            rs = _rms_scale(ss, k, eps, inside)
+            rs = _rms_scale(_sumsq(x[r], res[r], s[r], k), k, eps, inside)
             rstd[r] = rs
-            if wfin and k == d and math.isfinite(ss):
-                _rms_write(s[r], w, y[r], rs, rnd, stages[c], nt, ())
-            else:
-                _rms_write(s[r], w, y[r], rs, rnd, stages[c], nt, None)
+            _rms_write(s[r], w, y[r], rs, rnd, stages[c], nt)
         if nt:
             _store_fence()
 
@@ -603,9 +689,10 @@ def _rms_bwd_write(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i0, i1, head, stage
     for i in range(i0, a):
         _rms_dx(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i, 0, head)
     for j in range(a, b, BLOCK):
+        out, o = _block_target(dxr, stage, j, nt)
         for i in range(j, j + BLOCK):
-            _rms_dx(dyr, xr, w, dsr, stage, dwc, rs, coef, rnd, i, j, head)
-        _stream_block(dxr, np.uint64(j), stage)
+            _rms_dx(dyr, xr, w, dsr, out, dwc, rs, coef, rnd, i, o, head)
+        _block_done(dxr, j, stage, nt, w, None)
     for i in range(b, i1):
         _rms_dx(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i, 0, head)
 
@@ -677,9 +764,10 @@ def _ln_bwd_write(dyr, xr, w, dsr, dxr, dwc, dbc, mean, rs, sg, sgx, stage, nt):
     for i in range(a):
         _ln_dx(dyr, xr, w, dsr, dxr, dwc, dbc, mhi, mlo, rs, mg, mgx, i, 0)
     for j in range(a, b, BLOCK):
+        out, o = _block_target(dxr, stage, j, nt)
         for i in range(j, j + BLOCK):
-            _ln_dx(dyr, xr, w, dsr, stage, dwc, dbc, mhi, mlo, rs, mg, mgx, i, j)
-        _stream_block(dxr, np.uint64(j), stage)
+            _ln_dx(dyr, xr, w, dsr, out, dwc, dbc, mhi, mlo, rs, mg, mgx, i, o)
+        _block_done(dxr, j, stage, nt, w, None)
     for i in range(b, d):
         _ln_dx(dyr, xr, w, dsr, dxr, dwc, dbc, mhi, mlo, rs, mg, mgx, i, 0)
 

@@ -188,13 +188,11 @@ def _last_level_cache_bytes(default: int = 32 << 20) -> int:
 
 
 # Outputs of at least this many bytes are written with non-temporal stores (x86 only; why and
-# how: _numba.py, "streaming stores"): half the last-level cache, i.e. where input plus output
-# stop fitting in it. 2-byte outputs need twice that: their kernels are compute-bound, so the
-# staging copy costs more than the traffic it saves until the tensor is well past the cache.
-# Measured on the 2-core EPYC (32 MB L3), rms_norm forward, time with plain stores / streamed:
-# float32 0.6 up to 8 MB outputs, 0.84 at 12 MB, 1.14 at 16 MB, 1.4-1.55 from 24 MB; bfloat16
-# 0.95-0.97 up to 24 MB, 0.99 at 32 MB, 1.07 at 64 MB. NORMLAB_CPU_STREAM_MB overrides it (0:
-# always stream, as a test does to compare both paths on small tensors).
+# how: _numba.py, "block output"): half the last-level cache, i.e. where input plus output stop
+# fitting in it. Measured on the 2-core EPYC (32 MB L3), rms_norm forward, time with plain
+# stores / streamed: float32 0.6-1.0 up to 12 MB outputs, 1.55-1.9 from 16 MB; bfloat16 (compute
+# bound, so it matters less) 0.99-1.01 up to 12 MB, 1.00-1.06 from 16 MB. NORMLAB_CPU_STREAM_MB
+# overrides it (0: always stream, as a test does to compare both paths on small tensors).
 STREAM_MIN_BYTES = (
     int(float(os.environ["NORMLAB_CPU_STREAM_MB"]) * (1 << 20))
     if os.environ.get("NORMLAB_CPU_STREAM_MB")
@@ -203,20 +201,13 @@ STREAM_MIN_BYTES = (
 
 
 def _stages(out: Tensor, rows: int) -> tuple[np.ndarray, bool]:
-    """The kernels' staging rows in the output's dtype (one per chunk: their count is the chunk
-    count) and whether the output is streamed. Each thread writes its row for every block, so
-    the rows start on 64-byte boundaries (torch's allocator aligns to 64) 128 bytes apart: no
-    two threads ever write the same cache line or adjacent-line pair (measured: staging rows
-    that shared a line made the bf16 rms_norm forward 1.6x slower)."""
-    size = out.element_size()
-    stream = K.X86 and out.numel() * size >= STREAM_MIN_BYTES * (2 if size == 2 else 1)
-    rows_ = torch.empty(nchunks(rows), K.BLOCK + 128 // size, dtype=torch.float32 if size == 4 else torch.int16)
-    return _as_numpy(rows_ if size == 4 else rows_.view(out.dtype)), stream  # a row: BLOCK used, then pad
-
-
-def _finite(w: np.ndarray) -> bool:
-    """Whether the folded weight vector is finite (the RMSNorm forward kernels' ``wfin``)."""
-    return bool(np.isfinite(w).all())
+    """The kernels' float32 staging rows (one per chunk: their count is the chunk count) and
+    whether ``out`` is streamed. Each thread writes its row for every block, so the rows start
+    on 64-byte boundaries (torch's allocator aligns to 64) 128 bytes apart: no two threads ever
+    write the same cache line or adjacent-line pair (measured: staging rows that shared a line
+    made the bf16 rms_norm forward 1.6x slower)."""
+    stream = K.X86 and out.numel() * out.element_size() >= STREAM_MIN_BYTES
+    return torch.empty(nchunks(rows), K.BLOCK + 32, dtype=torch.float32).numpy(), stream  # a row: BLOCK, then pad
 
 
 def _rms_weight(weight: Tensor | None, d: int, out_dtype: torch.dtype, llama: bool, offset: float) -> np.ndarray:
@@ -253,11 +244,11 @@ def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual
     if n:
         if s is None:
             K.rms_fwd(_as_numpy(x2), w, _as_numpy(y.view(n, d)), rstd.view(n).numpy(), eps, inside, k, _rnd(x.dtype, llama),
-                      *_stages(y, n), _finite(w))
+                      *_stages(y, n))
         else:
             K.add_rms_fwd(
                 _as_numpy(x2), _as_numpy(_rows(residual)), w, _as_numpy(y.view(n, d)), _as_numpy(s.view(n, d)),
-                rstd.view(n).numpy(), eps, inside, k, _rnd(x.dtype, llama), *_stages(y, n), _finite(w),
+                rstd.view(n).numpy(), eps, inside, k, _rnd(x.dtype, llama), *_stages(y, n),
             )
     return y, s, rstd
 
