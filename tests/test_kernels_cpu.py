@@ -310,10 +310,10 @@ def test_block_conversions_match_the_scalar_ones(gen, dtype, llama, path):
     # normalized row can hold.
     from numba import njit
 
-    src = _special_floats(gen, K.BLOCK)
-    w = (torch.randn(K.BLOCK, generator=gen) * 3).numpy()
+    src = _special_floats(gen, K.EMIT)
+    w = (torch.randn(K.EMIT, generator=gen) * 3).numpy()
     code = cpu._NP_CODE[dtype]
-    vec, scalar = np.zeros(K.BLOCK, code), np.zeros(K.BLOCK, code)
+    vec, scalar = np.zeros(K.EMIT, code), np.zeros(K.EMIT, code)
     if path == "kernels":
         emit = K._emit_llama if llama else K._emit_plain
     else:
@@ -345,8 +345,8 @@ def test_streamed_spans_are_aligned_blocks():
         row = x[r]
         a, b = K._spans(row, 0, 1000, True)
         assert (row.ctypes.data + 4 * a) % 64 == 0 and 0 <= a < 16
-        assert (b - a) % K.BLOCK == 0 and 1000 - b < K.BLOCK and b - a >= 3 * K.BLOCK
-        assert K._spans(row, 0, 1000, False) == (0, 768)  # blocks from the row's start
+        assert (b - a) % K.EMIT == 0 and 1000 - b < K.EMIT and b - a >= 14 * K.EMIT
+        assert K._spans(row, 0, 1000, False) == (0, 960)  # blocks from the row's start
         a, b = K._spans(row, 990, 1000, True)  # too short for a block: all plain
         assert a == b and 990 <= a <= 1000
 

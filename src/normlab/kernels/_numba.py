@@ -306,7 +306,7 @@ def _ov_row(a, r):
 
 
 # ------------------------------------------------------------------------- block output
-# Output rows are written in blocks of BLOCK values. An element loop computes a block in float32
+# Output rows are written in blocks of EMIT values. An element loop computes a block in float32
 # into a staging row (one per chunk, in L1; LLVM vectorizes it as plain float arithmetic), and
 # ``_emit`` converts it to the output dtype and stores it, written out as explicit 16-lane
 # vectors: bf16 through the CPU's vcvtneps2bf16 where it has one (AVX512-BF16), else by integer
@@ -330,6 +330,7 @@ def _ov_row(a, r):
 # payload (quieted) instead of becoming 0x7FC0. Neither occurs in a normalized row of finite
 # values (tests/test_kernels_cpu.py checks the conversions against the scalar ones).
 
+EMIT = 64  # outputs per staged block: small, so stores and their line fills interleave with the arithmetic
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 HW_BF16 = numba.config.CPU_NAME is None and bool(llvm.get_host_cpu_features().get("avx512bf16", False))
 
@@ -384,9 +385,20 @@ def _widen(builder, bits, kind):
     return builder.bitcast(builder.shl(wide, _vconst(ir.IntType(32), 16)), f32)
 
 
+def _prefetch_next_block(builder, base, kind):
+    """Prefetch for writing the lines of the next block of the row (beyond its end: harmless)."""
+    i8p = ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)]), "llvm.prefetch.p0")
+    first = builder.bitcast(builder.gep(base, [ir.Constant(ir.IntType(64), EMIT)]), i8p)
+    for line in range(EMIT * (kind.bitwidth // 8) // 64):
+        ptr = builder.gep(first, [ir.Constant(ir.IntType(64), 64 * line)])
+        builder.call(fn, [ptr, ir.Constant(ir.IntType(32), 1), ir.Constant(ir.IntType(32), 3), ir.Constant(ir.IntType(32), 1)])
+
+
 def _make_emit(llama, nt, hw=HW_BF16):
-    """dst[j:j + BLOCK] = src[:BLOCK] converted to dst's dtype. ``llama``: src holds x * rstd,
-    which is rounded to dst's dtype, widened, multiplied by w[j:j + BLOCK] and rounded again.
+    """dst[j:j + EMIT] = src[:EMIT] converted to dst's dtype. ``llama``: src holds x * rstd,
+    which is rounded to dst's dtype, widened, multiplied by w[j:j + EMIT] and rounded again.
     ``nt``: non-temporal stores (&dst[j] 64-byte aligned)."""
 
     def emit(typingctx, dst, j, src, w):
@@ -400,7 +412,9 @@ def _make_emit(llama, nt, hw=HW_BF16):
             base = builder.gep(dst_data, [args[1]])
             wbase = builder.gep(w_data, [args[1]])
             nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-            for v in range(BLOCK // _LANES):
+            if not nt:
+                _prefetch_next_block(builder, base, kind)
+            for v in range(EMIT // _LANES):
                 off = ir.Constant(ir.IntType(64), v * _LANES)
                 x = builder.load(builder.bitcast(builder.gep(src_data, [off]), f32.as_pointer()), align=4)
                 if llama:
@@ -450,7 +464,7 @@ def _spans(out, i0, i1, nt):
         size = out.itemsize
         misalign = (np.int64(out.ctypes.data) + i0 * size) % 64
         a = i0 + min(i1 - i0, ((64 - misalign) % 64) // size)
-    return a, a + (i1 - a) // BLOCK * BLOCK
+    return a, a + (i1 - a) // EMIT * EMIT
 
 
 def _block_target(out, stage, j, nt):  # pragma: no cover - replaced by the overloads below
@@ -529,9 +543,9 @@ def _rms_write(xr, w, yr, rs, rnd, stage, nt):
     a, b = _spans(yr, 0, d, nt)
     for i in range(a):
         _rms_y(xr, w, yr, rs, rnd, i)
-    for j in range(a, b, BLOCK):
+    for j in range(a, b, EMIT):
         out, o = _block_target(yr, stage, j, nt)
-        for i in range(j, j + BLOCK):
+        for i in range(j, j + EMIT):
             _store(out, i - o, _pre_weight(rnd, _load(xr, i) * rs, w, i))
         _block_done(yr, j, stage, nt, w, rnd)
     for i in range(b, d):
@@ -550,16 +564,16 @@ def _ln_write(xr, w, bias, yr, mean, rs, stage, nt):
     a, b = _spans(yr, 0, d, nt)
     for i in range(a):
         _ln_y(xr, w, bias, yr, mhi, mlo, rs, i, 0)
-    for j in range(a, b, BLOCK):
+    for j in range(a, b, EMIT):
         out, o = _block_target(yr, stage, j, nt)
-        for i in range(j, j + BLOCK):
+        for i in range(j, j + EMIT):
             _ln_y(xr, w, bias, out, mhi, mlo, rs, i, o)
         _block_done(yr, j, stage, nt, w, None)
     for i in range(b, d):
         _ln_y(xr, w, bias, yr, mhi, mlo, rs, i, 0)
 
 
-# The kernels take ``stages``: (nchunks, >= BLOCK) float32, one staging row per chunk; its row
+# The kernels take ``stages``: (nchunks, >= EMIT) float32, one staging row per chunk; its row
 # count is the chunk count. ``nt`` turns the streaming stores on (see "block output").
 
 
@@ -688,9 +702,9 @@ def _rms_bwd_write(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i0, i1, head, stage
     a, b = _spans(dxr, i0, i1, nt)
     for i in range(i0, a):
         _rms_dx(dyr, xr, w, dsr, dxr, dwc, rs, coef, rnd, i, 0, head)
-    for j in range(a, b, BLOCK):
+    for j in range(a, b, EMIT):
         out, o = _block_target(dxr, stage, j, nt)
-        for i in range(j, j + BLOCK):
+        for i in range(j, j + EMIT):
             _rms_dx(dyr, xr, w, dsr, out, dwc, rs, coef, rnd, i, o, head)
         _block_done(dxr, j, stage, nt, w, None)
     for i in range(b, i1):
@@ -763,9 +777,9 @@ def _ln_bwd_write(dyr, xr, w, dsr, dxr, dwc, dbc, mean, rs, sg, sgx, stage, nt):
     a, b = _spans(dxr, 0, d, nt)
     for i in range(a):
         _ln_dx(dyr, xr, w, dsr, dxr, dwc, dbc, mhi, mlo, rs, mg, mgx, i, 0)
-    for j in range(a, b, BLOCK):
+    for j in range(a, b, EMIT):
         out, o = _block_target(dxr, stage, j, nt)
-        for i in range(j, j + BLOCK):
+        for i in range(j, j + EMIT):
             _ln_dx(dyr, xr, w, dsr, out, dwc, dbc, mhi, mlo, rs, mg, mgx, i, o)
         _block_done(dxr, j, stage, nt, w, None)
     for i in range(b, d):
