@@ -12,7 +12,8 @@ chunk: the same inputs and chunk count give bitwise-identical outputs and gradie
 dtypes travel as numpy arrays: float32 as is, bfloat16 as uint16 bit patterns and float16 as
 int16 bit patterns (numba has neither type). ``_load`` widens an element to float32, ``_store``
 narrows a float32 with round-to-nearest-even (bf16 by integer arithmetic, fp16 by LLVM's
-fptrunc), and numba compiles one specialization per dtype combination.
+fptrunc); whole output blocks are narrowed as vectors by ``_emit`` ("block output" below). numba
+compiles one specialization per dtype combination.
 
 Statistics: the row sums (sum x, sum x^2, sum g*x) accumulate in float64, which is free on a
 memory-bound kernel and keeps long rows (65537 features) accurate to a few fp32 ulps; the

@@ -207,7 +207,8 @@ def _stages(out: Tensor, rows: int) -> tuple[np.ndarray, bool]:
     write the same cache line or adjacent-line pair (measured: staging rows that shared a line
     made the bf16 rms_norm forward 1.6x slower)."""
     stream = K.X86 and out.numel() * out.element_size() >= STREAM_MIN_BYTES
-    return torch.empty(nchunks(rows), K.BLOCK + 32, dtype=torch.float32).numpy(), stream  # a row: BLOCK, then pad
+    width = K._SPARE + K.EMIT // 2 + 32  # the block, the spare end, padding: 768 bytes, 64-byte multiple
+    return torch.empty(nchunks(rows), width, dtype=torch.float32).numpy(), stream
 
 
 def _rms_weight(weight: Tensor | None, d: int, out_dtype: torch.dtype, llama: bool, offset: float) -> np.ndarray:
