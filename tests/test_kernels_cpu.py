@@ -21,6 +21,13 @@ from normlab.kernels import cpu  # noqa: E402
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
+def test_a_numba_older_than_the_kernels_need_is_named_in_the_reason():
+    assert kernels._too_old("numba", "0.68.1") is None and kernels._too_old("numba", "1.0") is None
+    reason = kernels._too_old("numba", "0.59.0")
+    assert "numba 0.59.0" in reason and ">=0.68" in reason
+    assert kernels._too_old("triton", "2.0") is None  # no floor set
+
+
 def test_cpu_backend_is_what_auto_picks_for_cpu_tensors():
     assert kernels.unavailable_reason("cpu") is None
     assert kernels.resolve(None, torch.device("cpu")) == "cpu"

@@ -68,6 +68,21 @@ def _interpret() -> bool:
 _loaded: dict[str, ModuleType] = {"reference": reference}  # backend name -> its imported module
 
 
+# The oldest versions the fused kernels are tested with (the cpu kernels emit LLVM IR that needs
+# the LLVM of numba 0.68's llvmlite: bfloat vectors, opaque-pointer intrinsic names).
+MIN_VERSIONS = {"numba": (0, 68)}
+
+
+def _too_old(package: str, version: str) -> str | None:
+    """Why ``version`` of ``package`` cannot run the fused kernels, or None."""
+    need = MIN_VERSIONS.get(package)
+    parts = [int(p) for p in version.split(".")[:2] if p.isdigit()]
+    if need is None or tuple(parts) >= need:
+        return None
+    want = ".".join(map(str, need))
+    return f"{package} {version} is older than the {want} the kernels need; pip install -U '{package}>={want}'"
+
+
 @functools.cache
 def _import_reason(name: str) -> str | None:
     """Why backend ``name`` cannot be imported on this machine, or None when it can."""
@@ -75,9 +90,12 @@ def _import_reason(name: str) -> str | None:
         return None
     needs = {"cpu": "numba", "triton": "triton"}[name]
     try:
-        importlib.import_module(needs)
+        module = importlib.import_module(needs)
     except ImportError as err:
         return f"{needs} is not installed ({err}); pip install {needs}"
+    old = _too_old(needs, getattr(module, "__version__", "0"))
+    if old:
+        return old
     try:
         _loaded[name] = importlib.import_module(_MODULES[name])
     except ModuleNotFoundError as err:
