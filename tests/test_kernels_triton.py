@@ -12,7 +12,7 @@ import torch
 from normlab import functional as F
 from normlab import kernels
 from normlab.testing import assert_close
-from test_kernels_cpu import DTYPES, OPS, RMS_OPTIONS, _call, _leaves, check
+from test_kernels_cpu import DTYPES, OPS, RMS_OPTIONS, _call, _leaves, check, check_deterministic_weight_grads
 
 pytest.importorskip("triton", reason="the triton backend needs triton (pip install normlab[gpu])")
 from normlab.kernels import triton as T  # noqa: E402
@@ -122,15 +122,7 @@ def test_non_contiguous_inputs(gen):
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
 def test_weight_gradients_are_bitwise_deterministic(gen, op):
-    x = torch.randn(37, 129, generator=gen).bfloat16().requires_grad_()
-    w = torch.randn(129, generator=gen).requires_grad_()
-    dy = torch.randn(37, 129, generator=gen).bfloat16()
-    results = []
-    for _ in range(3):
-        w.grad = None
-        getattr(F, op)(x, w, backend="triton").backward(dy)
-        results.append(w.grad.clone())
-    assert all(torch.equal(results[0], r) for r in results[1:])
+    check_deterministic_weight_grads(gen, op, (37, 129), backend="triton")
 
 
 def test_matches_the_cpu_backend_bitwise_in_the_forward(gen):

@@ -388,15 +388,18 @@ def _widen(builder, bits, kind):
     return builder.bitcast(builder.shl(wide, _vconst(ir.IntType(32), 16)), f32)
 
 
+def _prefetch_ir(builder, ptr, write):
+    """A prefetch of the line at ``ptr`` into all cache levels (never faults, in bounds or not)."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(write)), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
 def _prefetch_next_block(builder, base, kind):
     """Prefetch for writing the lines of the next block of the row (beyond its end: harmless)."""
-    i8p = ir.IntType(8).as_pointer()
-    fn = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)]), "llvm.prefetch.p0")
-    first = builder.bitcast(builder.gep(base, [ir.Constant(ir.IntType(64), EMIT)]), i8p)
+    first = builder.bitcast(builder.gep(base, [ir.Constant(ir.IntType(64), EMIT)]), ir.IntType(8).as_pointer())
     for line in range(EMIT * (kind.bitwidth // 8) // 64):
-        ptr = builder.gep(first, [ir.Constant(ir.IntType(64), 64 * line)])
-        builder.call(fn, [ptr, ir.Constant(ir.IntType(32), 1), ir.Constant(ir.IntType(32), 3), ir.Constant(ir.IntType(32), 1)])
+        _prefetch_ir(builder, builder.gep(first, [ir.Constant(ir.IntType(64), 64 * line)]), write=True)
 
 
 _SPARE = 128  # float32 offset into a staging row (512 bytes, so 64-byte aligned) of its spare end
@@ -481,12 +484,7 @@ def _prefetch(typingctx, a, i):
 
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        i8p = ir.IntType(8).as_pointer()
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        ptr = builder.bitcast(builder.gep(data, [args[1]]), i8p)
-        i32 = ir.IntType(32)
-        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        _prefetch_ir(builder, builder.gep(data, [args[1]]), write=False)
         return context.get_dummy_value()
 
     return types.void(a, types.int64), codegen
