@@ -307,28 +307,30 @@ def _special_floats(gen, n):
     return torch.cat([special, rest]).numpy()
 
 
+@pytest.mark.parametrize("nt", [False, True], ids=["stored", "streamed"])
 @pytest.mark.parametrize("path", ["kernels", "integer-bf16"] if K.HW_BF16 else ["kernels"])
 @pytest.mark.parametrize("llama", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_block_conversions_match_the_scalar_ones(gen, dtype, llama, path):
+def test_block_conversions_match_the_scalar_ones(gen, dtype, llama, path, nt):
     # Output blocks are converted as explicit vectors (_emit: the CPU's bf16 instruction where
-    # it has one, else integer rounding, which "integer-bf16" checks on such a CPU too); heads
-    # and tails of rows by the scalar _store. Both must give the same bits on everything a
-    # normalized row can hold.
+    # it has one, else integer rounding, which "integer-bf16" checks on such a CPU too; streamed
+    # 16-bit blocks convert two vectors at a time, into whole lines); heads and tails of rows by
+    # the scalar _store. Both must give the same bits on everything a normalized row can hold.
     from numba import njit
 
     src = _special_floats(gen, K.EMIT)
+    stage = np.zeros(K.STAGE_WIDTH, np.float32)  # a staging row, as the launchers make them
     w = (torch.randn(K.EMIT, generator=gen) * 3).numpy()
     code = cpu._NP_CODE[dtype]
-    vec, scalar = np.zeros(K.EMIT, code), np.zeros(K.EMIT, code)
-    if path == "kernels":
-        emit = K._emit_llama if llama else K._emit_plain
-    else:
-        emit = K._EMIT_INTEGER_BF16[llama]
+    nbytes = K.EMIT * np.dtype(code).itemsize
+    vec = cpu._aligned(cpu._raw(nbytes), nbytes).view(code)  # streamed stores need 64-byte alignment
+    scalar = np.zeros(K.EMIT, code)
+    emit = (K._EMIT if path == "kernels" else K._EMIT_INTEGER_BF16)[llama, nt]
 
     @njit
     def by_vectors(dst, src, w):
         emit(dst, np.uint64(0), src, w)
+        K._store_fence()
 
     @njit
     def by_scalars(dst, src, w):
@@ -336,12 +338,13 @@ def test_block_conversions_match_the_scalar_ones(gen, dtype, llama, path):
             v = K._round_like(dst, src[i]) * w[i] if llama else src[i]
             K._store(dst, i, v)
 
-    by_vectors(vec, src, w)
+    stage[: K.EMIT] = src
+    by_vectors(vec, stage, w)
     by_scalars(scalar, src, w)
     assert np.array_equal(vec, scalar)
     if dtype != torch.float32:  # a nan stays a nan (its bits may differ: see _numba.py)
-        src[:] = np.nan
-        by_vectors(vec, src, w)
+        stage[: K.EMIT] = np.nan
+        by_vectors(vec, stage, w)
         widened = torch.from_numpy(vec.view(np.int16)).view(dtype).float()
         assert torch.isnan(widened).all()
 

@@ -203,12 +203,12 @@ STREAM_MIN_BYTES = (
 def _stages(out: Tensor, rows: int) -> tuple[np.ndarray, bool]:
     """The kernels' float32 staging rows (one per chunk: their count is the chunk count) and
     whether ``out`` is streamed. Each thread writes its row for every block, so the rows start
-    on 64-byte boundaries (torch's allocator aligns to 64) 128 bytes apart: no two threads ever
+    on 64-byte boundaries (torch's allocator aligns to 64) 768 bytes apart: no two threads ever
     write the same cache line or adjacent-line pair (measured: staging rows that shared a line
     made the bf16 rms_norm forward 1.6x slower)."""
     stream = K.X86 and out.numel() * out.element_size() >= STREAM_MIN_BYTES
-    width = K._SPARE + K.EMIT // 2 + 32  # the block, the spare end, padding: 768 bytes, 64-byte multiple
-    return torch.empty(nchunks(rows), width, dtype=torch.float32).numpy(), stream
+    # the block, a line of zeros the emit reads (_numba._narrow_line), padding: 768 bytes
+    return torch.zeros(nchunks(rows), K.STAGE_WIDTH, dtype=torch.float32).numpy(), stream
 
 
 def _rms_weight(weight: Tensor | None, d: int, out_dtype: torch.dtype, llama: bool, offset: float) -> np.ndarray:
