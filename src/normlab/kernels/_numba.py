@@ -798,10 +798,11 @@ def _rms_coef(rs, gx, ss, k, inside):
     # d rstd / d ms: inside -rstd^3 / 2; outside -rstd^2 / (2 sqrt(ms)). The sum of g * x runs
     # over all d features (every one is scaled by rstd); only ms is over the first k. DESIGN.md's
     # pRMSNorm formula sums g * x over i < k only, which is wrong for k < d.
+    r = np.float64(rs)
     if inside:
-        return np.float32(np.float64(rs) ** 3 * gx / k)
+        return np.float32(r * r * r * gx / k)
     rms = math.sqrt(ss / k)
-    return np.float32(np.float64(rs) ** 2 / rms * gx / k) if rms > 0.0 else np.float32(0.0)
+    return np.float32(r * r / rms * gx / k) if rms > 0.0 else np.float32(0.0)
 
 
 @njit
@@ -845,7 +846,8 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw_part, eps, inside, k, rnd, stages, nt):
             coef = _rms_coef(rs, gx, ss, k, inside)
             dsr = _row(ds, r)
             _rms_bwd_write(dy[r], x[r], w, dsr, dx[r], rs, coef, 0, k, True, stages[c], nt)
-            _rms_bwd_write(dy[r], x[r], w, dsr, dx[r], rs, coef, k, d, False, stages[c], nt)
+            if k < d:  # pRMSNorm: the features past the statistic
+                _rms_bwd_write(dy[r], x[r], w, dsr, dx[r], rs, coef, k, d, False, stages[c], nt)
         if nt:
             _store_fence()
 
