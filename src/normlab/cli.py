@@ -264,8 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", default=",".join(bench.DEFAULT_SHAPES), help="comma-separated ROWSxHIDDEN")
     p.add_argument("--passes", default="fwd,bwd", help="comma-separated, from fwd,bwd,fwdbwd")
     p.add_argument("--alloc", default="alloc,prealloc", help="alloc (the call users make), prealloc (into out=)")
-    p.add_argument("--repeat", type=int, default=10, help="timed rounds per case (median reported)")
-    p.add_argument("--case-seconds", type=float, default=1.0,
+    p.add_argument("--repeat", type=int, default=bench.REPEAT, help="timed rounds per case (median reported)")
+    p.add_argument("--case-seconds", type=float, default=bench.CASE_SECONDS,
                    help="a case that has run 3 rounds and this many seconds sits out the rest")
     p.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu or cuda")
     p.add_argument("--json", metavar="PATH", help="write one record per measurement to PATH")
