@@ -40,7 +40,9 @@ ALLOCS = ("alloc", "prealloc")
 # Rounds are round-robin over a group's cases, so drift in the machine's memory bandwidth (2x
 # within minutes on the 2-core CI machine) hits every case alike. 30 rounds of the fast cases
 # (normlab, the copy) cost little: a slow peer sits out after 3 rounds and CASE_SECONDS. Against
-# 10 rounds and 1 s, a default run took 1m53s instead of 2m20s and moved less between runs.
+# 10 rounds and 1 s, a default run took 1m53s-2m05s instead of 2m20s. Runs still differ by
+# 0.1-0.2 in fractions of copy: the bandwidth moves between groups, and the bf16 kernels, near
+# their compute limit, fall behind a copy that runs fast.
 REPEAT = 30
 CASE_SECONDS = 0.5
 PEERS = ("normlab", "reference", "torch", "torch-module", "hf", "compile", "liger", "apex")
