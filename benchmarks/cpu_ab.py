@@ -1,0 +1,132 @@
+"""Interleaved A/B of two versions of the CPU kernels (``_numba.py``) in one process.
+
+    python benchmarks/cpu_ab.py OLD.py NEW.py [--ops rms,ln,rmsb,lnb] [--shapes 8192x1024,...]
+                                [--dtype bf16|fp32] [--threads 2] [--rounds 10]
+
+On a machine whose memory bandwidth drifts (2x within minutes on the 2-core CI machine), two
+bench runs a minute apart differ by more than most kernel changes do. This loads both files as
+modules (a fresh numba cache directory, so neither reuses the other's compiled code), then for
+each case alternates batches of calls: a copy of the same bytes, A, B (B, A in every other
+round, so neither always follows the copy), and reports each one's speed as a fraction of the
+copy and B's speedup over A as the median of the per-round ratios with their range. Inputs
+rotate over 4 sets, as in ``normlab bench``, so they do not stay in the cache between calls.
+Even so, an A/A run moves by about 5%: trust a change when its whole range sits on one side.
+
+Ops: rms / ln (forward into a preallocated output), rmsb / lnb (backward; its fraction of copy
+counts the three tensors it moves). Example, the working tree against the last commit::
+
+    git show HEAD:src/normlab/kernels/_numba.py > /tmp/old.py
+    python benchmarks/cpu_ab.py /tmp/old.py src/normlab/kernels/_numba.py --ops ln
+"""
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="normlab-ab-")
+
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from normlab.kernels import cpu as C  # noqa: E402
+
+ROTATE = 4
+
+
+def load(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # numba's cache wants the module importable by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def runner(K, op: str, n: int, d: int, dtype: torch.dtype):
+    """A no-argument callable that runs ``op`` of kernel module K on the next input set."""
+    sets = [(C._as_numpy(torch.randn(n, d, dtype=dtype)), C._as_numpy(torch.randn(n, d, dtype=dtype))) for _ in range(ROTATE)]
+    y = C._as_numpy(torch.empty(n, d, dtype=dtype))
+    w, b = torch.randn(d).numpy(), torch.randn(d).numpy()
+    stages, nt = C._stages(torch.empty(n, d, dtype=dtype), n)
+    rstd, mean, rnd = np.empty(n, np.float32), np.empty(n, np.float64), C._rnd(dtype, False)
+    dw, db = np.zeros((stages.shape[0], d), np.float32), np.zeros((stages.shape[0], d), np.float32)
+    if op == "rmsb":  # the statistics the backward reads
+        K.rms_fwd(sets[0][0], w, y, rstd, 1e-6, True, d, rnd, stages, nt)
+    if op == "lnb":
+        K.ln_fwd(sets[0][0], w, b, y, mean, rstd, 1e-5, stages, nt)
+    calls = {
+        "rms": lambda x, dy: K.rms_fwd(x, w, y, rstd, 1e-6, True, d, rnd, stages, nt),
+        "ln": lambda x, dy: K.ln_fwd(x, w, b, y, mean, rstd, 1e-5, stages, nt),
+        "rmsb": lambda x, dy: K.rms_bwd(dy, x, w, rstd, None, y, dw, 1e-6, True, d, rnd, stages, nt),
+        "lnb": lambda x, dy: K.ln_bwd(dy, x, w, mean, rstd, None, y, dw, db, stages, nt),
+    }
+    call, turn = calls[op], [0]
+
+    def run():
+        turn[0] += 1
+        call(*sets[turn[0] % ROTATE])
+
+    return run
+
+
+def copier(n: int, d: int, dtype: torch.dtype):
+    srcs = [torch.randn(n, d, dtype=dtype) for _ in range(ROTATE)]
+    dst, turn = torch.empty(n, d, dtype=dtype), [0]
+
+    def run():
+        turn[0] += 1
+        dst.copy_(srcs[turn[0] % ROTATE])
+
+    return run
+
+
+def batch(fn, calls: int = 5) -> float:
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("old")
+    parser.add_argument("new")
+    parser.add_argument("--ops", default="rms,ln,rmsb,lnb")
+    parser.add_argument("--shapes", default="8192x1024,4096x4096,1024x16384")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=10)
+    args = parser.parse_args()
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    numba.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    old, new = load(args.old, "normlab_ab_old"), load(args.new, "normlab_ab_new")
+    for op in args.ops.split(","):
+        for shape in args.shapes.split(","):
+            n, d = map(int, shape.split("x"))
+            a, b, cp = runner(old, op, n, d, dtype), runner(new, op, n, d, dtype), copier(n, d, dtype)
+            a(), b(), cp()  # compile, first touch
+            scale = 1.5 if op.endswith("b") else 1.0  # a backward moves three tensors, a copy two
+            fa, fb, gain = [], [], []
+            for r in range(args.rounds):
+                c = batch(cp)
+                if r % 2:
+                    ta, tb = batch(a), batch(b)
+                else:
+                    tb, ta = batch(b), batch(a)
+                fa.append(c / ta * scale)
+                fb.append(c / tb * scale)
+                gain.append(ta / tb)
+            print(f"{op:5s} {shape:>10s}: x copy A {statistics.median(fa):.2f}  B {statistics.median(fb):.2f};"
+                  f"  B speedup {statistics.median(gain):.3f} (range {min(gain):.2f}-{max(gain):.2f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
