@@ -72,3 +72,27 @@ def test_command_line_writes_json(tmp_path, capsys):
 def test_command_line_rejects_unknown_names(capsys):
     assert main(["bench", "--ops", "group_norm", "--quiet"]) == 2
     assert "unknown op 'group_norm'" in capsys.readouterr().out
+
+
+def test_cpu_ab_script_compares_two_kernel_files(tmp_path):
+    # benchmarks/cpu_ab.py calls the kernels by their signatures: it must keep up with them.
+    # The same file twice, one small case: the output names both speeds and B's speedup.
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from normlab.kernels import _numba
+
+    root = Path(__file__).resolve().parents[1]
+    old = tmp_path / "old.py"
+    old.write_text(Path(_numba.__file__).read_text())
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "cpu_ab.py"), str(old), _numba.__file__, "--ops", "rms",
+         "--shapes", "64x256", "--dtype", "fp32", "--threads", "1", "--rounds", "2"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = re.search(r"rms\s+64x256: x copy A ([\d.]+)\s+B ([\d.]+);\s+B speedup ([\d.]+) \(range", done.stdout)
+    assert line, done.stdout
+    assert all(float(v) > 0 for v in line.groups())
