@@ -279,12 +279,13 @@ def test_rows_whose_first_block_is_unlike_the_rest(gen, op, dtype):
     assert ((rstd.double() - true_rstd).abs() / true_rstd).max() < 2 * 2.0**-23  # 1 to 2 ulps
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
 def test_streaming_stores_give_the_same_bits(gen, op, dtype, monkeypatch):
-    # Large outputs are written with non-temporal stores from a staging row; the values must
-    # be those of the plain path, bit for bit, whatever the alignment of the rows (d = 1000:
-    # every row of a float32 output starts at a different offset from a 64-byte boundary).
+    # Large outputs are written with non-temporal stores (16-bit ones two vectors to a line); the
+    # values must be those of the plain path, bit for bit, whatever the alignment of the rows
+    # (d = 1000: every row of a float32 output starts at a different offset from a 64-byte
+    # boundary).
     leaves = _leaves(gen, op, (37, 1000), dtype)
     runs = []
     for min_bytes in (1 << 62, 0):
