@@ -9,7 +9,7 @@ modules (a fresh numba cache directory, so neither reuses the other's compiled c
 each case alternates batches of calls: a copy of the same bytes, A, B (B, A in every other
 round, so neither always follows the copy), and reports each one's speed as a fraction of the
 copy and B's speedup over A as the median of the per-round ratios with their range. Inputs
-rotate over 4 sets, as in ``normlab bench``, so they do not stay in the cache between calls.
+rotate over as many sets as ``normlab bench`` uses, so they do not stay in the cache between calls.
 Even so, an A/A run moves by about 5%: trust a change when its whole range sits on one side.
 
 Ops: rms / ln (forward into a preallocated output), rmsb / lnb (backward; its fraction of copy
@@ -33,9 +33,8 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from normlab.bench import _rotation  # noqa: E402
 from normlab.kernels import cpu as C  # noqa: E402
-
-ROTATE = 4
 
 
 def load(path: str, name: str):
@@ -48,7 +47,8 @@ def load(path: str, name: str):
 
 def runner(K, op: str, n: int, d: int, dtype: torch.dtype):
     """A no-argument callable that runs ``op`` of kernel module K on the next input set."""
-    sets = [(C._as_numpy(torch.randn(n, d, dtype=dtype)), C._as_numpy(torch.randn(n, d, dtype=dtype))) for _ in range(ROTATE)]
+    k = _rotation((n, d), dtype)
+    sets = [(C._as_numpy(torch.randn(n, d, dtype=dtype)), C._as_numpy(torch.randn(n, d, dtype=dtype))) for _ in range(k)]
     y = C._as_numpy(torch.empty(n, d, dtype=dtype))
     w, b = torch.randn(d).numpy(), torch.randn(d).numpy()
     stages, nt = C._stages(torch.empty(n, d, dtype=dtype), n)
@@ -68,18 +68,19 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype):
 
     def run():
         turn[0] += 1
-        call(*sets[turn[0] % ROTATE])
+        call(*sets[turn[0] % k])
 
     return run
 
 
 def copier(n: int, d: int, dtype: torch.dtype):
-    srcs = [torch.randn(n, d, dtype=dtype) for _ in range(ROTATE)]
+    k = _rotation((n, d), dtype)
+    srcs = [torch.randn(n, d, dtype=dtype) for _ in range(k)]
     dst, turn = torch.empty(n, d, dtype=dtype), [0]
 
     def run():
         turn[0] += 1
-        dst.copy_(srcs[turn[0] % ROTATE])
+        dst.copy_(srcs[turn[0] % k])
 
     return run
 
