@@ -350,6 +350,30 @@ def test_block_conversions_match_the_scalar_ones(gen, dtype, llama, path, nt):
         assert torch.isnan(widened).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_vector_row_sums_match_float64(gen, dtype):
+    # Pass 1's sums over whole blocks are explicit vector loops (bf16 read two values to a 32-bit
+    # lane, in another order than the row's); they must be the float64 sums of the row's values
+    # to float32 accuracy, and stop at the given number of values.
+    from numba import njit
+
+    @njit
+    def sums(row, n, c):
+        return K._row_moments(row, n, c, row, None), K._row_sumsq(row, n, c, row, None)
+
+    x = (torch.randn(3 * K.BLOCK + 7, generator=gen) * 2 + 5).to(dtype)
+    row = cpu._as_numpy(x)
+    c = np.float32(4.5)
+    for blocks in (0, 1, 3):
+        n = blocks * K.BLOCK
+        (s1, s2), (ss, zero) = sums(row, n, c)
+        v = x[:n].double()
+        u = v - float(c)
+        assert zero == 0.0
+        for got, want, scale in ((s1, u.sum(), u.abs().sum()), (s2, (u * u).sum(), (u * u).sum()), (ss, (v * v).sum(), (v * v).sum())):
+            assert abs(got - want.item()) <= 1e-6 * max(scale.item(), 1e-30), (blocks, got, want)
+
+
 def test_streamed_spans_are_aligned_blocks():
     x = torch.zeros(4, 1000).numpy()
     for r in range(4):

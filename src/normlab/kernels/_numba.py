@@ -170,19 +170,21 @@ def _chunk(c, nchunks, n):
 # same loops whatever the rest of the call looks like, so a row's result does not depend on the
 # batch it came in, on where the chunk boundaries fall, or on the store path below.
 #
-# Row sums run in float32 over blocks of BLOCK elements (vectorized: LLVM keeps several float32
-# lanes) and add the block sums in float64: as fast as a plain float32 sum (a float64 sum ran at
-# half the speed and made the bf16 kernels compute-bound) and as accurate as a float64 one for
-# any row length.
+# Row sums run in float32 over blocks of BLOCK elements and add the block sums in float64: as
+# fast as a plain float32 sum (a float64 sum ran at half the speed and made the bf16 kernels
+# compute-bound) and as accurate as a float64 one for any row length. The forward's sums of a
+# row's whole blocks are explicit vector loops ("row sums" below); the rest are element loops
+# that LLVM vectorizes.
 #
 # ``rnd`` is a 1-element array whose dtype says where the normalized value is rounded before the
 # weight multiply: the output dtype for the llama cast order, float32 (no rounding) for gemma.
 # Making it a type keeps the choice out of the element loops.
 #
-# The rms_norm row helpers are inlined into their kernels (numba's inline="always"): a call per
-# row with a dozen array arguments cost 10%-18% at d=1024 (bf16, interleaved A/B; none at
-# d=16384, nor in float32, which waits on memory). Inlining the layer_norm ones measured 0.92x-1.0x,
-# so they stay calls.
+# The row helpers are inlined into their kernels (numba's inline="always"), and each kernel takes
+# its row views (x[r], ...) once per row: a call per row with a dozen array arguments cost
+# rms_norm 10%-18% at d=1024 (bf16, interleaved A/B; none at d=16384, nor in float32, which waits
+# on memory), and every view is a reference count taken and dropped (atomic operations).
+# layer_norm gained 1.0x-1.4x in cache, its backward 1.0x-1.14x.
 
 BLOCK = 256
 
@@ -201,15 +203,18 @@ def _value(xr, rr, sr, i):
 @njit(inline="always")
 def _sumsq(xr, rr, sr, k):
     """Sum of the row's squares over [:k] (forming the whole residual sum when rr is given)."""
-    total = 0.0
     full = k - k % BLOCK
-    for j in range(0, full, BLOCK):
-        _prefetch_pass1(xr, rr, j)
-        part = np.float32(0.0)
-        for i in range(j, j + BLOCK):
-            v = _value(xr, rr, sr, i)
-            part += v * v
-        total += part
+    if rr is None and _vector_sums(xr):
+        total = _row_sumsq(xr, full, np.float32(0.0), xr, None)[0]
+    else:
+        total = 0.0
+        for j in range(0, full, BLOCK):
+            _prefetch_pass1(xr, rr, j)
+            part = np.float32(0.0)
+            for i in range(j, j + BLOCK):
+                v = _value(xr, rr, sr, i)
+                part += v * v
+            total += part
     part = np.float32(0.0)
     for i in range(full, k):
         v = _value(xr, rr, sr, i)
@@ -220,7 +225,7 @@ def _sumsq(xr, rr, sr, k):
     return total + part
 
 
-@njit
+@njit(inline="always")
 def _moments(xr, rr, sr, row):
     """(mean, variance) of the row (``row`` is x, or the residual sum sr) in one pass: sums of
     u = x - c and u^2, with c the mean of the row's first block, then var = E[u^2] - E[u]^2.
@@ -233,19 +238,22 @@ def _moments(xr, rr, sr, row):
     for i in range(head):
         c += _value(xr, rr, sr, i)
     c = np.float32(c / head)
-    s1 = 0.0
-    s2 = 0.0
     full = d - d % BLOCK
-    for j in range(0, full, BLOCK):
-        _prefetch_pass1(xr, rr, j)
-        p1 = np.float32(0.0)
-        p2 = np.float32(0.0)
-        for i in range(j, j + BLOCK):
-            u = _value(xr, rr, sr, i) - c
-            p1 += u
-            p2 += u * u
-        s1 += p1
-        s2 += p2
+    if rr is None and _vector_sums(xr):
+        s1, s2 = _row_moments(xr, full, c, xr, None)
+    else:
+        s1 = 0.0
+        s2 = 0.0
+        for j in range(0, full, BLOCK):
+            _prefetch_pass1(xr, rr, j)
+            p1 = np.float32(0.0)
+            p2 = np.float32(0.0)
+            for i in range(j, j + BLOCK):
+                u = _value(xr, rr, sr, i) - c
+                p1 += u
+                p2 += u * u
+            s1 += p1
+            s2 += p2
     p1 = np.float32(0.0)
     p2 = np.float32(0.0)
     for i in range(full, d):
@@ -507,6 +515,18 @@ def _store_fence(typingctx):
     return types.void(), codegen
 
 
+def _prefetch_ahead(context, builder, aryty, ary, j, values):
+    """Prefetch (for reading) the lines of values [j, j + ``values``) of the row that follows the
+    row ``ary`` in memory; nothing for a None."""
+    if isinstance(aryty, (types.NoneType, types.Omitted)):
+        return
+    data = context.make_array(aryty)(context, builder, ary)
+    first = builder.gep(data.data, [builder.add(builder.extract_value(data.shape, 0), j)])
+    first = builder.bitcast(first, ir.IntType(8).as_pointer())
+    for line in range(max(1, values * aryty.dtype.bitwidth // 8 // 64)):
+        _prefetch_ir(builder, builder.gep(first, [ir.Constant(ir.IntType(64), 64 * line)]), write=False)
+
+
 def _make_prefetch(values):
     """A function (a, j) that prefetches (for reading) the lines of values [j, j + ``values``)
     of the row that follows the row ``a`` in memory, in bounds or not; nothing for a None. The
@@ -515,11 +535,7 @@ def _make_prefetch(values):
 
     def prefetch(typingctx, a, j):
         def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            start = builder.add(builder.extract_value(ary.shape, 0), args[1])
-            first = builder.bitcast(builder.gep(ary.data, [start]), ir.IntType(8).as_pointer())
-            for line in range(max(1, values * a.dtype.bitwidth // 8 // 64)):
-                _prefetch_ir(builder, builder.gep(first, [ir.Constant(ir.IntType(64), 64 * line)]), write=False)
+            _prefetch_ahead(context, builder, signature.args[0], args[0], args[1], values)
             return context.get_dummy_value()
 
         return types.void(a, types.int64), codegen
@@ -564,6 +580,128 @@ def _prefetch_pass2(a1, a2, j):
     h = a1.shape[0] // 2 + j // 2
     _prefetch_narrow(a1, h)
     _prefetch_narrow(a2, h)
+
+
+# ------------------------------------------------------------------------------ row sums
+# Pass 1 over a row's whole blocks, written out as vectors: per block, 16 vectors of 16 lanes
+# summed into _ACC independent float32 accumulators per sum (each lane adds BLOCK / 16 / _ACC
+# values), the block's lanes then added to float64 lanes, and those reduced once per row. LLVM's
+# own vectorization of the element loop reduced every block to a scalar and chained its FMAs
+# (in cache: layer_norm's pass 1 at 7.5 cycles per 16 bf16 values; these loops take 3.4).
+# bf16 values are read two to a 32-bit lane: the low one shifted up, the high one masked, no
+# widening shuffle (the sums do not care about the order; 4.4 cycles with shuffles).
+
+_ACC = 4
+
+
+def _f32x16(builder, scalar):
+    v = builder.insert_element(ir.Constant(ir.VectorType(ir.FloatType(), _LANES), ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES))
+
+
+def _block_values(builder, data, base, kind):
+    """The BLOCK values from element ``base`` of ``data`` as float32 vectors of 16, in an order
+    fit for sums."""
+    i32 = ir.VectorType(ir.IntType(32), _LANES)
+    f32 = ir.VectorType(ir.FloatType(), _LANES)
+    out = []
+    if kind == types.uint16:  # bf16 pairs in 32-bit lanes (little-endian: the low one first)
+        for v in range(BLOCK // 32):
+            pair = builder.load(builder.bitcast(builder.gep(data, [builder.add(base, ir.Constant(ir.IntType(64), 32 * v))]), i32.as_pointer()), align=2)
+            out.append(builder.bitcast(builder.shl(pair, _vconst(ir.IntType(32), 16)), f32))
+            out.append(builder.bitcast(builder.and_(pair, _vconst(ir.IntType(32), 0xFFFF0000)), f32))
+        return out
+    element = ir.FloatType() if kind == types.float32 else ir.IntType(kind.bitwidth)
+    for v in range(BLOCK // _LANES):
+        ptr = builder.gep(data, [builder.add(base, ir.Constant(ir.IntType(64), _LANES * v))])
+        bits = builder.load(builder.bitcast(ptr, ir.VectorType(element, _LANES).as_pointer()), align=kind.bitwidth // 8)
+        out.append(_widen(builder, bits, kind))
+    return out
+
+
+def _fma(builder, a, b, c):
+    f32 = ir.VectorType(ir.FloatType(), _LANES)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, f32, f32]), "llvm.fma.v16f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _tree(builder, vectors):
+    """The vectors added pairwise, in a fixed order."""
+    while len(vectors) > 1:
+        vectors = [builder.fadd(vectors[i], vectors[i + 1]) for i in range(0, len(vectors), 2)]
+    return vectors[0]
+
+
+def _lanes_sum(builder, v):
+    """The lanes of a float64 vector added pairwise: one scalar."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        half = [ir.Constant(ir.VectorType(ir.IntType(32), n), list(range(k, k + n))) for k in (0, n)]
+        v = builder.fadd(builder.shuffle_vector(v, v, half[0]), builder.shuffle_vector(v, v, half[1]))
+    return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+
+
+def _make_row_sums(centred):
+    """An intrinsic (xr, n, c, a1, a2) -> (float64, float64) over the values [0, n) of row xr
+    (n a multiple of BLOCK): with ``centred`` the sums of u and u^2 for u = x - c, else the sum
+    of x^2 (and 0.0; c is not used). Block j prefetches as _prefetch_pass1(a1, a2, j) does."""
+
+    def row_sums(typingctx, xr, n, c, a1, a2):
+        kind = xr.dtype
+
+        def codegen(context, builder, signature, args):
+            f64 = ir.VectorType(ir.DoubleType(), _LANES // 2)
+            f32 = ir.VectorType(ir.FloatType(), _LANES)
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            shift = _f32x16(builder, args[2])
+            nsums = 2 if centred else 1
+            totals = [[cgutils.alloca_once_value(builder, ir.Constant(f64, [0.0] * f64.count)) for _ in range(2)] for _ in range(nsums)]
+            blocks = builder.udiv(args[1], ir.Constant(ir.IntType(64), BLOCK))
+            with cgutils.for_range(builder, blocks) as loop:
+                base = builder.mul(loop.index, ir.Constant(ir.IntType(64), BLOCK))
+                half = builder.udiv(base, ir.Constant(ir.IntType(64), 2))
+                for k in (3, 4):
+                    _prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2)
+                acc = [[ir.Constant(f32, [0.0] * _LANES)] * _ACC for _ in range(nsums)]
+                for v, x in enumerate(_block_values(builder, data, base, kind)):
+                    a = v % _ACC
+                    if centred:
+                        x = builder.fsub(x, shift)
+                        acc[1][a] = _fma(builder, x, x, acc[1][a])
+                        acc[0][a] = builder.fadd(acc[0][a], x)
+                    else:
+                        acc[0][a] = _fma(builder, x, x, acc[0][a])
+                for sums, total in zip(acc, totals):
+                    block = _tree(builder, sums)
+                    for h, t in enumerate(total):
+                        part = builder.shuffle_vector(block, block, ir.Constant(ir.VectorType(ir.IntType(32), f64.count), list(range(h * f64.count, (h + 1) * f64.count))))
+                        builder.store(builder.fadd(builder.load(t), builder.fpext(part, f64)), t)
+            out = [_lanes_sum(builder, _tree(builder, [builder.load(t) for t in total])) for total in totals]
+            if not centred:
+                out.append(ir.Constant(ir.DoubleType(), 0.0))
+            return context.make_tuple(builder, signature.return_type, out)
+
+        return types.UniTuple(types.float64, 2)(xr, types.int64, types.float32, a1, a2), codegen
+
+    return intrinsic(row_sums)
+
+
+_row_moments = _make_row_sums(centred=True)
+_row_sumsq = _make_row_sums(centred=False)
+
+
+def _vector_sums(a):  # pragma: no cover - replaced by the overload below
+    """Whether pass 1 over row ``a`` takes the vector loops above: 16-bit rows, where the sums
+    set the pace. A float32 row waits on memory, and there rms_norm at 8192x1024 ran 0.86x-0.96x
+    with them (interleaved A/B, from memory)."""
+    raise NotImplementedError
+
+
+@overload(_vector_sums)
+def _ov_vector_sums(a):
+    vector = a.dtype != types.float32
+    return lambda a: vector
 
 
 @njit
@@ -669,7 +807,7 @@ def _ln_y(xr, w, bias, out, mhi, mlo, rs, i, o):
     _store(out, i - o, _centred(_load(xr, i), mhi, mlo) * rs * _load(w, i) + _load(bias, i))
 
 
-@njit
+@njit(inline="always")
 def _ln_write(xr, w, bias, yr, mean, rs, stage, nt, ahead1, ahead2):
     d = yr.shape[0]
     mhi, mlo = _split(mean)
@@ -697,10 +835,12 @@ def rms_fwd(x, w, y, rstd, eps, inside, k, rnd, stages, nt):
     nchunks = stages.shape[0]
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
+        stage = stages[c]
         for r in range(r0, r1):
-            rs = _rms_scale(_sumsq(x[r], None, None, k), k, eps, inside)
+            xr = x[r]
+            rs = _rms_scale(_sumsq(xr, None, None, k), k, eps, inside)
             rstd[r] = rs
-            _rms_write(x[r], w, y[r], rs, rnd, stages[c], nt, x[r], None)
+            _rms_write(xr, w, y[r], rs, rnd, stage, nt, xr, None)
         if nt:
             _store_fence()
 
@@ -711,11 +851,13 @@ def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, rnd, stages, nt):
     nchunks = stages.shape[0]
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
+        stage = stages[c]
         for r in range(r0, r1):
+            xr, rr, sr = x[r], res[r], s[r]
             # s is an output too, but the second pass reads it back: plain stores keep it cached
-            rs = _rms_scale(_sumsq(x[r], res[r], s[r], k), k, eps, inside)
+            rs = _rms_scale(_sumsq(xr, rr, sr, k), k, eps, inside)
             rstd[r] = rs
-            _rms_write(s[r], w, y[r], rs, rnd, stages[c], nt, x[r], res[r])
+            _rms_write(sr, w, y[r], rs, rnd, stage, nt, xr, rr)
         if nt:
             _store_fence()
 
@@ -726,12 +868,14 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, stages, nt):
     nchunks = stages.shape[0]
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
+        stage = stages[c]
         for r in range(r0, r1):
-            mu, var = _moments(x[r], None, None, x[r])
+            xr = x[r]
+            mu, var = _moments(xr, None, None, xr)
             rs = np.float32(1.0 / math.sqrt(var + eps))
             mean[r] = mu
             rstd[r] = rs
-            _ln_write(x[r], w, b, y[r], mu, rs, stages[c], nt, x[r], None)
+            _ln_write(xr, w, b, y[r], mu, rs, stage, nt, xr, None)
         if nt:
             _store_fence()
 
@@ -742,12 +886,14 @@ def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, nt):
     nchunks = stages.shape[0]
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
+        stage = stages[c]
         for r in range(r0, r1):
-            mu, var = _moments(x[r], res[r], s[r], s[r])
+            xr, rr, sr = x[r], res[r], s[r]
+            mu, var = _moments(xr, rr, sr, sr)
             rs = np.float32(1.0 / math.sqrt(var + eps))
             mean[r] = mu
             rstd[r] = rs
-            _ln_write(s[r], w, b, y[r], mu, rs, stages[c], nt, x[r], res[r])
+            _ln_write(sr, w, b, y[r], mu, rs, stage, nt, xr, rr)
         if nt:
             _store_fence()
 
@@ -845,14 +991,15 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw_part, eps, inside, k, rnd, stages, nt):
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         dwc = dw_part[c]
+        stage = stages[c]
         for r in range(r0, r1):
+            dyr, xr, dxr, dsr = dy[r], x[r], dx[r], _row(ds, r)
             rs = rstd[r]
-            gx, ss = _dot_gx(dy[r], w, x[r], k, dwc, rs, rnd)
+            gx, ss = _dot_gx(dyr, w, xr, k, dwc, rs, rnd)
             coef = _rms_coef(rs, gx, ss, k, inside)
-            dsr = _row(ds, r)
-            _rms_bwd_write(dy[r], x[r], w, dsr, dx[r], rs, coef, 0, k, True, stages[c], nt)
+            _rms_bwd_write(dyr, xr, w, dsr, dxr, rs, coef, 0, k, True, stage, nt)
             if k < d:  # pRMSNorm: the features past the statistic
-                _rms_bwd_write(dy[r], x[r], w, dsr, dx[r], rs, coef, k, d, False, stages[c], nt)
+                _rms_bwd_write(dyr, xr, w, dsr, dxr, rs, coef, k, d, False, stage, nt)
         if nt:
             _store_fence()
 
@@ -867,7 +1014,7 @@ def _ln_dw(dyr, xr, dwc, dbc, mhi, mlo, rs, i):
     return xh
 
 
-@njit
+@njit(inline="always")
 def _ln_sums(dyr, w, xr, mean, rs, dwc, dbc):
     """(sum of g, sum of g * xhat) with g = dy * w, xhat = (x - mean) * rstd; adds the row's dw
     and db terms to dwc and dbc on the way (see "backward" above)."""
@@ -905,7 +1052,7 @@ def _ln_dx(dyr, xr, w, dsr, out, mhi, mlo, rs, mg, mgx, i, o):
     _store(out, i - o, v)
 
 
-@njit
+@njit(inline="always")
 def _ln_bwd_write(dyr, xr, w, dsr, dxr, mean, rs, sg, sgx, stage, nt):
     """dx of this row."""
     d = dxr.shape[0]
@@ -933,8 +1080,11 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw_part, db_part, stages, nt):
         r0, r1 = _chunk(c, nchunks, n)
         dwc = dw_part[c]
         dbc = db_part[c]
+        stage = stages[c]
         for r in range(r0, r1):
-            sg, sgx = _ln_sums(dy[r], w, x[r], mean[r], rstd[r], dwc, dbc)
-            _ln_bwd_write(dy[r], x[r], w, _row(ds, r), dx[r], mean[r], rstd[r], sg, sgx, stages[c], nt)
+            dyr, xr = dy[r], x[r]
+            mu, rs = mean[r], rstd[r]
+            sg, sgx = _ln_sums(dyr, w, xr, mu, rs, dwc, dbc)
+            _ln_bwd_write(dyr, xr, w, _row(ds, r), dx[r], mu, rs, sg, sgx, stage, nt)
         if nt:
             _store_fence()
