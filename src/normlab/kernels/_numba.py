@@ -322,18 +322,19 @@ def _ov_row(a, r):
 
 
 # ------------------------------------------------------------------------- block output
-# Output rows are written in blocks of EMIT values. The forward computes a block from x as
-# explicit 16-lane vectors and stores it (_make_forward_block; against the staging row below,
-# bf16 at d=1024: in cache rms_norm 1.19x, layer_norm 1.07x, from memory layer_norm 1.14x). In
-# the backward an element loop computes a block in float32 into a staging row (one per chunk, in
-# L1; LLVM vectorizes it as plain float arithmetic), and ``_emit`` converts it to the output
-# dtype and stores it. Both convert in _store_block, written out as explicit 16-lane vectors: bf16 through the CPU's vcvtneps2bf16 where it has one (AVX512-BF16), else by integer
-# round-to-nearest-even with a nan select; fp16 through vcvtps2ph. Against rounding element by
-# element inside the vectorized loop (same bits, below), bf16 rows in cache, interleaved A/B:
-# rms_norm 1.02x-1.19x, layer_norm 1.34x-1.41x (with its one-pass statistics), backward 1.0x;
-# from memory 0.85x-1.12x. Blocks are small and the next block's lines are prefetched for
-# writing: blocks of 256 stored their lines in bursts whose fills stalled the stores (memory-
-# bound bf16 rms_norm 20% slower). Float32 blocks go straight into the row unless streamed.
+# Output rows are written in blocks of EMIT values, each computed from the inputs as explicit
+# 16-lane vectors and stored (_make_forward_block, _make_backward_block), with the arithmetic of
+# the element helpers that write the rows' heads and tails. Until 2026-11-29 an element loop
+# computed a block into a float32 staging row and a second step converted and stored it; without
+# that round trip, bf16 at d=1024 (interleaved A/B): forward in cache rms_norm 1.19x, layer_norm
+# 1.07x, from memory layer_norm 1.14x; backward from memory 1.15x-1.2x (other shapes and float32
+# within the noise). _store_block converts a block: bf16 through the CPU's vcvtneps2bf16 where it
+# has one (AVX512-BF16), else by integer round-to-nearest-even with a nan select; fp16 through
+# vcvtps2ph. Against rounding element by element inside a vectorized loop (same bits, below),
+# bf16 rows in cache, interleaved A/B: rms_norm 1.02x-1.19x, layer_norm 1.34x-1.41x, backward
+# 1.0x; from memory 0.85x-1.12x. Blocks are small and, unless streamed, the next block's lines
+# are prefetched for writing: blocks of 256 stored their lines in bursts whose fills stalled the
+# stores (memory-bound bf16 rms_norm 20% slower).
 #
 # Streaming: outputs larger than the last-level cache go out with non-temporal stores. A normal
 # store first reads the line it writes into the cache (read-for-ownership), so a kernel that
@@ -354,7 +355,7 @@ def _ov_row(a, r):
 # payload (quieted) instead of becoming 0x7FC0. Neither occurs in a normalized row of finite
 # values (tests/test_kernels_cpu.py checks the conversions against the scalar ones).
 
-EMIT = 64  # outputs per staged block: small, so stores and their line fills interleave with the arithmetic
+EMIT = 64  # outputs per block: small, so stores and their line fills interleave with the arithmetic
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 HW_BF16 = numba.config.CPU_NAME is None and bool(llvm.get_host_cpu_features().get("avx512bf16", False))
 
@@ -423,8 +424,8 @@ def _prefetch_next_block(builder, base, kind):
         _prefetch_ir(builder, builder.gep(first, [ir.Constant(ir.IntType(64), 64 * line)]), write=True)
 
 
-# A staging row: the block (EMIT float32 values) at 0, a line of zeros at _ZERO (the launcher
-# zeroes it, the kernels never write it), padding to 768 bytes (see cpu._stages).
+# A staging row: a line of zeros at _ZERO (the launcher zeroes the row, the kernels never write
+# it), which _narrow_line needs; [0, EMIT) holds a block where _EMIT (the tests) converts one.
 _ZERO = 128
 STAGE_WIDTH = 192
 
@@ -552,6 +553,50 @@ def _make_forward_block(op, llama, nt, hw=HW_BF16):
     return intrinsic(block)
 
 
+def _make_backward_block(op, nt, hw=HW_BF16):
+    """The backward's dx block at j computed from dy and x and stored, with the arithmetic of the
+    element helpers _rms_dx and _ln_dx operation for operation (same bits). Arguments (dx, j, dy,
+    x, w, ds, stage, p0, p1, p2, p3, rstd), ds None or the residual's gradient. rms ("rms_head"
+    inside the statistic's first k features, "rms" past them): dx = rstd * (dy * w) [- p0 * x]
+    [+ ds]; ln: xhat = ((x - p0) - p1) * rstd, dx = rstd * (dy * w - p2 - xhat * p3) [+ ds]."""
+
+    def block(typingctx, dx, j, dy, x, w, ds, stage, p0, p1, p2, p3, rs):
+        has_ds = not isinstance(ds, (types.NoneType, types.Omitted))
+
+        def codegen(context, builder, signature, args):
+            data = {k: context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 2, 3, 4, 6)}
+            if has_ds:
+                data[5] = context.make_array(signature.args[5])(context, builder, args[5]).data
+            at = args[1]
+            base = {k: builder.gep(v, [at]) for k, v in data.items()}
+            p = [_f32x16(builder, args[k]) for k in (7, 8, 9, 10)]
+            rs = _f32x16(builder, args[11])
+            values = []
+            for v in range(EMIT // _LANES):
+                g = builder.fmul(_load_row(builder, base[2], v, dy.dtype), _load_f32(builder, base[4], v))
+                if op == "ln":
+                    xh = builder.fmul(builder.fsub(builder.fsub(_load_row(builder, base[3], v, x.dtype), p[0]), p[1]), rs)
+                    t = builder.fmul(rs, builder.fsub(builder.fsub(g, p[2]), builder.fmul(xh, p[3])))
+                else:
+                    t = builder.fmul(rs, g)
+                    if op == "rms_head":
+                        t = builder.fsub(t, builder.fmul(p[0], _load_row(builder, base[3], v, x.dtype)))
+                if has_ds:
+                    t = builder.fadd(t, _load_row(builder, base[5], v, ds.dtype))
+                values.append(t)
+            zero = builder.gep(data[6], [ir.Constant(ir.IntType(64), _ZERO)])
+            _store_block(builder, dx.dtype, base[0], base[4], values, False, nt, hw, zero)
+            return context.get_dummy_value()
+
+        f = types.float32
+        return types.void(dx, types.uint64, dy, x, w, ds, stage, f, f, f, f, f), codegen
+
+    return intrinsic(block)
+
+
+_BACKWARD_BLOCK = {(op, nt): _make_backward_block(op, nt) for op in ("rms", "rms_head", "ln") for nt in (False, True)}
+
+
 _FORWARD_BLOCK = {
     (op, llama, nt): _make_forward_block(op, llama, nt)
     for op, llamas in (("rms", (False, True)), ("ln", (False,)))
@@ -560,9 +605,10 @@ _FORWARD_BLOCK = {
 }
 
 
+# The conversions on their own, from a staging row: tests/test_kernels_cpu.py checks _store_block
+# through them against the scalar conversions (the integer bf16 path too, on every CPU).
 _EMIT = {(llama, nt): _make_emit(llama, nt) for llama in (False, True) for nt in (False, True)}
-_emit_plain, _emit_plain_nt = _EMIT[False, False], _EMIT[False, True]
-_EMIT_INTEGER_BF16 = {key: _make_emit(*key, hw=False) for key in _EMIT}  # tested on every CPU
+_EMIT_INTEGER_BF16 = {key: _make_emit(*key, hw=False) for key in _EMIT}
 
 
 @intrinsic
@@ -782,50 +828,8 @@ def _spans(out, i0, i1, nt):
     return a, a + (i1 - a) // EMIT * EMIT
 
 
-def _block_target(out, stage, j, nt):  # pragma: no cover - replaced by the overloads below
-    """Where a block starting at j is computed, in float32: (array, offset)."""
-    raise NotImplementedError
-
-
-def _block_done(out, j, stage, nt, w):  # pragma: no cover
-    """Convert and store a block computed into the staging row."""
-    raise NotImplementedError
-
-
-@overload(_block_target)
-def _ov_block_target(out, stage, j, nt):
-    if out.dtype == types.float32:
-
-        def target(out, stage, j, nt):
-            if nt:
-                return stage, j
-            return out, 0
-
-        return target
-    return lambda out, stage, j, nt: (stage, j)
-
-
 def _is_llama(rnd):
     return not isinstance(rnd, (types.NoneType, types.Omitted)) and rnd.dtype != types.float32
-
-
-@overload(_block_done)
-def _ov_block_done(out, j, stage, nt, w):
-    if out.dtype == types.float32:
-
-        def done(out, j, stage, nt, w):
-            if nt:
-                _emit_plain_nt(out, np.uint64(j), stage, w)
-
-        return done
-
-    def done(out, j, stage, nt, w):
-        if nt:
-            _emit_plain_nt(out, np.uint64(j), stage, w)
-        else:
-            _emit_plain(out, np.uint64(j), stage, w)
-
-    return done
 
 
 def _rms_block(y, j, x, w, stage, rs, nt, rnd):  # pragma: no cover - replaced by the overload below
@@ -865,6 +869,24 @@ def _ov_ln_block(y, j, x, w, b, stage, mhi, mlo, rs, nt):
     return block
 
 
+def _dx_block(op, dx, j, dy, x, w, ds, stage, p0, p1, p2, p3, rs, nt):  # pragma: no cover
+    """The backward's dx block at j (see _make_backward_block; ``op`` a string literal)."""
+    raise NotImplementedError
+
+
+@overload(_dx_block, prefer_literal=True)
+def _ov_dx_block(op, dx, j, dy, x, w, ds, stage, p0, p1, p2, p3, rs, nt):
+    plain, streamed = (_BACKWARD_BLOCK[op.literal_value, t] for t in (False, True))
+
+    def block(op, dx, j, dy, x, w, ds, stage, p0, p1, p2, p3, rs, nt):
+        if nt:
+            streamed(dx, np.uint64(j), dy, x, w, ds, stage, p0, p1, p2, p3, rs)
+        else:
+            plain(dx, np.uint64(j), dy, x, w, ds, stage, p0, p1, p2, p3, rs)
+
+    return block
+
+
 # ----------------------------------------------------------------------------------- forward
 
 
@@ -887,8 +909,8 @@ def _rms_write(xr, w, yr, rs, rnd, stage, nt, ahead1, ahead2):
 
 
 @njit
-def _ln_y(xr, w, bias, out, mhi, mlo, rs, i, o):
-    _store(out, i - o, _centred(_load(xr, i), mhi, mlo) * rs * _load(w, i) + _load(bias, i))
+def _ln_y(xr, w, bias, out, mhi, mlo, rs, i):
+    _store(out, i, _centred(_load(xr, i), mhi, mlo) * rs * _load(w, i) + _load(bias, i))
 
 
 @njit(inline="always")
@@ -897,12 +919,12 @@ def _ln_write(xr, w, bias, yr, mean, rs, stage, nt, ahead1, ahead2):
     mhi, mlo = _split(mean)
     a, b = _spans(yr, 0, d, nt)
     for i in range(a):
-        _ln_y(xr, w, bias, yr, mhi, mlo, rs, i, 0)
+        _ln_y(xr, w, bias, yr, mhi, mlo, rs, i)
     for j in range(a, b, EMIT):
         _prefetch_pass2(ahead1, ahead2, j)
         _ln_block(yr, j, xr, w, bias, stage, mhi, mlo, rs, nt)
     for i in range(b, d):
-        _ln_y(xr, w, bias, yr, mhi, mlo, rs, i, 0)
+        _ln_y(xr, w, bias, yr, mhi, mlo, rs, i)
 
 
 # The kernels take ``stages``: float32 rows of STAGE_WIDTH, 64-byte aligned, zero at _ZERO, one
@@ -1038,7 +1060,7 @@ def _rms_coef(rs, gx, ss, k, inside):
 
 
 @njit
-def _rms_dx(dyr, xr, w, dsr, out, rs, coef, i, o, in_head):
+def _rms_dx(dyr, xr, w, dsr, out, rs, coef, i, in_head):
     xv = _load(xr, i)
     dyv = _load(dyr, i)
     v = rs * (dyv * _load(w, i))
@@ -1046,7 +1068,7 @@ def _rms_dx(dyr, xr, w, dsr, out, rs, coef, i, o, in_head):
         v -= coef * xv
     if dsr is not None:
         v += _load(dsr, i)
-    _store(out, i - o, v)
+    _store(out, i, v)
 
 
 @njit(inline="always")
@@ -1054,15 +1076,16 @@ def _rms_bwd_write(dyr, xr, w, dsr, dxr, rs, coef, i0, i1, head, stage, nt):
     """dx over [i0, i1) (``head``: inside the first k, where the rstd term applies)."""
     a, b = _spans(dxr, i0, i1, nt)
     for i in range(i0, a):
-        _rms_dx(dyr, xr, w, dsr, dxr, rs, coef, i, 0, head)
+        _rms_dx(dyr, xr, w, dsr, dxr, rs, coef, i, head)
+    z = np.float32(0.0)
     for j in range(a, b, EMIT):
         _prefetch_pass2(xr, dyr, j)
-        out, o = _block_target(dxr, stage, j, nt)
-        for i in range(j, j + EMIT):
-            _rms_dx(dyr, xr, w, dsr, out, rs, coef, i, o, head)
-        _block_done(dxr, j, stage, nt, w)
+        if head:
+            _dx_block("rms_head", dxr, j, dyr, xr, w, dsr, stage, coef, z, z, z, rs, nt)
+        else:
+            _dx_block("rms", dxr, j, dyr, xr, w, dsr, stage, coef, z, z, z, rs, nt)
     for i in range(b, i1):
-        _rms_dx(dyr, xr, w, dsr, dxr, rs, coef, i, 0, head)
+        _rms_dx(dyr, xr, w, dsr, dxr, rs, coef, i, head)
 
 
 @njit(parallel=True, **JIT)
@@ -1124,13 +1147,13 @@ def _ln_sums(dyr, w, xr, mean, rs, dwc, dbc):
 
 
 @njit
-def _ln_dx(dyr, xr, w, dsr, out, mhi, mlo, rs, mg, mgx, i, o):
+def _ln_dx(dyr, xr, w, dsr, out, mhi, mlo, rs, mg, mgx, i):
     dyv = _load(dyr, i)
     xh = _centred(_load(xr, i), mhi, mlo) * rs
     v = rs * (dyv * _load(w, i) - mg - xh * mgx)
     if dsr is not None:
         v += _load(dsr, i)
-    _store(out, i - o, v)
+    _store(out, i, v)
 
 
 @njit(inline="always")
@@ -1142,15 +1165,12 @@ def _ln_bwd_write(dyr, xr, w, dsr, dxr, mean, rs, sg, sgx, stage, nt):
     mgx = np.float32(sgx / d)
     a, b = _spans(dxr, 0, d, nt)
     for i in range(a):
-        _ln_dx(dyr, xr, w, dsr, dxr, mhi, mlo, rs, mg, mgx, i, 0)
+        _ln_dx(dyr, xr, w, dsr, dxr, mhi, mlo, rs, mg, mgx, i)
     for j in range(a, b, EMIT):
         _prefetch_pass2(xr, dyr, j)
-        out, o = _block_target(dxr, stage, j, nt)
-        for i in range(j, j + EMIT):
-            _ln_dx(dyr, xr, w, dsr, out, mhi, mlo, rs, mg, mgx, i, o)
-        _block_done(dxr, j, stage, nt, w)
+        _dx_block("ln", dxr, j, dyr, xr, w, dsr, stage, mhi, mlo, mg, mgx, rs, nt)
     for i in range(b, d):
-        _ln_dx(dyr, xr, w, dsr, dxr, mhi, mlo, rs, mg, mgx, i, 0)
+        _ln_dx(dyr, xr, w, dsr, dxr, mhi, mlo, rs, mg, mgx, i)
 
 
 @njit(parallel=True, **JIT)
