@@ -202,12 +202,11 @@ STREAM_MIN_BYTES = (
 
 def _stages(out: Tensor, rows: int) -> tuple[np.ndarray, bool]:
     """The kernels' float32 staging rows (one per chunk: their count is the chunk count) and
-    whether ``out`` is streamed. Each thread writes its row for every block, so the rows start
-    on 64-byte boundaries (torch's allocator aligns to 64) 768 bytes apart: no two threads ever
-    write the same cache line or adjacent-line pair (measured: staging rows that shared a line
-    made the bf16 rms_norm forward 1.6x slower)."""
+    whether ``out`` is streamed. The kernels read a row's line of zeros (_numba._narrow_line) and
+    write nothing there since they compute output blocks in registers; the rows keep their
+    64-byte-aligned 768-byte layout from when each thread staged every block in its row (rows
+    that shared a cache line then made the bf16 rms_norm forward 1.6x slower)."""
     stream = K.X86 and out.numel() * out.element_size() >= STREAM_MIN_BYTES
-    # the block, a line of zeros the emit reads (_numba._narrow_line), padding: 768 bytes
     return torch.zeros(nchunks(rows), K.STAGE_WIDTH, dtype=torch.float32).numpy(), stream
 
 
