@@ -453,7 +453,6 @@ def _store_block(builder, kind, base, wbase, values, llama, nt, hw, zero):
     the values are x * rstd, rounded to the output's dtype, widened, multiplied by the weights at
     ``wbase`` and rounded again. ``nt``: non-temporal stores (``base`` 64-byte aligned), of whole
     64-byte lines. ``zero``: a staging row's line of zeros (see _narrow_line)."""
-    f32 = ir.VectorType(ir.FloatType(), _LANES)
     nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
     if not nt:
         _prefetch_next_block(builder, base, kind)
@@ -461,8 +460,7 @@ def _store_block(builder, kind, base, wbase, values, llama, nt, hw, zero):
     for v, x in enumerate(values):
         off = ir.Constant(ir.IntType(64), v * _LANES)
         if llama:
-            x = _widen(builder, _narrow(builder, x, kind, hw), kind)
-            x = builder.fmul(x, builder.load(builder.bitcast(builder.gep(wbase, [off]), f32.as_pointer()), align=4))
+            x = builder.fmul(_widen(builder, _narrow(builder, x, kind, hw), kind), _load_f32(builder, wbase, v))
         if nt and kind != types.float32:  # 16-bit outputs: a line holds two vectors
             if pending is None:
                 pending = x
@@ -716,19 +714,15 @@ def _block_values(builder, data, base, kind):
     fit for sums."""
     i32 = ir.VectorType(ir.IntType(32), _LANES)
     f32 = ir.VectorType(ir.FloatType(), _LANES)
-    out = []
     if kind == types.uint16:  # bf16 pairs in 32-bit lanes (little-endian: the low one first)
+        out = []
         for v in range(BLOCK // 32):
             pair = builder.load(builder.bitcast(builder.gep(data, [builder.add(base, ir.Constant(ir.IntType(64), 32 * v))]), i32.as_pointer()), align=2)
             out.append(builder.bitcast(builder.shl(pair, _vconst(ir.IntType(32), 16)), f32))
             out.append(builder.bitcast(builder.and_(pair, _vconst(ir.IntType(32), 0xFFFF0000)), f32))
         return out
-    element = ir.FloatType() if kind == types.float32 else ir.IntType(kind.bitwidth)
-    for v in range(BLOCK // _LANES):
-        ptr = builder.gep(data, [builder.add(base, ir.Constant(ir.IntType(64), _LANES * v))])
-        bits = builder.load(builder.bitcast(ptr, ir.VectorType(element, _LANES).as_pointer()), align=kind.bitwidth // 8)
-        out.append(_widen(builder, bits, kind))
-    return out
+    start = builder.gep(data, [base])
+    return [_load_row(builder, start, v, kind) for v in range(BLOCK // _LANES)]
 
 
 def _fma(builder, a, b, c):
