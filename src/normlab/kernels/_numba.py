@@ -530,12 +530,12 @@ def _make_forward_block(op, llama, nt, hw=HW_BF16):
             )
             at = args[1]
             xbase, wbase, bbase = (builder.gep(data, [at]) for data in (x_data, w_data, b_data))
-            rs = _f32x16(builder, args[8])
+            mhi, mlo, rs = (_f32x16(builder, args[k]) for k in (6, 7, 8))
             values = []
             for v in range(EMIT // _LANES):
                 t = _load_row(builder, xbase, v, xkind)
                 if op == "ln":
-                    t = builder.fsub(builder.fsub(t, _f32x16(builder, args[6])), _f32x16(builder, args[7]))
+                    t = builder.fsub(builder.fsub(t, mhi), mlo)
                 t = builder.fmul(t, rs)
                 if not llama:
                     t = builder.fmul(t, _load_f32(builder, wbase, v))
@@ -738,13 +738,16 @@ def _tree(builder, vectors):
     return vectors[0]
 
 
+def _half(builder, v, h):
+    """The low (h=0) or high (h=1) half of a vector's lanes."""
+    n = v.type.count // 2
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), n), list(range(h * n, (h + 1) * n))))
+
+
 def _lanes_sum(builder, v):
     """The lanes of a float64 vector added pairwise: one scalar."""
-    n = v.type.count
-    while n > 1:
-        n //= 2
-        half = [ir.Constant(ir.VectorType(ir.IntType(32), n), list(range(k, k + n))) for k in (0, n)]
-        v = builder.fadd(builder.shuffle_vector(v, v, half[0]), builder.shuffle_vector(v, v, half[1]))
+    while v.type.count > 1:
+        v = builder.fadd(_half(builder, v, 0), _half(builder, v, 1))
     return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
 
 
@@ -781,8 +784,7 @@ def _make_row_sums(centred):
                 for sums, total in zip(acc, totals):
                     block = _tree(builder, sums)
                     for h, t in enumerate(total):
-                        part = builder.shuffle_vector(block, block, ir.Constant(ir.VectorType(ir.IntType(32), f64.count), list(range(h * f64.count, (h + 1) * f64.count))))
-                        builder.store(builder.fadd(builder.load(t), builder.fpext(part, f64)), t)
+                        builder.store(builder.fadd(builder.load(t), builder.fpext(_half(builder, block, h), f64)), t)
             out = [_lanes_sum(builder, _tree(builder, [builder.load(t) for t in total])) for total in totals]
             if not centred:
                 out.append(ir.Constant(ir.DoubleType(), 0.0))
