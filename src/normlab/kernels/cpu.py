@@ -19,6 +19,7 @@ give bitwise-identical gradients.
 
 from __future__ import annotations
 
+import functools
 import glob
 import math
 import os
@@ -142,7 +143,7 @@ POOL = BufferPool(int(os.environ.get("NORMLAB_CPU_POOL_MB", "1024")) << 20)
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    nbytes = math.prod(shape) * (torch.finfo(dtype).bits // 8)
+    nbytes = math.prod(shape) * dtype.itemsize
     if ALLOCATOR == "torch" or nbytes < POOL.min_bytes:
         return torch.empty(shape, dtype=dtype)
     if ALLOCATOR == "pool":
@@ -158,19 +159,27 @@ def _rows(t: Tensor) -> Tensor:
     return t.contiguous().view(-1, t.shape[-1]) if t.dim() != 2 or not t.is_contiguous() else t
 
 
+_numba_threads = threading.local()  # what this thread last set numba's thread count to
+
+
 def nchunks(rows: int) -> int:
     threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    if numba.get_num_threads() != threads:
+    # numba's count is per thread. Asking numba for it cost 6 us a call (a tenth of a small
+    # call's launcher), so remember what was set instead.
+    if getattr(_numba_threads, "count", None) != threads:
         numba.set_num_threads(threads)
+        _numba_threads.count = threads
     return max(1, min(rows, threads))
 
 
 _NP_CODE = {torch.float32: np.float32, torch.bfloat16: np.uint16, torch.float16: np.int16}
 
 
+@functools.cache
 def _rnd(out_dtype: torch.dtype, llama: bool) -> np.ndarray:
     """The kernels' ``rnd``: a 1-element array of the dtype xhat is rounded to before the weight
-    multiply (the output dtype in the llama order; float32, no rounding, in the gemma order)."""
+    multiply (the output dtype in the llama order; float32, no rounding, in the gemma order).
+    Only its dtype is read, so one array per key serves every call."""
     return np.zeros(1, _NP_CODE[out_dtype] if llama else np.float32)
 
 
@@ -207,7 +216,14 @@ def _stages(out: Tensor, rows: int) -> tuple[np.ndarray, bool]:
     64-byte-aligned 768-byte layout from when each thread staged every block in its row (rows
     that shared a cache line then made the bf16 rms_norm forward 1.6x slower)."""
     stream = K.X86 and out.numel() * out.element_size() >= STREAM_MIN_BYTES
-    return torch.zeros(nchunks(rows), K.STAGE_WIDTH, dtype=torch.float32).numpy(), stream
+    return _zero_stages(nchunks(rows)), stream
+
+
+@functools.cache
+def _zero_stages(count: int) -> np.ndarray:
+    # Nothing writes them, so calls (and threads) share one set per chunk count. Allocating
+    # them per call was a tenth of a small call's time (docs/results/cpu-overhead-2026-11-29.md).
+    return np.zeros((count, K.STAGE_WIDTH), np.float32)
 
 
 def _rms_weight(weight: Tensor | None, d: int, out_dtype: torch.dtype, llama: bool, offset: float) -> np.ndarray:

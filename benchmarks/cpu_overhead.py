@@ -1,0 +1,128 @@
+"""The fixed cost of a CPU call: what a small tensor pays around the kernel.
+
+    python benchmarks/cpu_overhead.py [--shape 8x1024] [--dtype bf16] [--calls 3000]
+
+For rms_norm and layer_norm it times, per call (median of ``--calls`` after a warm-up): the
+numba kernel alone, the launcher (allocation, argument conversion, the kernel, the weight
+gradient's chunk sum), the public function without and with autograd's graph, and the backward
+through ``torch.autograd.grad`` (what a training step pays). A do-nothing autograd.Function
+gives the floor of the last one. At a large shape the kernel's time swamps these; at the
+shapes of small models, and in decode, they are the call.
+"""
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import normlab.functional as F
+from normlab.bench import parse_shape
+from normlab.kernels import _numba as K
+from normlab.kernels import cpu as C
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def median_us(fn, calls: int) -> float:
+    for _ in range(calls // 10):
+        fn()
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(times)
+
+
+def timed_backward(make_output, inputs, dy):
+    """A callable that builds the graph untimed and returns the backward's own duration."""
+
+    def run():
+        y = make_output()
+        t = time.perf_counter()
+        torch.autograd.grad(y, inputs, dy)
+        return time.perf_counter() - t
+
+    return run
+
+
+def median_self_timed_us(run, calls: int) -> float:
+    for _ in range(calls // 10):
+        run()
+    return 1e6 * statistics.median(run() for _ in range(calls))
+
+
+class _Nothing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, dy):
+        ctx.saved_tensors
+        return dy, None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="8x1024")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--calls", type=int, default=3000)
+    args = parser.parse_args()
+    shape, dtype, calls = parse_shape(args.shape), DTYPES[args.dtype], args.calls
+    n, d = int(np.prod(shape[:-1])), shape[-1]
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    dy = torch.randn(shape, dtype=dtype)
+    w = torch.randn(d, dtype=dtype, requires_grad=True)
+    b = torch.randn(d, dtype=dtype, requires_grad=True)
+
+    xn, dyn = C._as_numpy(x.detach().view(n, d)), C._as_numpy(dy.view(n, d))
+    out = C._as_numpy(torch.empty(n, d, dtype=dtype))
+    stages, nt = C._stages(torch.empty(n, d, dtype=dtype), n)
+    wn, bn = w.detach().float().numpy(), b.detach().float().numpy()
+    mean, rstd = np.empty(n), np.empty(n, np.float32)
+    part = np.zeros((stages.shape[0], d), np.float32)
+    rnd = C._rnd(dtype, False)
+    _, _, rstd_t = C.rms_fwd_launch(x.detach(), w, 1e-6, True, False, 0.0, d)
+    _, _, mean_t, lrstd_t = C.ln_fwd_launch(x.detach(), w, b, 1e-5)
+    K.ln_fwd(xn, wn, bn, out, mean, rstd, 1e-5, stages, nt)
+
+    rows = {
+        "rms_norm": {
+            "kernel fwd": lambda: K.rms_fwd(xn, wn, out, rstd, 1e-6, True, d, rnd, stages, nt),
+            "kernel bwd": lambda: K.rms_bwd(dyn, xn, wn, rstd, None, out, part, 1e-6, True, d, rnd, stages, nt),
+            "launcher fwd": lambda: C.rms_fwd_launch(x.detach(), w, 1e-6, True, False, 0.0, d),
+            "launcher bwd": lambda: C.rms_bwd_launch(dy, x.detach(), w, rstd_t, None, 1e-6, True, False, 0.0, d),
+            "fwd, no grad": lambda: F.rms_norm(x.detach(), w.detach(), backend="cpu"),
+            "fwd, with graph": lambda: F.rms_norm(x, w, backend="cpu"),
+            "bwd (autograd.grad)": timed_backward(lambda: F.rms_norm(x, w, backend="cpu"), [x, w], dy),
+        },
+        "layer_norm": {
+            "kernel fwd": lambda: K.ln_fwd(xn, wn, bn, out, mean, rstd, 1e-5, stages, nt),
+            "kernel bwd": lambda: K.ln_bwd(dyn, xn, wn, mean, rstd, None, out, part, part.copy(), stages, nt),
+            "launcher fwd": lambda: C.ln_fwd_launch(x.detach(), w, b, 1e-5),
+            "launcher bwd": lambda: C.ln_bwd_launch(dy, x.detach(), w, mean_t, lrstd_t, None),
+            "fwd, no grad": lambda: F.layer_norm(x.detach(), w.detach(), b.detach(), backend="cpu"),
+            "fwd, with graph": lambda: F.layer_norm(x, w, b, backend="cpu"),
+            "bwd (autograd.grad)": timed_backward(lambda: F.layer_norm(x, w, b, backend="cpu"), [x, w, b], dy),
+        },
+    }
+    floor = median_self_timed_us(timed_backward(lambda: _Nothing.apply(x, w), [x], dy), calls)
+    print(f"shape {args.shape} {args.dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"median of {calls} calls (us)")
+    print(f"{'':22s}" + "".join(f"{op:>12s}" for op in rows))
+    for name in rows["rms_norm"]:
+        cells = []
+        for op in rows:
+            fn = rows[op][name]
+            us = median_self_timed_us(fn, calls) if name.startswith("bwd") else median_us(fn, calls)
+            cells.append(f"{us:12.1f}")
+        print(f"{name:22s}" + "".join(cells))
+    print(f"{'do-nothing Function bwd':22s}{floor:12.1f}")
+
+
+if __name__ == "__main__":
+    main()
