@@ -222,7 +222,7 @@ def _stages(out: Tensor, rows: int) -> tuple[np.ndarray, bool]:
 @functools.cache
 def _zero_stages(count: int) -> np.ndarray:
     # Nothing writes them, so calls (and threads) share one set per chunk count. Allocating
-    # them per call was a tenth of a small call's time (docs/results/cpu-overhead-2026-11-29.md).
+    # them per call was a tenth of a small call's time (docs/results/cpu-bench-fold-2026-11-29.md).
     return np.zeros((count, K.STAGE_WIDTH), np.float32)
 
 
