@@ -223,7 +223,8 @@ def _stages(out: Tensor, rows: int) -> tuple[np.ndarray, bool]:
 def _zero_stages(count: int) -> np.ndarray:
     # Nothing writes them, so calls (and threads) share one set per chunk count. Allocating
     # them per call was a tenth of a small call's time (docs/results/cpu-bench-fold-2026-11-29.md).
-    return np.zeros((count, K.STAGE_WIDTH), np.float32)
+    # torch's allocator aligns to 64 bytes, so the line of zeros the kernels load is one line.
+    return torch.zeros(count, K.STAGE_WIDTH, dtype=torch.float32).numpy()
 
 
 def _rms_weight(weight: Tensor | None, d: int, out_dtype: torch.dtype, llama: bool, offset: float) -> np.ndarray:
