@@ -297,6 +297,24 @@ def test_streaming_stores_give_the_same_bits(gen, op, dtype, monkeypatch):
     assert all(torch.equal(plain_g[k], streamed_g[k]) for k in plain_g)
 
 
+def test_shared_staging_rows_stay_zero_and_aligned(gen, monkeypatch):
+    # The launchers share one set of staging rows per chunk count between calls and threads
+    # (cpu._zero_stages), and the streamed 16-bit stores read a line of zeros from them. A kernel
+    # that wrote there would corrupt every later call: run every op forward and backward, plain
+    # and streamed, in every dtype, then look.
+    shape = (37, 1000)
+    for min_bytes in (1 << 62, 0):
+        monkeypatch.setattr(cpu, "STREAM_MIN_BYTES", min_bytes)
+        for op in OPS:
+            for dtype in DTYPES:
+                leaves = _leaves(gen, op, shape, dtype)
+                grads = [torch.randn(shape, generator=gen).to(dtype)] * 2
+                _run(op, leaves, {}, "cpu", grads)
+    stages = cpu._zero_stages(cpu.nchunks(shape[0]))
+    assert stages.shape[0] == cpu.nchunks(shape[0]) and not stages.any()
+    assert stages.ctypes.data % 64 == 0
+
+
 def _special_floats(gen, n):
     """float32 values where conversions go wrong: ties at bf16 and fp16 precision, values that
     round up to the next binade or overflow, signed zeros, infinities, then random ones."""
