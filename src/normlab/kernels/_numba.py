@@ -1015,8 +1015,8 @@ def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, nt):
 # None case without the add. ``dw_part`` / ``db_part`` are (nchunks, d) float32, zeroed by the
 # launcher: each chunk adds its rows' terms to its own row, element by element. The terms need
 # only the saved statistics, so they are added in the first pass: it stored nothing, while the
-# second already stores dx and its staging row (the CPU's store port set the pace there). bf16
-# from memory, interleaved A/B: 1.02x-1.3x; float32 0.94x-1.18x (no change beyond the noise).
+# second already stored dx and, at the time, its staging row (the CPU's store port set the pace
+# there). bf16 from memory, interleaved A/B: 1.02x-1.3x; float32 0.94x-1.18x (within the noise).
 
 
 @njit
