@@ -812,6 +812,133 @@ _row_moments = _make_row_sums(centred=True)
 _row_sumsq = _make_row_sums(centred=False)
 
 
+# ------------------------------------------------------------------- backward, first pass
+# The backward's first pass over a row's whole blocks, written out as vectors for bf16 rows (x
+# and dy both): the sums the dx formula needs, with the row's dw (and db) terms added to the
+# chunk's partial rows on the way. bf16 is read two values to a 32-bit lane as _block_values
+# does, so each 32 values arrive as their 16 even-indexed ones, then their 16 odd-indexed ones;
+# the weight the pass reads (``wp``) and the partial rows it adds to are kept in that order
+# (pair_order), which the launcher undoes on the summed partials (pair_unorder). Against LLVM's
+# vectorization of the element loops this takes half the widening instructions and fuses the
+# sums' multiply-adds (LLVM does not vectorize a reduction through an fma).
+
+
+def pair_order(v: np.ndarray, span: int) -> np.ndarray:
+    """v with each 32 values of [0, span) reordered as the bf16 first pass reads them."""
+    out = v.copy()
+    out[:span] = v[:span].reshape(-1, 16, 2).transpose(0, 2, 1).reshape(-1)
+    return out
+
+
+def pair_unorder(v: np.ndarray, span: int) -> np.ndarray:
+    """The inverse of pair_order."""
+    out = v.copy()
+    out[:span] = v[:span].reshape(-1, 2, 16).transpose(0, 2, 1).reshape(-1)
+    return out
+
+
+def _make_grad_sums(op, llama=False, squares=False, hw=HW_BF16):
+    """An intrinsic (dyr, xr, wp, dwc, aux, n, c0, c1, c2) -> (float64, float64) over the
+    values [0, n) of bf16 rows dyr and xr (n a multiple of BLOCK), with g = dy * w:
+
+    - ln (aux: the db partial row; c0, c1, c2 = mhi, rstd, lo): xhat = fma(x - mhi, rstd, lo)
+      as _ln_dw computes it; dwc += dy * xhat (one fma) and aux += dy; returns (sum of g, sum
+      of g * xhat).
+    - rms (aux: ``rnd``; c0 = rstd): xhat = x * rstd (``llama``: rounded to bf16); dwc += dy *
+      xhat (one fma); returns (sum of g * x, sum of x^2 if ``squares`` else 0).
+
+    Block j prefetches as _prefetch_pass1(xr, dyr, j) does."""
+
+    def grad_sums(typingctx, dyr, xr, wp, dwc, aux, n, c0, c1, c2):
+        # Typed for every dtype (numba types both sides of ``if _paired(...)``); run for bf16.
+        kind = xr.dtype
+
+        def codegen(context, builder, signature, args):
+            f64 = ir.VectorType(ir.DoubleType(), _LANES // 2)
+            f32 = ir.VectorType(ir.FloatType(), _LANES)
+            i64 = ir.IntType(64)
+            dy_data, x_data, w_data, dw_data = (
+                context.make_array(signature.args[k])(context, builder, args[k]).data for k in range(4)
+            )
+            db_data = context.make_array(signature.args[4])(context, builder, args[4]).data if op == "ln" else None
+            c = [_f32x16(builder, args[k]) for k in (6, 7, 8)]
+            totals = [[cgutils.alloca_once_value(builder, ir.Constant(f64, [0.0] * f64.count)) for _ in range(2)] for _ in range(2)]
+            blocks = builder.udiv(args[5], ir.Constant(i64, BLOCK))
+            with cgutils.for_range(builder, blocks) as loop:
+                base = builder.mul(loop.index, ir.Constant(i64, BLOCK))
+                half = builder.udiv(base, ir.Constant(i64, 2))
+                for k in (1, 0):
+                    _prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2)
+                acc = [[ir.Constant(f32, [0.0] * _LANES)] * _ACC for _ in range(2)]
+                xs = _block_values(builder, x_data, base, kind)
+                dys = _block_values(builder, dy_data, base, signature.args[0].dtype)
+                for v, (x, dy) in enumerate(zip(xs, dys)):
+                    a = v % _ACC
+                    at = builder.add(base, ir.Constant(i64, v * _LANES))
+                    g = builder.fmul(dy, _load_f32(builder, builder.gep(w_data, [at]), 0))
+                    if op == "ln":
+                        mhi, rs, lo = c
+                        acc[0][a] = builder.fadd(acc[0][a], g)
+                        xh = _fma(builder, builder.fsub(x, mhi), rs, lo)
+                        acc[1][a] = _fma(builder, g, xh, acc[1][a])
+                        dbp = builder.bitcast(builder.gep(db_data, [at]), f32.as_pointer())
+                        builder.store(builder.fadd(builder.load(dbp, align=4), dy), dbp, align=4)
+                    else:
+                        acc[0][a] = _fma(builder, g, x, acc[0][a])
+                        if squares:
+                            acc[1][a] = _fma(builder, x, x, acc[1][a])
+                        xh = builder.fmul(x, c[0])
+                        if llama:
+                            rkind = signature.args[4].dtype  # rnd's: the output dtype
+                            xh = _widen(builder, _narrow(builder, xh, rkind, hw), rkind)
+                    dwp = builder.bitcast(builder.gep(dw_data, [at]), f32.as_pointer())
+                    builder.store(_fma(builder, dy, xh, builder.load(dwp, align=4)), dwp, align=4)
+                for sums, total in zip(acc, totals):
+                    block = _tree(builder, sums)
+                    for h, t in enumerate(total):
+                        builder.store(builder.fadd(builder.load(t), builder.fpext(_half(builder, block, h), f64)), t)
+            out = [_lanes_sum(builder, _tree(builder, [builder.load(t) for t in total])) for total in totals]
+            return context.make_tuple(builder, signature.return_type, out)
+
+        f = types.float32
+        return types.UniTuple(types.float64, 2)(dyr, xr, wp, dwc, aux, types.int64, f, f, f), codegen
+
+    return intrinsic(grad_sums)
+
+
+_LN_GRAD_SUMS = _make_grad_sums("ln")
+_RMS_GRAD_SUMS = {(llama, squares): _make_grad_sums("rms", llama, squares) for llama in (False, True) for squares in (False, True)}
+
+
+def _paired(x, dy):  # pragma: no cover - replaced by the overload below
+    """Whether the backward's first pass takes the vector loops above (x and dy both bf16)."""
+    raise NotImplementedError
+
+
+@overload(_paired)
+def _ov_paired(x, dy):
+    both = x.dtype == dy.dtype == types.uint16
+    return lambda x, dy: both
+
+
+def _rms_grad_sums(dyr, xr, wp, dwc, rnd, n, rs, squares):  # pragma: no cover
+    """rms_norm's first backward pass over [0, n) (see _make_grad_sums)."""
+    raise NotImplementedError
+
+
+@overload(_rms_grad_sums)
+def _ov_rms_grad_sums(dyr, xr, wp, dwc, rnd, n, rs, squares):
+    with_squares, without = (_RMS_GRAD_SUMS[_is_llama(rnd), s] for s in (True, False))
+
+    def sums(dyr, xr, wp, dwc, rnd, n, rs, squares):
+        z = np.float32(0.0)
+        if squares:
+            return with_squares(dyr, xr, wp, dwc, rnd, n, rs, z, z)
+        return without(dyr, xr, wp, dwc, rnd, n, rs, z, z)
+
+    return sums
+
+
 def _vector_sums(a):  # pragma: no cover - replaced by the overload below
     """Whether pass 1 over row ``a`` takes the vector loops above: 16-bit rows, where the sums
     set the pace. A float32 row waits on memory, and there rms_norm at 8192x1024 ran 0.86x-0.96x
@@ -1023,28 +1150,32 @@ def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, nt):
 def _rms_dw(dyr, xr, dwc, rs, rnd, i):
     """Add element i's dw term to dwc; returns x[i]."""
     xv = _load(xr, i)
-    _accumulate(dwc, i, _load(dyr, i) * _round_like(rnd, xv * rs))
+    dwc[np.uint64(i)] = _fma32(_load(dyr, i), _round_like(rnd, xv * rs), dwc[np.uint64(i)])
     return xv
 
 
 @njit(inline="always")
-def _dot_gx(dyr, w, xr, k, dwc, rs, rnd):
-    """(sum over the row of (dy * w) * x, sum of x^2 over [:k]), one pass over the row, which
-    also adds the row's dw terms to dwc (see "backward" above)."""
+def _dot_gx(dyr, w, wp, xr, k, dwc, rs, rnd, squares):
+    """(sum over the row of (dy * w) * x, sum of x^2 over [:k] or, without ``squares``, any
+    value), one pass over the row, which also adds the row's dw terms to dwc (see "backward"
+    above). ``wp``: w in pair_order over the whole blocks of [:k] (bf16 rows)."""
     d = xr.shape[0]
-    tgx = 0.0
-    tss = 0.0
     full = k - k % BLOCK
-    for j in range(0, full, BLOCK):
-        _prefetch_pass1(xr, dyr, j)
-        pgx = np.float32(0.0)
-        pss = np.float32(0.0)
-        for i in range(j, j + BLOCK):
-            xv = _rms_dw(dyr, xr, dwc, rs, rnd, i)
-            pgx += (_load(dyr, i) * _load(w, i)) * xv
-            pss += xv * xv
-        tgx += pgx
-        tss += pss
+    if _paired(xr, dyr):
+        tgx, tss = _rms_grad_sums(dyr, xr, wp, dwc, rnd, full, rs, squares)
+    else:
+        tgx = 0.0
+        tss = 0.0
+        for j in range(0, full, BLOCK):
+            _prefetch_pass1(xr, dyr, j)
+            pgx = np.float32(0.0)
+            pss = np.float32(0.0)
+            for i in range(j, j + BLOCK):
+                xv = _rms_dw(dyr, xr, dwc, rs, rnd, i)
+                pgx += (_load(dyr, i) * _load(w, i)) * xv
+                pss += xv * xv
+            tgx += pgx
+            tss += pss
     pgx = np.float32(0.0)
     pss = np.float32(0.0)
     for i in range(full, k):
@@ -1098,7 +1229,7 @@ def _rms_bwd_write(dyr, xr, w, dsr, dxr, rs, coef, i0, i1, head, stage, nt):
 
 
 @njit(parallel=True, **JIT)
-def rms_bwd(dy, x, w, rstd, ds, dx, dw_part, eps, inside, k, rnd, stages, nt):
+def rms_bwd(dy, x, w, wp, rstd, ds, dx, dw_part, eps, inside, k, rnd, stages, nt):
     n, d = x.shape
     nchunks = stages.shape[0]
     for c in prange(nchunks):
@@ -1108,7 +1239,7 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw_part, eps, inside, k, rnd, stages, nt):
         for r in range(r0, r1):
             dyr, xr, dxr, dsr = dy[r], x[r], dx[r], _row(ds, r)
             rs = rstd[r]
-            gx, ss = _dot_gx(dyr, w, xr, k, dwc, rs, rnd)
+            gx, ss = _dot_gx(dyr, w, wp, xr, k, dwc, rs, rnd, not inside)
             coef = _rms_coef(rs, gx, ss, k, inside)
             _rms_bwd_write(dyr, xr, w, dsr, dxr, rs, coef, 0, k, True, stage, nt)
             if k < d:  # pRMSNorm: the features past the statistic
@@ -1130,25 +1261,29 @@ def _ln_dw(dyr, xr, dwc, dbc, mhi, rs, lo, i):
 
 
 @njit(inline="always")
-def _ln_sums(dyr, w, xr, mean, rs, dwc, dbc):
+def _ln_sums(dyr, w, wp, xr, mean, rs, dwc, dbc):
     """(sum of g, sum of g * xhat) with g = dy * w, xhat = (x - mean) * rstd; adds the row's dw
-    and db terms to dwc and dbc on the way (see "backward" above)."""
+    and db terms to dwc and dbc on the way (see "backward" above). ``wp``: w in pair_order over
+    the row's whole blocks (bf16 rows)."""
     mhi, mlo = _split(mean)
     lo = np.float32(-np.float64(mlo) * rs)
     d = xr.shape[0]
-    tg = 0.0
-    tgx = 0.0
     full = d - d % BLOCK
-    for j in range(0, full, BLOCK):
-        _prefetch_pass1(xr, dyr, j)
-        pg = np.float32(0.0)
-        pgx = np.float32(0.0)
-        for i in range(j, j + BLOCK):
-            g = _load(dyr, i) * _load(w, i)
-            pg += g
-            pgx += g * _ln_dw(dyr, xr, dwc, dbc, mhi, rs, lo, i)
-        tg += pg
-        tgx += pgx
+    if _paired(xr, dyr):
+        tg, tgx = _LN_GRAD_SUMS(dyr, xr, wp, dwc, dbc, full, mhi, rs, lo)
+    else:
+        tg = 0.0
+        tgx = 0.0
+        for j in range(0, full, BLOCK):
+            _prefetch_pass1(xr, dyr, j)
+            pg = np.float32(0.0)
+            pgx = np.float32(0.0)
+            for i in range(j, j + BLOCK):
+                g = _load(dyr, i) * _load(w, i)
+                pg += g
+                pgx += g * _ln_dw(dyr, xr, dwc, dbc, mhi, rs, lo, i)
+            tg += pg
+            tgx += pgx
     pg = np.float32(0.0)
     pgx = np.float32(0.0)
     for i in range(full, d):
@@ -1190,7 +1325,7 @@ def _ln_bwd_write(dyr, xr, w, dsr, dxr, mean, rs, sg, sgx, stage, nt):
 
 
 @njit(parallel=True, **JIT)
-def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw_part, db_part, stages, nt):
+def ln_bwd(dy, x, w, wp, mean, rstd, ds, dx, dw_part, db_part, stages, nt):
     n = x.shape[0]
     nchunks = stages.shape[0]
     for c in prange(nchunks):
@@ -1201,7 +1336,7 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw_part, db_part, stages, nt):
         for r in range(r0, r1):
             dyr, xr = dy[r], x[r]
             mu, rs = mean[r], rstd[r]
-            sg, sgx = _ln_sums(dyr, w, xr, mu, rs, dwc, dbc)
+            sg, sgx = _ln_sums(dyr, w, wp, xr, mu, rs, dwc, dbc)
             _ln_bwd_write(dyr, xr, w, _row(ds, r), dx[r], mu, rs, sg, sgx, stage, nt)
         if nt:
             _store_fence()

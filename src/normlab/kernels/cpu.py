@@ -278,14 +278,15 @@ def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k):
     dx = empty(shape, x.dtype)
     stages, stream = _stages(dx, n)
     dw_part = np.zeros((stages.shape[0], d), np.float32)
+    span = _pair_span(x2, dy2, k)
     if n:
         w = _rms_weight(weight, d, dy.dtype, llama, offset)
         ds2 = _as_numpy(_rows(ds)) if ds is not None else None
         K.rms_bwd(
-            _as_numpy(dy2), _as_numpy(x2), w, rstd.contiguous().view(n).numpy(), ds2, _as_numpy(dx.view(n, d)),
-            dw_part, eps, inside, k, _rnd(dy.dtype, llama), stages, stream,
+            _as_numpy(dy2), _as_numpy(x2), w, K.pair_order(w, span), rstd.contiguous().view(n).numpy(), ds2,
+            _as_numpy(dx.view(n, d)), dw_part, eps, inside, k, _rnd(dy.dtype, llama), stages, stream,
         )
-    return dx, torch.from_numpy(_sum_chunks(dw_part))
+    return dx, torch.from_numpy(K.pair_unorder(_sum_chunks(dw_part), span))
 
 
 def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp32=False):
@@ -321,14 +322,22 @@ def ln_bwd_launch(dy, x, weight, mean, rstd, ds):
     stages, stream = _stages(dx, n)
     dw_part = np.zeros((stages.shape[0], d), np.float32)
     db_part = np.zeros((stages.shape[0], d), np.float32)
+    span = _pair_span(x2, dy2, d)
     if n:
         w, _ = _ln_weights(weight, None, d)
         ds2 = _as_numpy(_rows(ds)) if ds is not None else None
         K.ln_bwd(
-            _as_numpy(dy2), _as_numpy(x2), w, mean.contiguous().view(n).numpy(), rstd.contiguous().view(n).numpy(),
-            ds2, _as_numpy(dx.view(n, d)), dw_part, db_part, stages, stream,
+            _as_numpy(dy2), _as_numpy(x2), w, K.pair_order(w, span), mean.contiguous().view(n).numpy(),
+            rstd.contiguous().view(n).numpy(), ds2, _as_numpy(dx.view(n, d)), dw_part, db_part, stages, stream,
         )
-    return dx, torch.from_numpy(_sum_chunks(dw_part)), torch.from_numpy(_sum_chunks(db_part))
+    dw, db = (K.pair_unorder(_sum_chunks(part), span) for part in (dw_part, db_part))
+    return dx, torch.from_numpy(dw), torch.from_numpy(db)
+
+
+def _pair_span(x: Tensor, dy: Tensor, k: int) -> int:
+    """How much of the weight the backward's first pass reads in pair order (_numba.pair_order):
+    the whole blocks of its first k values when x and dy are both bf16, else none."""
+    return k - k % K.BLOCK if x.dtype == dy.dtype == torch.bfloat16 else 0
 
 
 def _sum_chunks(part: np.ndarray) -> np.ndarray:
