@@ -392,6 +392,59 @@ def test_vector_row_sums_match_float64(gen, dtype):
             assert abs(got - want.item()) <= 1e-6 * max(scale.item(), 1e-30), (blocks, got, want)
 
 
+@pytest.mark.parametrize("op", ["ln", "rms", "rms_llama"])
+def test_backward_pair_order_sums_match_float64(gen, op):
+    # The bf16 backward's first pass reads rows two values to a 32-bit lane, so it reads the
+    # weight, and adds the dw (db) terms, in pair order (_numba.pair_order): its sums must be the
+    # float64 ones, and its partial rows, put back in place, the float64 terms of each element.
+    from numba import njit
+
+    @njit
+    def ln_pass(dy, x, wp, dwc, dbc, n, mhi, rstd, lo):
+        return K._LN_GRAD_SUMS(dy, x, wp, dwc, dbc, n, mhi, rstd, lo)
+
+    @njit
+    def rms_pass(dy, x, wp, dwc, rnd, n, rstd):
+        return K._rms_grad_sums(dy, x, wp, dwc, rnd, n, rstd, True)
+
+    d = 3 * K.BLOCK + 7
+    x, dy = ((torch.randn(d, generator=gen) * s + m).to(torch.bfloat16) for s, m in ((2, 5), (1, 0)))
+    w = torch.randn(d, generator=gen).numpy()
+    mean, rstd = 4.75, np.float32(0.6)
+    for blocks in (0, 1, 3):
+        n = blocks * K.BLOCK
+        v, g = x[:n].double(), dy[:n].double()
+        wn = torch.from_numpy(w[:n]).double()
+        dwc, dbc = np.zeros(d, np.float32), np.zeros(d, np.float32)
+        wp = K.pair_order(w, n)
+        if op == "ln":
+            mhi, mlo = np.float32(mean), np.float32(0.0)
+            lo = np.float32(-float(mlo) * rstd)
+            got = ln_pass(cpu._as_numpy(dy), cpu._as_numpy(x), wp, dwc, dbc, n, mhi, rstd, lo)
+            xhat = (v - mean) * float(rstd)
+            want = ((g * wn).sum(), (g * wn * xhat).sum())
+            assert np.allclose(K.pair_unorder(dbc, n)[:n], g.numpy(), rtol=1e-6, atol=0)
+        else:
+            rnd = cpu._rnd(torch.bfloat16, op == "rms_llama")
+            got = rms_pass(cpu._as_numpy(dy), cpu._as_numpy(x), wp, dwc, rnd, n, rstd)
+            xhat = v * float(rstd)
+            if op == "rms_llama":  # x * rstd rounded to bf16 before the multiply
+                xhat = (v.float() * rstd).to(torch.bfloat16).double()
+            want = ((g * wn * v).sum(), (v * v).sum())
+        for got_sum, want_sum in zip(got, want):
+            assert abs(got_sum - want_sum.item()) <= 1e-5 * max(abs(want_sum.item()), 1.0), (op, blocks, got, want)
+        assert np.allclose(K.pair_unorder(dwc, n)[:n], (g * xhat).numpy(), rtol=1e-5, atol=1e-6)
+        assert not dwc[n:].any()  # and nothing past n
+
+
+def test_pair_order_is_undone_by_pair_unorder(gen):
+    v = torch.randn(3 * 32 + 5, generator=gen).numpy()
+    ordered = K.pair_order(v, 96)
+    assert np.array_equal(ordered[:32], np.concatenate([v[0:32:2], v[1:32:2]]))  # evens, then odds
+    assert np.array_equal(ordered[96:], v[96:])  # past the span: in place
+    assert np.array_equal(K.pair_unorder(ordered, 96), v)
+
+
 def test_streamed_spans_are_aligned_blocks():
     x = torch.zeros(4, 1000).numpy()
     for r in range(4):

@@ -489,6 +489,50 @@ def _store_block(builder, kind, base, wbase, values, llama, nt, hw, zero):
             builder.store(y, ptr, align=kind.bitwidth // 8)
 
 
+def _bf16_pair(builder, base, at):
+    """The 32 bf16 values from element ``at`` of ``base`` read two to a 32-bit lane (little-
+    endian: the low one first), widened: (the even-indexed 16, the odd-indexed 16)."""
+    i32 = ir.VectorType(ir.IntType(32), _LANES)
+    f32 = ir.VectorType(ir.FloatType(), _LANES)
+    ptr = builder.gep(base, [ir.Constant(ir.IntType(64), at)] if isinstance(at, int) else [at])
+    pair = builder.load(builder.bitcast(ptr, i32.as_pointer()), align=2)
+    return (builder.bitcast(builder.shl(pair, _vconst(ir.IntType(32), 16)), f32),
+            builder.bitcast(builder.and_(pair, _vconst(ir.IntType(32), 0xFFFF0000)), f32))
+
+
+_INTERLEAVE = ir.Constant(ir.VectorType(ir.IntType(32), 32), [i // 2 + 16 * (i % 2) for i in range(32)])
+
+
+def _pair_line(builder, even, odd, hw, zero):
+    """The inverse of _bf16_pair: 32 bf16 bits (<32 x i16>) in place, rounded as _narrow does.
+    With the CPU's instruction: one conversion of both vectors, then one shuffle; the staging
+    row's line of zeros is added as in _narrow_line."""
+    i16x32 = ir.VectorType(ir.IntType(16), 32)
+    if hw:
+        f32 = ir.VectorType(ir.FloatType(), _LANES)
+        fnty = ir.FunctionType(ir.VectorType(_BFloat(), 32), [f32, f32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512bf16.cvtne2ps2bf16.512")
+        bits = builder.bitcast(builder.call(fn, [odd, even]), i16x32)  # its low half comes from the 2nd operand
+        bits = builder.shuffle_vector(bits, bits, _INTERLEAVE)
+        return builder.add(bits, builder.load(builder.bitcast(zero, i16x32.as_pointer()), align=4))
+    return builder.shuffle_vector(_narrow(builder, even, types.uint16, hw), _narrow(builder, odd, types.uint16, hw), _INTERLEAVE)
+
+
+def _store_pairs(builder, base, values, nt, hw, zero):
+    """Store float32 vectors (even, odd, even, odd, ...: see _bf16_pair) as bf16 at ``base``, 32
+    values a line (``nt``: non-temporal, ``base`` 64-byte aligned)."""
+    if not nt:
+        _prefetch_next_block(builder, base, types.uint16)
+    nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+    for c in range(len(values) // 2):
+        line = _pair_line(builder, values[2 * c], values[2 * c + 1], hw, zero)
+        ptr = builder.bitcast(builder.gep(base, [ir.Constant(ir.IntType(64), 32 * c)]), line.type.as_pointer())
+        if nt:
+            builder.store(line, ptr, align=64).set_metadata("nontemporal", nontemporal)
+        else:
+            builder.store(line, ptr, align=2)
+
+
 def _load_f32(builder, base, v):
     """Float32 vector v (16 lanes) from a float32 pointer."""
     f32 = ir.VectorType(ir.FloatType(), _LANES)
@@ -562,13 +606,15 @@ def _make_forward_block(op, llama, nt, hw=HW_BF16):
     return intrinsic(block)
 
 
-def _make_backward_block(op, nt, hw=HW_BF16):
+def _make_backward_block(op, nt, hw=HW_BF16, paired=False):
     """The backward's dx block at j computed from dy and x and stored, with the arithmetic of the
     element helpers _rms_dx and _ln_dx operation for operation (same bits). Arguments (dx, j, dy,
     x, w, ds, stage, p0, p1, p2, rstd), ds None or the residual's gradient. rms ("rms_head"
     inside the statistic's first k features, "rms" past them): dx = fma(x, -p0, rstd * (dy * w))
     (or without the fma) [+ ds]; ln (see _ln_bwd_write): dx = fma(dy * w, rstd, fma(x - p0, p1,
-    p2)) [+ ds]."""
+    p2)) [+ ds]. ``paired`` (bf16 rows, the block's start a multiple of 32 from the row's): the
+    inputs are read two values to a 32-bit lane, w is in pair_order, and each 32 results are
+    interleaved back into place as they are stored (_pair_line)."""
 
     def block(typingctx, dx, j, dy, x, w, ds, stage, p0, p1, p2, rs):
         has_ds = not isinstance(ds, (types.NoneType, types.Omitted))
@@ -581,21 +627,33 @@ def _make_backward_block(op, nt, hw=HW_BF16):
             base = {k: builder.gep(v, [at]) for k, v in data.items()}
             p = [_f32x16(builder, args[k]) for k in (7, 8, 9)]
             rs = _f32x16(builder, args[10])
+
+            def row(k, kind):
+                if paired:
+                    return [u for c in range(EMIT // 32) for u in _bf16_pair(builder, base[k], 32 * c)]
+                return [_load_row(builder, base[k], v, kind) for v in range(EMIT // _LANES)]
+
+            dys = row(2, dy.dtype)
+            xs = row(3, x.dtype) if op != "rms" else None
+            dss = row(5, ds.dtype) if has_ds else None
             values = []
             for v in range(EMIT // _LANES):
-                g = builder.fmul(_load_row(builder, base[2], v, dy.dtype), _load_f32(builder, base[4], v))
+                g = builder.fmul(dys[v], _load_f32(builder, base[4], v))
                 if op == "ln":
-                    xc = builder.fsub(_load_row(builder, base[3], v, x.dtype), p[0])
+                    xc = builder.fsub(xs[v], p[0])
                     t = _fma(builder, g, rs, _fma(builder, xc, p[1], p[2]))
                 else:
                     t = builder.fmul(rs, g)
                     if op == "rms_head":
-                        t = _fma(builder, _load_row(builder, base[3], v, x.dtype), builder.fneg(p[0]), t)
+                        t = _fma(builder, xs[v], builder.fneg(p[0]), t)
                 if has_ds:
-                    t = builder.fadd(t, _load_row(builder, base[5], v, ds.dtype))
+                    t = builder.fadd(t, dss[v])
                 values.append(t)
             zero = builder.gep(data[6], [ir.Constant(ir.IntType(64), _ZERO)])
-            _store_block(builder, dx.dtype, base[0], base[4], values, False, nt, hw, zero)
+            if paired:
+                _store_pairs(builder, base[0], values, nt, hw, zero)
+            else:
+                _store_block(builder, dx.dtype, base[0], base[4], values, False, nt, hw, zero)
             return context.get_dummy_value()
 
         f = types.float32
@@ -604,7 +662,12 @@ def _make_backward_block(op, nt, hw=HW_BF16):
     return intrinsic(block)
 
 
-_BACKWARD_BLOCK = {(op, nt): _make_backward_block(op, nt) for op in ("rms", "rms_head", "ln") for nt in (False, True)}
+_BACKWARD_BLOCK = {
+    (op, nt, paired): _make_backward_block(op, nt, paired=paired)
+    for op in ("rms", "rms_head", "ln")
+    for nt in (False, True)
+    for paired in (False, True)
+}
 
 
 _FORWARD_BLOCK = {
@@ -726,13 +789,9 @@ def _block_values(builder, data, base, kind):
     fit for sums."""
     i32 = ir.VectorType(ir.IntType(32), _LANES)
     f32 = ir.VectorType(ir.FloatType(), _LANES)
-    if kind == types.uint16:  # bf16 pairs in 32-bit lanes (little-endian: the low one first)
-        out = []
-        for v in range(BLOCK // 32):
-            pair = builder.load(builder.bitcast(builder.gep(data, [builder.add(base, ir.Constant(ir.IntType(64), 32 * v))]), i32.as_pointer()), align=2)
-            out.append(builder.bitcast(builder.shl(pair, _vconst(ir.IntType(32), 16)), f32))
-            out.append(builder.bitcast(builder.and_(pair, _vconst(ir.IntType(32), 0xFFFF0000)), f32))
-        return out
+    if kind == types.uint16:  # bf16 pairs in 32-bit lanes
+        start = builder.gep(data, [base])
+        return [u for v in range(BLOCK // 32) for u in _bf16_pair(builder, start, 32 * v)]
     start = builder.gep(data, [base])
     return [_load_row(builder, start, v, kind) for v in range(BLOCK // _LANES)]
 
@@ -910,15 +969,21 @@ _LN_GRAD_SUMS = _make_grad_sums("ln")
 _RMS_GRAD_SUMS = {(llama, squares): _make_grad_sums("rms", llama, squares) for llama in (False, True) for squares in (False, True)}
 
 
-def _paired(x, dy):  # pragma: no cover - replaced by the overload below
-    """Whether the backward's first pass takes the vector loops above (x and dy both bf16)."""
+def _is_none(t):
+    """Whether a numba argument type is None (or the argument was left out)."""
+    return t is None or isinstance(t, (types.NoneType, types.Omitted))
+
+
+def _paired(x, dy, ds=None):  # pragma: no cover - replaced by the overload below
+    """Whether the backward reads its rows in bf16 pairs with w in pair_order: x and dy (and ds,
+    when given) all bf16."""
     raise NotImplementedError
 
 
 @overload(_paired)
-def _ov_paired(x, dy):
-    both = x.dtype == dy.dtype == types.uint16
-    return lambda x, dy: both
+def _ov_paired(x, dy, ds=None):
+    every = x.dtype == dy.dtype == types.uint16 and (_is_none(ds) or ds.dtype == types.uint16)
+    return lambda x, dy, ds=None: every
 
 
 def _rms_grad_sums(dyr, xr, wp, dwc, rnd, n, rs, squares):  # pragma: no cover
@@ -1012,13 +1077,33 @@ def _dx_block(op, dx, j, dy, x, w, ds, stage, p0, p1, p2, rs, nt):  # pragma: no
 
 @overload(_dx_block, prefer_literal=True)
 def _ov_dx_block(op, dx, j, dy, x, w, ds, stage, p0, p1, p2, rs, nt):
-    plain, streamed = (_BACKWARD_BLOCK[op.literal_value, t] for t in (False, True))
+    plain, streamed = (_BACKWARD_BLOCK[op.literal_value, t, False] for t in (False, True))
 
     def block(op, dx, j, dy, x, w, ds, stage, p0, p1, p2, rs, nt):
         if nt:
             streamed(dx, np.uint64(j), dy, x, w, ds, stage, p0, p1, p2, rs)
         else:
             plain(dx, np.uint64(j), dy, x, w, ds, stage, p0, p1, p2, rs)
+
+    return block
+
+
+def _dx_pairs(op, dx, j, dy, x, wp, ds, stage, p0, p1, p2, rs, nt):  # pragma: no cover
+    """_dx_block over bf16 rows read in pairs, with w in pair_order (see _make_backward_block)."""
+    raise NotImplementedError
+
+
+@overload(_dx_pairs, prefer_literal=True)
+def _ov_dx_pairs(op, dx, j, dy, x, wp, ds, stage, p0, p1, p2, rs, nt):
+    if not (x.dtype == dy.dtype == dx.dtype == types.uint16 and (_is_none(ds) or ds.dtype == types.uint16)):
+        return lambda op, dx, j, dy, x, wp, ds, stage, p0, p1, p2, rs, nt: None  # not called: _paired is False
+    plain, streamed = (_BACKWARD_BLOCK[op.literal_value, t, True] for t in (False, True))
+
+    def block(op, dx, j, dy, x, wp, ds, stage, p0, p1, p2, rs, nt):
+        if nt:
+            streamed(dx, np.uint64(j), dy, x, wp, ds, stage, p0, p1, p2, rs)
+        else:
+            plain(dx, np.uint64(j), dy, x, wp, ds, stage, p0, p1, p2, rs)
 
     return block
 
@@ -1212,13 +1297,20 @@ def _rms_dx(dyr, xr, w, dsr, out, rs, coef, i, in_head):
 
 
 @njit(inline="always")
-def _rms_bwd_write(dyr, xr, w, dsr, dxr, rs, coef, i0, i1, head, stage, nt):
-    """dx over [i0, i1) (``head``: inside the first k, where the rstd term applies)."""
+def _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, i0, i1, head, stage, nt):
+    """dx over [i0, i1) (``head``: inside the first k, where the rstd term applies; there, with
+    i0 = 0, the whole blocks of bf16 rows are read in pairs: see _make_grad_sums)."""
     a, b = _spans(dxr, i0, i1, nt)
     for i in range(i0, a):
         _rms_dx(dyr, xr, w, dsr, dxr, rs, coef, i, head)
     z = np.float32(0.0)
-    for j in range(a, b, EMIT):
+    c = a
+    if head and a == 0 and _paired(xr, dyr, dsr):
+        c = i1 - i1 % BLOCK
+        for j in range(0, c, EMIT):
+            _prefetch_pass2(xr, dyr, j)
+            _dx_pairs("rms_head", dxr, j, dyr, xr, wp, dsr, stage, coef, z, z, rs, nt)
+    for j in range(c, b, EMIT):
         _prefetch_pass2(xr, dyr, j)
         if head:
             _dx_block("rms_head", dxr, j, dyr, xr, w, dsr, stage, coef, z, z, rs, nt)
@@ -1241,9 +1333,9 @@ def rms_bwd(dy, x, w, wp, rstd, ds, dx, dw_part, eps, inside, k, rnd, stages, nt
             rs = rstd[r]
             gx, ss = _dot_gx(dyr, w, wp, xr, k, dwc, rs, rnd, not inside)
             coef = _rms_coef(rs, gx, ss, k, inside)
-            _rms_bwd_write(dyr, xr, w, dsr, dxr, rs, coef, 0, k, True, stage, nt)
+            _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, 0, k, True, stage, nt)
             if k < d:  # pRMSNorm: the features past the statistic
-                _rms_bwd_write(dyr, xr, w, dsr, dxr, rs, coef, k, d, False, stage, nt)
+                _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, k, d, False, stage, nt)
         if nt:
             _store_fence()
 
@@ -1302,7 +1394,7 @@ def _ln_dx(dyr, xr, w, dsr, out, mhi, p, q, rs, i):
 
 
 @njit(inline="always")
-def _ln_bwd_write(dyr, xr, w, dsr, dxr, mean, rs, sg, sgx, stage, nt):
+def _ln_bwd_write(dyr, xr, w, wp, dsr, dxr, mean, rs, sg, sgx, stage, nt):
     """dx of this row: rstd * (g - mean(g) - xhat * mean(g * xhat)), with the terms that do not
     depend on g folded into one affine function of x - mhi: dx = rstd * g + p * (x - mhi) + q,
     p = -rstd^2 * mean(g * xhat), q = -rstd * mean(g) - p * mlo (from the float64 sums), as two
@@ -1317,7 +1409,13 @@ def _ln_bwd_write(dyr, xr, w, dsr, dxr, mean, rs, sg, sgx, stage, nt):
     a, b = _spans(dxr, 0, d, nt)
     for i in range(a):
         _ln_dx(dyr, xr, w, dsr, dxr, mhi, p, q, rs, i)
-    for j in range(a, b, EMIT):
+    c = a
+    if a == 0 and _paired(xr, dyr, dsr):  # whole blocks of bf16 rows: in pairs (_make_grad_sums)
+        c = d - d % BLOCK
+        for j in range(0, c, EMIT):
+            _prefetch_pass2(xr, dyr, j)
+            _dx_pairs("ln", dxr, j, dyr, xr, wp, dsr, stage, mhi, p, q, rs, nt)
+    for j in range(c, b, EMIT):
         _prefetch_pass2(xr, dyr, j)
         _dx_block("ln", dxr, j, dyr, xr, w, dsr, stage, mhi, p, q, rs, nt)
     for i in range(b, d):
@@ -1337,6 +1435,6 @@ def ln_bwd(dy, x, w, wp, mean, rstd, ds, dx, dw_part, db_part, stages, nt):
             dyr, xr = dy[r], x[r]
             mu, rs = mean[r], rstd[r]
             sg, sgx = _ln_sums(dyr, w, wp, xr, mu, rs, dwc, dbc)
-            _ln_bwd_write(dyr, xr, w, _row(ds, r), dx[r], mu, rs, sg, sgx, stage, nt)
+            _ln_bwd_write(dyr, xr, w, wp, _row(ds, r), dx[r], mu, rs, sg, sgx, stage, nt)
         if nt:
             _store_fence()
