@@ -53,11 +53,10 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False):
     w, b = torch.randn(d).numpy(), torch.randn(d).numpy()
     stages, nt = C._stages(torch.empty(n, d, dtype=dtype), n)
     rstd, mean, rnd = np.empty(n, np.float32), np.empty(n, np.float64), C._rnd(dtype, llama)
-    # The backward's weights: (w, w in pair order) since the bf16 first pass reads it so;
-    # (w,) for kernel files from before that.
-    span = d - d % K.BLOCK if dtype == torch.bfloat16 else 0
-    wb = (w, K.pair_order(w, span)) if hasattr(K, "pair_order") else (w,)
-    dw, db = np.zeros((stages.shape[0], d), np.float32), np.zeros((stages.shape[0], d), np.float32)
+    # The backward's weight-gradient outputs: the (d,) sums where the kernel sums its partial
+    # rows itself (_numba._sum_partials); the (chunks, d) partial rows for older kernel files.
+    rows = (d,) if hasattr(K, "_sum_partials") else (stages.shape[0], d)
+    dw, db = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
     if op == "rmsb":  # the statistics the backward reads
         K.rms_fwd(sets[0][0], w, y, rstd, 1e-6, True, d, rnd, stages, nt)
     if op == "lnb":
@@ -65,8 +64,8 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False):
     calls = {
         "rms": lambda x, dy: K.rms_fwd(x, w, y, rstd, 1e-6, True, d, rnd, stages, nt),
         "ln": lambda x, dy: K.ln_fwd(x, w, b, y, mean, rstd, 1e-5, stages, nt),
-        "rmsb": lambda x, dy: K.rms_bwd(dy, x, *wb, rstd, None, y, dw, 1e-6, True, d, rnd, stages, nt),
-        "lnb": lambda x, dy: K.ln_bwd(dy, x, *wb, mean, rstd, None, y, dw, db, stages, nt),
+        "rmsb": lambda x, dy: K.rms_bwd(dy, x, w, rstd, None, y, dw, 1e-6, True, d, rnd, stages, nt),
+        "lnb": lambda x, dy: K.ln_bwd(dy, x, w, mean, rstd, None, y, dw, db, stages, nt),
     }
     call, turn = calls[op], [0]
 

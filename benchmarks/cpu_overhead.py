@@ -84,7 +84,7 @@ def main() -> None:
     stages, nt = C._stages(torch.empty(n, d, dtype=dtype), n)
     wn, bn = w.detach().float().numpy(), b.detach().float().numpy()
     mean, rstd = np.empty(n), np.empty(n, np.float32)
-    part = np.zeros((stages.shape[0], d), np.float32)
+    dw = np.zeros(d, np.float32)
     rnd = C._rnd(dtype, False)
     _, _, rstd_t = C.rms_fwd_launch(x.detach(), w, 1e-6, True, False, 0.0, d)
     _, _, mean_t, lrstd_t = C.ln_fwd_launch(x.detach(), w, b, 1e-5)
@@ -93,7 +93,7 @@ def main() -> None:
     rows = {
         "rms_norm": {
             "kernel fwd": lambda: K.rms_fwd(xn, wn, out, rstd, 1e-6, True, d, rnd, stages, nt),
-            "kernel bwd": lambda: K.rms_bwd(dyn, xn, wn, rstd, None, out, part, 1e-6, True, d, rnd, stages, nt),
+            "kernel bwd": lambda: K.rms_bwd(dyn, xn, wn, rstd, None, out, dw, 1e-6, True, d, rnd, stages, nt),
             "launcher fwd": lambda: C.rms_fwd_launch(x.detach(), w, 1e-6, True, False, 0.0, d),
             "launcher bwd": lambda: C.rms_bwd_launch(dy, x.detach(), w, rstd_t, None, 1e-6, True, False, 0.0, d),
             "fwd, no grad": lambda: F.rms_norm(x.detach(), w.detach(), backend="cpu"),
@@ -102,9 +102,9 @@ def main() -> None:
         },
         "layer_norm": {
             "kernel fwd": lambda: K.ln_fwd(xn, wn, bn, out, mean, rstd, 1e-5, stages, nt),
-            "kernel bwd": lambda: K.ln_bwd(dyn, xn, wn, mean, rstd, None, out, part, part.copy(), stages, nt),
+            "kernel bwd": lambda: K.ln_bwd(dyn, xn, wn, mean, rstd, None, out, dw, dw.copy(), stages, nt),
             "launcher fwd": lambda: C.ln_fwd_launch(x.detach(), w, b, 1e-5),
-            "launcher bwd": lambda: C.ln_bwd_launch(dy, x.detach(), w, mean_t, lrstd_t, None),
+            "launcher bwd": lambda: C.ln_bwd_launch(dy, x.detach(), w, b, mean_t, lrstd_t, None),
             "fwd, no grad": lambda: F.layer_norm(x.detach(), w.detach(), b.detach(), backend="cpu"),
             "fwd, with graph": lambda: F.layer_norm(x, w, b, backend="cpu"),
             "bwd (autograd.grad)": timed_backward(lambda: F.layer_norm(x, w, b, backend="cpu"), [x, w, b], dy),

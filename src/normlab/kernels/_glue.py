@@ -10,10 +10,13 @@ A backend's launchers (``L``) allocate outputs and run its kernels:
 
 - ``rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None, residual_in_fp32=False)``
   -> (y, s or None, rstd float32)
-- ``rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k)`` -> (dx, dw float32)
+- ``rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k)`` -> (dx, dw)
 - ``ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp32=False)``
   -> (y, s or None, mean (``mean_dtype``), rstd float32)
-- ``ln_bwd_launch(dy, x, weight, mean, rstd, ds)`` -> (dx, dw float32, db float32)
+- ``ln_bwd_launch(dy, x, weight, bias, mean, rstd, ds)`` -> (dx, dw, db)
+
+dw and db come in float32 or already in the weight's (bias's) dtype (``_grad_dtype``): the cpu
+kernels round their sums as they store them, which saves the conversions after the kernel.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ import torch
 from torch import Tensor
 
 from normlab import reference
+
+
+def _grad_dtype(t: Tensor | None) -> torch.dtype:
+    """The dtype of a weight's (bias's) gradient: its own, float32 where there is none."""
+    return torch.float32 if t is None else t.dtype
 
 
 def _sum_dtype(x: Tensor, residual: Tensor, residual_in_fp32: bool) -> torch.dtype:
@@ -71,12 +79,13 @@ def build(prefix: str, device_types: str, L, fused_dtypes: tuple, mean_dtype: to
         dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, ds: Tensor | None, eps: float, inside: bool,
         llama: bool, offset: float, k: int,
     ) -> tuple[Tensor, Tensor]:
-        return L.rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k)
+        dx, dw = L.rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k)
+        return dx, dw.to(_grad_dtype(weight))
 
 
     @_rms_norm_bwd_op.register_fake
     def _(dy, x, weight, rstd, ds, eps, inside, llama, offset, k):
-        return x.new_empty(x.shape), x.new_empty(x.shape[-1:], dtype=torch.float32)
+        return x.new_empty(x.shape), x.new_empty(x.shape[-1:], dtype=_grad_dtype(weight))
 
 
     @torch.library.custom_op(f"normlab::{prefix}_layer_norm", mutates_args=(), device_types=device_types)
@@ -108,15 +117,16 @@ def build(prefix: str, device_types: str, L, fused_dtypes: tuple, mean_dtype: to
 
     @torch.library.custom_op(f"normlab::{prefix}_layer_norm_backward", mutates_args=(), device_types=device_types)
     def _layer_norm_bwd_op(
-        dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor, ds: Tensor | None
+        dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor, ds: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        return L.ln_bwd_launch(dy, x, weight, mean, rstd, ds)
+        dx, dw, db = L.ln_bwd_launch(dy, x, weight, bias, mean, rstd, ds)
+        return dx, dw.to(_grad_dtype(weight)), db.to(_grad_dtype(bias))
 
 
     @_layer_norm_bwd_op.register_fake
-    def _(dy, x, weight, mean, rstd, ds):
+    def _(dy, x, weight, bias, mean, rstd, ds):
         d = x.shape[-1:]
-        return x.new_empty(x.shape), x.new_empty(d, dtype=torch.float32), x.new_empty(d, dtype=torch.float32)
+        return x.new_empty(x.shape), x.new_empty(d, dtype=_grad_dtype(weight)), x.new_empty(d, dtype=_grad_dtype(bias))
 
 
     # -------------------------------------------------------------------------------- autograd
@@ -170,7 +180,7 @@ def build(prefix: str, device_types: str, L, fused_dtypes: tuple, mean_dtype: to
 
     def _ln_grads(ctx, dy, bwd):
         x, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = bwd(dy, x, weight, mean, rstd, None)
+        dx, dw, db = bwd(dy, x, weight, bias, mean, rstd, None)
         need = ctx.needs_input_grad
         return _grad_like(dx, x, need[0]), _grad_like(dw, weight, need[1]), _grad_like(db, bias, need[2]), None
 
@@ -183,7 +193,7 @@ def build(prefix: str, device_types: str, L, fused_dtypes: tuple, mean_dtype: to
 
     def _add_ln_grads(ctx, dy, ds, bwd):
         s, weight, bias, mean, rstd = ctx.saved_tensors
-        dsum, dw, db = bwd(dy, s, weight, mean, rstd, ds)
+        dsum, dw, db = bwd(dy, s, weight, bias, mean, rstd, ds)
         need = ctx.needs_input_grad
         dx = dsum.to(ctx.dtypes[0]) if need[0] else None
         dres = dsum.to(ctx.dtypes[1]) if need[1] else None

@@ -270,23 +270,29 @@ def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual
     return y, s, rstd
 
 
+def _weight_grad(weight: Tensor | None, d: int, rows: int) -> Tensor:
+    """The (d,) output for a weight's (or bias's) gradient, in its dtype (float32 without one):
+    what the kernels store their sums into, and zeros when there are no rows."""
+    dtype = _glue._grad_dtype(weight)
+    return torch.empty(d, dtype=dtype) if rows else torch.zeros(d, dtype=dtype)
+
+
 def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k):
-    """Returns (dx in x's dtype, dw float32 of shape (d,)). ``ds`` (optional) is added to dx."""
+    """Returns (dx in x's dtype, dw (d,) in the weight's dtype). ``ds`` (optional) is added to dx."""
     shape, d = x.shape, x.shape[-1]
     x2, dy2 = _rows(x), _rows(dy)
     n = x2.shape[0]
     dx = empty(shape, x.dtype)
     stages, stream = _stages(dx, n)
-    dw_part = np.zeros((stages.shape[0], d), np.float32)
-    span = _pair_span(x2, dy2, k)
+    dw = _weight_grad(weight, d, n)
     if n:
         w = _rms_weight(weight, d, dy.dtype, llama, offset)
         ds2 = _as_numpy(_rows(ds)) if ds is not None else None
         K.rms_bwd(
-            _as_numpy(dy2), _as_numpy(x2), w, K.pair_order(w, span), rstd.contiguous().view(n).numpy(), ds2,
-            _as_numpy(dx.view(n, d)), dw_part, eps, inside, k, _rnd(dy.dtype, llama), stages, stream,
+            _as_numpy(dy2), _as_numpy(x2), w, rstd.contiguous().view(n).numpy(), ds2, _as_numpy(dx.view(n, d)),
+            _as_numpy(dw), eps, inside, k, _rnd(dy.dtype, llama), stages, stream,
         )
-    return dx, torch.from_numpy(K.pair_unorder(_sum_chunks(dw_part), span))
+    return dx, dw
 
 
 def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp32=False):
@@ -313,39 +319,24 @@ def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp
     return y, s, mean, rstd
 
 
-def ln_bwd_launch(dy, x, weight, mean, rstd, ds):
-    """Returns (dx in x's dtype, dw, db), the last two float32 (d,)."""
+def ln_bwd_launch(dy, x, weight, bias, mean, rstd, ds):
+    """Returns (dx in x's dtype, dw, db), (d,) in the weight's and the bias's dtypes."""
     shape, d = x.shape, x.shape[-1]
     x2, dy2 = _rows(x), _rows(dy)
     n = x2.shape[0]
     dx = empty(shape, x.dtype)
     stages, stream = _stages(dx, n)
-    dw_part = np.zeros((stages.shape[0], d), np.float32)
-    db_part = np.zeros((stages.shape[0], d), np.float32)
-    span = _pair_span(x2, dy2, d)
+    dw, db = _weight_grad(weight, d, n), _weight_grad(bias, d, n)
     if n:
-        w, _ = _ln_weights(weight, None, d)
+        w = np.ones(d, np.float32) if weight is None else weight.detach().float().contiguous().numpy()
         ds2 = _as_numpy(_rows(ds)) if ds is not None else None
         K.ln_bwd(
-            _as_numpy(dy2), _as_numpy(x2), w, K.pair_order(w, span), mean.contiguous().view(n).numpy(),
-            rstd.contiguous().view(n).numpy(), ds2, _as_numpy(dx.view(n, d)), dw_part, db_part, stages, stream,
+            _as_numpy(dy2), _as_numpy(x2), w, mean.contiguous().view(n).numpy(), rstd.contiguous().view(n).numpy(),
+            ds2, _as_numpy(dx.view(n, d)), _as_numpy(dw), _as_numpy(db), stages, stream,
         )
-    dw, db = (K.pair_unorder(_sum_chunks(part), span) for part in (dw_part, db_part))
-    return dx, torch.from_numpy(dw), torch.from_numpy(db)
+    return dx, dw, db
 
 
-def _pair_span(x: Tensor, dy: Tensor, k: int) -> int:
-    """How much of the weight the backward's first pass reads in pair order (_numba.pair_order):
-    the whole blocks of its first k values when x and dy are both bf16, else none."""
-    return k - k % K.BLOCK if x.dtype == dy.dtype == torch.bfloat16 else 0
-
-
-def _sum_chunks(part: np.ndarray) -> np.ndarray:
-    # Chunk order, left to right: deterministic for a given chunk count.
-    total = part[0].copy()
-    for c in range(1, part.shape[0]):
-        total += part[c]
-    return total
 
 # ------------------------------------------------------- custom ops, autograd, public functions
 

@@ -130,8 +130,8 @@ def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k):
     return dx, dw
 
 
-def ln_bwd_launch(dy, x, weight, mean, rstd, ds):
-    """Returns (dx in x's dtype, dw, db), the last two float32 (d,)."""
+def ln_bwd_launch(dy, x, weight, bias, mean, rstd, ds):
+    """Returns (dx in x's dtype, dw, db), the last two float32 (d,); ``bias`` is not read."""
     return _launch_bwd(dy, x, weight, mean.reshape(-1), rstd, ds, 0.0, x.shape[-1], False, False, True, True)
 
 
