@@ -910,6 +910,14 @@ def pair_unorder(v, span):
 
 
 @njit
+def _partial_rows(nchunks, d):
+    """Zeroed float32 rows, one per chunk. (A function of its own: in the body of a parallel
+    kernel numba turns np.zeros into a parallel loop of its own, a second or so more to compile
+    for every kernel signature.)"""
+    return np.zeros((nchunks, d), np.float32)
+
+
+@njit
 def _sum_partials(part, span, out):
     """out = the partial rows summed in chunk order (deterministic for a chunk count), each
     element taken from its place in pair order over [0, span), stored in out's dtype (rounded
@@ -1010,24 +1018,6 @@ def _paired(x, dy, ds=None):  # pragma: no cover - replaced by the overload belo
 def _ov_paired(x, dy, ds=None):
     every = x.dtype == dy.dtype == types.uint16 and (_is_none(ds) or ds.dtype == types.uint16)
     return lambda x, dy, ds=None: every
-
-
-def _rms_grad_sums(dyr, xr, wp, dwc, rnd, n, rs, squares):  # pragma: no cover
-    """rms_norm's first backward pass over [0, n) (see _make_grad_sums)."""
-    raise NotImplementedError
-
-
-@overload(_rms_grad_sums)
-def _ov_rms_grad_sums(dyr, xr, wp, dwc, rnd, n, rs, squares):
-    with_squares, without = (_RMS_GRAD_SUMS[_is_llama(rnd), s] for s in (True, False))
-
-    def sums(dyr, xr, wp, dwc, rnd, n, rs, squares):
-        z = np.float32(0.0)
-        if squares:
-            return with_squares(dyr, xr, wp, dwc, rnd, n, rs, z, z)
-        return without(dyr, xr, wp, dwc, rnd, n, rs, z, z)
-
-    return sums
 
 
 def _vector_sums(a):  # pragma: no cover - replaced by the overload below
@@ -1275,21 +1265,7 @@ def _dot_gx(dyr, w, wp, xr, k, dwc, rs, rnd, squares):
     above). ``wp``: w in pair_order over the whole blocks of [:k] (bf16 rows)."""
     d = xr.shape[0]
     full = k - k % BLOCK
-    if _paired(xr, dyr):
-        tgx, tss = _rms_grad_sums(dyr, xr, wp, dwc, rnd, full, rs, squares)
-    else:
-        tgx = 0.0
-        tss = 0.0
-        for j in range(0, full, BLOCK):
-            _prefetch_pass1(xr, dyr, j)
-            pgx = np.float32(0.0)
-            pss = np.float32(0.0)
-            for i in range(j, j + BLOCK):
-                xv = _rms_dw(dyr, xr, dwc, rs, rnd, i)
-                pgx += (_load(dyr, i) * _load(w, i)) * xv
-                pss += xv * xv
-            tgx += pgx
-            tss += pss
+    tgx, tss = _rms_blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares)
     pgx = np.float32(0.0)
     pss = np.float32(0.0)
     for i in range(full, k):
@@ -1299,6 +1275,45 @@ def _dot_gx(dyr, w, wp, xr, k, dwc, rs, rnd, squares):
     for i in range(k, d):  # past the statistic (pRMSNorm): g * x only
         pgx += (_load(dyr, i) * _load(w, i)) * _rms_dw(dyr, xr, dwc, rs, rnd, i)
     return tgx + pgx, tss + pss
+
+
+@njit(inline="always")
+def _rms_blocks_loop(dyr, w, xr, full, dwc, rs, rnd):
+    """_dot_gx's whole blocks as element loops (LLVM vectorizes them)."""
+    tgx = 0.0
+    tss = 0.0
+    for j in range(0, full, BLOCK):
+        _prefetch_pass1(xr, dyr, j)
+        pgx = np.float32(0.0)
+        pss = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            xv = _rms_dw(dyr, xr, dwc, rs, rnd, i)
+            pgx += (_load(dyr, i) * _load(w, i)) * xv
+            pss += xv * xv
+        tgx += pgx
+        tss += pss
+    return tgx, tss
+
+
+def _rms_blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares):  # pragma: no cover - replaced by the overload below
+    """_dot_gx over the whole blocks [0, full): the vector loops for bf16 rows, else the
+    element loops. Picked when numba types the call, so each kernel compiles one of them."""
+    raise NotImplementedError
+
+
+@overload(_rms_blocks, inline="always")
+def _ov_rms_blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares):
+    if not (xr.dtype == dyr.dtype == types.uint16):
+        return lambda dyr, w, wp, xr, full, dwc, rs, rnd, squares: _rms_blocks_loop(dyr, w, xr, full, dwc, rs, rnd)
+    with_squares, without = (_RMS_GRAD_SUMS[_is_llama(rnd), s] for s in (True, False))
+
+    def blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares):
+        z = np.float32(0.0)
+        if squares:
+            return with_squares(dyr, xr, wp, dwc, rnd, full, rs, z, z)
+        return without(dyr, xr, wp, dwc, rnd, full, rs, z, z)
+
+    return blocks
 
 
 @njit
@@ -1357,7 +1372,7 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, rnd, stages, nt):
     nchunks = stages.shape[0]
     span = k - k % BLOCK if _paired(x, dy) else 0
     wp = pair_order(w, span)
-    dw_part = np.zeros((nchunks, d), np.float32)
+    dw_part = _partial_rows(nchunks, d)
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         dwc = dw_part[c]
@@ -1388,6 +1403,36 @@ def _ln_dw(dyr, xr, dwc, dbc, mhi, rs, lo, i):
 
 
 @njit(inline="always")
+def _ln_blocks_loop(dyr, w, xr, full, mhi, rs, lo, dwc, dbc):
+    """_ln_sums's whole blocks as element loops (LLVM vectorizes them)."""
+    tg = 0.0
+    tgx = 0.0
+    for j in range(0, full, BLOCK):
+        _prefetch_pass1(xr, dyr, j)
+        pg = np.float32(0.0)
+        pgx = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            g = _load(dyr, i) * _load(w, i)
+            pg += g
+            pgx += g * _ln_dw(dyr, xr, dwc, dbc, mhi, rs, lo, i)
+        tg += pg
+        tgx += pgx
+    return tg, tgx
+
+
+def _ln_blocks(dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc):  # pragma: no cover - replaced by the overload below
+    """_ln_sums over the whole blocks [0, full), picked as _rms_blocks is."""
+    raise NotImplementedError
+
+
+@overload(_ln_blocks, inline="always")
+def _ov_ln_blocks(dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc):
+    if not (xr.dtype == dyr.dtype == types.uint16):
+        return lambda dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc: _ln_blocks_loop(dyr, w, xr, full, mhi, rs, lo, dwc, dbc)
+    return lambda dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc: _LN_GRAD_SUMS(dyr, xr, wp, dwc, dbc, full, mhi, rs, lo)
+
+
+@njit(inline="always")
 def _ln_sums(dyr, w, wp, xr, mean, rs, dwc, dbc):
     """(sum of g, sum of g * xhat) with g = dy * w, xhat = (x - mean) * rstd; adds the row's dw
     and db terms to dwc and dbc on the way (see "backward" above). ``wp``: w in pair_order over
@@ -1396,21 +1441,7 @@ def _ln_sums(dyr, w, wp, xr, mean, rs, dwc, dbc):
     lo = np.float32(-np.float64(mlo) * rs)
     d = xr.shape[0]
     full = d - d % BLOCK
-    if _paired(xr, dyr):
-        tg, tgx = _LN_GRAD_SUMS(dyr, xr, wp, dwc, dbc, full, mhi, rs, lo)
-    else:
-        tg = 0.0
-        tgx = 0.0
-        for j in range(0, full, BLOCK):
-            _prefetch_pass1(xr, dyr, j)
-            pg = np.float32(0.0)
-            pgx = np.float32(0.0)
-            for i in range(j, j + BLOCK):
-                g = _load(dyr, i) * _load(w, i)
-                pg += g
-                pgx += g * _ln_dw(dyr, xr, dwc, dbc, mhi, rs, lo, i)
-            tg += pg
-            tgx += pgx
+    tg, tgx = _ln_blocks(dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc)
     pg = np.float32(0.0)
     pgx = np.float32(0.0)
     for i in range(full, d):
@@ -1464,8 +1495,8 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, nt):
     nchunks = stages.shape[0]
     span = d - d % BLOCK if _paired(x, dy) else 0
     wp = pair_order(w, span)
-    dw_part = np.zeros((nchunks, d), np.float32)
-    db_part = np.zeros((nchunks, d), np.float32)
+    dw_part = _partial_rows(nchunks, d)
+    db_part = _partial_rows(nchunks, d)
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         dwc = dw_part[c]

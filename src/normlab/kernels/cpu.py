@@ -41,12 +41,13 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _as_numpy(t: Tensor) -> np.ndarray:
-    """A numpy view of a contiguous CPU tensor in the encoding the kernels expect."""
-    t = t.detach()
+    """A numpy view of a contiguous CPU tensor in the encoding the kernels expect. (An integer
+    view never requires grad, so only float32 needs the detach; each step is a microsecond or
+    two of every call.)"""
     if t.dtype == torch.float32:
-        return t.numpy()
+        return t.detach().numpy()
     if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
+        return t.view(torch.uint16).numpy()
     if t.dtype == torch.float16:
         return t.view(torch.int16).numpy()
     raise TypeError(f"cpu kernels take float32, bfloat16 or float16 tensors, got {t.dtype}")
@@ -62,11 +63,12 @@ def _raw(nbytes: int) -> np.ndarray:
     return np.empty(nbytes + ALIGN, np.uint8)
 
 
-def _aligned(raw: np.ndarray, nbytes: int) -> np.ndarray:
-    """The 64-byte-aligned ``nbytes`` of a buffer from ``_raw``. A view, whose base is ``raw``
-    itself (numpy collapses view chains), so holding it holds ``raw``: the pool's reference
-    counts stay right."""
-    start = -raw.ctypes.data % ALIGN
+def _aligned(raw: np.ndarray, nbytes: int, start: int | None = None) -> np.ndarray:
+    """The 64-byte-aligned ``nbytes`` of a buffer from ``_raw`` (``start``: where they begin, if
+    known). A view, whose base is ``raw`` itself (numpy collapses view chains), so holding it
+    holds ``raw``: the pool's reference counts stay right."""
+    if start is None:
+        start = -raw.__array_interface__["data"][0] % ALIGN
     return raw[start : start + nbytes]
 
 
@@ -89,29 +91,31 @@ class BufferPool:
     def __init__(self, max_bytes: int, min_bytes: int = 1 << 20) -> None:
         self.max_bytes = max_bytes
         self.min_bytes = min_bytes
-        self._buffers: dict[int, list[np.ndarray]] = {}
+        self._buffers: dict[int, list[tuple[np.ndarray, int]]] = {}  # (buffer, where its aligned bytes start)
         self._held = 0
         self._lock = threading.Lock()
 
     @staticmethod
-    def _free(buffers: list[np.ndarray], i: int) -> bool:
-        # Two references when free: the pool's list and getrefcount's own argument. Any tensor,
+    def _free(buffers: list[tuple[np.ndarray, int]], i: int) -> bool:
+        # Two references when free: the pool's entry and getrefcount's own argument. Any tensor,
         # view or saved activation made from the buffer adds one.
-        return sys.getrefcount(buffers[i]) == 2
+        return sys.getrefcount(buffers[i][0]) == 2
 
     def take(self, nbytes: int) -> np.ndarray:
         with self._lock:
             buffers = self._buffers.setdefault(nbytes, [])
             for i in range(len(buffers)):
                 if self._free(buffers, i):
-                    return _aligned(buffers[i], nbytes)  # a view: holding it holds the buffer
+                    raw, start = buffers[i]
+                    return _aligned(raw, nbytes, start)  # a view: holding it holds the buffer
             if self._held + nbytes > self.max_bytes:
                 self._evict(self._held + nbytes - self.max_bytes)
             if self._held + nbytes > self.max_bytes:
                 return _aligned(_raw(nbytes), nbytes)  # over the cap: not pooled
-            buffers.append(_raw(nbytes))
+            raw = _raw(nbytes)
+            buffers.append((raw, -raw.__array_interface__["data"][0] % ALIGN))
             self._held += nbytes
-            return _aligned(buffers[-1], nbytes)
+            return _aligned(raw, nbytes, buffers[-1][1])
 
     def _evict(self, need: int) -> None:
         for size, buffers in self._buffers.items():
@@ -289,7 +293,7 @@ def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k):
         w = _rms_weight(weight, d, dy.dtype, llama, offset)
         ds2 = _as_numpy(_rows(ds)) if ds is not None else None
         K.rms_bwd(
-            _as_numpy(dy2), _as_numpy(x2), w, rstd.contiguous().view(n).numpy(), ds2, _as_numpy(dx.view(n, d)),
+            _as_numpy(dy2), _as_numpy(x2), w, rstd.reshape(n).numpy(), ds2, _as_numpy(dx.view(n, d)),
             _as_numpy(dw), eps, inside, k, _rnd(dy.dtype, llama), stages, stream,
         )
     return dx, dw
@@ -331,7 +335,7 @@ def ln_bwd_launch(dy, x, weight, bias, mean, rstd, ds):
         w = np.ones(d, np.float32) if weight is None else weight.detach().float().contiguous().numpy()
         ds2 = _as_numpy(_rows(ds)) if ds is not None else None
         K.ln_bwd(
-            _as_numpy(dy2), _as_numpy(x2), w, mean.contiguous().view(n).numpy(), rstd.contiguous().view(n).numpy(),
+            _as_numpy(dy2), _as_numpy(x2), w, mean.reshape(n).numpy(), rstd.reshape(n).numpy(),
             ds2, _as_numpy(dx.view(n, d)), _as_numpy(dw), _as_numpy(db), stages, stream,
         )
     return dx, dw, db
