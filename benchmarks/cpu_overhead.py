@@ -104,7 +104,7 @@ def main() -> None:
             "kernel fwd": lambda: K.ln_fwd(xn, wn, bn, out, mean, rstd, 1e-5, stages, nt),
             "kernel bwd": lambda: K.ln_bwd(dyn, xn, wn, mean, rstd, None, out, dw, dw.copy(), stages, nt),
             "launcher fwd": lambda: C.ln_fwd_launch(x.detach(), w, b, 1e-5),
-            "launcher bwd": lambda: C.ln_bwd_launch(dy, x.detach(), w, b, mean_t, lrstd_t, None),
+            "launcher bwd": lambda: C.ln_bwd_launch(dy, x.detach(), w, mean_t, lrstd_t, None),
             "fwd, no grad": lambda: F.layer_norm(x.detach(), w.detach(), b.detach(), backend="cpu"),
             "fwd, with graph": lambda: F.layer_norm(x, w, b, backend="cpu"),
             "bwd (autograd.grad)": timed_backward(lambda: F.layer_norm(x, w, b, backend="cpu"), [x, w, b], dy),

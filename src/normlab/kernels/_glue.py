@@ -10,13 +10,17 @@ A backend's launchers (``L``) allocate outputs and run its kernels:
 
 - ``rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None, residual_in_fp32=False)``
   -> (y, s or None, rstd float32)
-- ``rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k)`` -> (dx, dw)
+- ``rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k, *, grad_dtypes=None)``
+  -> (dx, dw)
 - ``ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp32=False)``
   -> (y, s or None, mean (``mean_dtype``), rstd float32)
-- ``ln_bwd_launch(dy, x, weight, bias, mean, rstd, ds)`` -> (dx, dw, db)
+- ``ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None)`` -> (dx, dw, db)
 
-dw and db come in float32 or already in the weight's (bias's) dtype (``_grad_dtype``): the cpu
-kernels round their sums as they store them, which saves the conversions after the kernel.
+dw and db are float32, or with ``grad_dtypes`` (the weight's and the bias's dtypes) may come in
+those already: the cpu kernels round their sums as they store them, which saves conversions
+right after a large kernel, when Python's memory is cold. The eager Functions ask for that; the
+custom ops do not, so their schemas and outputs stay as compiled graphs (and their on-disk
+caches) know them.
 """
 
 from __future__ import annotations
@@ -79,13 +83,12 @@ def build(prefix: str, device_types: str, L, fused_dtypes: tuple, mean_dtype: to
         dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, ds: Tensor | None, eps: float, inside: bool,
         llama: bool, offset: float, k: int,
     ) -> tuple[Tensor, Tensor]:
-        dx, dw = L.rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k)
-        return dx, dw.to(_grad_dtype(weight))
+        return L.rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k)
 
 
     @_rms_norm_bwd_op.register_fake
     def _(dy, x, weight, rstd, ds, eps, inside, llama, offset, k):
-        return x.new_empty(x.shape), x.new_empty(x.shape[-1:], dtype=_grad_dtype(weight))
+        return x.new_empty(x.shape), x.new_empty(x.shape[-1:], dtype=torch.float32)
 
 
     @torch.library.custom_op(f"normlab::{prefix}_layer_norm", mutates_args=(), device_types=device_types)
@@ -117,16 +120,15 @@ def build(prefix: str, device_types: str, L, fused_dtypes: tuple, mean_dtype: to
 
     @torch.library.custom_op(f"normlab::{prefix}_layer_norm_backward", mutates_args=(), device_types=device_types)
     def _layer_norm_bwd_op(
-        dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor, ds: Tensor | None
+        dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor, ds: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        dx, dw, db = L.ln_bwd_launch(dy, x, weight, bias, mean, rstd, ds)
-        return dx, dw.to(_grad_dtype(weight)), db.to(_grad_dtype(bias))
+        return L.ln_bwd_launch(dy, x, weight, mean, rstd, ds)
 
 
     @_layer_norm_bwd_op.register_fake
-    def _(dy, x, weight, bias, mean, rstd, ds):
+    def _(dy, x, weight, mean, rstd, ds):
         d = x.shape[-1:]
-        return x.new_empty(x.shape), x.new_empty(d, dtype=_grad_dtype(weight)), x.new_empty(d, dtype=_grad_dtype(bias))
+        return x.new_empty(x.shape), x.new_empty(d, dtype=torch.float32), x.new_empty(d, dtype=torch.float32)
 
 
     # -------------------------------------------------------------------------------- autograd
@@ -200,13 +202,28 @@ def build(prefix: str, device_types: str, L, fused_dtypes: tuple, mean_dtype: to
         return dx, dres, _grad_like(dw, weight, need[2]), _grad_like(db, bias, need[3]), None, None
 
 
+    # The backward callables the gradient code takes: (dy, x, weight, rstd, ds, *opts) for rms,
+    # (dy, x, weight, bias, mean, rstd, ds) for ln; the eager ones ask for the parameters' dtypes.
+
+    def _ln_bwd_op(dy, x, weight, bias, mean, rstd, ds):
+        return _layer_norm_bwd_op(dy, x, weight, mean, rstd, ds)
+
+
+    def _rms_bwd_eager(dy, x, weight, rstd, ds, *opts):
+        return L.rms_bwd_launch(dy, x, weight, rstd, ds, *opts, grad_dtypes=(_grad_dtype(weight),))
+
+
+    def _ln_bwd_eager(dy, x, weight, bias, mean, rstd, ds):
+        return L.ln_bwd_launch(dy, x, weight, mean, rstd, ds, grad_dtypes=(_grad_dtype(weight), _grad_dtype(bias)))
+
+
     _rms_norm_op.register_autograd(lambda ctx, dy, _: _rms_grads(ctx, dy, _rms_norm_bwd_op), setup_context=_rms_setup)
     _add_rms_norm_op.register_autograd(
         lambda ctx, dy, ds, _: _add_rms_grads(ctx, dy, ds, _rms_norm_bwd_op), setup_context=_add_rms_setup
     )
-    _layer_norm_op.register_autograd(lambda ctx, dy, _m, _r: _ln_grads(ctx, dy, _layer_norm_bwd_op), setup_context=_ln_setup)
+    _layer_norm_op.register_autograd(lambda ctx, dy, _m, _r: _ln_grads(ctx, dy, _ln_bwd_op), setup_context=_ln_setup)
     _add_layer_norm_op.register_autograd(
-        lambda ctx, dy, ds, _m, _r: _add_ln_grads(ctx, dy, ds, _layer_norm_bwd_op), setup_context=_add_ln_setup
+        lambda ctx, dy, ds, _m, _r: _add_ln_grads(ctx, dy, ds, _ln_bwd_op), setup_context=_add_ln_setup
     )
 
 
@@ -219,7 +236,7 @@ def build(prefix: str, device_types: str, L, fused_dtypes: tuple, mean_dtype: to
 
         @staticmethod
         def backward(ctx, dy):
-            return _rms_grads(ctx, dy, L.rms_bwd_launch)
+            return _rms_grads(ctx, dy, _rms_bwd_eager)
 
 
     class _AddRMSNorm(torch.autograd.Function):
@@ -231,7 +248,7 @@ def build(prefix: str, device_types: str, L, fused_dtypes: tuple, mean_dtype: to
 
         @staticmethod
         def backward(ctx, dy, ds):
-            return _add_rms_grads(ctx, dy, ds, L.rms_bwd_launch)
+            return _add_rms_grads(ctx, dy, ds, _rms_bwd_eager)
 
 
     class _LayerNorm(torch.autograd.Function):
@@ -243,7 +260,7 @@ def build(prefix: str, device_types: str, L, fused_dtypes: tuple, mean_dtype: to
 
         @staticmethod
         def backward(ctx, dy):
-            return _ln_grads(ctx, dy, L.ln_bwd_launch)
+            return _ln_grads(ctx, dy, _ln_bwd_eager)
 
 
     class _AddLayerNorm(torch.autograd.Function):
@@ -255,7 +272,7 @@ def build(prefix: str, device_types: str, L, fused_dtypes: tuple, mean_dtype: to
 
         @staticmethod
         def backward(ctx, dy, ds):
-            return _add_ln_grads(ctx, dy, ds, L.ln_bwd_launch)
+            return _add_ln_grads(ctx, dy, ds, _ln_bwd_eager)
 
 
     # ------------------------------------------------------------------- the backend's functions

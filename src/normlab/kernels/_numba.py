@@ -787,8 +787,6 @@ def _f32x16(builder, scalar):
 def _block_values(builder, data, base, kind):
     """The BLOCK values from element ``base`` of ``data`` as float32 vectors of 16, in an order
     fit for sums."""
-    i32 = ir.VectorType(ir.IntType(32), _LANES)
-    f32 = ir.VectorType(ir.FloatType(), _LANES)
     if kind == types.uint16:  # bf16 pairs in 32-bit lanes
         start = builder.gep(data, [base])
         return [u for v in range(BLOCK // 32) for u in _bf16_pair(builder, start, 32 * v)]

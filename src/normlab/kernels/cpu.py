@@ -274,21 +274,22 @@ def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual
     return y, s, rstd
 
 
-def _weight_grad(weight: Tensor | None, d: int, rows: int) -> Tensor:
-    """The (d,) output for a weight's (or bias's) gradient, in its dtype (float32 without one):
-    what the kernels store their sums into, and zeros when there are no rows."""
-    dtype = _glue._grad_dtype(weight)
-    return torch.empty(d, dtype=dtype) if rows else torch.zeros(d, dtype=dtype)
+def _weight_grads(grad_dtypes: tuple | None, count: int, d: int, rows: int) -> list[Tensor]:
+    """The (d,) outputs the kernels store weight (and bias) gradients into: in ``grad_dtypes``,
+    else float32; zeros when there are no rows."""
+    dtypes = grad_dtypes or (torch.float32,) * count
+    return [torch.empty(d, dtype=t) if rows else torch.zeros(d, dtype=t) for t in dtypes]
 
 
-def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k):
-    """Returns (dx in x's dtype, dw (d,) in the weight's dtype). ``ds`` (optional) is added to dx."""
+def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k, *, grad_dtypes=None):
+    """Returns (dx in x's dtype, dw (d,) float32 or in ``grad_dtypes[0]``). ``ds`` (optional) is
+    added to dx."""
     shape, d = x.shape, x.shape[-1]
     x2, dy2 = _rows(x), _rows(dy)
     n = x2.shape[0]
     dx = empty(shape, x.dtype)
     stages, stream = _stages(dx, n)
-    dw = _weight_grad(weight, d, n)
+    (dw,) = _weight_grads(grad_dtypes, 1, d, n)
     if n:
         w = _rms_weight(weight, d, dy.dtype, llama, offset)
         ds2 = _as_numpy(_rows(ds)) if ds is not None else None
@@ -323,14 +324,14 @@ def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp
     return y, s, mean, rstd
 
 
-def ln_bwd_launch(dy, x, weight, bias, mean, rstd, ds):
-    """Returns (dx in x's dtype, dw, db), (d,) in the weight's and the bias's dtypes."""
+def ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None):
+    """Returns (dx in x's dtype, dw, db), (d,) float32 or in ``grad_dtypes``."""
     shape, d = x.shape, x.shape[-1]
     x2, dy2 = _rows(x), _rows(dy)
     n = x2.shape[0]
     dx = empty(shape, x.dtype)
     stages, stream = _stages(dx, n)
-    dw, db = _weight_grad(weight, d, n), _weight_grad(bias, d, n)
+    dw, db = _weight_grads(grad_dtypes, 2, d, n)
     if n:
         w = np.ones(d, np.float32) if weight is None else weight.detach().float().contiguous().numpy()
         ds2 = _as_numpy(_rows(ds)) if ds is not None else None

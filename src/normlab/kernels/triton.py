@@ -124,14 +124,15 @@ def _launch_bwd(dy, x, weight, mean, rstd, ds, offset, k, is_rms, llama, inside,
     return dx, dw.sum(0), (db.sum(0) if want_db else None)
 
 
-def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k):
-    """Returns (dx in x's dtype, dw float32 of shape (d,)). ``ds`` (optional) is added to dx."""
+def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k, *, grad_dtypes=None):
+    """Returns (dx in x's dtype, dw float32 of shape (d,)). ``ds`` (optional) is added to dx;
+    ``grad_dtypes`` is not read (the caller converts)."""
     dx, dw, _ = _launch_bwd(dy, x, weight, None, rstd, ds, offset, k, True, llama, inside, False)
     return dx, dw
 
 
-def ln_bwd_launch(dy, x, weight, bias, mean, rstd, ds):
-    """Returns (dx in x's dtype, dw, db), the last two float32 (d,); ``bias`` is not read."""
+def ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None):
+    """Returns (dx in x's dtype, dw, db), the last two float32 (d,); ``grad_dtypes`` is not read."""
     return _launch_bwd(dy, x, weight, mean.reshape(-1), rstd, ds, 0.0, x.shape[-1], False, False, True, True)
 
 
