@@ -794,6 +794,17 @@ def _block_values(builder, data, base, kind):
     return [_load_row(builder, start, v, kind) for v in range(BLOCK // _LANES)]
 
 
+def _block_stream(builder, data, base, kind):
+    """_block_values, emitted as they are used."""
+    start = builder.gep(data, [base])
+    if kind == types.uint16:
+        for v in range(BLOCK // 32):
+            yield from _bf16_pair(builder, start, 32 * v)
+    else:
+        for v in range(BLOCK // _LANES):
+            yield _load_row(builder, start, v, kind)
+
+
 def _fma(builder, a, b, c):
     """a * b + c rounded once, for float32 scalars or vectors of 16."""
     ty = a.type
@@ -985,8 +996,8 @@ def _make_grad_sums(op, llama=False, squares=False, hw=HW_BF16):
                 for k in (1, 0):
                     _prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2)
                 acc = [[ir.Constant(f32, [0.0] * _LANES)] * _ACC for _ in range(2)]
-                xs = _block_values(builder, x_data, base, kind)
-                dys = _block_values(builder, dy_data, base, signature.args[0].dtype)
+                xs = _block_stream(builder, x_data, base, kind)
+                dys = _block_stream(builder, dy_data, base, signature.args[0].dtype)
                 for v, (x, dy) in enumerate(zip(xs, dys)):
                     a = v % _ACC
                     at = builder.add(base, ir.Constant(i64, v * _LANES))
