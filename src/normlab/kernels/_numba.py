@@ -1120,39 +1120,24 @@ def _ov_ln_block(y, j, x, w, b, stage, mhi, mlo, rs, nt):
 
 
 def _dx_block(op, dx, j, dy, x, w, ds, stage, p0, p1, p2, rs, nt):  # pragma: no cover
-    """The backward's dx block at j (see _make_backward_block; ``op`` a string literal)."""
+    """The backward's dx block at j (see _make_backward_block). ``op`` a string literal: "ln",
+    "rms" or "rms_head", with "/pairs" for bf16 rows read in pairs and w in pair_order."""
     raise NotImplementedError
 
 
 @overload(_dx_block, prefer_literal=True)
 def _ov_dx_block(op, dx, j, dy, x, w, ds, stage, p0, p1, p2, rs, nt):
-    plain, streamed = (_BACKWARD_BLOCK[op.literal_value, t, False] for t in (False, True))
+    name, _, how = op.literal_value.partition("/")
+    paired = how == "pairs"
+    if paired and not (x.dtype == dy.dtype == dx.dtype == types.uint16 and (_is_none(ds) or ds.dtype == types.uint16)):
+        return lambda op, dx, j, dy, x, w, ds, stage, p0, p1, p2, rs, nt: None  # not called: _paired is False
+    plain, streamed = (_BACKWARD_BLOCK[name, t, paired] for t in (False, True))
 
     def block(op, dx, j, dy, x, w, ds, stage, p0, p1, p2, rs, nt):
         if nt:
             streamed(dx, np.uint64(j), dy, x, w, ds, stage, p0, p1, p2, rs)
         else:
             plain(dx, np.uint64(j), dy, x, w, ds, stage, p0, p1, p2, rs)
-
-    return block
-
-
-def _dx_pairs(op, dx, j, dy, x, wp, ds, stage, p0, p1, p2, rs, nt):  # pragma: no cover
-    """_dx_block over bf16 rows read in pairs, with w in pair_order (see _make_backward_block)."""
-    raise NotImplementedError
-
-
-@overload(_dx_pairs, prefer_literal=True)
-def _ov_dx_pairs(op, dx, j, dy, x, wp, ds, stage, p0, p1, p2, rs, nt):
-    if not (x.dtype == dy.dtype == dx.dtype == types.uint16 and (_is_none(ds) or ds.dtype == types.uint16)):
-        return lambda op, dx, j, dy, x, wp, ds, stage, p0, p1, p2, rs, nt: None  # not called: _paired is False
-    plain, streamed = (_BACKWARD_BLOCK[op.literal_value, t, True] for t in (False, True))
-
-    def block(op, dx, j, dy, x, wp, ds, stage, p0, p1, p2, rs, nt):
-        if nt:
-            streamed(dx, np.uint64(j), dy, x, wp, ds, stage, p0, p1, p2, rs)
-        else:
-            plain(dx, np.uint64(j), dy, x, wp, ds, stage, p0, p1, p2, rs)
 
     return block
 
@@ -1386,7 +1371,7 @@ def _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, i0, i1, head, stage, nt):
         c = i1 - i1 % BLOCK
         for j in range(0, c, EMIT):
             _prefetch_pass2(xr, dyr, j)
-            _dx_pairs("rms_head", dxr, j, dyr, xr, wp, dsr, stage, coef, z, z, rs, nt)
+            _dx_block("rms_head/pairs", dxr, j, dyr, xr, wp, dsr, stage, coef, z, z, rs, nt)
     for j in range(c, b, EMIT):
         _prefetch_pass2(xr, dyr, j)
         if head:
@@ -1513,7 +1498,7 @@ def _ln_bwd_write(dyr, xr, w, wp, dsr, dxr, mean, rs, sg, sgx, stage, nt):
         c = d - d % BLOCK
         for j in range(0, c, EMIT):
             _prefetch_pass2(xr, dyr, j)
-            _dx_pairs("ln", dxr, j, dyr, xr, wp, dsr, stage, mhi, p, q, rs, nt)
+            _dx_block("ln/pairs", dxr, j, dyr, xr, wp, dsr, stage, mhi, p, q, rs, nt)
     for j in range(c, b, EMIT):
         _prefetch_pass2(xr, dyr, j)
         _dx_block("ln", dxr, j, dyr, xr, w, dsr, stage, mhi, p, q, rs, nt)
