@@ -886,9 +886,12 @@ _row_sumsq = _make_row_sums(centred=False)
 # chunk's partial rows on the way. bf16 is read two values to a 32-bit lane as _block_values
 # does, so each 32 values arrive as their 16 even-indexed ones, then their 16 odd-indexed ones;
 # the weight the pass reads (``wp``) and the partial rows it adds to are kept in that order
-# (pair_order), which the launcher undoes on the summed partials (pair_unorder). Against LLVM's
+# (pair_order), which the kernel undoes on the summed partials (_sum_partials). Against LLVM's
 # vectorization of the element loops this takes half the widening instructions and fuses the
-# sums' multiply-adds (LLVM does not vectorize a reduction through an fma).
+# sums' multiply-adds (LLVM does not vectorize a reduction through an fma): bf16 backward in
+# cache 1.15x (layer_norm) to 1.45x (llama-order rms_norm) at d=1024; with the dx blocks in pair
+# order too, from memory at 8192x1024 1.16x-1.33x (docs/results/cpu-bench-pairs-2026-11-29.md).
+# Float32 rows stay on the element loops: this pass in natural order ran 0.85x-0.98x there.
 
 
 def _make_pair_shuffle(to_pairs):
@@ -976,7 +979,8 @@ def _make_grad_sums(op, llama=False, squares=False, hw=HW_BF16):
     Block j prefetches as _prefetch_pass1(xr, dyr, j) does."""
 
     def grad_sums(typingctx, dyr, xr, wp, dwc, aux, n, c0, c1, c2):
-        # Typed for every dtype (numba types both sides of ``if _paired(...)``); run for bf16.
+        # Run for bf16 rows (_ln_blocks and _rms_blocks pick it when numba types the call); the
+        # code reads other dtypes in natural order, as the float32 trial above did.
         kind = xr.dtype
 
         def codegen(context, builder, signature, args):

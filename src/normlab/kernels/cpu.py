@@ -242,10 +242,13 @@ def _rms_weight(weight: Tensor | None, d: int, out_dtype: torch.dtype, llama: bo
     return w.contiguous().numpy()
 
 
+def _f32_vector(t: Tensor | None, d: int, fill: float) -> np.ndarray:
+    """A weight or bias as a float32 vector, ``fill`` everywhere when there is none."""
+    return np.full(d, fill, np.float32) if t is None else t.detach().float().contiguous().numpy()
+
+
 def _ln_weights(weight: Tensor | None, bias: Tensor | None, d: int) -> tuple[np.ndarray, np.ndarray]:
-    w = np.ones(d, np.float32) if weight is None else weight.detach().float().contiguous().numpy()
-    b = np.zeros(d, np.float32) if bias is None else bias.detach().float().contiguous().numpy()
-    return w, b
+    return _f32_vector(weight, d, 1.0), _f32_vector(bias, d, 0.0)
 
 
 # -------------------------------------------------------------------------------- launchers
@@ -333,7 +336,7 @@ def ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None):
     stages, stream = _stages(dx, n)
     dw, db = _weight_grads(grad_dtypes, 2, d, n)
     if n:
-        w = np.ones(d, np.float32) if weight is None else weight.detach().float().contiguous().numpy()
+        w = _f32_vector(weight, d, 1.0)
         ds2 = _as_numpy(_rows(ds)) if ds is not None else None
         K.ln_bwd(
             _as_numpy(dy2), _as_numpy(x2), w, mean.reshape(n).numpy(), rstd.reshape(n).numpy(),
