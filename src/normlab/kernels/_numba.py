@@ -504,18 +504,10 @@ _INTERLEAVE = ir.Constant(ir.VectorType(ir.IntType(32), 32), [i // 2 + 16 * (i %
 
 
 def _pair_line(builder, even, odd, hw, zero):
-    """The inverse of _bf16_pair: 32 bf16 bits (<32 x i16>) in place, rounded as _narrow does.
-    With the CPU's instruction: one conversion of both vectors, then one shuffle; the staging
-    row's line of zeros is added as in _narrow_line."""
-    i16x32 = ir.VectorType(ir.IntType(16), 32)
-    if hw:
-        f32 = ir.VectorType(ir.FloatType(), _LANES)
-        fnty = ir.FunctionType(ir.VectorType(_BFloat(), 32), [f32, f32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512bf16.cvtne2ps2bf16.512")
-        bits = builder.bitcast(builder.call(fn, [odd, even]), i16x32)  # its low half comes from the 2nd operand
-        bits = builder.shuffle_vector(bits, bits, _INTERLEAVE)
-        return builder.add(bits, builder.load(builder.bitcast(zero, i16x32.as_pointer()), align=4))
-    return builder.shuffle_vector(_narrow(builder, even, types.uint16, hw), _narrow(builder, odd, types.uint16, hw), _INTERLEAVE)
+    """The inverse of _bf16_pair: 32 bf16 bits (<32 x i16>) in place: _narrow_line's line (the
+    evens, then the odds), interleaved by one shuffle."""
+    line = _narrow_line(builder, even, odd, types.uint16, hw, zero)
+    return builder.shuffle_vector(line, line, _INTERLEAVE)
 
 
 def _store_pairs(builder, base, values, nt, hw, zero):
@@ -787,15 +779,11 @@ def _f32x16(builder, scalar):
 def _block_values(builder, data, base, kind):
     """The BLOCK values from element ``base`` of ``data`` as float32 vectors of 16, in an order
     fit for sums."""
-    if kind == types.uint16:  # bf16 pairs in 32-bit lanes
-        start = builder.gep(data, [base])
-        return [u for v in range(BLOCK // 32) for u in _bf16_pair(builder, start, 32 * v)]
-    start = builder.gep(data, [base])
-    return [_load_row(builder, start, v, kind) for v in range(BLOCK // _LANES)]
+    return list(_block_stream(builder, data, base, kind))
 
 
 def _block_stream(builder, data, base, kind):
-    """_block_values, emitted as they are used."""
+    """_block_values, emitted as they are used (bf16 read in pairs: _bf16_pair)."""
     start = builder.gep(data, [base])
     if kind == types.uint16:
         for v in range(BLOCK // 32):
@@ -825,6 +813,26 @@ def _half(builder, v, h):
     return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), n), list(range(h * n, (h + 1) * n))))
 
 
+def _f64_totals(builder, count):
+    """``count`` running float64 totals, each two 8-lane vectors (a 16-lane float32 block's halves)."""
+    f64 = ir.VectorType(ir.DoubleType(), _LANES // 2)
+    return [[cgutils.alloca_once_value(builder, ir.Constant(f64, [0.0] * f64.count)) for _ in range(2)] for _ in range(count)]
+
+
+def _add_blocks(builder, acc, totals):
+    """Add each sum's block (its _ACC float32 accumulators, added pairwise) to its float64 total."""
+    f64 = ir.VectorType(ir.DoubleType(), _LANES // 2)
+    for sums, total in zip(acc, totals):
+        block = _tree(builder, sums)
+        for h, t in enumerate(total):
+            builder.store(builder.fadd(builder.load(t), builder.fpext(_half(builder, block, h), f64)), t)
+
+
+def _totals(builder, totals):
+    """The float64 totals as scalars."""
+    return [_lanes_sum(builder, _tree(builder, [builder.load(t) for t in total])) for total in totals]
+
+
 def _lanes_sum(builder, v):
     """The lanes of a float64 vector added pairwise: one scalar."""
     while v.type.count > 1:
@@ -841,12 +849,11 @@ def _make_row_sums(centred):
         kind = xr.dtype
 
         def codegen(context, builder, signature, args):
-            f64 = ir.VectorType(ir.DoubleType(), _LANES // 2)
             f32 = ir.VectorType(ir.FloatType(), _LANES)
             data = context.make_array(signature.args[0])(context, builder, args[0]).data
             shift = _f32x16(builder, args[2])
             nsums = 2 if centred else 1
-            totals = [[cgutils.alloca_once_value(builder, ir.Constant(f64, [0.0] * f64.count)) for _ in range(2)] for _ in range(nsums)]
+            totals = _f64_totals(builder, nsums)
             blocks = builder.udiv(args[1], ir.Constant(ir.IntType(64), BLOCK))
             with cgutils.for_range(builder, blocks) as loop:
                 base = builder.mul(loop.index, ir.Constant(ir.IntType(64), BLOCK))
@@ -862,11 +869,8 @@ def _make_row_sums(centred):
                         acc[0][a] = builder.fadd(acc[0][a], x)
                     else:
                         acc[0][a] = _fma(builder, x, x, acc[0][a])
-                for sums, total in zip(acc, totals):
-                    block = _tree(builder, sums)
-                    for h, t in enumerate(total):
-                        builder.store(builder.fadd(builder.load(t), builder.fpext(_half(builder, block, h), f64)), t)
-            out = [_lanes_sum(builder, _tree(builder, [builder.load(t) for t in total])) for total in totals]
+                _add_blocks(builder, acc, totals)
+            out = _totals(builder, totals)
             if not centred:
                 out.append(ir.Constant(ir.DoubleType(), 0.0))
             return context.make_tuple(builder, signature.return_type, out)
@@ -984,7 +988,6 @@ def _make_grad_sums(op, llama=False, squares=False, hw=HW_BF16):
         kind = xr.dtype
 
         def codegen(context, builder, signature, args):
-            f64 = ir.VectorType(ir.DoubleType(), _LANES // 2)
             f32 = ir.VectorType(ir.FloatType(), _LANES)
             i64 = ir.IntType(64)
             dy_data, x_data, w_data, dw_data = (
@@ -992,7 +995,7 @@ def _make_grad_sums(op, llama=False, squares=False, hw=HW_BF16):
             )
             db_data = context.make_array(signature.args[4])(context, builder, args[4]).data if op == "ln" else None
             c = [_f32x16(builder, args[k]) for k in (6, 7, 8)]
-            totals = [[cgutils.alloca_once_value(builder, ir.Constant(f64, [0.0] * f64.count)) for _ in range(2)] for _ in range(2)]
+            totals = _f64_totals(builder, 2)
             blocks = builder.udiv(args[5], ir.Constant(i64, BLOCK))
             with cgutils.for_range(builder, blocks) as loop:
                 base = builder.mul(loop.index, ir.Constant(i64, BLOCK))
@@ -1023,11 +1026,8 @@ def _make_grad_sums(op, llama=False, squares=False, hw=HW_BF16):
                             xh = _widen(builder, _narrow(builder, xh, rkind, hw), rkind)
                     dwp = builder.bitcast(builder.gep(dw_data, [at]), f32.as_pointer())
                     builder.store(_fma(builder, dy, xh, builder.load(dwp, align=4)), dwp, align=4)
-                for sums, total in zip(acc, totals):
-                    block = _tree(builder, sums)
-                    for h, t in enumerate(total):
-                        builder.store(builder.fadd(builder.load(t), builder.fpext(_half(builder, block, h), f64)), t)
-            out = [_lanes_sum(builder, _tree(builder, [builder.load(t) for t in total])) for total in totals]
+                _add_blocks(builder, acc, totals)
+            out = _totals(builder, totals)
             return context.make_tuple(builder, signature.return_type, out)
 
         f = types.float32
@@ -1045,6 +1045,12 @@ def _is_none(t):
     return t is None or isinstance(t, (types.NoneType, types.Omitted))
 
 
+def _pair_types(x, dy, ds=None):
+    """Whether numba array types x and dy (and ds, when given) are all bf16: the rows the
+    backward reads in pairs."""
+    return x.dtype == dy.dtype == types.uint16 and (_is_none(ds) or ds.dtype == types.uint16)
+
+
 def _paired(x, dy, ds=None):  # pragma: no cover - replaced by the overload below
     """Whether the backward reads its rows in bf16 pairs with w in pair_order: x and dy (and ds,
     when given) all bf16."""
@@ -1053,7 +1059,7 @@ def _paired(x, dy, ds=None):  # pragma: no cover - replaced by the overload belo
 
 @overload(_paired)
 def _ov_paired(x, dy, ds=None):
-    every = x.dtype == dy.dtype == types.uint16 and (_is_none(ds) or ds.dtype == types.uint16)
+    every = _pair_types(x, dy, ds)
     return lambda x, dy, ds=None: every
 
 
@@ -1133,7 +1139,7 @@ def _dx_block(op, dx, j, dy, x, w, ds, stage, p0, p1, p2, rs, nt):  # pragma: no
 def _ov_dx_block(op, dx, j, dy, x, w, ds, stage, p0, p1, p2, rs, nt):
     name, _, how = op.literal_value.partition("/")
     paired = how == "pairs"
-    if paired and not (x.dtype == dy.dtype == dx.dtype == types.uint16 and (_is_none(ds) or ds.dtype == types.uint16)):
+    if paired and not (_pair_types(x, dy, ds) and dx.dtype == types.uint16):
         return lambda op, dx, j, dy, x, w, ds, stage, p0, p1, p2, rs, nt: None  # not called: _paired is False
     plain, streamed = (_BACKWARD_BLOCK[name, t, paired] for t in (False, True))
 
@@ -1325,7 +1331,7 @@ def _rms_blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares):  # pragma: no cove
 
 @overload(_rms_blocks, inline="always")
 def _ov_rms_blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares):
-    if not (xr.dtype == dyr.dtype == types.uint16):
+    if not _pair_types(xr, dyr):
         return lambda dyr, w, wp, xr, full, dwc, rs, rnd, squares: _rms_blocks_loop(dyr, w, xr, full, dwc, rs, rnd)
     with_squares, without = (_RMS_GRAD_SUMS[_is_llama(rnd), s] for s in (True, False))
 
@@ -1449,7 +1455,7 @@ def _ln_blocks(dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc):  # pragma: no cover
 
 @overload(_ln_blocks, inline="always")
 def _ov_ln_blocks(dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc):
-    if not (xr.dtype == dyr.dtype == types.uint16):
+    if not _pair_types(xr, dyr):
         return lambda dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc: _ln_blocks_loop(dyr, w, xr, full, mhi, rs, lo, dwc, dbc)
     return lambda dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc: _LN_GRAD_SUMS(dyr, xr, wp, dwc, dbc, full, mhi, rs, lo)
 
