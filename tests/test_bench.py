@@ -58,6 +58,19 @@ def test_summary_rows_compare_with_normlab():
     assert [r["x_normlab"] for r in rows] == [1.0, 3.0]
 
 
+def test_rms_vs_layer_pairs_the_same_case_of_both_norms():
+    def rec(op, ms, backend="normlab", alloc="alloc", shape="8x8"):
+        return {"op": op, "backend": backend, "dtype": "bf16", "shape": shape, "pass": "fwd", "alloc": alloc, "ms": ms}
+
+    rows = bench.rms_vs_layer([
+        rec("rms_norm", 3.0), rec("layer_norm", 4.0), rec("rms_norm", 1.0, backend="torch"), rec("layer_norm", 9.0, backend="torch"),
+        rec("rms_norm", 2.0, alloc="prealloc"), rec("add_rms_norm", 5.0), rec("add_layer_norm", 4.0),
+        rec("rms_norm", 7.0, shape="2x2"), rec("layer_norm", 7.0, shape="4x4"),
+    ])
+    got = {(r["op"], r["alloc"], r["shape"]): r["ratio"] for r in rows}
+    assert got == {("rms_norm", "alloc", "8x8"): 0.75, ("add_rms_norm", "alloc", "8x8"): 1.25}
+
+
 def test_command_line_writes_json(tmp_path, capsys):
     path = tmp_path / "bench.json"
     code = main(["bench", "--ops", "rms_norm", "--backends", "normlab,torch", "--dtypes", "fp32", "--shapes", "4x64",
@@ -67,6 +80,9 @@ def test_command_line_writes_json(tmp_path, capsys):
     assert data["environment"]["torch"] == torch.__version__
     assert {r["backend"] for r in data["records"]} == {"torch", "normlab"}
     assert "x copy" in capsys.readouterr().out
+    main(["bench", "--ops", "rms_norm,layer_norm", "--backends", "normlab", "--dtypes", "fp32", "--shapes", "4x64",
+          "--passes", "fwd", "--alloc", "alloc", "--repeat", "1", "--quiet"])
+    assert "RMSNorm time / LayerNorm time" in capsys.readouterr().out
 
 
 def test_command_line_rejects_unknown_names(capsys):

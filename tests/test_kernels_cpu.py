@@ -399,9 +399,11 @@ def test_backward_pair_order_sums_match_float64(gen, op):
     # float64 ones, and its partial rows, put back in place, the float64 terms of each element.
     from numba import njit
 
+    ln_sums = K._LN_GRAD_SUMS[1]
+
     @njit
     def ln_pass(dy, x, wp, dwc, dbc, n, mhi, rstd, lo):
-        return K._LN_GRAD_SUMS(dy, x, wp, dwc, dbc, n, mhi, rstd, lo)
+        return ln_sums(dy, x, wp, dwc, dbc, n, mhi, rstd, lo)
 
     @njit
     def rms_pass(dy, x, wp, dwc, rnd, n, rstd):
@@ -435,6 +437,63 @@ def test_backward_pair_order_sums_match_float64(gen, op):
             assert abs(got_sum - want_sum.item()) <= 1e-5 * max(abs(want_sum.item()), 1.0), (op, blocks, got, want)
         assert np.allclose(K.pair_unorder(dwc, n)[:n], (g * xhat).numpy(), rtol=1e-5, atol=1e-6)
         assert not dwc[n:].any()  # and nothing past n
+
+
+@pytest.mark.parametrize("op", ["ln", "rms", "rms_squares", "rms_llama"])
+def test_first_pass_over_a_row_pair_is_bitwise_two_single_rows(gen, op):
+    # Wide bf16 rows go through the backward's first pass two at a time (_make_grad_sums,
+    # rows=2): the sums of each row and the partial rows it adds to must be the very bits that
+    # two passes of one row give, so a row's gradient does not depend on its neighbour.
+    from numba import njit
+
+    if op == "ln":
+        one, two = K._LN_GRAD_SUMS[1], K._LN_GRAD_SUMS[2]
+    else:
+        one, two = (K._RMS_GRAD_SUMS[op == "rms_llama", op == "rms_squares", rows] for rows in (1, 2))
+
+    @njit
+    def single(dy, x, dy2, x2, wp, dwc, aux, n, c, e):
+        return one(dy, x, wp, dwc, aux, n, c[0], c[1], c[2]) + one(dy2, x2, wp, dwc, aux, n, e[0], e[1], e[2])
+
+    @njit
+    def pair(dy, x, dy2, x2, wp, dwc, aux, n, c, e):
+        return two(dy, x, dy2, x2, wp, dwc, aux, n, c[0], c[1], c[2], e[0], e[1], e[2])
+
+    d = 3 * K.BLOCK + 7
+    rows = [cpu._as_numpy((torch.randn(d, generator=gen) * 3 + 2).to(torch.bfloat16)) for _ in range(4)]
+    wp = K.pair_order(torch.randn(d, generator=gen).numpy(), 3 * K.BLOCK)
+    c, e = (np.array([m, s, lo], np.float32) for m, s, lo in ((2.0, 0.4, -0.01), (1.5, 0.7, 0.02)))
+    start = torch.randn(2, d, generator=gen).numpy()  # partial rows that already hold sums
+    results = []
+    for run in (single, pair):
+        part = start.copy()
+        aux = part[1] if op == "ln" else cpu._rnd(torch.bfloat16, op == "rms_llama")
+        sums = run(*rows, wp, part[0], aux, 3 * K.BLOCK, c, e)
+        results.append((np.array(sums), part))
+    (s1, p1), (s2, p2) = results
+    assert s1.tobytes() == s2.tobytes(), (s1, s2)
+    assert p1.tobytes() == p2.tobytes()
+    assert not np.array_equal(p1, start)  # the terms were added
+    assert np.array_equal(p1[:, 3 * K.BLOCK :], start[:, 3 * K.BLOCK :])  # and nothing past n
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_wide_bf16_rows_in_pairs(gen, op):
+    # From K.PAIR_ROWS_MIN values a row, the bf16 backward takes rows two at a time (a chunk's
+    # odd row alone): gradients against float64, and each row's input gradient bitwise the one
+    # it gets alone, which goes through the single-row path.
+    d = K.PAIR_ROWS_MIN + 37
+    options = [{}] if "layer" in op else [{}, {"eps_mode": "outside", "cast": "gemma"}, {"partial": 0.75}]
+    for opts in options:
+        check(gen, op, (7, d), torch.bfloat16, opts)
+        leaves = _leaves(gen, op, (7, d), torch.bfloat16)
+        outs = _call(op, leaves, opts, "cpu")
+        grads = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs]
+        _, together = _run(op, leaves, opts, "cpu", grads)
+        for r in (0, 3, 6):
+            alone_leaves = {k: (v[r : r + 1] if v.dim() == 2 else v) for k, v in leaves.items()}
+            _, alone = _run(op, alone_leaves, opts, "cpu", [g[r : r + 1] for g in grads])
+            assert torch.equal(together["x"][r : r + 1], alone["x"]), (opts, r)
 
 
 def test_pair_order_is_undone_by_pair_unorder(gen):

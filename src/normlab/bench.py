@@ -424,3 +424,20 @@ def summary_rows(records: list[dict]) -> list[dict]:
         rows.append({**r, "x_normlab": round(r["ms"] / base, 2) if base else None})
     return rows
 
+
+def rms_vs_layer(records: list[dict], backend: str = "normlab") -> list[dict]:
+    """``backend``'s rms_norm time over its layer_norm time (add_rms_norm over add_layer_norm)
+    for every dtype, shape, pass and allocation measured with both: below 1, RMSNorm is faster.
+    Both ran round-robin in the same rounds, so the host's drift touches them alike."""
+    ms = {(r["op"], r["dtype"], r["shape"], r["pass"], r["alloc"]): r["ms"] for r in records if r["backend"] == backend}
+    rows = []
+    for (op, *rest), rms_ms in ms.items():
+        if op not in ("rms_norm", "add_rms_norm"):
+            continue
+        ln_ms = ms.get((op.replace("rms", "layer"), *rest))
+        if ln_ms:
+            dtype, shape, pass_, alloc = rest
+            rows.append({"op": op, "dtype": dtype, "shape": shape, "pass": pass_, "alloc": alloc,
+                         "rms_ms": rms_ms, "layer_ms": ln_ms, "ratio": round(rms_ms / ln_ms, 3)})
+    return rows
+

@@ -105,6 +105,15 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     console.print("x copy: GB/s as a fraction of y.copy_(x) on the same tensor in the same run; "
                   "x normlab: time / normlab's allocating call (> 1: normlab is faster)")
+    ratios = bench.rms_vs_layer(records)
+    if ratios:
+        rt = Table(title="normlab: RMSNorm time / LayerNorm time (< 1: RMSNorm is faster)")
+        for col in ("op", "pass", "alloc", "dtype", "shape", "rms ms", "layer ms", "rms / layer"):
+            rt.add_column(col, justify="right" if col.endswith(("ms", "layer")) else "left")
+        for r in ratios:
+            rt.add_row(r["op"], r["pass"], r["alloc"], r["dtype"], r["shape"], f"{r['rms_ms']:.3f}", f"{r['layer_ms']:.3f}",
+                       f"{r['ratio']:.2f}", style="bold red" if r["ratio"] > 1.05 else None)
+        console.print(rt)
     for note in notes:
         console.print(f"[dim]{note}[/dim]")
     if args.json:

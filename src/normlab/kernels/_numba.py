@@ -692,13 +692,16 @@ def _store_fence(typingctx):
     return types.void(), codegen
 
 
-def _prefetch_ahead(context, builder, aryty, ary, j, values):
-    """Prefetch (for reading) the lines of values [j, j + ``values``) of the row that follows the
-    row ``ary`` in memory; nothing for a None."""
+def _prefetch_ahead(context, builder, aryty, ary, j, values, ahead=1):
+    """Prefetch (for reading) the lines of values [j, j + ``values``) of the row ``ahead`` rows
+    after the row ``ary`` in memory; nothing for a None."""
     if isinstance(aryty, (types.NoneType, types.Omitted)):
         return
     data = context.make_array(aryty)(context, builder, ary)
-    first = builder.gep(data.data, [builder.add(builder.extract_value(data.shape, 0), j)])
+    row = builder.extract_value(data.shape, 0)
+    if ahead > 1:
+        row = builder.mul(row, ir.Constant(row.type, ahead))
+    first = builder.gep(data.data, [builder.add(row, j)])
     first = builder.bitcast(first, ir.IntType(8).as_pointer())
     for line in range(max(1, values * aryty.dtype.bitwidth // 8 // 64)):
         _prefetch_ir(builder, builder.gep(first, [ir.Constant(ir.IntType(64), 64 * line)]), write=False)
@@ -750,11 +753,12 @@ def _prefetch_pass1(a1, a2, j):
 
 
 @njit(inline="always")
-def _prefetch_pass2(a1, a2, j):
-    """Pass 2's share for block j: the values from d // 2 + j // 2. Without these prefetches the
-    two passes took turns with the memory: from memory the bf16 kernels ran at 0.45-0.57x copy
-    speed instead of 0.8x."""
-    h = a1.shape[0] // 2 + j // 2
+def _prefetch_pass2(a1, a2, j, ahead):
+    """Pass 2's share for block j: the values from d // 2 + j // 2 (of the rows ``ahead`` rows
+    after a1 and a2: 1, or 2 where rows go in pairs). Without these prefetches the two passes
+    took turns with the memory: from memory the bf16 kernels ran at 0.45-0.57x copy speed
+    instead of 0.8x."""
+    h = a1.shape[0] * (ahead - 1) + a1.shape[0] // 2 + j // 2
     _prefetch_narrow(a1, h)
     _prefetch_narrow(a2, h)
 
@@ -970,7 +974,7 @@ def _sum_partials(part, span, out):
         _store(out, i, total[i])
 
 
-def _make_grad_sums(op, llama=False, squares=False, hw=HW_BF16):
+def _make_grad_sums(op, llama=False, squares=False, rows=1, hw=HW_BF16):
     """An intrinsic (dyr, xr, wp, dwc, aux, n, c0, c1, c2) -> (float64, float64) over the
     values [0, n) of bf16 rows dyr and xr (n a multiple of BLOCK), with g = dy * w:
 
@@ -980,64 +984,84 @@ def _make_grad_sums(op, llama=False, squares=False, hw=HW_BF16):
     - rms (aux: ``rnd``; c0 = rstd): xhat = x * rstd (``llama``: rounded to bf16); dwc += dy *
       xhat (one fma); returns (sum of g * x, sum of x^2 if ``squares`` else 0).
 
-    Block j prefetches as _prefetch_pass1(xr, dyr, j) does."""
+    Block j prefetches as _prefetch_pass1(xr, dyr, j) does.
 
-    def grad_sums(typingctx, dyr, xr, wp, dwc, aux, n, c0, c1, c2):
-        # Run for bf16 rows (_ln_blocks and _rms_blocks pick it when numba types the call); the
-        # code reads other dtypes in natural order, as the float32 trial above did.
-        kind = xr.dtype
+    ``rows=2``: (dyr, xr, dyr2, xr2, wp, dwc, aux, n, c0, c1, c2, e0, e1, e2) -> the two rows'
+    sums, four float64: the same work for two rows at once, which loads and stores each value
+    of the partial rows (and of w) once for both. The terms reach dwc (aux) in the same order,
+    row by row, as two calls would add them, so the bits do not change; each pass 1 prefetches
+    the rows two ahead (the pair after this one)."""
 
-        def codegen(context, builder, signature, args):
-            f32 = ir.VectorType(ir.FloatType(), _LANES)
-            i64 = ir.IntType(64)
-            dy_data, x_data, w_data, dw_data = (
-                context.make_array(signature.args[k])(context, builder, args[k]).data for k in range(4)
-            )
-            db_data = context.make_array(signature.args[4])(context, builder, args[4]).data if op == "ln" else None
-            c = [_f32x16(builder, args[k]) for k in (6, 7, 8)]
-            totals = _f64_totals(builder, 2)
-            blocks = builder.udiv(args[5], ir.Constant(i64, BLOCK))
-            with cgutils.for_range(builder, blocks) as loop:
-                base = builder.mul(loop.index, ir.Constant(i64, BLOCK))
-                half = builder.udiv(base, ir.Constant(i64, 2))
-                for k in (1, 0):
-                    _prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2)
-                acc = [[ir.Constant(f32, [0.0] * _LANES)] * _ACC for _ in range(2)]
-                xs = _block_stream(builder, x_data, base, kind)
-                dys = _block_stream(builder, dy_data, base, signature.args[0].dtype)
-                for v, (x, dy) in enumerate(zip(xs, dys)):
-                    a = v % _ACC
-                    at = builder.add(base, ir.Constant(i64, v * _LANES))
-                    g = builder.fmul(dy, _load_f32(builder, builder.gep(w_data, [at]), 0))
+    def codegen(context, builder, signature, args):
+        # args: (dyr, xr) per row, wp, dwc, aux, n, then (c0, c1, c2) per row
+        f32 = ir.VectorType(ir.FloatType(), _LANES)
+        i64 = ir.IntType(64)
+        data = [context.make_array(signature.args[k])(context, builder, args[k]).data for k in range(2 * rows + 2)]
+        w_data, dw_data = data[2 * rows :]
+        db_data = context.make_array(signature.args[2 * rows + 2])(context, builder, args[2 * rows + 2]).data if op == "ln" else None
+        rkind = signature.args[2 * rows + 2].dtype  # rms: rnd's, the output dtype
+        c = [[_f32x16(builder, args[2 * rows + 4 + 3 * r + k]) for k in range(3)] for r in range(rows)]
+        totals = _f64_totals(builder, 2 * rows)
+        blocks = builder.udiv(args[2 * rows + 3], ir.Constant(i64, BLOCK))
+        with cgutils.for_range(builder, blocks) as loop:
+            base = builder.mul(loop.index, ir.Constant(i64, BLOCK))
+            half = builder.udiv(base, ir.Constant(i64, 2))
+            for r in range(rows):
+                for k in (2 * r + 1, 2 * r):
+                    _prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2, rows)
+            acc = [[ir.Constant(f32, [0.0] * _LANES)] * _ACC for _ in range(2 * rows)]
+            streams = [(_block_stream(builder, data[2 * r + 1], base, signature.args[2 * r + 1].dtype),
+                        _block_stream(builder, data[2 * r], base, signature.args[2 * r].dtype)) for r in range(rows)]
+            for v in range(BLOCK // _LANES):
+                a = v % _ACC
+                at = builder.add(base, ir.Constant(i64, v * _LANES))
+                w = _load_f32(builder, builder.gep(w_data, [at]), 0)
+                dwp = builder.bitcast(builder.gep(dw_data, [at]), f32.as_pointer())
+                dw = builder.load(dwp, align=4)
+                if op == "ln":
+                    dbp = builder.bitcast(builder.gep(db_data, [at]), f32.as_pointer())
+                    db = builder.load(dbp, align=4)
+                for r, (xs, dys) in enumerate(streams):
+                    x, dy = next(xs), next(dys)
+                    s0, s1 = acc[2 * r], acc[2 * r + 1]
+                    g = builder.fmul(dy, w)
                     if op == "ln":
-                        mhi, rs, lo = c
-                        acc[0][a] = builder.fadd(acc[0][a], g)
+                        mhi, rs, lo = c[r]
+                        s0[a] = builder.fadd(s0[a], g)
                         xh = _fma(builder, builder.fsub(x, mhi), rs, lo)
-                        acc[1][a] = _fma(builder, g, xh, acc[1][a])
-                        dbp = builder.bitcast(builder.gep(db_data, [at]), f32.as_pointer())
-                        builder.store(builder.fadd(builder.load(dbp, align=4), dy), dbp, align=4)
+                        s1[a] = _fma(builder, g, xh, s1[a])
+                        db = builder.fadd(db, dy)
                     else:
-                        acc[0][a] = _fma(builder, g, x, acc[0][a])
+                        s0[a] = _fma(builder, g, x, s0[a])
                         if squares:
-                            acc[1][a] = _fma(builder, x, x, acc[1][a])
-                        xh = builder.fmul(x, c[0])
+                            s1[a] = _fma(builder, x, x, s1[a])
+                        xh = builder.fmul(x, c[r][0])
                         if llama:
-                            rkind = signature.args[4].dtype  # rnd's: the output dtype
                             xh = _widen(builder, _narrow(builder, xh, rkind, hw), rkind)
-                    dwp = builder.bitcast(builder.gep(dw_data, [at]), f32.as_pointer())
-                    builder.store(_fma(builder, dy, xh, builder.load(dwp, align=4)), dwp, align=4)
-                _add_blocks(builder, acc, totals)
-            out = _totals(builder, totals)
-            return context.make_tuple(builder, signature.return_type, out)
+                    dw = _fma(builder, dy, xh, dw)
+                if op == "ln":
+                    builder.store(db, dbp, align=4)
+                builder.store(dw, dwp, align=4)
+            _add_blocks(builder, acc, totals)
+        out = _totals(builder, totals)
+        return context.make_tuple(builder, signature.return_type, out)
 
-        f = types.float32
-        return types.UniTuple(types.float64, 2)(dyr, xr, wp, dwc, aux, types.int64, f, f, f), codegen
+    f = types.float32
+    if rows == 1:
+        def grad_sums(typingctx, dyr, xr, wp, dwc, aux, n, c0, c1, c2):
+            return types.UniTuple(types.float64, 2)(dyr, xr, wp, dwc, aux, types.int64, f, f, f), codegen
+    else:
+        def grad_sums(typingctx, dyr, xr, dyr2, xr2, wp, dwc, aux, n, c0, c1, c2, e0, e1, e2):
+            return types.UniTuple(types.float64, 4)(dyr, xr, dyr2, xr2, wp, dwc, aux, types.int64, f, f, f, f, f, f), codegen
 
     return intrinsic(grad_sums)
 
 
-_LN_GRAD_SUMS = _make_grad_sums("ln")
-_RMS_GRAD_SUMS = {(llama, squares): _make_grad_sums("rms", llama, squares) for llama in (False, True) for squares in (False, True)}
+_LN_GRAD_SUMS = {rows: _make_grad_sums("ln", rows=rows) for rows in (1, 2)}
+_RMS_GRAD_SUMS = {
+    (llama, squares, rows): _make_grad_sums("rms", llama, squares, rows)
+    for llama in (False, True) for squares in (False, True) for rows in (1, 2)
+}
 
 
 def _is_none(t):
@@ -1061,6 +1085,22 @@ def _paired(x, dy, ds=None):  # pragma: no cover - replaced by the overload belo
 def _ov_paired(x, dy, ds=None):
     every = _pair_types(x, dy, ds)
     return lambda x, dy, ds=None: every
+
+
+# Row pairs: the bf16 backward's pass 1 takes two rows at once (_make_grad_sums, rows=2) where
+# the rows' whole blocks span at least PAIR_ROWS_MIN values. Its float32 partial rows (dw, and db
+# for layer_norm: 8 bytes a value, loaded and stored) outgrow the 32 KB L1 from d = 4096 on, and
+# two rows halve that traffic. From memory, 2 threads, new / old (interleaved A/B, llama order):
+# d=4096 layer_norm 1.09-1.11, rms_norm 1.07-1.12; 8192 1.10 / 1.07; 16384 1.05 / 1.05. At
+# d=2048 0.93-0.99, and at d=1024 0.65-0.83 (in cache there, 0.9-1.1): two rows of 2 KB read
+# side by side share each 4 KB page, which seems to throw off the hardware's stream prefetcher.
+PAIR_ROWS_MIN = 4096
+
+
+@njit
+def _row_pairs(x, dy, k):
+    """Whether the backward takes its rows in pairs (see PAIR_ROWS_MIN)."""
+    return _paired(x, dy) and k - k % BLOCK >= max(PAIR_ROWS_MIN, BLOCK)
 
 
 def _vector_sums(a):  # pragma: no cover - replaced by the overload below
@@ -1167,7 +1207,7 @@ def _rms_write(xr, w, yr, rs, rnd, stage, nt, ahead1, ahead2):
     for i in range(a):
         _rms_y(xr, w, yr, rs, rnd, i)
     for j in range(a, b, EMIT):
-        _prefetch_pass2(ahead1, ahead2, j)
+        _prefetch_pass2(ahead1, ahead2, j, 1)
         _rms_block(yr, j, xr, w, stage, rs, nt, rnd)
     for i in range(b, d):
         _rms_y(xr, w, yr, rs, rnd, i)
@@ -1186,7 +1226,7 @@ def _ln_write(xr, w, bias, yr, mean, rs, stage, nt, ahead1, ahead2):
     for i in range(a):
         _ln_y(xr, w, bias, yr, mhi, mlo, rs, i)
     for j in range(a, b, EMIT):
-        _prefetch_pass2(ahead1, ahead2, j)
+        _prefetch_pass2(ahead1, ahead2, j, 1)
         _ln_block(yr, j, xr, w, bias, stage, mhi, mlo, rs, nt)
     for i in range(b, d):
         _ln_y(xr, w, bias, yr, mhi, mlo, rs, i)
@@ -1291,18 +1331,35 @@ def _dot_gx(dyr, w, wp, xr, k, dwc, rs, rnd, squares):
     """(sum over the row of (dy * w) * x, sum of x^2 over [:k] or, without ``squares``, any
     value), one pass over the row, which also adds the row's dw terms to dwc (see "backward"
     above). ``wp``: w in pair_order over the whole blocks of [:k] (bf16 rows)."""
-    d = xr.shape[0]
     full = k - k % BLOCK
     tgx, tss = _rms_blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares)
+    pgx, pss = _rms_tail(dyr, w, xr, full, k, dwc, rs, rnd)
+    return tgx + pgx, tss + pss
+
+
+@njit(inline="always")
+def _rms_tail(dyr, w, xr, full, k, dwc, rs, rnd):
+    """_dot_gx past the whole blocks: [full, k), then [k, d) (pRMSNorm: g * x only)."""
     pgx = np.float32(0.0)
     pss = np.float32(0.0)
     for i in range(full, k):
         xv = _rms_dw(dyr, xr, dwc, rs, rnd, i)
         pgx += (_load(dyr, i) * _load(w, i)) * xv
         pss += xv * xv
-    for i in range(k, d):  # past the statistic (pRMSNorm): g * x only
+    for i in range(k, xr.shape[0]):
         pgx += (_load(dyr, i) * _load(w, i)) * _rms_dw(dyr, xr, dwc, rs, rnd, i)
-    return tgx + pgx, tss + pss
+    return pgx, pss
+
+
+@njit(inline="always")
+def _dot_gx_pair(dyr, xr, dyr2, xr2, w, wp, k, dwc, rs, rs2, rnd, squares):
+    """_dot_gx of two bf16 rows, their whole blocks in one pass (_make_grad_sums, rows=2):
+    (gx, ss) of the first row, then of the second. Same bits as two _dot_gx calls."""
+    full = k - k % BLOCK
+    tgx, tss, tgx2, tss2 = _rms_pair_blocks(dyr, xr, dyr2, xr2, wp, full, dwc, rs, rs2, rnd, squares)
+    pgx, pss = _rms_tail(dyr, w, xr, full, k, dwc, rs, rnd)
+    pgx2, pss2 = _rms_tail(dyr2, w, xr2, full, k, dwc, rs2, rnd)
+    return tgx + pgx, tss + pss, tgx2 + pgx2, tss2 + pss2
 
 
 @njit(inline="always")
@@ -1333,13 +1390,33 @@ def _rms_blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares):  # pragma: no cove
 def _ov_rms_blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares):
     if not _pair_types(xr, dyr):
         return lambda dyr, w, wp, xr, full, dwc, rs, rnd, squares: _rms_blocks_loop(dyr, w, xr, full, dwc, rs, rnd)
-    with_squares, without = (_RMS_GRAD_SUMS[_is_llama(rnd), s] for s in (True, False))
+    with_squares, without = (_RMS_GRAD_SUMS[_is_llama(rnd), s, 1] for s in (True, False))
 
     def blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares):
         z = np.float32(0.0)
         if squares:
             return with_squares(dyr, xr, wp, dwc, rnd, full, rs, z, z)
         return without(dyr, xr, wp, dwc, rnd, full, rs, z, z)
+
+    return blocks
+
+
+def _rms_pair_blocks(dyr, xr, dyr2, xr2, wp, full, dwc, rs, rs2, rnd, squares):  # pragma: no cover
+    """_dot_gx_pair's whole blocks (bf16 rows only: row pairs are not taken otherwise)."""
+    raise NotImplementedError
+
+
+@overload(_rms_pair_blocks, inline="always")
+def _ov_rms_pair_blocks(dyr, xr, dyr2, xr2, wp, full, dwc, rs, rs2, rnd, squares):
+    if not _pair_types(xr, dyr):
+        return lambda dyr, xr, dyr2, xr2, wp, full, dwc, rs, rs2, rnd, squares: (0.0, 0.0, 0.0, 0.0)  # not called
+    with_squares, without = (_RMS_GRAD_SUMS[_is_llama(rnd), s, 2] for s in (True, False))
+
+    def blocks(dyr, xr, dyr2, xr2, wp, full, dwc, rs, rs2, rnd, squares):
+        z = np.float32(0.0)
+        if squares:
+            return with_squares(dyr, xr, dyr2, xr2, wp, dwc, rnd, full, rs, z, z, rs2, z, z)
+        return without(dyr, xr, dyr2, xr2, wp, dwc, rnd, full, rs, z, z, rs2, z, z)
 
     return blocks
 
@@ -1369,7 +1446,7 @@ def _rms_dx(dyr, xr, w, dsr, out, rs, coef, i, in_head):
 
 
 @njit(inline="always")
-def _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, i0, i1, head, stage, nt):
+def _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, i0, i1, head, stage, nt, ahead):
     """dx over [i0, i1) (``head``: inside the first k, where the rstd term applies; there, with
     i0 = 0, the whole blocks of bf16 rows are read in pairs: see _make_grad_sums)."""
     a, b = _spans(dxr, i0, i1, nt)
@@ -1380,16 +1457,25 @@ def _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, i0, i1, head, stage, nt):
     if head and a == 0 and _paired(xr, dyr, dsr):
         c = i1 - i1 % BLOCK
         for j in range(0, c, EMIT):
-            _prefetch_pass2(xr, dyr, j)
+            _prefetch_pass2(xr, dyr, j, ahead)
             _dx_block("rms_head/pairs", dxr, j, dyr, xr, wp, dsr, stage, coef, z, z, rs, nt)
     for j in range(c, b, EMIT):
-        _prefetch_pass2(xr, dyr, j)
+        _prefetch_pass2(xr, dyr, j, ahead)
         if head:
             _dx_block("rms_head", dxr, j, dyr, xr, w, dsr, stage, coef, z, z, rs, nt)
         else:
             _dx_block("rms", dxr, j, dyr, xr, w, dsr, stage, coef, z, z, rs, nt)
     for i in range(b, i1):
         _rms_dx(dyr, xr, w, dsr, dxr, rs, coef, i, head)
+
+
+@njit(inline="always")
+def _rms_dx_row(dyr, xr, w, wp, dsr, dxr, rs, gx, ss, k, inside, stage, nt, ahead):
+    """Pass 2 of rms_norm's backward for one row, from its pass-1 sums."""
+    coef = _rms_coef(rs, gx, ss, k, inside)
+    _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, 0, k, True, stage, nt, ahead)
+    if k < xr.shape[0]:  # pRMSNorm: the features past the statistic
+        _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, k, xr.shape[0], False, stage, nt, ahead)
 
 
 @njit(parallel=True, **JIT)
@@ -1401,18 +1487,21 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, rnd, stages, nt):
     span = k - k % BLOCK if _paired(x, dy) else 0
     wp = pair_order(w, span)
     dw_part = _partial_rows(nchunks, d)
+    pairs = _row_pairs(x, dy, k)
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         dwc = dw_part[c]
         stage = stages[c]
-        for r in range(r0, r1):
-            dyr, xr, dxr, dsr = dy[r], x[r], dx[r], _row(ds, r)
-            rs = rstd[r]
+        npairs = (r1 - r0) // 2 if pairs else 0
+        for p in range(npairs):
+            r = r0 + 2 * p
+            gx, ss, gx2, ss2 = _dot_gx_pair(dy[r], x[r], dy[r + 1], x[r + 1], w, wp, k, dwc, rstd[r], rstd[r + 1], rnd, not inside)
+            _rms_dx_row(dy[r], x[r], w, wp, _row(ds, r), dx[r], rstd[r], gx, ss, k, inside, stage, nt, 2)
+            _rms_dx_row(dy[r + 1], x[r + 1], w, wp, _row(ds, r + 1), dx[r + 1], rstd[r + 1], gx2, ss2, k, inside, stage, nt, 2)
+        for r in range(r0 + 2 * npairs, r1):
+            dyr, xr, rs = dy[r], x[r], rstd[r]
             gx, ss = _dot_gx(dyr, w, wp, xr, k, dwc, rs, rnd, not inside)
-            coef = _rms_coef(rs, gx, ss, k, inside)
-            _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, 0, k, True, stage, nt)
-            if k < d:  # pRMSNorm: the features past the statistic
-                _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, k, d, False, stage, nt)
+            _rms_dx_row(dyr, xr, w, wp, _row(ds, r), dx[r], rs, gx, ss, k, inside, stage, nt, 1)
         if nt:
             _store_fence()
     _sum_partials(dw_part, span, dw)
@@ -1457,7 +1546,29 @@ def _ln_blocks(dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc):  # pragma: no cover
 def _ov_ln_blocks(dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc):
     if not _pair_types(xr, dyr):
         return lambda dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc: _ln_blocks_loop(dyr, w, xr, full, mhi, rs, lo, dwc, dbc)
-    return lambda dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc: _LN_GRAD_SUMS(dyr, xr, wp, dwc, dbc, full, mhi, rs, lo)
+    sums = _LN_GRAD_SUMS[1]
+    return lambda dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc: sums(dyr, xr, wp, dwc, dbc, full, mhi, rs, lo)
+
+
+def _ln_pair_blocks(dyr, xr, dyr2, xr2, wp, full, mhi, rs, lo, mhi2, rs2, lo2, dwc, dbc):  # pragma: no cover
+    """_ln_sums_pair's whole blocks (bf16 rows only: row pairs are not taken otherwise)."""
+    raise NotImplementedError
+
+
+@overload(_ln_pair_blocks, inline="always")
+def _ov_ln_pair_blocks(dyr, xr, dyr2, xr2, wp, full, mhi, rs, lo, mhi2, rs2, lo2, dwc, dbc):
+    if not _pair_types(xr, dyr):
+        return lambda dyr, xr, dyr2, xr2, wp, full, mhi, rs, lo, mhi2, rs2, lo2, dwc, dbc: (0.0, 0.0, 0.0, 0.0)  # not called
+    sums = _LN_GRAD_SUMS[2]
+    return lambda dyr, xr, dyr2, xr2, wp, full, mhi, rs, lo, mhi2, rs2, lo2, dwc, dbc: sums(
+        dyr, xr, dyr2, xr2, wp, dwc, dbc, full, mhi, rs, lo, mhi2, rs2, lo2)
+
+
+@njit(inline="always")
+def _ln_consts(mean, rs):
+    """(mhi, lo) of _ln_dw: the mean's float32 head and -mlo * rstd."""
+    mhi, mlo = _split(mean)
+    return mhi, np.float32(-np.float64(mlo) * rs)
 
 
 @njit(inline="always")
@@ -1465,18 +1576,37 @@ def _ln_sums(dyr, w, wp, xr, mean, rs, dwc, dbc):
     """(sum of g, sum of g * xhat) with g = dy * w, xhat = (x - mean) * rstd; adds the row's dw
     and db terms to dwc and dbc on the way (see "backward" above). ``wp``: w in pair_order over
     the row's whole blocks (bf16 rows)."""
-    mhi, mlo = _split(mean)
-    lo = np.float32(-np.float64(mlo) * rs)
-    d = xr.shape[0]
-    full = d - d % BLOCK
+    mhi, lo = _ln_consts(mean, rs)
+    full = xr.shape[0] - xr.shape[0] % BLOCK
     tg, tgx = _ln_blocks(dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc)
+    pg, pgx = _ln_tail(dyr, w, xr, full, mhi, rs, lo, dwc, dbc)
+    return tg + pg, tgx + pgx
+
+
+@njit(inline="always")
+def _ln_tail(dyr, w, xr, full, mhi, rs, lo, dwc, dbc):
+    """_ln_sums past the whole blocks."""
     pg = np.float32(0.0)
     pgx = np.float32(0.0)
-    for i in range(full, d):
+    for i in range(full, xr.shape[0]):
         g = _load(dyr, i) * _load(w, i)
         pg += g
         pgx += g * _ln_dw(dyr, xr, dwc, dbc, mhi, rs, lo, i)
-    return tg + pg, tgx + pgx
+    return pg, pgx
+
+
+@njit(inline="always")
+def _ln_sums_pair(dyr, xr, dyr2, xr2, w, wp, mean, rs, mean2, rs2, dwc, dbc):
+    """_ln_sums of two bf16 rows, their whole blocks in one pass (_make_grad_sums, rows=2):
+    (sum of g, sum of g * xhat) of the first row, then of the second. Same bits as two
+    _ln_sums calls."""
+    mhi, lo = _ln_consts(mean, rs)
+    mhi2, lo2 = _ln_consts(mean2, rs2)
+    full = xr.shape[0] - xr.shape[0] % BLOCK
+    tg, tgx, tg2, tgx2 = _ln_pair_blocks(dyr, xr, dyr2, xr2, wp, full, mhi, rs, lo, mhi2, rs2, lo2, dwc, dbc)
+    pg, pgx = _ln_tail(dyr, w, xr, full, mhi, rs, lo, dwc, dbc)
+    pg2, pgx2 = _ln_tail(dyr2, w, xr2, full, mhi2, rs2, lo2, dwc, dbc)
+    return tg + pg, tgx + pgx, tg2 + pg2, tgx2 + pgx2
 
 
 @njit
@@ -1488,7 +1618,7 @@ def _ln_dx(dyr, xr, w, dsr, out, mhi, p, q, rs, i):
 
 
 @njit(inline="always")
-def _ln_bwd_write(dyr, xr, w, wp, dsr, dxr, mean, rs, sg, sgx, stage, nt):
+def _ln_bwd_write(dyr, xr, w, wp, dsr, dxr, mean, rs, sg, sgx, stage, nt, ahead):
     """dx of this row: rstd * (g - mean(g) - xhat * mean(g * xhat)), with the terms that do not
     depend on g folded into one affine function of x - mhi: dx = rstd * g + p * (x - mhi) + q,
     p = -rstd^2 * mean(g * xhat), q = -rstd * mean(g) - p * mlo (from the float64 sums), as two
@@ -1507,10 +1637,10 @@ def _ln_bwd_write(dyr, xr, w, wp, dsr, dxr, mean, rs, sg, sgx, stage, nt):
     if a == 0 and _paired(xr, dyr, dsr):  # whole blocks of bf16 rows: in pairs (_make_grad_sums)
         c = d - d % BLOCK
         for j in range(0, c, EMIT):
-            _prefetch_pass2(xr, dyr, j)
+            _prefetch_pass2(xr, dyr, j, ahead)
             _dx_block("ln/pairs", dxr, j, dyr, xr, wp, dsr, stage, mhi, p, q, rs, nt)
     for j in range(c, b, EMIT):
-        _prefetch_pass2(xr, dyr, j)
+        _prefetch_pass2(xr, dyr, j, ahead)
         _dx_block("ln", dxr, j, dyr, xr, w, dsr, stage, mhi, p, q, rs, nt)
     for i in range(b, d):
         _ln_dx(dyr, xr, w, dsr, dxr, mhi, p, q, rs, i)
@@ -1525,16 +1655,23 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, nt):
     wp = pair_order(w, span)
     dw_part = _partial_rows(nchunks, d)
     db_part = _partial_rows(nchunks, d)
+    pairs = _row_pairs(x, dy, d)
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         dwc = dw_part[c]
         dbc = db_part[c]
         stage = stages[c]
-        for r in range(r0, r1):
+        npairs = (r1 - r0) // 2 if pairs else 0
+        for p in range(npairs):
+            r = r0 + 2 * p
+            sg, sgx, sg2, sgx2 = _ln_sums_pair(dy[r], x[r], dy[r + 1], x[r + 1], w, wp, mean[r], rstd[r], mean[r + 1], rstd[r + 1], dwc, dbc)
+            _ln_bwd_write(dy[r], x[r], w, wp, _row(ds, r), dx[r], mean[r], rstd[r], sg, sgx, stage, nt, 2)
+            _ln_bwd_write(dy[r + 1], x[r + 1], w, wp, _row(ds, r + 1), dx[r + 1], mean[r + 1], rstd[r + 1], sg2, sgx2, stage, nt, 2)
+        for r in range(r0 + 2 * npairs, r1):
             dyr, xr = dy[r], x[r]
             mu, rs = mean[r], rstd[r]
             sg, sgx = _ln_sums(dyr, w, wp, xr, mu, rs, dwc, dbc)
-            _ln_bwd_write(dyr, xr, w, wp, _row(ds, r), dx[r], mu, rs, sg, sgx, stage, nt)
+            _ln_bwd_write(dyr, xr, w, wp, _row(ds, r), dx[r], mu, rs, sg, sgx, stage, nt, 1)
         if nt:
             _store_fence()
     _sum_partials(dw_part, span, dw)
