@@ -9,11 +9,8 @@ How it measures: cases that share a dtype and shape form a group with one pool o
 rotated so that the inputs of consecutive calls do not sit in the last-level cache. Within a
 group the cases run round-robin, one call each per round, with the copy among them, and each
 case reports its median: a machine whose bandwidth drifts (a shared host) shifts every case of a
-round alike instead of favouring whichever ran in a quiet moment. Each timed call follows an
-untimed call of the same case (on other inputs), so that it meets the cache as a loop of its
-own calls would leave it: a call pays for writing back the lines it left dirty, not for those
-of whichever case ran before it (the copy's plain stores leave its whole output dirty). Warm-up
-calls (and any compilation) come first and are not timed.
+round alike instead of favouring whichever ran in a quiet moment. Warm-up calls (and any
+compilation) come first and are not timed.
 
 Peers: torch eager (``torch``: F.rms_norm / F.layer_norm; ``torch-module``: nn.RMSNorm /
 nn.LayerNorm), Hugging Face's LlamaRMSNorm math written out (``hf``), torch.compile of the
@@ -45,15 +42,9 @@ ALLOCS = ("alloc", "prealloc")
 # (normlab, the copy) cost little: a slow peer sits out after 3 rounds and CASE_SECONDS. Against
 # 10 rounds and 1 s, a default run took 1m53s-2m05s instead of 2m20s. Runs still differ by
 # 0.1-0.2 in fractions of copy: the bandwidth moves between groups, and the bf16 kernels, near
-# their compute limit, fall behind a copy that runs fast. The untimed call before each timed one
-# (STEADY_SECONDS) took a run from 1m45s to 2m28s; with 0.3 s for CASE_SECONDS instead of 0.5
-# (peers of 15-30 ms a call sit out after 10-20 rounds), back to about two minutes.
+# their compute limit, fall behind a copy that runs fast.
 REPEAT = 30
-CASE_SECONDS = 0.3
-# Cases whose median is past this run their timed calls without the untimed call of their own
-# before (see the module's docstring): at that length what the case before left in the cache is
-# a few percent of the time, and the slowest peers (F.rms_norm, 0.1-0.6 s) would double the run.
-STEADY_SECONDS = 0.05
+CASE_SECONDS = 0.5
 PEERS = ("normlab", "reference", "torch", "torch-module", "hf", "compile", "liger", "apex")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SHAPES = ("8192x1024", "4096x4096", "1024x16384")
@@ -353,8 +344,6 @@ def run_bench(
             for case in cases:
                 if len(case.times) >= 3 and sum(case.times) >= case_seconds:
                     continue
-                if not case.times or statistics.median(case.times) < STEADY_SECONDS:
-                    case.run(warmup + i - 1)  # untimed, on the inputs before (see the docstring)
                 _sync(dev)
                 t0 = time.perf_counter()
                 result = case.run(warmup + i)
