@@ -1351,15 +1351,32 @@ def _rms_tail(dyr, w, xr, full, k, dwc, rs, rnd):
     return pgx, pss
 
 
-@njit(inline="always")
-def _dot_gx_pair(dyr, xr, dyr2, xr2, w, wp, k, dwc, rs, rs2, rnd, squares):
+def _dot_gx_pair(dyr, xr, dyr2, xr2, w, wp, k, dwc, rs, rs2, rnd, squares):  # pragma: no cover - the overload below
     """_dot_gx of two bf16 rows, their whole blocks in one pass (_make_grad_sums, rows=2):
-    (gx, ss) of the first row, then of the second. Same bits as two _dot_gx calls."""
-    full = k - k % BLOCK
-    tgx, tss, tgx2, tss2 = _rms_pair_blocks(dyr, xr, dyr2, xr2, wp, full, dwc, rs, rs2, rnd, squares)
-    pgx, pss = _rms_tail(dyr, w, xr, full, k, dwc, rs, rnd)
-    pgx2, pss2 = _rms_tail(dyr2, w, xr2, full, k, dwc, rs2, rnd)
-    return tgx + pgx, tss + pss, tgx2 + pgx2, tss2 + pss2
+    (gx, ss) of the first row, then of the second. Same bits as two _dot_gx calls. Other
+    dtypes compile a stub (_row_pairs is False for them): every copy of the pass costs each
+    kernel signature compile time."""
+    raise NotImplementedError
+
+
+@overload(_dot_gx_pair, inline="always")
+def _ov_dot_gx_pair(dyr, xr, dyr2, xr2, w, wp, k, dwc, rs, rs2, rnd, squares):
+    if not _pair_types(xr, dyr):
+        return lambda dyr, xr, dyr2, xr2, w, wp, k, dwc, rs, rs2, rnd, squares: (0.0, 0.0, 0.0, 0.0)
+    with_squares, without = (_RMS_GRAD_SUMS[_is_llama(rnd), s, 2] for s in (True, False))
+
+    def pair(dyr, xr, dyr2, xr2, w, wp, k, dwc, rs, rs2, rnd, squares):
+        full = k - k % BLOCK
+        z = np.float32(0.0)
+        if squares:
+            tgx, tss, tgx2, tss2 = with_squares(dyr, xr, dyr2, xr2, wp, dwc, rnd, full, rs, z, z, rs2, z, z)
+        else:
+            tgx, tss, tgx2, tss2 = without(dyr, xr, dyr2, xr2, wp, dwc, rnd, full, rs, z, z, rs2, z, z)
+        pgx, pss = _rms_tail(dyr, w, xr, full, k, dwc, rs, rnd)
+        pgx2, pss2 = _rms_tail(dyr2, w, xr2, full, k, dwc, rs2, rnd)
+        return tgx + pgx, tss + pss, tgx2 + pgx2, tss2 + pss2
+
+    return pair
 
 
 @njit(inline="always")
@@ -1397,26 +1414,6 @@ def _ov_rms_blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares):
         if squares:
             return with_squares(dyr, xr, wp, dwc, rnd, full, rs, z, z)
         return without(dyr, xr, wp, dwc, rnd, full, rs, z, z)
-
-    return blocks
-
-
-def _rms_pair_blocks(dyr, xr, dyr2, xr2, wp, full, dwc, rs, rs2, rnd, squares):  # pragma: no cover
-    """_dot_gx_pair's whole blocks (bf16 rows only: row pairs are not taken otherwise)."""
-    raise NotImplementedError
-
-
-@overload(_rms_pair_blocks, inline="always")
-def _ov_rms_pair_blocks(dyr, xr, dyr2, xr2, wp, full, dwc, rs, rs2, rnd, squares):
-    if not _pair_types(xr, dyr):
-        return lambda dyr, xr, dyr2, xr2, wp, full, dwc, rs, rs2, rnd, squares: (0.0, 0.0, 0.0, 0.0)  # not called
-    with_squares, without = (_RMS_GRAD_SUMS[_is_llama(rnd), s, 2] for s in (True, False))
-
-    def blocks(dyr, xr, dyr2, xr2, wp, full, dwc, rs, rs2, rnd, squares):
-        z = np.float32(0.0)
-        if squares:
-            return with_squares(dyr, xr, dyr2, xr2, wp, dwc, rnd, full, rs, z, z, rs2, z, z)
-        return without(dyr, xr, dyr2, xr2, wp, dwc, rnd, full, rs, z, z, rs2, z, z)
 
     return blocks
 
@@ -1469,15 +1466,6 @@ def _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, i0, i1, head, stage, nt, 
         _rms_dx(dyr, xr, w, dsr, dxr, rs, coef, i, head)
 
 
-@njit(inline="always")
-def _rms_dx_row(dyr, xr, w, wp, dsr, dxr, rs, gx, ss, k, inside, stage, nt, ahead):
-    """Pass 2 of rms_norm's backward for one row, from its pass-1 sums."""
-    coef = _rms_coef(rs, gx, ss, k, inside)
-    _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, 0, k, True, stage, nt, ahead)
-    if k < xr.shape[0]:  # pRMSNorm: the features past the statistic
-        _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, k, xr.shape[0], False, stage, nt, ahead)
-
-
 @njit(parallel=True, **JIT)
 def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, rnd, stages, nt):
     """dx and dw ((d,), in dw's dtype) of rms_norm. Each chunk of rows adds its dw terms to its
@@ -1492,16 +1480,24 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, rnd, stages, nt):
         r0, r1 = _chunk(c, nchunks, n)
         dwc = dw_part[c]
         stage = stages[c]
-        npairs = (r1 - r0) // 2 if pairs else 0
-        for p in range(npairs):
-            r = r0 + 2 * p
-            gx, ss, gx2, ss2 = _dot_gx_pair(dy[r], x[r], dy[r + 1], x[r + 1], w, wp, k, dwc, rstd[r], rstd[r + 1], rnd, not inside)
-            _rms_dx_row(dy[r], x[r], w, wp, _row(ds, r), dx[r], rstd[r], gx, ss, k, inside, stage, nt, 2)
-            _rms_dx_row(dy[r + 1], x[r + 1], w, wp, _row(ds, r + 1), dx[r + 1], rstd[r + 1], gx2, ss2, k, inside, stage, nt, 2)
-        for r in range(r0 + 2 * npairs, r1):
-            dyr, xr, rs = dy[r], x[r], rstd[r]
-            gx, ss = _dot_gx(dyr, w, wp, xr, k, dwc, rs, rnd, not inside)
-            _rms_dx_row(dyr, xr, w, wp, _row(ds, r), dx[r], rs, gx, ss, k, inside, stage, nt, 1)
+        paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
+        gx2, ss2 = 0.0, 0.0
+        for r in range(r0, r1):
+            dyr, xr, dxr, dsr = dy[r], x[r], dx[r], _row(ds, r)
+            rs = rstd[r]
+            ahead = 1
+            if r >= paired_to:
+                gx, ss = _dot_gx(dyr, w, wp, xr, k, dwc, rs, rnd, not inside)
+            elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
+                gx, ss, gx2, ss2 = _dot_gx_pair(dyr, xr, dy[r + 1], x[r + 1], w, wp, k, dwc, rs, rstd[r + 1], rnd, not inside)
+                ahead = 2
+            else:
+                gx, ss = gx2, ss2
+                ahead = 2
+            coef = _rms_coef(rs, gx, ss, k, inside)
+            _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, 0, k, True, stage, nt, ahead)
+            if k < d:  # pRMSNorm: the features past the statistic
+                _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, k, d, False, stage, nt, ahead)
         if nt:
             _store_fence()
     _sum_partials(dw_part, span, dw)
@@ -1550,20 +1546,6 @@ def _ov_ln_blocks(dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc):
     return lambda dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc: sums(dyr, xr, wp, dwc, dbc, full, mhi, rs, lo)
 
 
-def _ln_pair_blocks(dyr, xr, dyr2, xr2, wp, full, mhi, rs, lo, mhi2, rs2, lo2, dwc, dbc):  # pragma: no cover
-    """_ln_sums_pair's whole blocks (bf16 rows only: row pairs are not taken otherwise)."""
-    raise NotImplementedError
-
-
-@overload(_ln_pair_blocks, inline="always")
-def _ov_ln_pair_blocks(dyr, xr, dyr2, xr2, wp, full, mhi, rs, lo, mhi2, rs2, lo2, dwc, dbc):
-    if not _pair_types(xr, dyr):
-        return lambda dyr, xr, dyr2, xr2, wp, full, mhi, rs, lo, mhi2, rs2, lo2, dwc, dbc: (0.0, 0.0, 0.0, 0.0)  # not called
-    sums = _LN_GRAD_SUMS[2]
-    return lambda dyr, xr, dyr2, xr2, wp, full, mhi, rs, lo, mhi2, rs2, lo2, dwc, dbc: sums(
-        dyr, xr, dyr2, xr2, wp, dwc, dbc, full, mhi, rs, lo, mhi2, rs2, lo2)
-
-
 @njit(inline="always")
 def _ln_consts(mean, rs):
     """(mhi, lo) of _ln_dw: the mean's float32 head and -mlo * rstd."""
@@ -1595,18 +1577,29 @@ def _ln_tail(dyr, w, xr, full, mhi, rs, lo, dwc, dbc):
     return pg, pgx
 
 
-@njit(inline="always")
-def _ln_sums_pair(dyr, xr, dyr2, xr2, w, wp, mean, rs, mean2, rs2, dwc, dbc):
+def _ln_sums_pair(dyr, xr, dyr2, xr2, w, wp, mean, rs, mean2, rs2, dwc, dbc):  # pragma: no cover - the overload below
     """_ln_sums of two bf16 rows, their whole blocks in one pass (_make_grad_sums, rows=2):
     (sum of g, sum of g * xhat) of the first row, then of the second. Same bits as two
-    _ln_sums calls."""
-    mhi, lo = _ln_consts(mean, rs)
-    mhi2, lo2 = _ln_consts(mean2, rs2)
-    full = xr.shape[0] - xr.shape[0] % BLOCK
-    tg, tgx, tg2, tgx2 = _ln_pair_blocks(dyr, xr, dyr2, xr2, wp, full, mhi, rs, lo, mhi2, rs2, lo2, dwc, dbc)
-    pg, pgx = _ln_tail(dyr, w, xr, full, mhi, rs, lo, dwc, dbc)
-    pg2, pgx2 = _ln_tail(dyr2, w, xr2, full, mhi2, rs2, lo2, dwc, dbc)
-    return tg + pg, tgx + pgx, tg2 + pg2, tgx2 + pgx2
+    _ln_sums calls. A stub for other dtypes, as _dot_gx_pair."""
+    raise NotImplementedError
+
+
+@overload(_ln_sums_pair, inline="always")
+def _ov_ln_sums_pair(dyr, xr, dyr2, xr2, w, wp, mean, rs, mean2, rs2, dwc, dbc):
+    if not _pair_types(xr, dyr):
+        return lambda dyr, xr, dyr2, xr2, w, wp, mean, rs, mean2, rs2, dwc, dbc: (0.0, 0.0, 0.0, 0.0)
+    sums = _LN_GRAD_SUMS[2]
+
+    def pair(dyr, xr, dyr2, xr2, w, wp, mean, rs, mean2, rs2, dwc, dbc):
+        mhi, lo = _ln_consts(mean, rs)
+        mhi2, lo2 = _ln_consts(mean2, rs2)
+        full = xr.shape[0] - xr.shape[0] % BLOCK
+        tg, tgx, tg2, tgx2 = sums(dyr, xr, dyr2, xr2, wp, dwc, dbc, full, mhi, rs, lo, mhi2, rs2, lo2)
+        pg, pgx = _ln_tail(dyr, w, xr, full, mhi, rs, lo, dwc, dbc)
+        pg2, pgx2 = _ln_tail(dyr2, w, xr2, full, mhi2, rs2, lo2, dwc, dbc)
+        return tg + pg, tgx + pgx, tg2 + pg2, tgx2 + pgx2
+
+    return pair
 
 
 @njit
@@ -1661,17 +1654,21 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, nt):
         dwc = dw_part[c]
         dbc = db_part[c]
         stage = stages[c]
-        npairs = (r1 - r0) // 2 if pairs else 0
-        for p in range(npairs):
-            r = r0 + 2 * p
-            sg, sgx, sg2, sgx2 = _ln_sums_pair(dy[r], x[r], dy[r + 1], x[r + 1], w, wp, mean[r], rstd[r], mean[r + 1], rstd[r + 1], dwc, dbc)
-            _ln_bwd_write(dy[r], x[r], w, wp, _row(ds, r), dx[r], mean[r], rstd[r], sg, sgx, stage, nt, 2)
-            _ln_bwd_write(dy[r + 1], x[r + 1], w, wp, _row(ds, r + 1), dx[r + 1], mean[r + 1], rstd[r + 1], sg2, sgx2, stage, nt, 2)
-        for r in range(r0 + 2 * npairs, r1):
+        paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
+        sg2, sgx2 = 0.0, 0.0
+        for r in range(r0, r1):
             dyr, xr = dy[r], x[r]
             mu, rs = mean[r], rstd[r]
-            sg, sgx = _ln_sums(dyr, w, wp, xr, mu, rs, dwc, dbc)
-            _ln_bwd_write(dyr, xr, w, wp, _row(ds, r), dx[r], mu, rs, sg, sgx, stage, nt, 1)
+            ahead = 1
+            if r >= paired_to:
+                sg, sgx = _ln_sums(dyr, w, wp, xr, mu, rs, dwc, dbc)
+            elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
+                sg, sgx, sg2, sgx2 = _ln_sums_pair(dyr, xr, dy[r + 1], x[r + 1], w, wp, mu, rs, mean[r + 1], rstd[r + 1], dwc, dbc)
+                ahead = 2
+            else:
+                sg, sgx = sg2, sgx2
+                ahead = 2
+            _ln_bwd_write(dyr, xr, w, wp, _row(ds, r), dx[r], mu, rs, sg, sgx, stage, nt, ahead)
         if nt:
             _store_fence()
     _sum_partials(dw_part, span, dw)
