@@ -993,7 +993,8 @@ def _make_grad_sums(op, llama=False, squares=False, rows=1, hw=HW_BF16):
     the rows two ahead (the pair after this one)."""
 
     def codegen(context, builder, signature, args):
-        # args: (dyr, xr) per row, wp, dwc, aux, n, then (c0, c1, c2) per row
+        # args: (dyr, xr) per row, wp, dwc, aux, n, then (c0, c1, c2) per row. Run for bf16 rows
+        # (picked when numba types the call); other dtypes would be read in natural order.
         f32 = ir.VectorType(ir.FloatType(), _LANES)
         i64 = ir.IntType(64)
         data = [context.make_array(signature.args[k])(context, builder, args[k]).data for k in range(2 * rows + 2)]
