@@ -1486,15 +1486,13 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, rnd, stages, nt):
         for r in range(r0, r1):
             dyr, xr, dxr, dsr = dy[r], x[r], dx[r], _row(ds, r)
             rs = rstd[r]
-            ahead = 1
-            if r >= paired_to:
+            ahead = 1 if r >= paired_to else 2  # rows ahead that pass 2 prefetches
+            if ahead == 1:
                 gx, ss = _dot_gx(dyr, w, wp, xr, k, dwc, rs, rnd, not inside)
             elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
                 gx, ss, gx2, ss2 = _dot_gx_pair(dyr, xr, dy[r + 1], x[r + 1], w, wp, k, dwc, rs, rstd[r + 1], rnd, not inside)
-                ahead = 2
             else:
                 gx, ss = gx2, ss2
-                ahead = 2
             coef = _rms_coef(rs, gx, ss, k, inside)
             _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, 0, k, True, stage, nt, ahead)
             if k < d:  # pRMSNorm: the features past the statistic
@@ -1660,15 +1658,13 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, nt):
         for r in range(r0, r1):
             dyr, xr = dy[r], x[r]
             mu, rs = mean[r], rstd[r]
-            ahead = 1
-            if r >= paired_to:
+            ahead = 1 if r >= paired_to else 2  # rows ahead that pass 2 prefetches
+            if ahead == 1:
                 sg, sgx = _ln_sums(dyr, w, wp, xr, mu, rs, dwc, dbc)
             elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
                 sg, sgx, sg2, sgx2 = _ln_sums_pair(dyr, xr, dy[r + 1], x[r + 1], w, wp, mu, rs, mean[r + 1], rstd[r + 1], dwc, dbc)
-                ahead = 2
             else:
                 sg, sgx = sg2, sgx2
-                ahead = 2
             _ln_bwd_write(dyr, xr, w, wp, _row(ds, r), dx[r], mu, rs, sg, sgx, stage, nt, ahead)
         if nt:
             _store_fence()
