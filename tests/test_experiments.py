@@ -4,7 +4,9 @@ report renders, a second run redoes nothing, and an interrupted run resumes from
 
 import base64
 import copy
+import html
 import json
+import statistics
 
 import pytest
 
@@ -71,24 +73,35 @@ def _claim(results, cid):
     return next(c for s in results["presets"].values() for c in s["claims"] if c["id"] == cid)
 
 
+def _seeds(mean, spread=0.005):
+    return [mean - spread, mean, mean + spread]
+
+
+WARM = {f"post_{t}_{k}_lr{lr}": v for lr in ("0.001", "0.003") for t in ("warm", "nowarm")
+        for k, v in (("val", _seeds(2.0)), ("diverged", 0))}
+
+
 @pytest.mark.parametrize("cid, holds, fails", [
-    ("norms.rms_quality", {"rmsnorm_val": 2.0, "layernorm_val": 2.01, "rmsnorm_val_std": 0.001, "layernorm_val_std": 0.001},
-     {"rmsnorm_val": 2.5, "layernorm_val": 2.0, "rmsnorm_val_std": 0.001, "layernorm_val_std": 0.001}),
-    ("norms.none_worse", {"none_val": 3.0, "layernorm_val": 2.0, "none_diverged": 0, "none_val_std": None, "layernorm_val_std": None},
-     {"none_val": 2.0, "layernorm_val": 2.1, "none_diverged": 0, "none_val_std": None, "layernorm_val_std": None}),
-    ("warmup.post_needs", {"post_nowarm_val_lr0.003": None, "post_warm_val_lr0.003": 2.0, "post_nowarm_diverged_lr0.003": 1,
-                           "post_warm_diverged_lr0.003": 0, "unigram_loss": 3.4},
-     {"unigram_loss": 3.4, **{f"post_{t}_{k}_lr{lr}": v for lr in ("0.001", "0.003") for t in ("warm", "nowarm")
-                             for k, v in (("val", 2.0), ("diverged", 0))}}),
-    ("warmup.pre_not", {f"pre_{t}_{k}_lr{lr}": v for lr in ("0.001", "0.003") for t in ("warm", "nowarm") for k, v in (("val", 2.0), ("diverged", 0))},
-     {"pre_nowarm_val_lr0.001": 2.5, "pre_warm_val_lr0.001": 2.0, "pre_nowarm_diverged_lr0.001": 0}),
-    ("gradients.post_grows", {"post_growth": 3.0, "post_slope": 0.1}, {"post_growth": 0.8, "post_slope": -0.02}),
-    ("depth.deepnorm_trains", {"deepnorm_val": 2.0, "post_val": None, "pre_val": 1.95, "deepnorm_diverged": 0, "post_diverged": 1},
-     {"deepnorm_val": None, "post_val": None, "pre_val": 1.95, "deepnorm_diverged": 1, "post_diverged": 1}),
-    ("batchnorm.train_eval", {"batchnorm_train_eval_gap": 0.05, "layernorm_train_eval_gap": 0.0},
-     {"batchnorm_train_eval_gap": 0.001, "layernorm_train_eval_gap": 0.0}),
-    ("speed.rms_kernel_normlab", {"normlab_rms_norm_total_ms": 0.8, "normlab_layer_norm_total_ms": 1.0},
-     {"normlab_rms_norm_total_ms": 1.1, "normlab_layer_norm_total_ms": 1.0}),
+    ("norms.rms_quality", {"rmsnorm_val": _seeds(2.0), "layernorm_val": _seeds(2.01)},
+     {"rmsnorm_val": _seeds(2.5), "layernorm_val": _seeds(2.0)}),
+    ("norms.rms_speed", {"rmsnorm_step_ms": [8.0, 9.6, 12.0], "layernorm_step_ms": [10.0, 12.0, 15.0]},
+     {"rmsnorm_step_ms": [10.5, 12.5, 15.5], "layernorm_step_ms": [10.0, 12.0, 15.0]}),
+    ("norms.none_worse", {"none_val": _seeds(3.0), "layernorm_val": _seeds(2.0), "none_diverged": 0},
+     {"none_val": _seeds(2.0), "layernorm_val": _seeds(2.1), "none_diverged": 0}),
+    ("warmup.post_needs", {**WARM, "post_nowarm_val_lr0.003": [None] * 3, "post_nowarm_diverged_lr0.003": 3, "unigram_loss": 3.4},
+     {**WARM, "post_nowarm_val_lr0.001": _seeds(1.9), "post_nowarm_val_lr0.003": _seeds(1.9), "unigram_loss": 3.4}),
+    ("warmup.pre_not", {k.replace("post", "pre"): v for k, v in WARM.items()},
+     {**{k.replace("post", "pre"): v for k, v in WARM.items()}, "pre_nowarm_val_lr0.001": _seeds(2.5)}),
+    ("gradients.post_grows", {"post_growth": _seeds(3.0, 0.2)}, {"post_growth": _seeds(0.8, 0.05)}),
+    ("depth.deepnorm_trains", {"deepnorm_val": _seeds(2.0), "post_val": [None] * 3, "pre_val": _seeds(1.95),
+                               "deepnorm_diverged": 0, "post_diverged": 3},
+     {"deepnorm_val": [None] * 3, "post_val": [None] * 3, "pre_val": _seeds(1.95), "deepnorm_diverged": 3, "post_diverged": 3}),
+    ("batchnorm.train_eval", {"batchnorm_train_eval_gap": _seeds(0.05, 0.002)}, {"batchnorm_train_eval_gap": _seeds(0.001, 1e-4)}),
+    ("precision.naive_bf16_worse", {"rms_norm_bf16_naive_median_eps": _seeds(0.5, 0.01), "rms_norm_bf16_normlab_median_eps": _seeds(0.2, 0.01),
+                                    "layer_norm_bf16_naive_median_eps": _seeds(0.6, 0.01), "layer_norm_bf16_normlab_median_eps": _seeds(0.2, 0.01)},
+     {"rms_norm_bf16_naive_median_eps": _seeds(0.2, 0.01), "rms_norm_bf16_normlab_median_eps": _seeds(0.3, 0.01)}),
+    ("speed.rms_kernel_normlab", {"normlab_rms_norm_total_ms": [0.8, 0.85, 0.9], "normlab_layer_norm_total_ms": [1.0, 1.05, 1.1]},
+     {"normlab_rms_norm_total_ms": [1.1, 1.15, 1.2], "normlab_layer_norm_total_ms": [1.0, 1.05, 1.1]}),
 ])
 def test_changing_the_numbers_flips_the_verdict(finished, cid, holds, fails):
     c = _claim(finished[1], cid)
@@ -98,8 +111,48 @@ def test_changing_the_numbers_flips_the_verdict(finished, cid, holds, fails):
 
 def test_warmup_is_untestable_where_post_ln_never_trains(finished):
     c = _claim(finished[1], "warmup.post_needs")
-    stuck = {f"post_{t}_{k}_lr{lr}": v for lr in ("0.001", "0.003") for t in ("warm", "nowarm") for k, v in (("val", 3.39), ("diverged", 0))}
+    stuck = {f"post_{t}_{k}_lr{lr}": v for lr in ("0.001", "0.003") for t in ("warm", "nowarm")
+             for k, v in (("val", _seeds(3.39)), ("diverged", 0))}
     assert C.judge(c["rule"], {**c["measured"], **stuck, "unigram_loss": 3.4}) == "inconclusive"
+
+
+def test_one_seed_leaves_quality_claims_inconclusive_and_says_why(finished):
+    _, results = finished  # tiny size: one seed
+    for cid in ("norms.rms_quality", "norms.prms_quality", "batchnorm.worse", "gradients.pre_flat"):
+        c = _claim(results, cid)
+        assert c["verdict"] == "inconclusive", cid
+        assert any("gives no interval" in line for line in c["evidence"]), cid
+
+
+def test_every_threshold_has_an_origin(finished):
+    def leaves(rule):
+        if rule["kind"] in ("all", "any"):
+            return [x for r in rule["rules"] for x in leaves(r)]
+        if rule["kind"] == "given":
+            return leaves(rule["if"]) + leaves(rule["then"])
+        return [rule]
+
+    for section in finished[1]["presets"].values():
+        for c in section["claims"]:
+            for leaf in leaves(c["rule"]):
+                if leaf.get("rel") or not isinstance(leaf["b"], str):
+                    assert leaf["origin"]["by"] in ("source", "normlab") and leaf["origin"]["text"], (c["id"], leaf)
+            assert c["origins"] or all(not (leaf.get("rel") or not isinstance(leaf["b"], str)) for leaf in leaves(c["rule"]))
+    speed = _claim(finished[1], "norms.rms_speed")
+    assert speed["origins"][0].endswith("from the source ('reduces the running time by 7%~64% on different models' (abstract))")
+
+
+def test_the_seconds_axis_starts_after_compilation(finished):
+    """The first evaluation after step 0 sits where its steps' own time puts it: no compilation
+    or first-call cost on the clock."""
+    for name in ("norms",):
+        for norm, curves in finished[1]["presets"][name]["series"]["runs"].items():
+            for c in curves:
+                v = c["val_curve"]
+                assert v["step"][0] == 0 and v["time_s"][0] == 0  # the loss at initialization
+                run = next(r for r in (finished[0] / "runs").iterdir() if r.name.startswith(f"{norm}-s0-"))
+                ms = [json.loads(line)["step_ms"] for line in open(run / "metrics.jsonl") if "step_ms" in line]
+                assert v["time_s"][1] <= 2 * statistics.median(ms) / 1e3 * v["step"][1], (norm, v)
 
 
 def test_batchnorm_depends_on_batch_mates_and_layernorm_does_not(finished):
@@ -127,6 +180,14 @@ def test_report_renders(finished):
     md = paths["markdown"].read_text()
     for name in E.PRESETS:
         assert f"## {name}:" in md
+    # every claim shows its interval (or why there is none), its sample count and each threshold's origin
+    for section in results["presets"].values():
+        for c in section["claims"]:
+            assert c["evidence"]
+            for line in c["evidence"] + c["origins"]:
+                assert line in md and html.escape(line) in page, line
+            assert all(any(w in x for w in ("seed", "process", "round", "draw", "exact", "not measured"))
+                       for x in c["evidence"]), c["evidence"]
     assert "Machine and versions" in md and "normlab compare all --size tiny" in md
 
 

@@ -369,6 +369,7 @@ def _records(cases: list[Case], device: torch.device) -> list[dict]:
             "op": c.op, "backend": c.backend, "dtype": c.dtype, "shape": c.shape, "pass": c.pass_, "alloc": c.alloc,
             "ms": float(f"{ms:.4g}"), "gbps": float(f"{gbps:.4g}"), "frac_of_copy": float(f"{gbps / copy_gbps:.3g}"),
             "bytes": c.nbytes, "runs": len(c.times), "device": str(device),
+            "times_ms": [float(f"{t * 1e3:.4g}") for t in c.times],  # one per round, for intervals over rounds
         })
     return out
 

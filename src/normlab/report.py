@@ -268,7 +268,23 @@ def verdict_counts(results: dict) -> dict[str, int]:
 
 
 def _measured_text(measured: dict) -> str:
-    return ", ".join(f"{k} = {_fmt(v)}" for k, v in measured.items())
+    def one(v):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]" if isinstance(v, list) else _fmt(v)
+
+    return ", ".join(f"{k} = {one(v)}" for k, v in measured.items())
+
+
+def _claim_lines(c: dict) -> list[tuple[str, list[str]]]:
+    """What the report prints under a claim: (label, lines)."""
+    parts = [("Rule", [c["rule_text"]]), ("Evidence", c.get("evidence", [])),
+             ("Thresholds", c.get("origins", [])), ("Conditions", c.get("conditions", [])),
+             ("Measured", [_measured_text(c["measured"])])]
+    return [(label, lines) for label, lines in parts if lines]
+
+
+NOT_REPRODUCED = ("Not every claim reproduced here. A verdict is computed on a 95% t interval over seeds (or timing "
+                  "processes): 'inconclusive' means the interval straddles the claim's margin, which at this scale "
+                  "can be the noise of a few seeds; the evidence above says which.")
 
 
 def markdown(results: dict, images: dict[str, list[str]]) -> str:
@@ -290,12 +306,11 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
             lines.append("| " + " | ".join(_fmt(row.get(c)) for c in cols) + " |")
         lines.append("")
         for c in section["claims"]:
-            lines += [f"- **{c['verdict']}**: {c['claim']} ({c['source']}).  ",
-                      f"  Rule: {c['rule_text']}.  ", f"  Measured: {_measured_text(c['measured'])}."]
+            lines.append(f"- **{c['verdict']}**: {c['claim']} ({c['source']}).  ")
+            for label, items in _claim_lines(c):
+                lines += [f"  {label}: {items[0]}  "] if len(items) == 1 else [f"  {label}:  "] + [f"  - {x}" for x in items]
         if any(c["verdict"] != "holds" for c in section["claims"]):
-            lines.append(f"- Not every claim reproduced here: at this scale ({section.get('size', 'full')} "
-                         "sizes, a few minutes of CPU) the effect may be smaller than the noise or absent; the numbers above "
-                         "say which.")
+            lines.append(f"- {NOT_REPRODUCED} ({section.get('size', 'full')} sizes)")
         lines.append("")
         for note in section.get("notes", []):
             lines += [f"> {note}", ""]
@@ -309,7 +324,7 @@ CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;
 table{border-collapse:collapse;margin:.6em 0;font-size:.9em}td,th{border:1px solid #d0d7de;padding:.25em .6em;text-align:right}
 th{background:#f6f8fa}td:first-child,th:first-child{text-align:left}img{max-width:100%}
 .verdict{font-weight:600;padding:.05em .4em;border-radius:.3em;color:#fff;white-space:nowrap}
-.claim{margin:.5em 0 .8em}.rule,.measured{font-size:.85em;color:#57606a}.note{font-size:.88em;color:#57606a;border-left:3px solid #d0d7de;padding-left:.7em}
+.claim{margin:.5em 0 .8em}.claim ul{margin:.1em 0 .2em;padding-left:1.4em}.rule,.measured{font-size:.85em;color:#57606a}.note{font-size:.88em;color:#57606a;border-left:3px solid #d0d7de;padding-left:.7em}
 code{font-size:.85em;background:#f6f8fa;padding:.1em .3em}"""
 
 
@@ -339,12 +354,12 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
             parts.append("<tr>" + "".join(f"<td>{e(_fmt(row.get(c)))}</td>" for c in cols) + "</tr>")
         parts.append("</table>")
         for c in section["claims"]:
-            parts.append(f"<div class='claim'>{_badge(c['verdict'])} {e(c['claim'])} <span class='rule'>({e(c['source'])})</span><br>"
-                         f"<span class='rule'>Rule: {e(c['rule_text'])}</span><br>"
-                         f"<span class='measured'>Measured: {e(_measured_text(c['measured']))}</span></div>")
+            body = "".join(f"<div class='rule'>{e(label)}:<ul>" + "".join(f"<li>{e(x)}</li>" for x in items) + "</ul></div>"
+                           for label, items in _claim_lines(c))
+            parts.append(f"<div class='claim'>{_badge(c['verdict'])} {e(c['claim'])} <span class='rule'>({e(c['source'])})</span>"
+                         f"{body}</div>")
         if any(c["verdict"] != "holds" for c in section["claims"]):
-            parts.append("<p class='note'>Not every claim reproduced here: at this scale the effect may be smaller than the "
-                         "noise or absent; the numbers above say which.</p>")
+            parts.append(f"<p class='note'>{e(NOT_REPRODUCED)}</p>")
         for note in section.get("notes", []):
             parts.append(f"<p class='note'>{e(note)}</p>")
         for img in images.get(name, []):
@@ -361,3 +376,31 @@ def load(folder: str | Path) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"no results.json in {folder}; run `normlab compare PRESET --out {folder}` first")
     return json.loads(path.read_text())
+
+
+# ------------------------------------------------------------------------------ README tables
+
+README_START, README_END = "<!-- demo tables: generated by tools/readme_tables.py -->", "<!-- end of demo tables -->"
+
+
+def _short(line: str) -> str:
+    """An evidence line without its leading names and trailing verdict."""
+    body = line.rsplit(": ", 1)[0]
+    return body.split(": ", 1)[1] if ": " in body else body
+
+
+def readme_tables(results: dict) -> str:
+    """The README's demo tables (norms, then every claim with its verdict and interval), from a
+    demo's results.json: regenerated by tools/readme_tables.py, checked by tests/test_readme.py."""
+    norms = results["presets"]["norms"]
+    n = len(norms["settings"]["seeds"])
+    lines = [f"| norm (Pre-LN) | final val loss (mean ± std, {n} seeds) | step ms | vs LayerNorm |", "|---|---|---|---|"]
+    for r in norms["rows"]:
+        lines.append(f"| {r['norm']} | {r['val_loss']:.3f} ± {r['val_std']:.3f} | {r['step_ms']:.1f} | {r['step_vs_layernorm']:.2f} |")
+    lines += ["", "| claim | verdict here | the numbers behind it |", "|---|---|---|"]
+    for section in results["presets"].values():
+        for c in section["claims"]:
+            ev = [_short(x) for x in c["evidence"]]
+            more = f"; {len(ev) - 2} more in the report" if len(ev) > 2 else ""
+            lines.append(f"| {c['claim']} | {c['verdict']} | {'; '.join(ev[:2])}{more} |")
+    return "\n".join(lines)
