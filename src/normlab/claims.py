@@ -230,7 +230,7 @@ def _target_text(rule: dict) -> str:
     if isinstance(b, (int, float)) and b == 0:
         return {"within": f"within +-{m:g}", "above": "above 0", "below": "below 0", "at_most": f"<= {m:g}",
                 "at_least": f">= {-m:g}"}[kind]
-    pct = f"{abs(m):.0%}" if abs(m) * 100 == round(abs(m) * 100) else f"{abs(m):.2%}"
+    pct = f"{abs(m) * 100:.3g}%"
     if kind == "at_most" and m:
         return f"at most {pct} above" if m > 0 else f"at least {pct} below"
     if kind == "at_least" and m:

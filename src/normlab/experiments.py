@@ -786,7 +786,7 @@ def preset_precision(lab: Lab) -> dict:
         C.claim("precision.naive_bf16_worse", "where it does not break, bf16 arithmetic for the statistics still costs "
                 "accuracy: the naive version's median error is at least twice the fused kernel's", MICIK18,
                 _pick(measured, *[f"{op}_bf16_{i}_median_eps" for op in ops for i in ("naive", "normlab")]),
-                C.all_of(*[C.above(f"{op}_bf16_naive_median_eps", f"{op}_bf16_normlab_median_eps", 1.0, over="input draws",
+                C.all_of(*[C.above(f"{op}_bf16_naive_median_eps", f"{op}_bf16_normlab_median_eps", 1.0, over="input draws", paired=True,
                                    origin=C.ours("2x: one more rounding of the same size as the output's own"))
                            for op in ops])),
     ]
