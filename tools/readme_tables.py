@@ -1,7 +1,7 @@
 """Rewrite the README's demo tables from a demo's results.json (default: the committed record),
 so the README quotes what a run measured rather than what somebody typed.
 
-    python tools/readme_tables.py [docs/results/compare-demo-epyc-2core/results.json]
+    python tools/readme_tables.py [docs/results/compare-demo-xeon-2core/results.json]
 """
 
 import json

@@ -154,15 +154,14 @@ def _decide(kind: str, lo: float, hi: float, m: float) -> str:
 
 def _judge_leaf(rule: dict, measured: dict) -> tuple[str, str]:
     kind, a, b, m = rule["kind"], rule["a"], rule["b"], rule.get("rel", 0.0)
-    target = _target_text(rule)
     if rule.get("point"):
         va, vb = _exact(measured, a), _exact(measured, b)
         if va is None or vb is None:
             return UNSURE, f"{a} vs {_b_text(b)}: not measured (a run diverged or nothing was measured): inconclusive"
         gap = (va - vb) / abs(vb) if vb else va - vb
         verdict = _decide(kind, gap, gap, m)
-        what = f"{a} = {_num(va)}" + (f" vs {b} = {_num(vb)}" if isinstance(b, str) else "")
-        return verdict, f"{what} (exact: {rule['point']}) {target}: {verdict}"
+        what = f"{_num(va)}" + (f" vs {b} = {_num(vb)}" if isinstance(b, str) else "")
+        return verdict, f"{a}: {what}, must be {_requirement(rule)} (exact; {rule['point']}): {verdict}"
     va, vb = _samples(measured, a), _samples(measured, b)
     if va is None or vb is None:
         return UNSURE, f"{a} vs {_b_text(b)}: not measured: inconclusive"
@@ -179,8 +178,10 @@ def _judge_leaf(rule: dict, measured: dict) -> tuple[str, str]:
     na, nb = ci["n"]
     ns = f"{na} {over}" if nb is None else (f"{na} pairs of {over}" if rule.get("paired") else f"{na} and {nb} {over}")
     test = "paired t" if rule.get("paired") else "one-sample t" if nb is None else "Welch t"
+    gap_rule = _target_text(rule) if m else {"within": "0", "above": "> 0", "below": "< 0", "at_most": "<= 0",
+                                              "at_least": ">= 0"}[kind]
     return verdict, (f"{a} vs {_b_text(b)}: gap {fmt(ci['gap'])} (95% CI {fmt(ci['lo'])} to {fmt(ci['hi'])}, {ns}, "
-                     f"{test}, df {ci['df']:.3g}) {target}: {verdict}")
+                     f"{test}, df {ci['df']:.3g}), must be {gap_rule}: {verdict}")
 
 
 def evaluate(rule: dict, measured: dict) -> tuple[str, list[str]]:
@@ -228,8 +229,8 @@ def _b_text(b) -> str:
 def _target_text(rule: dict) -> str:
     kind, b, m = rule["kind"], rule["b"], rule.get("rel", 0.0)
     if isinstance(b, (int, float)) and b == 0:
-        return {"within": f"within +-{m:g}", "above": "above 0", "below": "below 0", "at_most": f"<= {m:g}",
-                "at_least": f">= {-m:g}"}[kind]
+        return {"within": f"within +-{m:g} of 0", "above": "above 0", "below": "below 0", "at_most": f"at most {m:g}",
+                "at_least": f"at least {-m:g}"}[kind]
     pct = f"{abs(m) * 100:.3g}%"
     if kind == "at_most" and m:
         return f"at most {pct} above" if m > 0 else f"at least {pct} below"
@@ -237,6 +238,14 @@ def _target_text(rule: dict) -> str:
         return f"at most {pct} below" if m > 0 else f"at least {pct} above"
     return {"within": f"within +-{pct}", "above": f"at least {pct} above" if m else "above",
             "below": f"at least {pct} below" if m else "below", "at_most": "at most", "at_least": "at least"}[kind]
+
+
+def _requirement(rule: dict) -> str:
+    """What the rule asks of a, in words, b included."""
+    b = rule["b"]
+    if isinstance(b, (int, float)) and b == 0:
+        return _target_text(rule)
+    return f"{_target_text(rule)} {_b_text(b)}"
 
 
 def describe(rule: dict) -> str:
@@ -247,15 +256,9 @@ def describe(rule: dict) -> str:
     if kind in ("all", "any"):
         joiner = " and " if kind == "all" else " or "
         return "(" + joiner.join(describe(r) for r in rule["rules"]) + ")"
-    a, b, m = rule["a"], rule["b"], rule.get("rel", 0.0)
-    b_txt = _b_text(b)
-    if isinstance(b, (int, float)) and b == 0:
-        text = {"within": f"|{a}| <= {m:g}", "above": f"{a} > 0", "below": f"{a} < 0", "at_most": f"{a} <= {m:g}",
-                "at_least": f"{a} >= {-m:g}"}[kind]
-    else:
-        text = f"{a} {_target_text(rule)} {b_txt}"
-        if kind in ("above", "below") and m:
-            text += f" (not {kind} it: does not hold; in between: inconclusive)"
+    text = f"{rule['a']} {_requirement(rule)}"
+    if kind in ("above", "below") and rule.get("rel"):
+        text += f" (not {kind} it: does not hold; in between: inconclusive)"
     if rule.get("point"):
         text += f" [exact: {rule['point']}]"
     else:
@@ -272,7 +275,7 @@ def origins(rule: dict) -> list[str]:
     o = rule.get("origin")
     if not o:
         return []
-    what = f"{rule['a']}: {_target_text(rule)} {_b_text(rule['b'])}"
+    what = f"{rule['a']} {_requirement(rule)}"
     return [f"{what}: from the source ({o['text']})" if o["by"] == "source" else f"{what}: normlab's choice ({o['text']})"]
 
 

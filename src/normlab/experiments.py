@@ -315,7 +315,7 @@ DIVERGED = C.ours("a count: one diverged seed is a failure to train")
 
 # Seeds of the quality comparisons at quick size: the fewest for which both equivalence claims
 # (RMSNorm vs LayerNorm, pRMSNorm vs RMSNorm) were decidable in a measured demo (3 and 4 left
-# pRMSNorm's interval across the 2% margin; docs/results/compare-demo-epyc-2core/README.md).
+# pRMSNorm's interval across the 2% margin; docs/results/compare-demo-xeon-2core/README.md).
 LM_SEEDS = 5
 
 
