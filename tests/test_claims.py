@@ -177,3 +177,11 @@ def test_every_threshold_needs_an_origin():
 def test_unknown_rule_kind_is_an_error():
     with pytest.raises(ValueError, match="unknown rule kind 'between'"):
         C.judge({"kind": "between", "a": "a", "b": 1}, {"a": 1})
+
+
+def test_absolute_rules_compare_differences():
+    rule = C.within("slope", -0.5, 0.25, origin=WHY, absolute=True)
+    assert C.judge(rule, {"slope": [-0.45, -0.5, -0.55]}) == "holds"
+    assert C.judge(rule, {"slope": [-0.05, 0.0, 0.05]}) == "does not hold"
+    verdict, (line,) = C.evaluate(rule, {"slope": [-0.45, -0.5, -0.55]})
+    assert "gap 0 (95% CI -0.1242 to 0.1242" in line and "must be within +-0.25 of" in line

@@ -6,6 +6,7 @@ import base64
 import copy
 import html
 import json
+import math
 import statistics
 
 import pytest
@@ -92,7 +93,10 @@ WARM = {f"post_{t}_{k}_lr{lr}": v for lr in ("0.001", "0.003") for t in ("warm",
      {**WARM, "post_nowarm_val_lr0.001": _seeds(1.9), "post_nowarm_val_lr0.003": _seeds(1.9), "unigram_loss": 3.4}),
     ("warmup.pre_not", {k.replace("post", "pre"): v for k, v in WARM.items()},
      {**{k.replace("post", "pre"): v for k, v in WARM.items()}, "pre_nowarm_val_lr0.001": _seeds(2.5)}),
-    ("gradients.post_grows", {"post_growth": _seeds(3.0, 0.2)}, {"post_growth": _seeds(0.8, 0.05)}),
+    ("gradients.post_grows", {"xiong_post_growth": _seeds(3.0, 0.2)}, {"xiong_post_growth": _seeds(0.8, 0.05)}),
+    ("gradients.pre_flat.llama", {"llama_pre_growth": _seeds(1.1, 0.05)}, {"llama_pre_growth": _seeds(0.25, 0.02)}),
+    ("gradients.post_last_constant", {"xiong_post_last_slope": _seeds(0.02, 0.03)}, {"xiong_post_last_slope": _seeds(-0.5, 0.03)}),
+    ("gradients.pre_last_scaling", {"xiong_pre_last_slope": _seeds(-0.48, 0.03)}, {"xiong_pre_last_slope": _seeds(0.0, 0.03)}),
     ("depth.deepnorm_trains", {"deepnorm_val": _seeds(2.0), "post_val": [None] * 3, "pre_val": _seeds(1.95),
                                "deepnorm_diverged": 0, "post_diverged": 3},
      {"deepnorm_val": [None] * 3, "post_val": [None] * 3, "pre_val": _seeds(1.95), "deepnorm_diverged": 3, "post_diverged": 3}),
@@ -118,7 +122,7 @@ def test_warmup_is_untestable_where_post_ln_never_trains(finished):
 
 def test_one_seed_leaves_quality_claims_inconclusive_and_says_why(finished):
     _, results = finished  # tiny size: one seed
-    for cid in ("norms.rms_quality", "norms.prms_quality", "batchnorm.worse", "gradients.pre_flat"):
+    for cid in ("norms.rms_quality", "norms.prms_quality", "batchnorm.worse"):
         c = _claim(results, cid)
         assert c["verdict"] == "inconclusive", cid
         assert any("gives no interval" in line for line in c["evidence"]), cid
@@ -142,17 +146,14 @@ def test_every_threshold_has_an_origin(finished):
     assert speed["origins"][0].endswith("from the source ('reduces the running time by 7%~64% on different models' (abstract))")
 
 
-def test_the_seconds_axis_starts_after_compilation(finished):
-    """The first evaluation after step 0 sits where its steps' own time puts it: no compilation
-    or first-call cost on the clock."""
-    for name in ("norms",):
-        for norm, curves in finished[1]["presets"][name]["series"]["runs"].items():
-            for c in curves:
-                v = c["val_curve"]
-                assert v["step"][0] == 0 and v["time_s"][0] == 0  # the loss at initialization
-                run = next(r for r in (finished[0] / "runs").iterdir() if r.name.startswith(f"{norm}-s0-"))
-                ms = [json.loads(line)["step_ms"] for line in open(run / "metrics.jsonl") if "step_ms" in line]
-                assert v["time_s"][1] <= 2 * statistics.median(ms) / 1e3 * v["step"][1], (norm, v)
+def test_every_curve_starts_at_step_zero_on_both_axes(finished):
+    """The loss at initialization is each curve's first point, at 0 s; the time axis then adds
+    each step's own time (test_train checks that no compilation is in it)."""
+    for norm, curves in finished[1]["presets"]["norms"]["series"]["runs"].items():
+        for c in curves:
+            v = c["val_curve"]
+            assert v["step"][0] == 0 and v["time_s"][0] == 0, norm
+            assert v["time_s"] == sorted(v["time_s"]) and v["time_s"][1] > 0, norm
 
 
 def test_batchnorm_depends_on_batch_mates_and_layernorm_does_not(finished):
@@ -245,3 +246,17 @@ def test_cli_compare_and_report(finished, capsys):
     assert main(["compare", "norms", "norm=rmsnorm", "--out", str(out)]) == 2
     assert "compares norm" in capsys.readouterr().out
     assert main(["report", str(out / "nothing")]) == 2
+
+
+def test_gradients_show_the_sources_model_and_this_decoder(finished):
+    section = finished[1]["presets"]["gradients"]
+    settings = {(r["setting"], r["placement"]) for r in section["rows"]}
+    assert {("xiong", "post"), ("xiong", "pre"), ("llama", "post"), ("llama", "pre")} <= settings
+    assert any(s.startswith("xiong+") for s, _ in settings)  # a single-factor control
+    ids = {c["id"] for c in section["claims"]}
+    assert {"gradients.post_grows", "gradients.post_grows.llama", "gradients.pre_last_scaling.llama"} <= ids
+    for c in section["claims"]:
+        assert any(x.startswith("matches") for x in c["conditions"]) and any(x.startswith("differs") for x in c["conditions"])
+        for key, v in c["measured"].items():  # one value per seed, all finite
+            assert isinstance(v, list) and all(math.isfinite(x) for x in v), (c["id"], key)
+    assert "The factor that moves it most" in section["notes"][-1]

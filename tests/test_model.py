@@ -106,8 +106,12 @@ def test_deepnorm_init_picks_weights_by_role_not_by_name(gen):
     assert hasattr(m.blocks[0].attn, "wo") and hasattr(m.blocks[0].mlp, "down")
 
 
+XIONG = {"mlp": "relu", "norm": "layernorm", "positions": "learned", "tie_embeddings": False, "embed_scale": True}
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("extra", [{}, {"qk_norm": True, "n_kv_heads": 1}, {"mlp": "gelu", "norm": "layernorm"}], ids=str)
+@pytest.mark.parametrize("extra", [{}, {"qk_norm": True, "n_kv_heads": 1}, {"mlp": "gelu", "norm": "layernorm"}, XIONG,
+                                   {**XIONG, "positions": "sinusoidal"}], ids=str)
 def test_kv_cache_gives_the_full_forward_logits(gen, placement, extra):
     m = model(gen, placement=placement, **extra).eval()
     idx = tokens(gen, B=2, T=12)
@@ -235,7 +239,8 @@ def test_parameter_counts_of_the_presets():
         ({"placement": "middle"}, r"placement must be one of 'post', 'pre', 'sandwich', 'deepnorm'; got 'middle'"),
         ({"norm": "rmsnorm", "norm_partial": 0.25}, r"norm_partial is set \(0.25\) but norm is 'rmsnorm'; use norm='prmsnorm'"),
         ({"n_heads": 4, "n_kv_heads": 3, "d_model": 32}, r"n_heads \(4\) must be divisible by n_kv_heads \(3\)"),
-        ({"mlp": "relu"}, r"mlp must be one of 'swiglu', 'gelu'"),
+        ({"mlp": "tanh"}, r"mlp must be one of 'swiglu', 'gelu', 'relu'"),
+        ({"positions": "alibi"}, r"positions must be one of 'rope', 'learned', 'sinusoidal'"),
         ({"dropout": 1.0}, r"dropout must be in \[0, 1\)"),
         ({"n_layers": 0}, r"n_layers must be a positive int"),
     ],
@@ -280,3 +285,25 @@ def test_torch_norm_impl_gives_the_same_model(gen, norm):
     assert torch.allclose(ours(idx)[0], theirs(idx)[0], atol=1e-5)
     with pytest.raises(ValueError, match="norm_impl='torch' exists for layernorm and rmsnorm only"):
         ModelConfig.preset("tiny", norm="prmsnorm", norm_impl="torch")
+
+
+def test_attention_logits_are_the_largest_causal_q_dot_k(gen):
+    m = model(gen, n_layers=1, positions="learned", norm="layernorm").eval()
+    idx = tokens(gen, B=2, T=10)
+    m.record_attention_logits()
+    m(idx)
+    (recorded,) = m.attention_logits()
+    attn = m.blocks[0].attn
+    h = m.blocks[0].attn_norm(m.embed(idx) + m.pos_embed.weight[:10])
+    q = attn.wq(h).view(2, 10, attn.n_heads, -1).transpose(1, 2)
+    k = attn.wk(h).view(2, 10, attn.n_heads, -1).transpose(1, 2)
+    logits = (q @ k.transpose(-2, -1)) / attn.head_dim**0.5
+    future = torch.ones(10, 10, dtype=torch.bool).triu(1)
+    assert recorded == pytest.approx(logits.masked_fill(future, -1e9).max().item(), rel=1e-5)
+    assert logits.max().item() > recorded or torch.equal(logits.max(), logits.masked_fill(future, -1e9).max())
+
+
+def test_the_original_transformers_embedding_has_unit_scale(gen):
+    m = model(gen, d_model=64, n_heads=2, embed_scale=True, positions="sinusoidal", tie_embeddings=False)
+    assert m.embed.weight.std().item() == pytest.approx(64**-0.5, rel=0.1)
+    assert m.head.weight is not m.embed.weight and m.pos_table.shape == (m.cfg.max_seq_len, 64)

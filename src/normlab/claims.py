@@ -76,8 +76,9 @@ def _finite(values) -> list[float]:
     return [float(v) for v in values if v is not None and math.isfinite(v)]
 
 
-def interval(a: list, b, *, paired: bool = False) -> dict | None:
-    """The 95% interval of the relative gap (mean a - mean b) / |mean b| (absolute when b is 0).
+def interval(a: list, b, *, paired: bool = False, absolute: bool = False) -> dict | None:
+    """The 95% interval of the relative gap (mean a - mean b) / |mean b| (of mean a - mean b
+    itself when ``absolute`` or when b is 0).
 
     ``b`` is a list of samples (Welch, or pairwise differences when ``paired``) or an exact number
     (one-sample interval). None when there is no interval: fewer than two samples on a side."""
@@ -107,7 +108,7 @@ def interval(a: list, b, *, paired: bool = False) -> dict | None:
             scale = abs(b)
             est, se, df = statistics.fmean(xa) - b, statistics.stdev(xa) / math.sqrt(len(xa)), len(xa) - 1
             n = (len(xa), None)
-    relative = scale > 0
+    relative = scale > 0 and not absolute
     scale = scale if relative else 1.0  # b = 0: the gap is the difference itself
     half = t_quantile(0.5 + LEVEL / 2, df) * se
     return {"gap": est / scale, "lo": (est - half) / scale, "hi": (est + half) / scale, "df": df, "n": n,
@@ -158,7 +159,7 @@ def _judge_leaf(rule: dict, measured: dict) -> tuple[str, str]:
         va, vb = _exact(measured, a), _exact(measured, b)
         if va is None or vb is None:
             return UNSURE, f"{a} vs {_b_text(b)}: not measured (a run diverged or nothing was measured): inconclusive"
-        gap = (va - vb) / abs(vb) if vb else va - vb
+        gap = (va - vb) / abs(vb) if vb and not rule.get("absolute") else va - vb
         verdict = _decide(kind, gap, gap, m)
         what = f"{_num(va)}" + (f" vs {b} = {_num(vb)}" if isinstance(b, str) else "")
         return verdict, f"{a}: {what}, must be {_requirement(rule)} (exact; {rule['point']}): {verdict}"
@@ -168,7 +169,7 @@ def _judge_leaf(rule: dict, measured: dict) -> tuple[str, str]:
     if not isinstance(va, list):
         va = [va]
     over = rule.get("over", "seeds")
-    ci = interval(va, vb, paired=rule.get("paired", False))
+    ci = interval(va, vb, paired=rule.get("paired", False), absolute=rule.get("absolute", False))
     if ci is None:
         n = len(_finite(va))
         return UNSURE, (f"{a} vs {_b_text(b)}: {n} {over if n != 1 else over.rstrip('s')} {'give' if n != 1 else 'gives'} no interval "
@@ -228,6 +229,10 @@ def _b_text(b) -> str:
 
 def _target_text(rule: dict) -> str:
     kind, b, m = rule["kind"], rule["b"], rule.get("rel", 0.0)
+    if rule.get("absolute") and m:
+        return {"within": f"within +-{m:g} of", "above": f"at least {m:g} above", "below": f"at least {m:g} below",
+                "at_most": f"at most {m:g} above" if m > 0 else f"at least {-m:g} below",
+                "at_least": f"at most {m:g} below" if m > 0 else f"at least {-m:g} above"}[kind]
     if isinstance(b, (int, float)) and b == 0:
         return {"within": f"within +-{m:g} of 0", "above": "above 0", "below": "below 0", "at_most": f"at most {m:g}",
                 "at_least": f"at least {-m:g}"}[kind]
@@ -335,9 +340,10 @@ def given(condition: dict, then: dict) -> dict:
 
 
 def _leaf(kind, a, b, rel, *, origin: dict | None = None, point: str | None = None, paired: bool = False,
-          over: str = "seeds") -> dict:
+          over: str = "seeds", absolute: bool = False) -> dict:
     """``point``: why this leaf is judged on exact values (e.g. "a count of diverged runs");
-    ``over``: what the samples are drawn over (seeds, processes, rounds, input draws)."""
+    ``over``: what the samples are drawn over (seeds, processes, rounds, input draws);
+    ``absolute``: the gap and the margin ``rel`` are a - b itself, not relative to b (slopes)."""
     literal = isinstance(b, (int, float)) and not isinstance(b, bool)
     if (rel or literal) and not origin:
         raise ValueError(f"the threshold of {kind}({a!r}, {b!r}, {rel}) needs an origin: C.source(...) or C.ours(...)")
@@ -348,6 +354,8 @@ def _leaf(kind, a, b, rel, *, origin: dict | None = None, point: str | None = No
         rule["rel"] = rel
     if origin:
         rule["origin"] = origin
+    if absolute:
+        rule["absolute"] = True
     if point:
         rule["point"] = point
     else:

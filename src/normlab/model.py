@@ -18,6 +18,11 @@ by the module's role (attributes of Attention and MLP), never by the text of a p
 Xiong et al. (2020) and of DeepNet's Post-LN baselines (the lab's warmup, gradients and depth
 presets use it: with GPT-2's small scaled init the branches start so small that Post-LN's
 gradients are flat across layers at initialization).
+
+The original Transformer's pieces are fields too, so the lab can build the model of Xiong et al.
+(2020) from the same code: ``mlp="relu"``, ``positions="learned"`` or ``"sinusoidal"`` (added to
+the token embedding, instead of rotary), ``embed_scale=True`` (token embeddings ~ N(0, 1/d),
+multiplied by sqrt(d)) and ``tie_embeddings=False``.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from normlab.kernels import CHOICES as BACKEND_CHOICES
 from normlab.nn import NORM_KINDS, SequenceBatchNorm, build_norm
 
 PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
-MLPS = ("swiglu", "gelu")
+MLPS = ("swiglu", "gelu", "relu")
+POSITIONS = ("rope", "learned", "sinusoidal")
 INITS = ("gpt2", "xavier")
 # Whether a final norm sits before the LM head by default (DESIGN.md's placement table).
 FINAL_NORM_DEFAULT = {"post": False, "pre": True, "sandwich": True, "deepnorm": False}
@@ -51,7 +57,9 @@ class ModelConfig:
     d_ff: int | None = None  # MLP hidden size; None: 4 d (gelu) or 8/3 d rounded up to 32 (swiglu)
     max_seq_len: int = 256  # longest sequence (rotary tables and generation)
     dropout: float = 0.0  # on attention weights and on each branch output
-    mlp: str = "swiglu"  # "swiglu" (Llama) or "gelu" (GPT-2)
+    mlp: str = "swiglu"  # "swiglu" (Llama), "gelu" (GPT-2) or "relu" (the original Transformer)
+    positions: str = "rope"  # "rope" (Llama), or absolute positions added to the embedding: "learned", "sinusoidal"
+    embed_scale: bool = False  # token embeddings ~ N(0, 1/d) times sqrt(d) (the original Transformer)
     rope_theta: float = 10000.0  # rotary base
     tie_embeddings: bool = True  # the LM head shares the embedding matrix
     norm: str = "rmsnorm"  # layernorm, rmsnorm, prmsnorm, batchnorm or none
@@ -84,13 +92,14 @@ class ModelConfig:
         choice("norm", NORM_KINDS)
         choice("placement", PLACEMENTS)
         choice("mlp", MLPS)
+        choice("positions", POSITIONS)
         choice("norm_cast", CASTS)
         choice("norm_eps_mode", EPS_MODES)
         if self.backend is not None:
             choice("backend", BACKEND_CHOICES)
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}); change one of them")
-        if (self.d_model // self.n_heads) % 2:
+        if self.positions == "rope" and (self.d_model // self.n_heads) % 2:
             raise ValueError(f"head_dim = d_model / n_heads = {self.d_model // self.n_heads} must be even for rotary embeddings")
         kv = self.kv_heads
         if kv < 1 or self.n_heads % kv:
@@ -123,7 +132,7 @@ class ModelConfig:
     def ff_dim(self) -> int:
         if self.d_ff is not None:
             return self.d_ff
-        if self.mlp == "gelu":
+        if self.mlp in ("gelu", "relu"):
             return 4 * self.d_model
         return 32 * math.ceil(8 * self.d_model / 3 / 32)
 
@@ -185,6 +194,16 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple
     return angles.cos(), angles.sin()
 
 
+def sinusoid_table(seq_len: int, d: int) -> Tensor:
+    """The original Transformer's positions: sin and cos of position / 10000^(2i/d), (seq_len, d)."""
+    pos = torch.arange(seq_len, dtype=torch.float32)[:, None]
+    freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    table = torch.zeros(seq_len, d)
+    table[:, 0::2] = torch.sin(pos * freq)
+    table[:, 1::2] = torch.cos(pos * freq)[:, : d // 2]
+    return table
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # x (B, H, T, hd); cos, sin (T, hd)
     half = x.shape[-1] // 2
@@ -205,6 +224,9 @@ class Attention(nn.Module):
             self.q_norm = build_norm("rmsnorm", cfg.head_dim, eps=cfg.norm_eps, backend=cfg.backend)
             self.k_norm = build_norm("rmsnorm", cfg.head_dim, eps=cfg.norm_eps, backend=cfg.backend)
         self.dropout = cfg.dropout
+        self.rope = cfg.positions == "rope"
+        self.record_logits = False  # diagnostics: keep the largest attention logit of the next forward
+        self.max_logit: Tensor | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None, cache: dict | None) -> Tensor:
         B, T, _ = x.shape  # (B, T, d)
@@ -214,7 +236,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # generation: append to and attend over the cached keys/values
             if "k" in cache:
                 k = torch.cat([cache["k"], k], dim=2)
@@ -223,6 +246,11 @@ class Attention(nn.Module):
         if self.kv_heads != self.n_heads:
             rep = self.n_heads // self.kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if self.record_logits:  # the logits SDPA computes inside, over the keys each query may see
+            logits = (q @ k.transpose(-2, -1)).float() * self.head_dim**-0.5
+            seen = attn_mask if attn_mask is not None else torch.ones(logits.shape[-2:], dtype=torch.bool, device=logits.device).tril(
+                k.shape[2] - q.shape[2])
+            self.max_logit = logits.masked_fill(~seen, float("-inf")).amax().detach()
         p = self.dropout if self.training else 0.0
         if attn_mask is None:
             y = TF.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=T > 1 and k.shape[2] == T)
@@ -232,7 +260,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); GELU: down(gelu(up(x)))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); GELU: down(gelu(up(x))); ReLU: down(relu(up(x)))."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -244,6 +272,8 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.gate is not None:
             return self.down(TF.silu(self.gate(x)) * self.up(x))
+        if self.kind == "relu":
+            return self.down(TF.relu(self.up(x)))
         return self.down(TF.gelu(self.up(x)))
 
 
@@ -309,6 +339,9 @@ class Decoder(nn.Module):
         cfg.validate()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.positions == "learned" else None
+        if cfg.positions == "sinusoidal":
+            self.register_buffer("pos_table", sinusoid_table(cfg.max_seq_len, cfg.d_model), persistent=False)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.final_norm = make_norm(cfg) if cfg.has_final_norm else None
@@ -328,6 +361,8 @@ class Decoder(nn.Module):
         for module in self.modules():  # norms keep their own init (scale 1, bias 0)
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, 0.0, cfg.init_std)
+        if cfg.embed_scale:  # times sqrt(d) in forward: unit variance on the residual stream
+            nn.init.normal_(self.embed.weight, 0.0, cfg.d_model**-0.5)
         for block in self.blocks:
             if cfg.placement == "deepnorm":
                 self._deepnorm_init(block)
@@ -378,7 +413,14 @@ class Decoder(nn.Module):
             raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {(B, T)} (that of idx)")
         cos, sin = self.rope_cos[past : past + T], self.rope_sin[past : past + T]
         attn_mask = self._attn_mask(mask, T, past)
-        x = self.drop(self.embed(idx))
+        x = self.embed(idx)
+        if self.cfg.embed_scale:
+            x = x * math.sqrt(self.cfg.d_model)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed.weight[past : past + T]
+        elif self.cfg.positions == "sinusoidal":
+            x = x + self.pos_table[past : past + T]
+        x = self.drop(x)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, mask, attn_mask, caches[i] if caches is not None else None)
         if self.final_norm is not None:
@@ -438,6 +480,18 @@ class Decoder(nn.Module):
         for block in self.blocks:
             block.record_rms = enabled
             block.rms = None
+
+    def record_attention_logits(self, enabled: bool = True) -> None:
+        """Keep each layer's largest attention logit (q.k / sqrt(head_dim)) on the next forwards."""
+        for block in self.blocks:
+            block.attn.record_logits = enabled
+            block.attn.max_logit = None
+
+    def attention_logits(self) -> list[float]:
+        """Per layer, the largest attention logit of the last forward (see
+        :meth:`record_attention_logits`): its growth is the high-learning-rate instability that
+        qk-norm prevents (Dehghani et al. 2023, Wortsman et al. 2023)."""
+        return [float(b.attn.max_logit) if b.attn.max_logit is not None else float("nan") for b in self.blocks]
 
     def activation_rms(self) -> list[float]:
         """RMS of the residual stream after each block, from the last forward (see

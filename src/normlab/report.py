@@ -105,21 +105,36 @@ def plot_warmup(section: dict, plt) -> dict:
 
 def plot_gradients(section: dict, plt) -> dict:
     norms, depths = section["series"]["norms"], section["series"]["depths"]
-    placements = list(dict.fromkeys(k.split("|")[0] for k in norms))
-    fig, axes = plt.subplots(1, len(placements), figsize=(4 * len(placements), 3.6), sharey=True)
-    for ax, p in zip(axes, placements):
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, p in zip(axes, ("post", "pre")):
         for i, depth in enumerate(depths):
-            g = norms[f"{p}|{depth}|xavier"]
-            ax.plot(range(1, len(g) + 1), g, marker="o", ms=3, label=f"{depth} layers", color=f"C{i}")
-        g = norms.get(f"{p}|{max(depths)}|gpt2")
-        if g:
-            ax.plot(range(1, len(g) + 1), g, ls="--", color="grey", label=f"{max(depths)} layers, gpt2 init")
+            for setting, style in (("xiong", "-"), ("llama", "--")):
+                g = norms.get(f"{setting}|{p}|{depth}")
+                if g:
+                    ax.plot(range(1, len(g) + 1), g, style, marker="o" if style == "-" else None, ms=3, color=f"C{i}",
+                            label=f"{depth} layers" if setting == "xiong" else None)
         ax.set_yscale("log")
-        ax.set_title(p)
+        ax.set_title(f"{p}-LN: W2 gradient by layer")
         ax.set_xlabel("layer")
-    axes[0].set_ylabel("grad norm of MLP output weight")
+    axes[0].set_ylabel("grad norm of FFN W2 at init")
+    axes[0].plot([], [], "k-", label="Xiong et al.'s model")
+    axes[0].plot([], [], "k--", label="this decoder (LLaMA-style)")
     axes[0].legend(fontsize=8)
-    fig.suptitle("Gradient norm by layer at initialization (xavier init; dashed: GPT-2's scaled init)")
+    ax = axes[2]
+    for p, colour in (("post", "C3"), ("pre", "C0")):
+        for setting, style in (("xiong", "-"), ("llama", "--")):
+            last = [norms[f"{setting}|{p}|{d}"][-1] for d in depths if f"{setting}|{p}|{d}" in norms]
+            if len(last) == len(depths):
+                slopes = section["series"]["slopes"].get(f"{setting}_{p}_last_slope") or [float("nan")]
+                ax.plot(depths, last, style, marker="o", ms=3, color=colour,
+                        label=f"{p}, {setting}: slope {sum(slopes) / len(slopes):+.2f}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(depths, [str(d) for d in depths])
+    ax.set_xlabel("layers L")
+    ax.set_title("last layer's W2 gradient vs depth (theory: 0 post, -1/2 pre)")
+    ax.legend(fontsize=8)
+    fig.suptitle("Gradient norms at initialization (solid: Xiong et al.'s model; dashed: this decoder)")
     fig.tight_layout()
     return {"gradients.png": fig}
 
