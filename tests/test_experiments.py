@@ -7,7 +7,6 @@ import copy
 import html
 import json
 import math
-import statistics
 
 import pytest
 
