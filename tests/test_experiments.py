@@ -77,10 +77,6 @@ def _seeds(mean, spread=0.005):
     return [mean - spread, mean, mean + spread]
 
 
-WARM = {f"post_{t}_{k}_lr{lr}": v for lr in ("0.001", "0.003") for t in ("warm", "nowarm")
-        for k, v in (("val", _seeds(2.0)), ("diverged", 0))}
-
-
 @pytest.mark.parametrize("cid, holds, fails", [
     ("norms.rms_quality", {"rmsnorm_val": _seeds(2.0), "layernorm_val": _seeds(2.01)},
      {"rmsnorm_val": _seeds(2.5), "layernorm_val": _seeds(2.0)}),
@@ -88,10 +84,15 @@ WARM = {f"post_{t}_{k}_lr{lr}": v for lr in ("0.001", "0.003") for t in ("warm",
      {"rmsnorm_step_ms": [10.5, 12.5, 15.5], "layernorm_step_ms": [10.0, 12.0, 15.0]}),
     ("norms.none_worse", {"none_val": _seeds(3.0), "layernorm_val": _seeds(2.0), "none_diverged": 0},
      {"none_val": _seeds(2.0), "layernorm_val": _seeds(2.1), "none_diverged": 0}),
-    ("warmup.post_needs", {**WARM, "post_nowarm_val_lr0.003": [None] * 3, "post_nowarm_diverged_lr0.003": 3, "unigram_loss": 3.4},
-     {**WARM, "post_nowarm_val_lr0.001": _seeds(1.9), "post_nowarm_val_lr0.003": _seeds(1.9), "unigram_loss": 3.4}),
-    ("warmup.pre_not", {k.replace("post", "pre"): v for k, v in WARM.items()},
-     {**{k.replace("post", "pre"): v for k, v in WARM.items()}, "pre_nowarm_val_lr0.001": _seeds(2.5)}),
+    ("warmup.post_sensitive", {"post_nowarm_sensitivity": _seeds(1.2, 0.05), "post_warm_sensitivity": _seeds(0.5, 0.05)},
+     {"post_nowarm_sensitivity": _seeds(0.4, 0.01), "post_warm_sensitivity": _seeds(0.5, 0.01)}),
+    ("warmup.pre_not", {"pre_nowarm_sensitivity": _seeds(0.5, 0.01), "pre_warm_sensitivity": _seeds(0.5, 0.01)},
+     {"pre_nowarm_sensitivity": _seeds(0.9, 0.01), "pre_warm_sensitivity": _seeds(0.5, 0.01)}),
+    ("warmup.post_lower_lr", {"post_minus_pre_best_log10_lr": [-0.5, -0.5, -0.5]}, {"post_minus_pre_best_log10_lr": [0.5, 0.5, 0.5]}),
+    ("warmup.qk_norm_logits", {"pre_warm_qknorm_max_logit_top_lr": _seeds(5.0, 0.1), "pre_warm_max_logit_top_lr": _seeds(40.0, 1.0)},
+     {"pre_warm_qknorm_max_logit_top_lr": _seeds(40.0, 0.1), "pre_warm_max_logit_top_lr": _seeds(30.0, 0.1)}),
+    ("warmup.qk_norm_sensitivity", {"pre_warm_qknorm_sensitivity": _seeds(0.3, 0.01), "pre_warm_sensitivity": _seeds(0.5, 0.01)},
+     {"pre_warm_qknorm_sensitivity": _seeds(0.6, 0.01), "pre_warm_sensitivity": _seeds(0.5, 0.01)}),
     ("gradients.post_grows", {"xiong_post_growth": _seeds(3.0, 0.2)}, {"xiong_post_growth": _seeds(0.8, 0.05)}),
     ("gradients.pre_flat.llama", {"llama_pre_growth": _seeds(1.1, 0.05)}, {"llama_pre_growth": _seeds(0.25, 0.02)}),
     ("gradients.post_last_constant", {"xiong_post_last_slope": _seeds(0.02, 0.03)}, {"xiong_post_last_slope": _seeds(-0.5, 0.03)}),
@@ -112,11 +113,24 @@ def test_changing_the_numbers_flips_the_verdict(finished, cid, holds, fails):
     assert C.judge(c["rule"], {**c["measured"], **fails}) == "does not hold"
 
 
-def test_warmup_is_untestable_where_post_ln_never_trains(finished):
-    c = _claim(finished[1], "warmup.post_needs")
-    stuck = {f"post_{t}_{k}_lr{lr}": v for lr in ("0.001", "0.003") for t in ("warm", "nowarm")
-             for k, v in (("val", _seeds(3.39)), ("diverged", 0))}
-    assert C.judge(c["rule"], {**c["measured"], **stuck, "unigram_loss": 3.4}) == "inconclusive"
+def test_the_stability_sweep_records_its_settings_and_measures(finished):
+    section = finished[1]["presets"]["warmup"]
+    assert section["settings"]["beta2"] == 0.98 and section["settings"]["grad_clip"] == 0
+    run = json.loads(next((finished[0] / "runs").glob("post-nowarm-lr*-s0-*/config.json")).read_text())
+    assert run["train"]["beta2"] == 0.98 and run["train"]["grad_clip"] == 0 and run["train"]["warmup"] == 0
+    assert run["model_resolved"]["norm"] == "layernorm" and run["model_resolved"]["mlp"] == "relu"
+    lrs = section["settings"]["lrs"]
+    assert math.log10(max(lrs) / min(lrs)) >= 1.5
+    m = {k: v for c in section["claims"] for k, v in c["measured"].items()}
+    for key in ("post_warm", "post_nowarm", "pre_warm", "pre_nowarm", "pre_warm_qknorm"):
+        assert all(math.isfinite(v) and v >= 0 for v in m.get(f"{key}_sensitivity", [])) and m.get(f"{key}_sensitivity")
+    assert all(v > 0 for v in m["pre_warm_max_logit_top_lr"] + m["pre_warm_qknorm_max_logit_top_lr"])
+    assert set(section["series"]["curves"]) == set(E.SWEEP)
+
+
+def test_lr_sensitivity_follows_wortsman():
+    assert E.lr_sensitivity([2.0, 2.5, None, 5.0], init=4.0) == pytest.approx((2.0 + 2.5 + 4.0 + 4.0) / 4 - 2.0)
+    assert E.lr_sensitivity([2.0, 2.0], init=4.0) == 0
 
 
 def test_one_seed_leaves_quality_claims_inconclusive_and_says_why(finished):

@@ -60,47 +60,51 @@ def _trim_y(ax, section):
         ax.set_ylim(lo - 0.1 * (hi - lo + 0.1), hi + 1.0)
 
 
+SWEEP_STYLES = {"post|warm": ("C3", "-"), "post|nowarm": ("C3", "--"), "pre|warm": ("C0", "-"), "pre|nowarm": ("C0", "--"),
+                "pre|warm|qknorm": ("C2", "-")}
+
+
 def plot_warmup(section: dict, plt) -> dict:
-    runs, lrs, warm = section["series"]["runs"], section["series"]["lrs"], section["series"]["warmup"]
-    placements = list(dict.fromkeys(k.split("|")[0] for k in runs))
-    fig, axes = plt.subplots(1, len(lrs), figsize=(5 * len(lrs), 4), sharey=True, squeeze=False)
-    finals = [r["val_curve"]["loss"][-1] for r in runs.values() if r["status"] != "diverged" and r["val_curve"]["loss"]]
-    top = max(finals) * 1.1 if finals else 1.0
-    for ax, lr in zip(axes[0], lrs):
-        for j, w in enumerate((0, warm)):
-            xs, hs, hatch = [], [], []
-            for i, p in enumerate(placements):
-                r = runs[f"{p}|{lr:g}|{w}"]
-                xs.append(i + (j - 0.5) * 0.38)
-                ok = r["status"] != "diverged" and r["val_curve"]["loss"]
-                hs.append(r["val_curve"]["loss"][-1] if ok else top)
-                hatch.append(not ok)
-            bars = ax.bar(xs, hs, width=0.38, label=f"warmup {w}", color="C1" if w == 0 else "C0")
-            for bar, diverged in zip(bars, hatch):
-                if diverged:
-                    bar.set_hatch("xx")
-                    bar.set_facecolor("white")
-                    bar.set_edgecolor("C3")
-                    ax.text(bar.get_x() + bar.get_width() / 2, top, "diverged", ha="center", va="bottom", fontsize=8, color="C3", rotation=90)
-        ax.set_xticks(range(len(placements)), placements)
-        ax.set_title(f"lr {lr:g}")
-        ax.set_ylim(min(finals) * 0.9 if finals else 0, top * 1.15)
-    axes[0][0].set_ylabel("final validation loss")
-    axes[0][0].legend()
-    fig.suptitle("Final loss by placement, learning rate and warmup")
-    fig.tight_layout()
-    fig2, ax = plt.subplots(figsize=(7, 4))
-    lr = max(lrs)
-    for p in placements:
-        for w, style in ((0, "-"), (warm, "--")):
-            c = runs[f"{p}|{lr:g}|{w}"]["train_curve"]
-            ax.plot(c["step"], c["loss"], style, color=PLACEMENT_COLOURS.get(p), label=f"{p}, warmup {w}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title(f"Training loss at lr {lr:g}")
+    curves = section["series"]["curves"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    ax = axes[0]
+    for key, c in curves.items():
+        colour, style = SWEEP_STYLES.get(key, ("C7", "-"))
+        means, los, his, bad = [], [], [], []
+        for lr, losses in zip(c["lr"], c["loss"]):
+            ok = [v for v in losses if v is not None]
+            means.append(sum(ok) / len(ok) if ok else c["init"])  # a diverged point sits at the loss at init
+            los.append(min(ok) if ok else c["init"])
+            his.append(max(ok) if ok else c["init"])
+            if len(ok) < len(losses):
+                bad.append((lr, means[-1]))
+        ax.plot(c["lr"], means, style, marker="o", ms=3, color=colour, label=key.replace("|", ", "))
+        ax.fill_between(c["lr"], los, his, color=colour, alpha=0.12)
+        if bad:
+            ax.scatter(*zip(*bad), marker="x", s=50, color=colour, zorder=3)
+    inits = [c["init"] for c in curves.values()]
+    ax.axhline(sum(inits) / len(inits), color="grey", lw=0.8, ls=":", label="loss at init")
+    ax.set_xscale("log")
+    ax.set_xlabel("peak learning rate")
+    ax.set_ylabel("final validation loss (mean over seeds; x: a seed diverged)")
+    ax.set_title("Loss against learning rate")
     ax.legend(fontsize=8)
-    fig2.tight_layout()
-    return {"warmup_final.png": fig, "warmup_curves.png": fig2}
+    ax = axes[1]
+    logits = section["series"]["logits"]
+    for key in ("pre|warm", "pre|warm|qknorm"):
+        pts = sorted((float(k.rsplit("|", 1)[1]), sum(v) / len(v)) for k, v in logits.items() if k.rsplit("|", 1)[0] == key)
+        if pts:
+            colour, style = SWEEP_STYLES[key]
+            ax.plot(*zip(*pts), style, marker="o", ms=3, color=colour, label=key.replace("|", ", "))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("peak learning rate")
+    ax.set_ylabel("largest attention logit after training")
+    ax.set_title("Attention logit growth, with and without qk-norm")
+    ax.legend(fontsize=8)
+    fig.suptitle(section["title"])
+    fig.tight_layout()
+    return {"warmup_sweep.png": fig}
 
 
 def plot_gradients(section: dict, plt) -> dict:
