@@ -124,3 +124,38 @@ def test_batches_are_seeded_windows_and_resume_from_their_state():
 def test_data_errors(tmp_path, call, message):
     with pytest.raises(D.DataError, match=message):
         call(tmp_path)
+
+
+def test_paragraph_batches_cut_at_blank_lines_and_mask_the_padding():
+    text = "ab\ncd\n\nefgh\n\nijklmnopqrst\n\nxy\n"
+    ids = np.array([ord(c) for c in text])
+    batches = D.ParagraphBatches(ids, batch_size=16, seq_len=6, seed=0, newline=ord("\n"))
+    x, y, mask = batches.next()
+    assert x.shape == y.shape == mask.shape and x.shape[0] == 16 and x.shape[1] <= 6
+    paragraphs = {"ab\ncd\n\n", "efgh\n\n", "ijklmnopqrst\n\n", "xy\n"}
+    for row_x, row_y, row_m in zip(x, y, mask):
+        n = int(row_m.sum())
+        seq = "".join(map(chr, row_x[:n].tolist())) + chr(int(row_y[n - 1]))
+        assert any(p.startswith(seq) for p in paragraphs), seq  # a paragraph's start, cut at seq_len + 1
+        assert row_m[:n].all() and not row_m[n:].any()  # real tokens first, then padding
+        assert torch.equal(row_x[1:n], row_y[: n - 1])  # targets are the next tokens
+    assert len({int(m.sum()) for m in mask}) > 1  # lengths vary
+    state = batches.state()
+    again = batches.next()
+    batches.load_state(state)
+    assert all(torch.equal(a, b) for a, b in zip(again, batches.next()))  # the state replays the data
+
+
+def test_paragraph_batching_trains_with_masks(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path / "cache"))
+    from normlab import train as T
+
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "play.txt").write_text("\n\n".join((Path(corpus) / "play0.txt").read_text().splitlines()[:200]))
+    tcfg, m = T.resolve(None, dict(data=str(tmp_path / "c"), preset="tiny", steps=12, batch_size=4, seq_len=32,
+                                   batching="paragraphs", norm="layernorm", lr=3e-3, eval_every=6, eval_batches=2, ckpt_every=0,
+                                   quiet=True, out=str(tmp_path / "run")))
+    summary = T.train(tcfg, m)
+    assert summary["status"] == "completed" and summary["val_loss"] < summary["init_val_loss"]
+    with pytest.raises(ValueError, match="batching must be one of windows, paragraphs"):
+        T.resolve(None, {"batching": "lines"})

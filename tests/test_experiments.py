@@ -97,10 +97,16 @@ def _seeds(mean, spread=0.005):
     ("gradients.pre_flat.llama", {"llama_pre_growth": _seeds(1.1, 0.05)}, {"llama_pre_growth": _seeds(0.25, 0.02)}),
     ("gradients.post_last_constant", {"xiong_post_last_slope": _seeds(0.02, 0.03)}, {"xiong_post_last_slope": _seeds(-0.5, 0.03)}),
     ("gradients.pre_last_scaling", {"xiong_pre_last_slope": _seeds(-0.48, 0.03)}, {"xiong_pre_last_slope": _seeds(0.0, 0.03)}),
-    ("depth.deepnorm_trains", {"deepnorm_val": _seeds(2.0), "post_val": [None] * 3, "pre_val": _seeds(1.95),
-                               "deepnorm_diverged": 0, "post_diverged": 3},
-     {"deepnorm_val": [None] * 3, "post_val": [None] * 3, "pre_val": _seeds(1.95), "deepnorm_diverged": 3, "post_diverged": 3}),
-    ("batchnorm.train_eval", {"batchnorm_train_eval_gap": _seeds(0.05, 0.002)}, {"batchnorm_train_eval_gap": _seeds(0.001, 1e-4)}),
+    ("depth.deepnorm_trains", {"deepnorm_val": _seeds(2.0), "pre_val": _seeds(1.95), "deepnorm_diverged": 0, "unigram_loss": 3.4},
+     {"deepnorm_val": [None] * 3, "pre_val": _seeds(1.95), "deepnorm_diverged": 3, "unigram_loss": 3.4}),
+    ("depth.post_fails", {"post_val": [None] * 3, "pre_val": _seeds(1.95), "post_diverged": 3, "unigram_loss": 3.4},
+     {"post_val": _seeds(1.95), "pre_val": _seeds(2.0), "post_diverged": 0, "unigram_loss": 3.4}),
+    ("batchnorm.gap_grows", {"batchnorm_gap_b2": _seeds(0.05, 0.002), "batchnorm_gap_b32": _seeds(0.01, 0.002)},
+     {"batchnorm_gap_b2": _seeds(0.005, 0.0001), "batchnorm_gap_b32": _seeds(0.01, 0.0001)}),
+    ("batchnorm.small_batch_worse", {"batchnorm_excess_b2": _seeds(0.08, 0.002), "batchnorm_excess_b32": _seeds(0.02, 0.002)},
+     {"batchnorm_excess_b2": _seeds(0.01, 0.001), "batchnorm_excess_b32": _seeds(0.03, 0.001)}),
+    ("batchnorm.layernorm_steady", {"layernorm_val_b2": _seeds(2.0), "layernorm_val_b32": _seeds(2.01)},
+     {"layernorm_val_b2": _seeds(2.3), "layernorm_val_b32": _seeds(2.0)}),
     ("precision.naive_bf16_worse", {"rms_norm_bf16_naive_median_eps": _seeds(0.5, 0.01), "rms_norm_bf16_normlab_median_eps": _seeds(0.2, 0.01),
                                     "layer_norm_bf16_naive_median_eps": _seeds(0.6, 0.01), "layer_norm_bf16_normlab_median_eps": _seeds(0.2, 0.01)},
      {"rms_norm_bf16_naive_median_eps": _seeds(0.2, 0.01), "rms_norm_bf16_normlab_median_eps": _seeds(0.3, 0.01)}),
@@ -135,7 +141,7 @@ def test_lr_sensitivity_follows_wortsman():
 
 def test_one_seed_leaves_quality_claims_inconclusive_and_says_why(finished):
     _, results = finished  # tiny size: one seed
-    for cid in ("norms.rms_quality", "norms.prms_quality", "batchnorm.worse"):
+    for cid in ("norms.rms_quality", "norms.prms_quality", "batchnorm.layernorm_steady"):
         c = _claim(results, cid)
         assert c["verdict"] == "inconclusive", cid
         assert any("gives no interval" in line for line in c["evidence"]), cid
@@ -170,10 +176,21 @@ def test_every_curve_starts_at_step_zero_on_both_axes(finished):
 
 
 def test_batchnorm_depends_on_batch_mates_and_layernorm_does_not(finished):
-    rows = {r["norm"]: r for r in finished[1]["presets"]["batchnorm"]["rows"]}
+    rows = {r["norm"]: r for r in finished[1]["presets"]["batchnorm"]["rows"] if r["batching"] == "windows"}
     assert rows["batchnorm"]["mates_change"] > 1e-3 and rows["batchnorm"]["padding_change"] > 1e-3
     assert rows["layernorm"]["mates_change"] <= 1e-5 and rows["rmsnorm"]["padding_change"] <= 1e-5
-    assert rows["layernorm"]["train_eval_gap"] == 0  # no dropout, no batch statistics
+
+
+def test_batchnorm_trend_trains_on_padded_batches_of_each_size(finished):
+    section = finished[1]["presets"]["batchnorm"]
+    trend = [r for r in section["rows"] if r["batching"] == "paragraphs"]
+    assert {(r["norm"], r["batch_size"]) for r in trend} == {(n, b) for n in ("batchnorm", "layernorm") for b in E.BATCH_SIZES}
+    for r in trend:
+        assert r["val_loss"] is not None and r["train_eval_gap"] is not None
+        if r["norm"] == "layernorm":
+            assert r["train_eval_gap"] == 0  # no dropout, no batch statistics
+    run = json.loads(next((finished[0] / "runs").glob("pad-batchnorm-b2-s0-*/config.json")).read_text())
+    assert run["train"]["batching"] == "paragraphs" and run["train"]["batch_size"] == 2
 
 
 def test_precision_finds_the_fp16_overflow(finished):
@@ -273,3 +290,10 @@ def test_gradients_show_the_sources_model_and_this_decoder(finished):
         for key, v in c["measured"].items():  # one value per seed, all finite
             assert isinstance(v, list) and all(math.isfinite(x) for x in v), (c["id"], key)
     assert "The factor that moves it most" in section["notes"][-1]
+
+
+def test_depth_claims_need_a_pre_ln_baseline_that_trains(finished):
+    c = _claim(finished[1], "depth.deepnorm_trains")
+    untrained = {"deepnorm_val": _seeds(3.3), "pre_val": _seeds(3.35), "deepnorm_diverged": 0, "unigram_loss": 3.4}
+    verdict, lines = C.evaluate(c["rule"], {**c["measured"], **untrained})
+    assert verdict == "inconclusive" and lines[0].startswith("precondition does not hold")

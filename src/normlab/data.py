@@ -383,3 +383,56 @@ class Batches:
 
     def load_state(self, state: torch.Tensor) -> None:
         self.gen.set_state(state)
+
+
+class ParagraphBatches:
+    """Variable-length sequences cut at natural boundaries: the text between two blank lines (a
+    speech, a stanza), at most ``seq_len + 1`` tokens, padded per batch to its longest, with a
+    mask of real tokens. The setting in which BatchNorm's statistics see padding and few
+    sequences (Shen et al. 2020), where fixed windows hide both.
+
+    ``next()`` returns (x, y, mask), each (B, T); ``state`` / ``load_state`` as for
+    :class:`Batches`. Char and byte tokenizers only: a blank line must be two newline tokens."""
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, newline: int, rank: int = 0,
+                 world: int = 1) -> None:
+        if batch_size % world:
+            raise DataError(f"batch_size {batch_size} must divide by the number of processes ({world})")
+        t = np.asarray(tokens)
+        blank = np.flatnonzero((t[:-1] == newline) & (t[1:] == newline)) + 2  # where the next paragraph starts
+        starts = np.concatenate([[0], blank])
+        ends = np.concatenate([blank, [len(t)]])
+        keep = ends - starts >= 3  # a paragraph gives at least two (input, target) pairs
+        if not keep.any():
+            raise DataError("the split has no paragraphs (text between blank lines); use batching=windows")
+        self.tokens, self.starts, self.ends = t, starts[keep], ends[keep]
+        self.batch_size, self.seq_len = batch_size, seq_len
+        per = batch_size // world
+        self.rows = slice(rank * per, (rank + 1) * per)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pick = torch.randint(0, len(self.starts), (self.batch_size,), generator=self.gen)[self.rows].tolist()
+        units = [self.tokens[s : min(e, s + self.seq_len + 1)] for s, e in zip(self.starts[pick], self.ends[pick])]
+        T = max(len(u) for u in units) - 1
+        x = torch.zeros(len(units), T, dtype=torch.long)
+        y = torch.zeros(len(units), T, dtype=torch.long)
+        mask = torch.zeros(len(units), T, dtype=torch.bool)
+        for i, u in enumerate(units):
+            u = torch.from_numpy(np.asarray(u, dtype=np.int64))
+            x[i, : len(u) - 1], y[i, : len(u) - 1], mask[i, : len(u) - 1] = u[:-1], u[1:], True
+        return x, y, mask
+
+    def state(self) -> torch.Tensor:
+        return self.gen.get_state()
+
+    def load_state(self, state: torch.Tensor) -> None:
+        self.gen.set_state(state)
+
+
+def newline_id(tokenizer: Tokenizer) -> int:
+    """The id of the newline token, for :class:`ParagraphBatches` (char and byte tokenizers)."""
+    ids = tokenizer.encode("\n")
+    if len(ids) != 1 or isinstance(tokenizer, BPETokenizer):
+        raise DataError("batching=paragraphs needs a char or byte tokenizer (a blank line must be two newline tokens)")
+    return ids[0]

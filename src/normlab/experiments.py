@@ -680,15 +680,24 @@ def _factor_note(measured: dict, depth: int) -> str:
 # ======================================================================================= depth
 
 
+DEPTH_CONDITIONS = [
+    "matches (DeepNet): Post-LN, DeepNorm and Pre-LN at the same depth with LayerNorm; DeepNorm's decoder-only "
+    "constants alpha = (2L)^(1/4), beta = (8L)^(-1/4) and its init (xavier, gain beta on v, o and the FFN)",
+    "matches: a Pre-LN baseline that trains at this depth (a precondition: 10% below the unigram loss)",
+    "differs: no warmup at a high learning rate, to stress the placements (DeepNet trains with warmup); a character LM "
+    "of width 32 for a few hundred steps (DeepNet: translation, 100 to 1,000 layers, long training)",
+]
+
+
 def preset_depth(lab: Lab) -> dict:
-    train_fields, model = deep_sizes(lab, 32, 64)
-    model = {**model, **lab.pick(dict(d_model=32, n_heads=2), dict(d_model=64, n_heads=4), tiny={"n_layers": 4})}
-    train_fields = {**train_fields, **lab.pick(dict(steps=150, batch_size=8, eval_every=25), {}, tiny={})}
+    train_fields, model = deep_sizes(lab, 24, 64)
+    model = {**model, **XIONG_MODEL, **lab.pick(dict(d_model=32, n_heads=2), dict(d_model=64, n_heads=4), tiny={"n_layers": 4})}
+    train_fields = {**train_fields, **lab.pick(dict(steps=300, batch_size=8, eval_every=50), {}, tiny={})}
     lr = 3e-3  # high for a model this deep, with no warmup: the setting DeepNorm is meant to survive
     seeds = lab.seeds(3, 3)
     runs, rows, measured = {}, [], {}
     for placement in ("post", "deepnorm", "pre"):
-        rs = [lab.run(f"{placement}-deep" + (f"-s{seed}" if seed else ""), train_fields, model,
+        rs = [lab.run(f"{placement}-deep-s{seed}", train_fields, model,
                       {"placement": placement, "lr": lr, "min_lr": lr / 10, "warmup": 0, "seed": seed}) for seed in seeds]
         runs[placement] = rs[0]
         val = stats([r["val_loss"] for r in rs])
@@ -698,20 +707,22 @@ def preset_depth(lab: Lab) -> dict:
                      "train_loss": _round(stats([r["train_loss"] for r in rs])["mean"])})
         measured[f"{placement}_val"] = [r["val_loss"] for r in rs]
         measured[f"{placement}_diverged"] = diverged
+    measured["unigram_loss"] = unigram_loss(lab.dataset.train)
     layers = lab.model_over.get("n_layers", model["n_layers"])
     count = "a count of diverged seeds"
     clearly = C.ours("5% of the loss: DeepNet reports Post-LN failing outright at depth; 5% is well past seed noise")
     claims = [
-        C.claim("depth.post_fails", f"a deep Post-LN model ({layers} layers, no warmup) diverges or ends at least 5% worse than Pre-LN",
-                WANG22, _pick(measured, "post_val", "pre_val", "post_diverged"),
-                C.any_of(C.at_least("post_diverged", 1, point=count, origin=DIVERGED),
-                         C.above("post_val", "pre_val", 0.05, origin=clearly, paired=True))),
-        C.claim("depth.deepnorm_trains", "DeepNorm keeps the same Post-LN model trainable: it does not diverge and ends "
-                "below Post-LN (or Post-LN diverged) and within 5% of Pre-LN", WANG22,
-                _pick(measured, "deepnorm_val", "post_val", "pre_val", "deepnorm_diverged", "post_diverged"),
-                C.all_of(C.at_most("deepnorm_diverged", 0, point=count, origin=DIVERGED),
-                         C.any_of(C.at_least("post_diverged", 1, point=count, origin=DIVERGED), C.below("deepnorm_val", "post_val", paired=True)),
-                         C.at_most("deepnorm_val", "pre_val", 0.05, origin=clearly, paired=True))),
+        C.claim("depth.post_fails", f"a deep Post-LN model ({layers} layers, no warmup) diverges or ends at least 5% worse than "
+                "Pre-LN, where Pre-LN trains", WANG22, _pick(measured, "post_val", "pre_val", "post_diverged", "unigram_loss"),
+                C.given(trains("pre_val"), C.any_of(C.at_least("post_diverged", 1, point=count, origin=DIVERGED),
+                                                    C.above("post_val", "pre_val", 0.05, origin=clearly, paired=True))),
+                DEPTH_CONDITIONS),
+        C.claim("depth.deepnorm_trains", "DeepNorm keeps the same Post-LN model trainable: it does not diverge and ends at most "
+                "5% above Pre-LN, where Pre-LN trains", WANG22,
+                _pick(measured, "deepnorm_val", "pre_val", "deepnorm_diverged", "unigram_loss"),
+                C.given(trains("pre_val"), C.all_of(C.at_most("deepnorm_diverged", 0, point=count, origin=DIVERGED),
+                                                    C.at_most("deepnorm_val", "pre_val", 0.05, origin=clearly, paired=True))),
+                DEPTH_CONDITIONS),
     ]
     return {
         "title": f"Depth: Post-LN vs DeepNorm vs Pre-LN at {layers} layers without warmup",
@@ -720,7 +731,8 @@ def preset_depth(lab: Lab) -> dict:
                      "seeds": seeds},
         "columns": ["placement", "seeds", "diverged", "steps", "val_loss", "val_std", "train_loss"],
         "rows": rows, "claims": claims, "series": {"runs": {k: _curves(r) for k, r in runs.items()}},
-        "notes": [f"{len(seeds)} seeds per placement, cosine schedule without warmup; curves: seed 0."],
+        "notes": [f"{len(seeds)} seeds per placement, cosine schedule without warmup; curves: seed 0. Unigram loss "
+                  f"{measured['unigram_loss']:.3f}: a model that learned only character frequencies."],
     }
 
 
@@ -752,6 +764,47 @@ def batch_effects(run_folder: Path, val_tokens, batch_size: int, seq_len: int, n
             "eval_loss": eval_loss, "train_mode_loss": train_loss}
 
 
+BATCH_SIZES = (2, 8, 32)
+BATCHNORM_CONDITIONS = [
+    "matches (Shen et al.): variable-length sequences padded per batch, BatchNorm's statistics over the real tokens "
+    "only, small and large batches, LayerNorm as the control at every batch size",
+    "differs: a character LM whose sequences are the text between blank lines (a speech), at most 64 tokens; the "
+    "paper: translation and language modelling with word pieces",
+    "differs: every batch size sees the same number of sequences (fewer steps for larger batches) at one learning rate",
+]
+
+
+def trend_sizes(lab: Lab) -> tuple[dict, dict, int]:
+    """Training and model fields of the batch-size trend, and the sequences each run sees."""
+    train_fields = dict(preset="small", tokenizer="char", ckpt_every=0, diverge_factor=3.0, batching="paragraphs",
+                        lr=2e-3, min_lr=2e-4, weight_decay=0.1)
+    if lab.size == "tiny":
+        return {**train_fields, "seq_len": 16, "eval_batches": 2}, dict(d_model=16, n_layers=2, n_heads=2, max_seq_len=16,
+                                                                        placement="pre"), 64
+    if lab.quick:
+        return {**train_fields, "seq_len": 64, "eval_batches": 8}, dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=64,
+                                                                        placement="pre"), 3200
+    return {**train_fields, "seq_len": 256, "eval_batches": 20}, dict(d_model=256, n_layers=4, n_heads=4, max_seq_len=256,
+                                                                      placement="pre"), 32000
+
+
+@torch.no_grad()
+def train_eval_losses(run_folder: Path, tcfg_fields: dict, dataset, n_batches: int) -> dict:
+    """A trained run's loss on fixed padded validation batches of its own batch size, with
+    running statistics (eval mode) and with each batch's own statistics (training mode)."""
+    from normlab.train import TrainConfig as _TC, make_batches
+
+    model, _ = load_run(run_folder)
+    tcfg = _TC(**tcfg_fields)
+    gen = make_batches(dataset.val, tcfg, tcfg.seq_len, 4242, dataset.tokenizer)
+    batches = [gen.next() for _ in range(n_batches)]
+    model.eval()
+    eval_loss = statistics.fmean(model(x, y, mask=m)[1].item() for x, y, m in batches)
+    model.train()  # batch statistics, as in training (running statistics move; the model is not saved)
+    train_loss = statistics.fmean(model(x, y, mask=m)[1].item() for x, y, m in batches)
+    return {"eval_loss": eval_loss, "train_mode_loss": train_loss}
+
+
 def preset_batchnorm(lab: Lab) -> dict:
     seeds = lab.seeds(LM_SEEDS, LM_SEEDS)  # the norms preset's seeds: its runs are reused
     norms = ("batchnorm", "layernorm", "rmsnorm")
@@ -768,18 +821,41 @@ def preset_batchnorm(lab: Lab) -> dict:
         e = effects[norm]
         mates = max(x["mates_change"] for x in e)
         pad = max(x["padding_change"] for x in e)
-        gaps = [abs(x["train_mode_loss"] - x["eval_loss"]) / x["eval_loss"] for x in e]
         val = stats([r["val_loss"] for r in runs[norm]])
-        rows.append({"norm": norm, "mates_change": _round(mates, 3), "padding_change": _round(pad, 3),
-                     "eval_loss": _round(statistics.fmean(x["eval_loss"] for x in e)),
-                     "train_mode_loss": _round(statistics.fmean(x["train_mode_loss"] for x in e)),
-                     "train_eval_gap": _round(statistics.fmean(gaps), 3), "val_loss": _round(val["mean"]),
-                     "val_std": _round(val["std"], 2)})
-        measured.update({f"{norm}_mates_change": mates, f"{norm}_padding_change": pad, f"{norm}_train_eval_gap": gaps,
-                         f"{norm}_val": [r["val_loss"] for r in runs[norm]]})
+        rows.append({"norm": norm, "batch_size": tf["batch_size"], "batching": "windows", "mates_change": _round(mates, 3),
+                     "padding_change": _round(pad, 3), "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2)})
+        measured.update({f"{norm}_mates_change": mates, f"{norm}_padding_change": pad})
+    # the batch-size trend, on padded variable-length sequences
+    trend_train, trend_model, sequences = trend_sizes(lab)
+    trend_seeds = lab.seeds(3, 3)
+    trend = {}
+    for norm in ("batchnorm", "layernorm"):
+        for bs in BATCH_SIZES:
+            steps = max(1, sequences // bs)
+            fields = {**trend_train, "batch_size": bs, "steps": steps, "warmup": max(1, steps // 10),
+                      "eval_every": max(1, steps // 4)}
+            rs = [lab.run(f"pad-{norm}-b{bs}-s{seed}", fields, trend_model, {"norm": norm, "seed": seed}) for seed in trend_seeds]
+            losses = [lab.job(f"trainmode-{r['run']}", {"run": r["run"]},
+                              lambda r=r, fields=fields: train_eval_losses(
+                                  lab.out / "runs" / r["run"], {**fields, **lab.train_over}, lab.dataset, lab.pick(8, 20, tiny=2)))
+                      for r in rs]
+            gaps = [abs(x["train_mode_loss"] - x["eval_loss"]) / x["eval_loss"] for x in losses]
+            trend[norm, bs] = {"val": [r["val_loss"] for r in rs], "gap": gaps}
+            val = stats(trend[norm, bs]["val"])
+            rows.append({"norm": norm, "batch_size": bs, "batching": "paragraphs", "val_loss": _round(val["mean"]),
+                         "val_std": _round(val["std"], 2), "eval_loss": _round(statistics.fmean(x["eval_loss"] for x in losses)),
+                         "train_mode_loss": _round(statistics.fmean(x["train_mode_loss"] for x in losses)),
+                         "train_eval_gap": _round(statistics.fmean(gaps), 3)})
+    small, large = BATCH_SIZES[0], BATCH_SIZES[-1]
+    for bs in (small, large):
+        measured[f"batchnorm_gap_b{bs}"] = trend["batchnorm", bs]["gap"]
+        measured[f"layernorm_val_b{bs}"] = trend["layernorm", bs]["val"]
+        measured[f"batchnorm_excess_b{bs}"] = [None if b is None or ln is None else b / ln - 1
+                                               for b, ln in zip(trend["batchnorm", bs]["val"], trend["layernorm", bs]["val"])]
     worst = "the largest change over seeds: one sequence whose output moves proves the dependence"
     moves = C.ours("1e-3 of the logits' RMS: 100x above float32 rounding's 1e-7-1e-5, so rounding cannot pass it")
     still = C.ours("1e-5 of the logits' RMS: what float32 rounding through a few layers can reach, and no more")
+    trend_cond = BATCHNORM_CONDITIONS + [f"batch sizes {small} and {large} compared, paired by seed ({len(trend_seeds)} seeds)"]
     claims = [
         C.claim("batchnorm.mates", "under BatchNorm a sequence's output changes with its batch-mates and their padding "
                 "(largest change of its logits >= 1e-3 of their RMS), under LayerNorm and RMSNorm it does not (<= 1e-5)", SHEN20,
@@ -787,26 +863,39 @@ def preset_batchnorm(lab: Lab) -> dict:
                 C.all_of(C.at_least("batchnorm_mates_change", 1e-3, point=worst, origin=moves),
                          C.at_least("batchnorm_padding_change", 1e-3, point=worst, origin=moves),
                          *[C.at_most(f"{n}_{k}", 1e-5, point=worst, origin=still)
-                           for n in ("layernorm", "rmsnorm") for k in ("mates_change", "padding_change")])),
-        C.claim("batchnorm.train_eval", "BatchNorm's loss differs between training mode (batch statistics) and eval mode "
-                "(running statistics) by at least 1%", SHEN20, _pick(measured, "batchnorm_train_eval_gap", "layernorm_train_eval_gap"),
-                C.at_least("batchnorm_train_eval_gap", 0.01,
-                           origin=C.ours("the paper shows the mismatch without a number; 1% of the loss is a gap a "
-                                         "training log makes plain"))),
-        C.claim("batchnorm.worse", "a BatchNorm language model ends at least 2% worse than a LayerNorm one", SHEN20,
-                _pick(measured, "batchnorm_val", "layernorm_val"),
-                C.above("batchnorm_val", "layernorm_val", 0.02, origin=WORSE, paired=True)),
+                           for n in ("layernorm", "rmsnorm") for k in ("mates_change", "padding_change")]),
+                ["matches: the same sequence run with other batch-mates, and with half-padded batch-mates, in training mode",
+                 "differs: measured on models trained on fixed windows (the norms preset's runs)"]),
+        C.claim("batchnorm.gap_grows", f"BatchNorm's train/eval mismatch grows as the batch shrinks: its loss in training "
+                f"mode differs more from eval mode at batch {small} than at {large}", SHEN20,
+                _pick(measured, f"batchnorm_gap_b{small}", f"batchnorm_gap_b{large}"),
+                C.above(f"batchnorm_gap_b{small}", f"batchnorm_gap_b{large}", paired=True), trend_cond),
+        C.claim("batchnorm.small_batch_worse", f"BatchNorm falls further behind LayerNorm as the batch shrinks: its excess "
+                f"loss over LayerNorm is larger at batch {small} than at {large}", SHEN20,
+                _pick(measured, f"batchnorm_excess_b{small}", f"batchnorm_excess_b{large}"),
+                C.above(f"batchnorm_excess_b{small}", f"batchnorm_excess_b{large}", paired=True, absolute=True), trend_cond),
+        C.claim("batchnorm.layernorm_steady", f"LayerNorm's loss does not grow as the batch shrinks: at batch {small} it ends "
+                f"at most 2% above batch {large}", SHEN20, _pick(measured, f"layernorm_val_b{small}", f"layernorm_val_b{large}"),
+                C.at_most(f"layernorm_val_b{small}", f"layernorm_val_b{large}", 0.02, paired=True, origin=COMPARABLE), trend_cond),
     ]
+    columns = ["norm", "batch_size", "batching", "mates_change", "padding_change", "val_loss", "val_std", "eval_loss",
+               "train_mode_loss", "train_eval_gap"]
+    rows = [{c: r.get(c) for c in columns} for r in rows]
     return {
         "title": "Why text models left BatchNorm",
-        "question": "Does BatchNorm make a sequence's output depend on its batch, and does it cost quality?",
-        "settings": {"train": tf, "seeds": seeds},
-        "columns": ["norm", "mates_change", "padding_change", "eval_loss", "train_mode_loss", "train_eval_gap", "val_loss", "val_std"],
-        "rows": rows, "claims": claims, "series": {"rows": rows},
-        "notes": ["mates_change / padding_change: largest change of one sequence's logits, relative to their RMS, when its "
-                  "batch-mates are swapped for others / half padded (training mode: batch statistics; largest over seeds). "
-                  "train_eval_gap: |loss in training mode - loss in eval mode| / eval loss on the same validation batches. "
-                  "In a causal LM, training-mode BatchNorm also pools statistics over future positions."],
+        "question": "Does BatchNorm make a sequence's output depend on its batch, and does it fail with small, padded batches?",
+        "settings": {"train": tf, "seeds": seeds, "trend": {"train": trend_train, "model": trend_model, "sequences": sequences,
+                                                            "batch_sizes": list(BATCH_SIZES), "seeds": trend_seeds}},
+        "columns": columns, "rows": rows, "claims": claims,
+        "series": {"rows": [r for r in rows if r["batching"] == "windows"],
+                   "trend": {f"{n}|{bs}": v for (n, bs), v in trend.items()}, "batch_sizes": list(BATCH_SIZES)},
+        "notes": ["mates_change / padding_change (windows rows): largest change of one sequence's logits, relative to their "
+                  "RMS, when its batch-mates are swapped for others / half padded (training mode: batch statistics; largest "
+                  "over seeds). In a causal LM, training-mode BatchNorm also pools statistics over future positions.",
+                  f"paragraphs rows: trained on the text between blank lines, padded per batch with a mask, {sequences} "
+                  "sequences per run whatever the batch size; val_loss in eval mode (running statistics); train_eval_gap: "
+                  "|training-mode loss - eval-mode loss| / eval-mode loss on fixed padded validation batches of the run's "
+                  "own batch size."],
     }
 
 
@@ -1019,8 +1108,8 @@ GROUPS = {"all": tuple(PRESETS), "demo": ("norms", "gradients", "batchnorm", "pr
 # The fields a preset compares: the user cannot override them for it.
 VARIES = {"norms": {"norm", "seed"},
           "warmup": {"placement", "lr", "min_lr", "warmup", "seed", "qk_norm", "beta2", "grad_clip", "norm", "mlp", "positions"},
-          "gradients": {"placement", "n_layers", "norm", "mlp", "positions", "tie_embeddings", "embed_scale", "init"}, "depth": {"placement", "lr", "min_lr", "warmup", "seed"},
-          "batchnorm": {"norm", "seed"}, "precision": set(), "speed": {"norm", "norm_impl"}}
+          "gradients": {"placement", "n_layers", "norm", "mlp", "positions", "tie_embeddings", "embed_scale", "init"}, "depth": {"placement", "lr", "min_lr", "warmup", "seed", "norm", "mlp", "positions"},
+          "batchnorm": {"norm", "seed", "batch_size", "batching", "steps"}, "precision": set(), "speed": {"norm", "norm_impl"}}
 
 
 def expand(names: list[str]) -> list[str]:

@@ -159,7 +159,7 @@ def plot_depth(section: dict, plt) -> dict:
 
 def plot_batchnorm(section: dict, plt) -> dict:
     rows = section["series"]["rows"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     names = [r["norm"] for r in rows]
     floor = 1e-12
     for j, key in enumerate(("mates_change", "padding_change")):
@@ -168,15 +168,23 @@ def plot_batchnorm(section: dict, plt) -> dict:
     axes[0].set_yscale("log")
     axes[0].set_ylim(floor / 2, None)
     axes[0].set_xticks(range(len(rows)), names)
-    axes[0].set_title("change of one sequence's logits (rel. to RMS; 1e-12: none)")
-    axes[0].legend()
-    for j, key in enumerate(("eval_loss", "train_mode_loss")):
-        axes[1].bar([i + (j - 0.5) * 0.38 for i in range(len(rows))], [r[key] for r in rows], width=0.38, label=key.replace("_", " "))
-    axes[1].set_xticks(range(len(rows)), names)
-    lows = [min(r["eval_loss"], r["train_mode_loss"]) for r in rows]
-    axes[1].set_ylim(min(lows) * 0.9, max(max(r["eval_loss"], r["train_mode_loss"]) for r in rows) * 1.05)
-    axes[1].set_title("validation loss: eval mode vs training mode")
-    axes[1].legend()
+    axes[0].set_title("change of one sequence's logits (rel. to RMS; 1e-12: none)", fontsize=10)
+    axes[0].legend(fontsize=8)
+    trend, sizes = section["series"]["trend"], section["series"]["batch_sizes"]
+    for ax, key, label in ((axes[1], "val", "final validation loss (eval mode)"), (axes[2], "gap", "train/eval loss gap")):
+        for norm in ("batchnorm", "layernorm"):
+            pts = [(bs, [v for v in trend[f"{norm}|{bs}"][key] if v is not None]) for bs in sizes]
+            pts = [(bs, v) for bs, v in pts if v]
+            if pts:
+                ax.plot([bs for bs, _ in pts], [sum(v) / len(v) for _, v in pts], marker="o", color=NORM_COLOURS[norm], label=norm)
+                ax.fill_between([bs for bs, _ in pts], [min(v) for _, v in pts], [max(v) for _, v in pts],
+                                color=NORM_COLOURS[norm], alpha=0.15)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.set_xlabel("batch size (padded variable-length sequences)")
+        ax.set_title(label, fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle("BatchNorm in a language model: batch dependence, and what small padded batches cost")
     fig.tight_layout()
     return {"batchnorm.png": fig}
 

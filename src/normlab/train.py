@@ -31,6 +31,7 @@ from normlab import data as D
 from normlab.model import Decoder, ModelConfig
 
 SCHEDULES = ("cosine", "constant")
+BATCHINGS = ("windows", "paragraphs")
 DTYPES = ("fp32", "bf16")
 
 
@@ -44,6 +45,7 @@ class TrainConfig:
     steps: int = 1000  # optimizer steps
     batch_size: int = 16  # sequences per micro-batch, all ranks together (a step: batch_size * grad_accum)
     seq_len: int | None = None  # tokens per sequence; None: the model's max_seq_len
+    batching: str = "windows"  # "windows" of seq_len tokens, or "paragraphs": text between blank lines, padded and masked
     grad_accum: int = 1  # micro-batches per step
     lr: float = 1e-3  # peak learning rate
     min_lr: float = 1e-4  # floor of the cosine schedule
@@ -67,6 +69,8 @@ class TrainConfig:
     def validate(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
+        if self.batching not in BATCHINGS:
+            raise ValueError(f"batching must be one of {', '.join(BATCHINGS)}; got {self.batching!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.tokenizer not in D.TOKENIZERS:
@@ -245,8 +249,8 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
     model = Decoder(mcfg).to(device)
     opt = make_optimizer(model, tcfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, tcfg) / tcfg.lr)
-    batches = D.Batches(dataset.train, tcfg.batch_size, seq_len, tcfg.seed, rank, world)
-    val_batches = [b for b in _fixed_batches(dataset.val, tcfg, seq_len)]
+    batches = make_batches(dataset.train, tcfg, seq_len, tcfg.seed, dataset.tokenizer, rank, world)
+    val_batches = _fixed_batches(dataset.val, tcfg, seq_len, dataset.tokenizer)
     start = 0
     first_loss = None  # the divergence test compares with it (restored on resume)
     resolved = {"train": dataclasses.asdict(tcfg), "model": {**model_overrides}, "model_resolved": dataclasses.asdict(mcfg)}
@@ -300,13 +304,15 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
             diag = tcfg.diag_every and step % tcfg.diag_every == 0
             model.record_activations(bool(diag))
             loss_sum = 0.0
+            tokens_before = tokens_seen
             for micro in range(tcfg.grad_accum):
-                x, y = batches.next()
-                x, y = x.to(device), y.to(device)
+                x, y, *mask = (t.to(device) for t in batches.next())
+                mask = mask[0] if mask else None  # paragraphs: (B, T) real tokens
+                tokens_seen += (int(mask.sum()) if mask is not None else x.numel()) * world  # every rank alike
                 sync = not distributed or micro == tcfg.grad_accum - 1
                 ctx = net.no_sync() if distributed and not sync else contextlib.nullcontext()
                 with ctx, autocast:
-                    _, loss = net(x, y)
+                    _, loss = net(x, y, mask=mask)
                 (loss / tcfg.grad_accum).backward()
                 loss_sum += loss.item() / tcfg.grad_accum
             if distributed:
@@ -328,8 +334,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
             sched.step()
             opt.zero_grad(set_to_none=True)
             step_s = time.perf_counter() - t0
-            tokens_seen += tcfg.batch_size * tcfg.grad_accum * seq_len
-            record.update(step_ms=round(step_s * 1e3, 3), tokens_per_s=round(tcfg.batch_size * tcfg.grad_accum * seq_len / step_s, 1))
+            record.update(step_ms=round(step_s * 1e3, 3), tokens_per_s=round((tokens_seen - tokens_before) / step_s, 1))
             log(record)
             last = step + 1 == tcfg.steps
             if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
@@ -367,20 +372,27 @@ def warm_up(model: Decoder, batch: tuple, device, autocast) -> None:
     backward and the evaluation forward, in the run's dtype. Leaves no trace: the buffers
     (BatchNorm's running statistics) are restored, gradients cleared and the RNG untouched."""
     buffers = {name: b.clone() for name, b in model.named_buffers()}
-    x, y = batch[0].to(device), batch[1].to(device)
+    x, y, *mask = (t.to(device) for t in batch)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         with autocast:
-            _, loss = model(x, y)
+            _, loss = model(x, y, mask=mask[0] if mask else None)
         loss.backward()
-        evaluate(model, [(x, y)], device, autocast)
+        evaluate(model, [batch], device, autocast)
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
 
 
-def _fixed_batches(tokens, tcfg: TrainConfig, seq_len: int) -> list:
-    val = D.Batches(tokens, tcfg.batch_size, seq_len, seed=12345)
+def make_batches(tokens, tcfg: TrainConfig, seq_len: int, seed: int, tokenizer, rank: int = 0, world: int = 1):
+    """The batch source ``tcfg.batching`` asks for: (x, y) windows, or (x, y, mask) paragraphs."""
+    if tcfg.batching == "paragraphs":
+        return D.ParagraphBatches(tokens, tcfg.batch_size, seq_len, seed, D.newline_id(tokenizer), rank, world)
+    return D.Batches(tokens, tcfg.batch_size, seq_len, seed, rank, world)
+
+
+def _fixed_batches(tokens, tcfg: TrainConfig, seq_len: int, tokenizer) -> list:
+    val = make_batches(tokens, tcfg, seq_len, 12345, tokenizer)
     return [val.next() for _ in range(tcfg.eval_batches)]
 
 
@@ -389,9 +401,9 @@ def evaluate(model: Decoder, batches: list, device, autocast) -> float:
     was = model.training
     model.eval()
     total = 0.0
-    for x, y in batches:
+    for x, y, *mask in batches:
         with autocast:
-            _, loss = model(x.to(device), y.to(device))
+            _, loss = model(x.to(device), y.to(device), mask=mask[0].to(device) if mask else None)
         total += loss.item()
     model.train(was)
     return total / len(batches)
