@@ -110,6 +110,8 @@ def _seeds(mean, spread=0.005):
     ("precision.naive_bf16_worse", {"rms_norm_bf16_naive_median_eps": _seeds(0.5, 0.01), "rms_norm_bf16_normlab_median_eps": _seeds(0.2, 0.01),
                                     "layer_norm_bf16_naive_median_eps": _seeds(0.6, 0.01), "layer_norm_bf16_normlab_median_eps": _seeds(0.2, 0.01)},
      {"rms_norm_bf16_naive_median_eps": _seeds(0.2, 0.01), "rms_norm_bf16_normlab_median_eps": _seeds(0.3, 0.01)}),
+    ("speed.gru_step", {"gru_rmsnorm_step_ms": [80.0, 85.0, 90.0], "gru_layernorm_step_ms": [100.0, 106.0, 112.0]},
+     {"gru_rmsnorm_step_ms": [101.0, 107.0, 113.0], "gru_layernorm_step_ms": [100.0, 106.0, 112.0]}),
     ("speed.rms_kernel_normlab", {"normlab_rms_norm_total_ms": [0.8, 0.85, 0.9], "normlab_layer_norm_total_ms": [1.0, 1.05, 1.1]},
      {"normlab_rms_norm_total_ms": [1.1, 1.15, 1.2], "normlab_layer_norm_total_ms": [1.0, 1.05, 1.1]}),
 ])
@@ -297,3 +299,19 @@ def test_depth_claims_need_a_pre_ln_baseline_that_trains(finished):
     untrained = {"deepnorm_val": _seeds(3.3), "pre_val": _seeds(3.35), "deepnorm_diverged": 0, "unigram_loss": 3.4}
     verdict, lines = C.evaluate(c["rule"], {**c["measured"], **untrained})
     assert verdict == "inconclusive" and lines[0].startswith("precondition does not hold")
+
+
+def test_every_claim_lists_its_conditions(finished):
+    for name, section in finished[1]["presets"].items():
+        for c in section["claims"]:
+            assert c.get("conditions") and all(isinstance(x, str) and x for x in c["conditions"]), (name, c["id"])
+
+
+def test_the_speed_preset_times_a_normalized_gru_and_the_norms_share_of_a_step(finished):
+    speed = finished[1]["presets"]["speed"]
+    gru = [r for r in speed["rows"] if r["what"] == "GRU train step"]
+    assert {r["op"] for r in gru} == {"layernorm", "rmsnorm"} and all(r["ms"] > 0 for r in gru)
+    budget = finished[1]["presets"]["norms"]["settings"]["step_budget"]
+    assert budget["norm_share_of_step"] > 0 and budget["expected_step_gain"] == pytest.approx(
+        budget["norm_share_of_step"] * budget["kernel_gain"], rel=0.02, abs=1e-3)
+    assert any("can be at most about" in x for x in _claim(finished[1], "norms.rms_speed")["conditions"])

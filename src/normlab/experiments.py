@@ -223,15 +223,24 @@ def stats(values) -> dict:
             "min": min(v), "max": max(v), "n": len(v)}
 
 
-def time_steps(configs: dict[str, ModelConfig], batch: tuple, rounds: int, steps_per_round: int = 2) -> dict:
-    """Median training-step time (forward, backward, AdamW) of each config in this process,
-    measured round-robin (each round runs every model in a rotated order) so that a drifting
-    machine does not favour one. Returns {label: {"ms": median over rounds, "rounds": [...]}}."""
+def _build(spec) -> torch.nn.Module:
+    """A model from its spec: a ModelConfig (the decoder) or {"gru": {...}} (rnn.GRULM's arguments)."""
+    if isinstance(spec, dict) and "gru" in spec:
+        from normlab.rnn import GRULM
+
+        return GRULM(**spec["gru"])
+    return Decoder(spec)
+
+
+def time_steps(configs: dict, batch: tuple, rounds: int, steps_per_round: int = 2) -> dict:
+    """Median training-step time (forward, backward, AdamW) of each model spec (see _build) in this
+    process, measured round-robin (each round runs every model in a rotated order) so that a
+    drifting machine does not favour one. Returns {label: {"ms": median over rounds, "rounds": [...]}}."""
     x, y = batch
     setups = {}
     for label, cfg in configs.items():
         torch.manual_seed(0)
-        model = Decoder(cfg)
+        model = _build(cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         setups[label] = (model, opt)
 
@@ -257,7 +266,7 @@ def time_steps(configs: dict[str, ModelConfig], batch: tuple, rounds: int, steps
     return {label: {"ms": statistics.median(ts), "rounds": ts} for label, ts in times.items()}
 
 
-def time_steps_in_processes(configs: dict[str, ModelConfig], batch: tuple, rounds: int, processes: int) -> dict:
+def time_steps_in_processes(configs: dict, batch: tuple, rounds: int, processes: int) -> dict:
     """:func:`time_steps` in ``processes`` fresh processes, one after another: the spread between
     processes (where the allocator, the page layout and the machine's state differ) is the noise
     a step-time claim has to beat, which the rounds of one process understate. Returns {label:
@@ -273,6 +282,28 @@ def time_steps_in_processes(configs: dict[str, ModelConfig], batch: tuple, round
     return {label: {"ms": statistics.median(p[label]["ms"] for p in per_process),
                     "samples": [p[label]["ms"] for p in per_process],
                     "rounds": [t for p in per_process for t in p[label]["rounds"]]} for label in configs}
+
+
+def time_norm_calls(d: int, rows: int, rounds: int = 20) -> dict:
+    """Forward + backward time (ms) of one layer_norm and one rms_norm call on a (rows, d) float32
+    tensor, as a model makes them (default backend, weights, through autograd): what the norms
+    cost inside a training step."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, d, generator=gen, requires_grad=True)
+    w, b = torch.ones(d, requires_grad=True), torch.zeros(d, requires_grad=True)
+    dy = torch.randn(rows, d, generator=gen)
+    calls = {"layernorm": lambda: F.layer_norm(x, w, b), "rmsnorm": lambda: F.rms_norm(x, w)}
+    out = {}
+    for name, call in calls.items():
+        for _ in range(3):  # compile and warm
+            call().backward(dy)
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            call().backward(dy)
+            times.append((time.perf_counter() - t0) * 1e3)
+        out[name] = statistics.median(times)
+    return out
 
 
 def _round(x, digits=4):
@@ -307,6 +338,12 @@ def train_norms(lab: Lab, norms, seeds) -> dict[str, list[dict]]:
 # every layer but the norm, so the pairs share most of their noise (the paired t interval is
 # Student's t on the per-seed differences, n - 1 degrees of freedom).
 
+NORMS_CONDITIONS = [
+    "matches: LayerNorm, RMSNorm and pRMSNorm (p = 6.25%) swapped into the same model and training, nothing else changed",
+    "differs: a 4-layer Pre-LN decoder on Shakespeare characters, a few hundred steps (the paper: machine translation, "
+    "reading comprehension, image-caption retrieval and classification models)",
+]
+
 # Thresholds used by more than one claim, with where they come from.
 COMPARABLE = C.ours("the paper reports 'comparable performance' without a number; 2% of the loss is the lab's bound, "
                     "below the 3% BatchNorm costs at quick size")
@@ -332,8 +369,16 @@ def preset_norms(lab: Lab) -> dict:
                                    "processes": processes},
                      lambda: time_steps_in_processes({n: lab.model_config({**model, "norm": n}) for n in NORMS}, batch,
                                                      rounds=lab.pick(4, 6, tiny=2), processes=processes))
-    rows, measured = [], {}
+    calls = lab.job("norm_calls", {"d": model["d_model"], "rows": tf["batch_size"] * tf["seq_len"]},
+                    lambda: time_norm_calls(model["d_model"], tf["batch_size"] * tf["seq_len"]))
+    n_calls = 2 * lab.model_over.get("n_layers", model["n_layers"]) + 1  # pre: two a block, one final
     ln_ms = timing["layernorm"]["ms"]
+    share = n_calls * calls["layernorm"] / ln_ms
+    kernel_gain = 1 - calls["rmsnorm"] / calls["layernorm"]
+    budget = {"norm_calls_per_step": n_calls, "layernorm_call_ms": _round(calls["layernorm"]),
+              "rmsnorm_call_ms": _round(calls["rmsnorm"]), "norm_share_of_step": _round(share, 3),
+              "kernel_gain": _round(kernel_gain, 3), "expected_step_gain": _round(share * kernel_gain, 3)}
+    rows, measured = [], {}
     for norm in NORMS:
         rs = runs[norm]
         val = stats([r["val_loss"] for r in rs])
@@ -351,23 +396,31 @@ def preset_norms(lab: Lab) -> dict:
     claims = [
         C.claim("norms.rms_quality", "RMSNorm reaches the same quality as LayerNorm", ZHANG19,
                 _pick(measured, "rmsnorm_val", "layernorm_val"),
-                C.within("rmsnorm_val", "layernorm_val", 0.02, origin=COMPARABLE, paired=True)),
+                C.within("rmsnorm_val", "layernorm_val", 0.02, origin=COMPARABLE, paired=True), NORMS_CONDITIONS),
         C.claim("norms.rms_speed", "RMSNorm makes a training step at least 7% faster than LayerNorm does (the paper: 7% to "
                 "64% less running time)", ZHANG19, _pick(measured, "rmsnorm_step_ms", "layernorm_step_ms"),
-                C.below("rmsnorm_step_ms", "layernorm_step_ms", 0.07, origin=ZHANG_SPEED, paired=True, over="processes")),
+                C.below("rmsnorm_step_ms", "layernorm_step_ms", 0.07, origin=ZHANG_SPEED, paired=True, over="processes"),
+                ["differs: a Transformer, where the norms are a small share of a step (the paper's large gains: RNNs with "
+                 "normalized gates; the speed preset times one)",
+                 f"expected here: the norms take {share:.1%} of a LayerNorm step ({n_calls} calls of "
+                 f"{calls['layernorm']:.3g} ms, forward + backward) and RMSNorm's call is {kernel_gain:.1%} faster, so "
+                 f"the step can be at most about {share * kernel_gain:.1%} faster: {'below' if share * kernel_gain < 0.07 else 'above'} "
+                 "the paper's 7%"]),
         C.claim("norms.prms_quality", "partial RMSNorm (p = 6.25%, the paper's setting) reaches the same quality as RMSNorm",
                 ZHANG19, _pick(measured, "prmsnorm_val", "rmsnorm_val"),
-                C.within("prmsnorm_val", "rmsnorm_val", 0.02, origin=COMPARABLE, paired=True)),
+                C.within("prmsnorm_val", "rmsnorm_val", 0.02, origin=COMPARABLE, paired=True), NORMS_CONDITIONS),
         C.claim("norms.none_worse", "a model without normalization trains worse", ZHANG19,
                 _pick(measured, "none_val", "layernorm_val", "none_diverged"),
                 C.any_of(C.at_least("none_diverged", 1, point="a count of diverged seeds", origin=DIVERGED),
-                         C.above("none_val", "layernorm_val", 0.02, origin=WORSE, paired=True))),
+                         C.above("none_val", "layernorm_val", 0.02, origin=WORSE, paired=True)),
+                NORMS_CONDITIONS[1:] + ["differs: the paper argues for normalization's benefit; a model without any norm is "
+                                        "the lab's baseline, not one of the paper's runs"]),
     ]
     return {
         "title": "RMSNorm vs LayerNorm vs pRMSNorm vs BatchNorm vs no norm",
         "question": "Does RMSNorm match LayerNorm's quality while running faster, and does a model need a norm at all?",
         "settings": {"train": {**train_fields, **lab.train_over}, "model": {**model, **lab.model_over, "placement": "pre"},
-                     "seeds": seeds, "timing_processes": processes},
+                     "seeds": seeds, "timing_processes": processes, "step_budget": budget},
         "columns": ["norm", "val_loss", "val_std", "val_min", "val_max", "seeds", "diverged", "run_step_ms", "tokens_per_s",
                     "step_ms", "step_vs_layernorm"],
         "rows": rows, "claims": claims,
@@ -977,6 +1030,9 @@ def preset_precision(lab: Lab) -> dict:
                 measured[f"{op}_{dt}_{impl}_max_eps"] = max(finite) / EPS16[dt] if finite else None
                 measured[f"{op}_{dt}_{impl}_median_eps"] = medians
     combos = [(op, dt) for op in ops for dt in dtypes]
+    conditions = ["matches: fp16/bf16 storage with reductions accumulated in fp32, against the same arithmetic in the input "
+                  "dtype (the paper's rule for reductions such as normalization statistics)",
+                  "differs: the norm alone on random rows at scales 1e-4 to 1e4, not a network in training"]
     count = "a count of scales where some draw broke: one non-finite output is a failure"
     broken_why = C.ours("one broken scale is a failure; 'broken': non-finite, or off by more than 10% of the output scale")
     claims = [
@@ -984,19 +1040,21 @@ def preset_precision(lab: Lab) -> dict:
                 "non-finite or >10% wrong output) over part of the activation range; fp32 statistics do not", MICIK18,
                 _pick(measured, *[f"{op}_fp16_{i}_broken" for op in ops for i in ("naive", "normlab")]),
                 C.all_of(*[C.at_least(f"{op}_fp16_naive_broken", 1, point=count, origin=broken_why) for op in ops],
-                         *[C.at_most(f"{op}_fp16_normlab_broken", 0, point=count, origin=broken_why) for op in ops])),
+                         *[C.at_most(f"{op}_fp16_normlab_broken", 0, point=count, origin=broken_why) for op in ops]),
+                conditions),
         C.claim("precision.fp32_stats_exact", "with fp32 statistics the fused kernels stay within two machine epsilons of "
                 "the float64 result at every scale, in bf16 and fp16", MICIK18,
                 _pick(measured, *[f"{op}_{dt}_normlab_max_eps" for op, dt in combos]),
                 C.all_of(*[C.at_most(f"{op}_{dt}_normlab_max_eps", 2.0, point="the worst case over every scale and draw",
                                      origin=C.ours("2 eps: the output's rounding (0.5 eps) and the weight multiply's, with "
-                                                   "room for the fp32 statistics")) for op, dt in combos])),
+                                                   "room for the fp32 statistics")) for op, dt in combos]),
+                conditions),
         C.claim("precision.naive_bf16_worse", "where it does not break, bf16 arithmetic for the statistics still costs "
                 "accuracy: the naive version's median error is at least twice the fused kernel's", MICIK18,
                 _pick(measured, *[f"{op}_bf16_{i}_median_eps" for op in ops for i in ("naive", "normlab")]),
                 C.all_of(*[C.above(f"{op}_bf16_naive_median_eps", f"{op}_bf16_normlab_median_eps", 1.0, over="input draws", paired=True,
                                    origin=C.ours("2x: one more rounding of the same size as the output's own"))
-                           for op in ops])),
+                           for op in ops]), conditions),
     ]
     return {
         "title": "Why statistics are kept in fp32",
@@ -1066,26 +1124,53 @@ def preset_speed(lab: Lab) -> dict:
         measured[f"{norm}_{impl}_step_ms"] = t["samples"]
     for backend in ("normlab", "torch"):
         measured.update(_round_totals(kern["records"], backend))
+    # the paper's setting: a recurrent model, where the norms are most of the work
+    gru = lab.pick(dict(d=512), dict(d=1024), tiny=dict(d=16))
+    gru_B, gru_T = lab.pick((32, 32), (80, 50), tiny=(4, 8))
+    gru_batch = D.Batches(lab.dataset.train, gru_B, gru_T, seed=6).next()
+    vocab = lab.dataset.tokenizer.vocab_size
+    gru_timing = lab.job("gru_step_time", {"gru": gru, "B": gru_B, "T": gru_T, "processes": processes},
+                         lambda: time_steps_in_processes({n: {"gru": {"vocab_size": vocab, "d": gru["d"], "norm": n}}
+                                                          for n in ("layernorm", "rmsnorm")}, gru_batch,
+                                                         rounds=lab.pick(4, 8, tiny=2), processes=processes))
+    for norm, t in gru_timing.items():
+        rows.append({"what": "GRU train step", "op": norm, "backend": "normlab", "dtype": "fp32",
+                     "shape": f"{gru_B}x{gru_T}x{gru['d']}", "pass": "fwd+bwd+adamw", "ms": _round(t["ms"], 4),
+                     "gbps": None, "frac_of_copy": None})
+        measured[f"gru_{norm}_step_ms"] = t["samples"]
     claims = [
         C.claim(f"speed.rms_kernel_{backend}", f"RMSNorm's kernel takes at least 7% less time than LayerNorm's ({backend}: "
                 "forward + backward, summed over shapes and dtypes)", ZHANG19,
                 _pick(measured, f"{backend}_rms_norm_total_ms", f"{backend}_layer_norm_total_ms"),
                 C.below(f"{backend}_rms_norm_total_ms", f"{backend}_layer_norm_total_ms", 0.07, origin=ZHANG_SPEED,
-                        paired=True, over="rounds"))
+                        paired=True, over="rounds"),
+                [f"differs: the norm kernels alone ({backend}), on CPU (the paper timed whole models on GPUs)"])
         for backend in ("normlab", "torch")
+    ] + [
+        C.claim("speed.gru_step", "in a GRU whose gates are normalized, RMSNorm makes a training step at least 7% faster "
+                "than LayerNorm (normlab's kernels)", ZHANG19, _pick(measured, "gru_rmsnorm_step_ms", "gru_layernorm_step_ms"),
+                C.below("gru_rmsnorm_step_ms", "gru_layernorm_step_ms", 0.07, origin=ZHANG_SPEED, paired=True, over="processes"),
+                ["matches: a recurrent model whose gates are normalized every step (Ba et al.'s layer-normalized GRU), the "
+                 "kind of model behind the paper's largest gains",
+                 f"differs: a one-layer character GRU LM of width {gru['d']}, batch {gru_B}x{gru_T}, on CPU with normlab's "
+                 "kernels (the paper: RNNSearch on GPU)"]),
     ] + [
         C.claim(f"speed.step_{norm}", f"normlab's {norm} makes a training step at least 2% faster than torch's module", NORMLAB,
                 _pick(measured, f"{norm}_normlab_step_ms", f"{norm}_torch_step_ms"),
                 C.below(f"{norm}_normlab_step_ms", f"{norm}_torch_step_ms", 0.02, paired=True, over="processes",
-                        origin=C.ours("2% of a step: the least a user would notice; the norms are a few percent of it")))
+                        origin=C.ours("2% of a step: the least a user would notice; the norms are a few percent of it")),
+                ["normlab's own claim: the same decoder with torch's nn.LayerNorm / nn.RMSNorm as the baseline"])
         for norm in ("layernorm", "rmsnorm")
     ]
     return {
         "title": "Speed: kernels against the copy ceiling, and whole training steps",
         "question": "How fast are the norms per backend, and what do the fused kernels buy a training step?",
-        "settings": {"shapes": list(shapes), "backends": list(backends), "step_model": model, "step_batch": [B, T]},
+        "settings": {"shapes": list(shapes), "backends": list(backends), "step_model": model, "step_batch": [B, T],
+                     "gru": {**gru, "batch": [gru_B, gru_T]}},
         "columns": ["what", "op", "backend", "dtype", "shape", "pass", "ms", "gbps", "frac_of_copy"],
-        "rows": rows, "claims": claims, "series": {"records": kern["records"], "timing": {k: v["ms"] for k, v in timing.items()}},
+        "rows": rows, "claims": claims, "series": {"records": kern["records"],
+                                                "timing": {**{k: v["ms"] for k, v in timing.items()},
+                                                           **{f"gru|{k}": v["ms"] for k, v in gru_timing.items()}}},
         "notes": ["Kernel rows come from normlab bench (allocating calls, median of interleaved rounds; frac_of_copy: GB/s "
                   "over the GB/s of y.copy_(x) on the same tensor in the same run; the kernel claims pair the ops by "
                   "round). Train-step rows: median time of a forward, backward and AdamW step, measured round-robin in "
