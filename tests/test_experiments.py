@@ -7,6 +7,7 @@ import copy
 import html
 import json
 import math
+import shutil
 
 import pytest
 
@@ -315,3 +316,14 @@ def test_the_speed_preset_times_a_normalized_gru_and_the_norms_share_of_a_step(f
     assert budget["norm_share_of_step"] > 0 and budget["expected_step_gain"] == pytest.approx(
         budget["norm_share_of_step"] * budget["kernel_gain"], rel=0.02, abs=1e-3)
     assert any("can be at most about" in x for x in _claim(finished[1], "norms.rms_speed")["conditions"])
+
+
+def test_the_demo_leaves_out_the_batch_size_trend_and_says_how_to_run_it(finished, tmp_path):
+    out = tmp_path / "demo"
+    shutil.copytree(finished[0] / "runs", out / "runs")
+    shutil.copytree(finished[0] / "jobs", out / "jobs")
+    results = E.run_presets(["demo"], E.Settings(out=str(out), size="tiny", data=finished[1]["meta"]["data"], quiet=True))
+    section = results["presets"]["batchnorm"]
+    assert [c["id"] for c in section["claims"]] == ["batchnorm.mates"]
+    assert "normlab compare batchnorm --quick" in section["notes"][-1]
+    assert report.render(results, out)["html"].exists()

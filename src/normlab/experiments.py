@@ -75,6 +75,7 @@ class Settings:
     steps: int | None = None  # None: the preset's default
     overrides: dict = field(default_factory=dict)  # key=value training and model fields for every run
     quiet: bool = False  # no per-run progress bars
+    brief: bool = False  # the demo: leave out a preset's slowest measurement (its notes say which and how to run it)
 
 
 class Lab:
@@ -648,7 +649,7 @@ def preset_gradients(lab: Lab) -> dict:
     depths = lab.pick((6, 12, 24), (6, 12, 24), tiny=(2, 3))
     fig3_depth = depths[0]  # Fig. 3 is drawn for 6 layers
     seeds = lab.seeds(5, 5)
-    n_batches = lab.pick(8, 16, tiny=2)
+    n_batches = lab.pick(4, 16, tiny=2)
     width = lab.pick(dict(d_model=64, n_heads=4, max_seq_len=64), dict(d_model=256, n_heads=4, max_seq_len=128),
                      tiny=dict(d_model=16, n_heads=2, max_seq_len=16))
     B, T = lab.pick((8, 64), (16, 128), tiny=(4, 16))
@@ -878,11 +879,11 @@ def preset_batchnorm(lab: Lab) -> dict:
         rows.append({"norm": norm, "batch_size": tf["batch_size"], "batching": "windows", "mates_change": _round(mates, 3),
                      "padding_change": _round(pad, 3), "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2)})
         measured.update({f"{norm}_mates_change": mates, f"{norm}_padding_change": pad})
-    # the batch-size trend, on padded variable-length sequences
+    # the batch-size trend, on padded variable-length sequences (left out of the demo: 1.5 minutes on 2 cores)
     trend_train, trend_model, sequences = trend_sizes(lab)
     trend_seeds = lab.seeds(3, 3)
     trend = {}
-    for norm in ("batchnorm", "layernorm"):
+    for norm in ("batchnorm", "layernorm") if not lab.s.brief else ():
         for bs in BATCH_SIZES:
             steps = max(1, sequences // bs)
             fields = {**trend_train, "batch_size": bs, "steps": steps, "warmup": max(1, steps // 10),
@@ -900,7 +901,7 @@ def preset_batchnorm(lab: Lab) -> dict:
                          "train_mode_loss": _round(statistics.fmean(x["train_mode_loss"] for x in losses)),
                          "train_eval_gap": _round(statistics.fmean(gaps), 3)})
     small, large = BATCH_SIZES[0], BATCH_SIZES[-1]
-    for bs in (small, large):
+    for bs in (small, large) if trend else ():
         measured[f"batchnorm_gap_b{bs}"] = trend["batchnorm", bs]["gap"]
         measured[f"layernorm_val_b{bs}"] = trend["layernorm", bs]["val"]
         measured[f"batchnorm_excess_b{bs}"] = [None if b is None or ln is None else b / ln - 1
@@ -919,6 +920,8 @@ def preset_batchnorm(lab: Lab) -> dict:
                            for n in ("layernorm", "rmsnorm") for k in ("mates_change", "padding_change")]),
                 ["matches: the same sequence run with other batch-mates, and with half-padded batch-mates, in training mode",
                  "differs: measured on models trained on fixed windows (the norms preset's runs)"]),
+    ]
+    claims += [] if not trend else [
         C.claim("batchnorm.gap_grows", f"BatchNorm's train/eval mismatch grows as the batch shrinks: its loss in training "
                 f"mode differs more from eval mode at batch {small} than at {large}", SHEN20,
                 _pick(measured, f"batchnorm_gap_b{small}", f"batchnorm_gap_b{large}"),
@@ -931,6 +934,8 @@ def preset_batchnorm(lab: Lab) -> dict:
                 f"at most 2% above batch {large}", SHEN20, _pick(measured, f"layernorm_val_b{small}", f"layernorm_val_b{large}"),
                 C.at_most(f"layernorm_val_b{small}", f"layernorm_val_b{large}", 0.02, paired=True, origin=COMPARABLE), trend_cond),
     ]
+    brief = [] if trend else ["The demo leaves out the batch-size trend on padded sequences (1.5 minutes on 2 cores): "
+                              "`normlab compare batchnorm --quick` runs it, reusing the demo's runs."]
     columns = ["norm", "batch_size", "batching", "mates_change", "padding_change", "val_loss", "val_std", "eval_loss",
                "train_mode_loss", "train_eval_gap"]
     rows = [{c: r.get(c) for c in columns} for r in rows]
@@ -948,7 +953,7 @@ def preset_batchnorm(lab: Lab) -> dict:
                   f"paragraphs rows: trained on the text between blank lines, padded per batch with a mask, {sequences} "
                   "sequences per run whatever the batch size; val_loss in eval mode (running statistics); train_eval_gap: "
                   "|training-mode loss - eval-mode loss| / eval-mode loss on fixed padded validation batches of the run's "
-                  "own batch size."],
+                  "own batch size."] + brief,
     }
 
 
@@ -1221,7 +1226,7 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
     """Run the presets (skipping finished work) and write results.json; returns the results."""
     presets = expand(names)
     if "demo" in names:
-        settings = dataclasses.replace(settings, size="tiny" if settings.size == "tiny" else "quick")
+        settings = dataclasses.replace(settings, size="tiny" if settings.size == "tiny" else "quick", brief=True)
     check_overrides(presets, settings.overrides)
     lab = Lab(settings, console)
     out = Path(settings.out)

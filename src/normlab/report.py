@@ -171,7 +171,13 @@ def plot_batchnorm(section: dict, plt) -> dict:
     axes[0].set_title("change of one sequence's logits (rel. to RMS; 1e-12: none)", fontsize=10)
     axes[0].legend(fontsize=8)
     trend, sizes = section["series"]["trend"], section["series"]["batch_sizes"]
+    if not trend:  # the demo leaves the trend out
+        for ax in axes[1:]:
+            ax.set_axis_off()
+        axes[1].text(0.5, 0.5, "batch-size trend: normlab compare batchnorm --quick", ha="center", va="center")
     for ax, key, label in ((axes[1], "val", "final validation loss (eval mode)"), (axes[2], "gap", "train/eval loss gap")):
+        if not trend:
+            break
         for norm in ("batchnorm", "layernorm"):
             pts = [(bs, [v for v in trend[f"{norm}|{bs}"][key] if v is not None]) for bs in sizes]
             pts = [(bs, v) for bs, v in pts if v]
