@@ -327,3 +327,22 @@ def test_the_demo_leaves_out_the_batch_size_trend_and_says_how_to_run_it(finishe
     assert [c["id"] for c in section["claims"]] == ["batchnorm.mates"]
     assert "normlab compare batchnorm --quick" in section["notes"][-1]
     assert report.render(results, out)["html"].exists()
+
+
+def test_the_learning_rate_sweep_is_a_field():
+    assert E.parse_lrs("1e-3, 1e-4,1e-2") == (1e-4, 1e-3, 1e-2)
+    assert E.parse_lrs(None) is None
+    with pytest.raises(ValueError, match="at least two distinct positive"):
+        E.parse_lrs("1e-3")
+    with pytest.raises(ValueError, match="comma-separated numbers"):
+        E.parse_lrs("1e-3;1e-2")
+
+
+def test_the_warmup_preset_sweeps_the_learning_rates_it_is_given(finished, tmp_path):
+    out = tmp_path / "lrs"
+    shutil.copytree(finished[0] / "runs", out / "runs")
+    settings = E.Settings(out=str(out), size="tiny", data=finished[1]["meta"]["data"], quiet=True, lrs=(1e-3, 0.1))
+    section = E.run_presets(["warmup"], settings)["presets"]["warmup"]
+    assert section["settings"]["lrs"] == [1e-3, 0.1]
+    assert all(c["lr"] == [1e-3, 0.1] for c in section["series"]["curves"].values())
+    assert list((out / "runs").glob("pre-nowarm-lr0.1-s0-*/summary.json"))

@@ -186,8 +186,9 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     if not names:
         raise ValueError(f"name a preset: {', '.join(list(experiments.PRESETS) + list(experiments.GROUPS))}")
     settings = experiments.Settings(out=args.out, size="quick" if args.quick else args.size, seeds=args.seeds, data=args.data, steps=args.steps,
-                                    overrides=overrides, quiet=args.quiet)
-    flags = [f"--{k} {v}" for k, v in (("seeds", args.seeds), ("data", args.data), ("steps", args.steps), ("out", args.out))
+                                    overrides=overrides, quiet=args.quiet, lrs=experiments.parse_lrs(args.lrs))
+    flags = [f"--{k} {v}" for k, v in (("seeds", args.seeds), ("data", args.data), ("steps", args.steps), ("lrs", args.lrs),
+                                       ("out", args.out))
              if v is not None] + (["--quick"] if args.quick else []) + ([f"--size {args.size}"] if args.size != "full" else [])
     command = " ".join(["normlab compare", *args.items, *flags])
     if settings.size == "full" and "demo" not in names and not _cuda():
@@ -313,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, help="seeds per setting (default: the preset's)")
     p.add_argument("--data", help="corpus: shakespeare (default), or a .txt file or folder")
     p.add_argument("--steps", type=int, help="training steps of every run (default: the preset's)")
+    p.add_argument("--lrs", help="the warmup preset's learning-rate sweep, comma-separated (default: 1e-4 to 3e-2, 6 points)")
     p.add_argument("--out", default="runs/compare", help="output directory (default: runs/compare); rerun to resume")
     p.add_argument("--quiet", action="store_true", help="no per-run progress bars")
     p.set_defaults(func=cmd_compare)

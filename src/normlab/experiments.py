@@ -76,6 +76,7 @@ class Settings:
     overrides: dict = field(default_factory=dict)  # key=value training and model fields for every run
     quiet: bool = False  # no per-run progress bars
     brief: bool = False  # the demo: leave out a preset's slowest measurement (its notes say which and how to run it)
+    lrs: tuple[float, ...] | None = None  # the warmup preset's learning-rate sweep; None: the size's default
 
 
 class Lab:
@@ -483,6 +484,19 @@ STABILITY_CONDITIONS = [
 ]
 
 
+def parse_lrs(text: str | None) -> tuple[float, ...] | None:
+    """--lrs "1e-4,1e-3,1e-2": at least two distinct positive learning rates, sorted."""
+    if text is None:
+        return None
+    try:
+        lrs = tuple(sorted({float(v) for v in text.split(",") if v.strip()}))
+    except ValueError as err:
+        raise ValueError(f"--lrs must be comma-separated numbers, e.g. 1e-4,1e-3,1e-2; got {text!r}") from err
+    if len(lrs) < 2 or lrs[0] <= 0 or not all(math.isfinite(v) for v in lrs):
+        raise ValueError(f"--lrs needs at least two distinct positive learning rates; got {text!r}")
+    return lrs
+
+
 def stability_sizes(lab: Lab) -> tuple[dict, dict, tuple]:
     """Training and model fields of the learning-rate sweep, and the learning rates."""
     train_fields = dict(preset="small", tokenizer="char", ckpt_every=0, schedule="cosine", diverge_factor=3.0,
@@ -518,6 +532,7 @@ def lr_sensitivity(losses: list, init: float) -> float:
 
 def preset_warmup(lab: Lab) -> dict:
     train_fields, model, lrs = stability_sizes(lab)
+    lrs = lab.s.lrs or lrs
     warm = train_fields.pop("warmup")
     seeds = lab.seeds(3, 3)
     tf = {**train_fields, **lab.train_over}
