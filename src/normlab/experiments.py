@@ -5,14 +5,20 @@ settings, a table, the series its plots draw, and the claims with verdicts compu
 numbers by their rules (normlab.claims). Presets:
 
     norms      RMSNorm matches LayerNorm and is faster; pRMSNorm matches; no norm trains worse
-    warmup     Post-LN needs learning-rate warmup, Pre-LN does not
-    gradients  at init Post-LN's gradient norm grows toward the last layers, Pre-LN's is flat
-    depth      DeepNorm keeps a deep Post-LN model trainable
-    batchnorm  BatchNorm's output depends on batch-mates and padding; train/eval mismatch
+    warmup     learning-rate sweeps: Post-LN needs warmup, Pre-LN does not; qk-norm bounds the logits
+    gradients  at init Post-LN's gradient grows toward the output, Pre-LN's is flat; depth scaling
+               (Xiong et al.'s model and this decoder side by side)
+    depth      DeepNorm keeps a deep Post-LN model trainable where Pre-LN trains
+    batchnorm  BatchNorm's output depends on batch-mates and padding; small padded batches hurt it
     precision  fp32 statistics are needed in fp16/bf16
-    speed      kernel GB/s per backend, and training-step time with normlab's and torch's norms
+    speed      kernel GB/s per backend, a normalized GRU's step, and training-step time with
+               normlab's and torch's norms
 
-``demo`` runs norms, gradients, batchnorm and precision at quick size; ``all`` runs every preset.
+Every claim carries the conditions of its source's experiment that this run matches and those it
+does not; verdicts come from 95% t intervals over seeds (normlab.claims).
+
+``demo`` runs norms, gradients, batchnorm (without its batch-size trend) and precision at quick
+size; ``all`` runs every preset.
 Sizes: ``full`` (the default: minutes to hours on a CPU, meant for a GPU or a patient machine),
 ``quick`` (2 CPU cores: every preset together in about 15 minutes) and ``tiny`` (seconds: the tests).
 
