@@ -61,6 +61,8 @@ def test_resume_continues_exactly(corpus, tmp_path):
     summary = T.train(tcfg, m, resume=True)
     assert summary["status"] == "completed" and summary["step"] == 30
     assert losses(tmp_path / "split") == losses(tmp_path / "straight")  # fp32 on CPU: bitwise
+    straight = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    assert summary["init_val_loss"] == straight["init_val_loss"] is not None  # the loss at init survives the resume
 
 
 def test_a_huge_learning_rate_ends_as_diverged_with_a_usable_checkpoint(corpus, tmp_path):

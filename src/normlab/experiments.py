@@ -529,9 +529,11 @@ def max_attention_logit(run_folder: Path, val_tokens, batch_size: int, seq_len: 
     return max(model.attention_logits())
 
 
-def lr_sensitivity(losses: list, init: float) -> float:
+def lr_sensitivity(losses: list, init: float | None) -> float | None:
     """Wortsman et al. (2023): the mean over the sweep of min(loss, loss at init) minus the best
-    loss; a diverged run (None) counts as the loss at init."""
+    loss; a diverged run (None) counts as the loss at init. None without a loss at init."""
+    if init is None:
+        return None
     capped = [init if v is None or not math.isfinite(v) else min(v, init) for v in losses]
     return statistics.fmean(capped) - min(capped)
 
@@ -562,19 +564,21 @@ def preset_warmup(lab: Lab) -> dict:
             losses = [runs[key, lr][i]["val_loss"] for lr in lrs]
             init = runs[key, lrs[0]][i]["init_val_loss"]
             sens.append(lr_sensitivity(losses, init))
-            best.append(math.log10(lrs[min(range(len(lrs)), key=lambda j: math.inf if losses[j] is None else losses[j])]))
+            done = [j for j in range(len(lrs)) if losses[j] is not None]
+            best.append(math.log10(lrs[min(done, key=lambda j: losses[j])]) if done else None)  # None: all diverged
         measured[f"{key.replace('|', '_')}_sensitivity"] = sens
         measured[f"{key.replace('|', '_')}_best_log10_lr"] = best
         curves[key] = {"lr": list(lrs), "loss": [[r["val_loss"] for r in runs[key, lr]] for lr in lrs],
-                       "init": statistics.fmean(r["init_val_loss"] for r in runs[key, lrs[0]])}
+                       "init": stats([r["init_val_loss"] for r in runs[key, lrs[0]]])["mean"]}
         for lr in lrs:
             val = stats([r["val_loss"] for r in runs[key, lr]])
             rows.append({"setting": key, "lr": lr, "diverged": sum(r["status"] == "diverged" for r in runs[key, lr]),
                          "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2),
                          "max_logit": _round(statistics.fmean(logits[key, lr]), 4) if (key, lr) in logits else None,
-                         "sensitivity": _round(statistics.fmean(sens), 3), "best_lr": _round(10 ** statistics.fmean(best), 3)})
-    measured["post_minus_pre_best_log10_lr"] = [a - b for a, b in zip(measured["post_warm_best_log10_lr"],
-                                                                      measured["pre_warm_best_log10_lr"])]
+                         "sensitivity": _round(stats(sens)["mean"], 3),
+                         "best_lr": _round(10 ** stats(best)["mean"], 3) if stats(best)["n"] else None})
+    measured["post_minus_pre_best_log10_lr"] = [None if a is None or b is None else a - b for a, b in
+                                                zip(measured["post_warm_best_log10_lr"], measured["pre_warm_best_log10_lr"])]
     top = lrs[-1]
     measured["pre_warm_max_logit_top_lr"] = logits["pre|warm", top]
     measured["pre_warm_qknorm_max_logit_top_lr"] = logits["pre|warm|qknorm", top]

@@ -66,6 +66,8 @@ SWEEP_STYLES = {"post|warm": ("C3", "-"), "post|nowarm": ("C3", "--"), "pre|warm
 
 def plot_warmup(section: dict, plt) -> dict:
     curves = section["series"]["curves"]
+    inits = [c["init"] for c in curves.values() if c["init"] is not None]
+    top = sum(inits) / len(inits) if inits else max(v for c in curves.values() for vs in c["loss"] for v in vs if v is not None)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     ax = axes[0]
     for key, c in curves.items():
@@ -73,17 +75,16 @@ def plot_warmup(section: dict, plt) -> dict:
         means, los, his, bad = [], [], [], []
         for lr, losses in zip(c["lr"], c["loss"]):
             ok = [v for v in losses if v is not None]
-            means.append(sum(ok) / len(ok) if ok else c["init"])  # a diverged point sits at the loss at init
-            los.append(min(ok) if ok else c["init"])
-            his.append(max(ok) if ok else c["init"])
+            means.append(sum(ok) / len(ok) if ok else top)  # a diverged point sits at the loss at init
+            los.append(min(ok) if ok else top)
+            his.append(max(ok) if ok else top)
             if len(ok) < len(losses):
                 bad.append((lr, means[-1]))
         ax.plot(c["lr"], means, style, marker="o", ms=3, color=colour, label=key.replace("|", ", "))
         ax.fill_between(c["lr"], los, his, color=colour, alpha=0.12)
         if bad:
             ax.scatter(*zip(*bad), marker="x", s=50, color=colour, zorder=3)
-    inits = [c["init"] for c in curves.values()]
-    ax.axhline(sum(inits) / len(inits), color="grey", lw=0.8, ls=":", label="loss at init")
+    ax.axhline(top, color="grey", lw=0.8, ls=":", label="loss at init")
     ax.set_xscale("log")
     ax.set_xlabel("peak learning rate")
     ax.set_ylabel("final validation loss (mean over seeds; x: a seed diverged)")

@@ -253,6 +253,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
     val_batches = _fixed_batches(dataset.val, tcfg, seq_len, dataset.tokenizer)
     start = 0
     first_loss = None  # the divergence test compares with it (restored on resume)
+    init_val_loss = None  # the loss at initialization, where the lab's curves start (restored on resume)
     resolved = {"train": dataclasses.asdict(tcfg), "model": {**model_overrides}, "model_resolved": dataclasses.asdict(mcfg)}
     if resume:
         state = load_checkpoint(ckpt_path)
@@ -266,6 +267,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
         batches.load_state(state["data"])
         start = int(state["step"])
         first_loss = state.get("first_loss")
+        init_val_loss = state.get("init_val_loss")
     elif main_rank:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(resolved, indent=1))
@@ -290,13 +292,15 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
         if main_rank:  # every rank holds the same data position and (DDP) the same weights
             save_checkpoint(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
                                         "scheduler": sched.state_dict(), "rng": torch.get_rng_state(),
-                                        "data": batches.state(), "step": step, "first_loss": first_loss})
+                                        "data": batches.state(), "step": step, "first_loss": first_loss,
+                                        "init_val_loss": init_val_loss})
         if distributed:
             dist.barrier()
 
     if start == 0:  # the loss at initialization: where every curve starts
-        summary["init_val_loss"] = evaluate(model, val_batches, device, autocast)
-        log({"step": 0, "val_loss": summary["init_val_loss"]})
+        init_val_loss = evaluate(model, val_batches, device, autocast)
+        log({"step": 0, "val_loss": init_val_loss})
+    summary["init_val_loss"] = init_val_loss
     status = "completed"
     with _Stop() as stop, (progress or contextlib.nullcontext()):
         for step in range(start, tcfg.steps):
