@@ -179,3 +179,33 @@ def test_step_times_do_not_include_compilation(corpus, tmp_path):
     # the lab's loss-per-second axis: the first evaluation (step 20) sits where 20 steps put it
     for ms in (cold, warm):
         assert sum(ms[:20]) <= 2 * statistics.median(ms) * 20 + 20, ms
+
+
+def test_a_killed_run_resumes_with_every_step_logged_once(corpus, tmp_path):
+    """SIGKILL at a random step after a checkpoint: the steps logged since that checkpoint run
+    again on resume, and metrics.jsonl must hold each step once, with the losses of a run that
+    was never interrupted."""
+    env = {**os.environ, "NORMLAB_CACHE": str(tmp_path / "cache")}
+    args = [f"data={corpus}", "preset=tiny", "steps=40", "batch_size=8", "seq_len=32", "ckpt_every=5", "eval_every=5",
+            "warmup=3", "lr=3e-3", "--quiet"]
+    subprocess.run([sys.executable, "-m", "normlab", "train", *args, f"out={tmp_path / 'straight'}"], env=env, check=True,
+                   capture_output=True, timeout=600)
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "normlab", "train", *args, f"out={run}"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kill_after = 7 + int.from_bytes(os.urandom(1), "little") % 25  # steps logged before the kill
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        text = (run / "metrics.jsonl").read_text() if (run / "metrics.jsonl").exists() else ""
+        if text.count("step_ms") >= kill_after:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert T.load_checkpoint(run / "checkpoint.pt")["step"] % 5 == 0
+    assert main(["train", "--resume", str(run), "--quiet"]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "step_ms" in r]
+    assert steps == list(range(40)), (kill_after, steps)
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 5, 10, 15, 20, 25, 30, 35, 40]
+    assert losses(run) == losses(tmp_path / "straight")

@@ -277,6 +277,8 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
     # the clock (step_ms, the lab's loss-per-second axis) must time training, not compilation
     warm_up(model, val_batches[0], device, autocast)
     net = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
+    if resume and main_rank:  # a crash after the checkpoint logged steps that will now run again
+        truncate_metrics(out / "metrics.jsonl", start)
     metrics = open(out / "metrics.jsonl", "a") if main_rank else None
     summary = {"status": "running", "step": start}
     t_start = time.perf_counter()
@@ -386,6 +388,23 @@ def warm_up(model: Decoder, batch: tuple, device, autocast) -> None:
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the records of the first ``step`` training steps (and the evaluations after them) and
+    drop the rest, including a line a crash cut short: a run resumed from the checkpoint at
+    ``step`` logs each later step once. Written to a temporary file, then renamed."""
+    kept = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:  # the last line, half written when the process died
+            continue
+        if r["step"] < step or ("val_loss" in r and r["step"] <= step):
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
 
 
 def make_batches(tokens, tcfg: TrainConfig, seq_len: int, seed: int, tokenizer, rank: int = 0, world: int = 1):
