@@ -27,3 +27,9 @@ def test_info_lists_every_backend_with_a_reason_when_unavailable():
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
     assert "normlab" in capsys.readouterr().out
+
+
+def test_error_text_keeps_its_brackets(capsys):
+    # rich reads "[hf]" as markup and drops it: "pip install 'normlab[hf]'" printed as "pip install 'normlab'"
+    assert main(["compare", "norms", "--lrs", "1e-3;normlab[hf]", "--out", "unused"]) == 2
+    assert "normlab[hf]" in capsys.readouterr().out

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -137,7 +138,7 @@ def cmd_data(args: argparse.Namespace, console: Console) -> int:
     try:
         folder = data.fetch_shakespeare(args.archive)
     except data.DataError as err:
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"[red]error:[/red] {escape(str(err))}")  # the text unmarked: [hf] stays
         return 1
     files = sorted(folder.glob("*.txt"))
     size = sum(f.stat().st_size for f in files)
@@ -155,7 +156,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     if args.quiet:
         tcfg.quiet = True
     if not args.resume and (Path(tcfg.out) / "checkpoint.pt").exists():
-        console.print(f"[red]error:[/red] {tcfg.out} already holds a run; resume it with --resume {tcfg.out} or choose out=DIR")
+        console.print(f"[red]error:[/red] {escape(tcfg.out)} already holds a run; resume it with --resume "
+                      f"{escape(tcfg.out)} or choose out=DIR")
         return 1
     if not tcfg.quiet and int(os.environ.get("RANK", "0")) == 0:
         console.print(f"[bold]config[/bold] train: {dataclasses.asdict(tcfg)}")
@@ -197,7 +199,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     try:
         results = experiments.run_presets(names, settings, console, command=command)
     except experiments.Interrupted as err:
-        console.print(f"[yellow]interrupted:[/yellow] {err}. Finished runs are kept: run the same command again to resume.")
+        console.print(f"[yellow]interrupted:[/yellow] {escape(str(err))}. Finished runs are kept: run the same command again to resume.")
         return 130
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted.[/yellow] Finished runs and measurements are kept in {args.out}: "
@@ -390,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args, console) or 0)
     except (ValueError, FileNotFoundError, ImportError) as err:  # bad input or a missing extra: say so, no traceback
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"[red]error:[/red] {escape(str(err))}")  # the text unmarked: [hf] stays
         return 2
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/yellow]")
