@@ -347,3 +347,26 @@ def test_the_warmup_preset_sweeps_the_learning_rates_it_is_given(finished, tmp_p
     assert section["settings"]["lrs"] == [1e-3, 0.1]
     assert all(c["lr"] == [1e-3, 0.1] for c in section["series"]["curves"].values())
     assert list((out / "runs").glob("pre-nowarm-lr0.1-s0-*/summary.json"))
+
+
+def test_each_section_says_which_command_measured_it(finished, tmp_path):
+    out = tmp_path / "merged"
+    shutil.copytree(finished[0] / "runs", out / "runs")
+    shutil.copytree(finished[0] / "jobs", out / "jobs")
+    data = finished[1]["meta"]["data"]
+    E.run_presets(["precision"], E.Settings(out=str(out), size="tiny", data=data, quiet=True), command="first")
+    merged = E.run_presets(["norms"], E.Settings(out=str(out), size="tiny", data=data, quiet=True), command="second")
+    assert merged["presets"]["precision"]["meta"]["command"] == "first"
+    assert merged["presets"]["norms"]["meta"]["command"] == "second"
+    assert len(merged["presets"]["norms"]["meta"]["data_sha256"]) == 16
+    assert "Measured by `first`" in report.render(merged, out)["markdown"].read_text()
+
+
+def test_report_refuses_a_verdict_its_rule_does_not_give(finished, tmp_path, capsys):
+    tampered = copy.deepcopy(finished[1])
+    c = tampered["presets"]["precision"]["claims"][0]
+    c["verdict"] = next(v for v in C.VERDICTS if v != c["verdict"])
+    (tmp_path / "results.json").write_text(json.dumps(tampered))
+    assert main(["report", str(tmp_path)]) == 2
+    assert "precision: precision.fp16_overflow" in capsys.readouterr().out
+    assert not (tmp_path / "report.html").exists()

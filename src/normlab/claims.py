@@ -294,6 +294,13 @@ def claim(cid: str, text: str, source: str, measured: dict, rule: dict, conditio
     return record
 
 
+def recheck(results: dict) -> list[str]:
+    """The claims of a results.json whose recorded verdict does not follow from their numbers by
+    their rule ("preset: claim id"); an honest file has none."""
+    return [f"{name}: {c['id']}" for name, section in results.get("presets", {}).items()
+            for c in section.get("claims", []) if judge(c["rule"], c["measured"]) != c["verdict"]]
+
+
 # ----------------------------------------------------------------------------- rule builders
 
 

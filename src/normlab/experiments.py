@@ -121,6 +121,12 @@ class Lab:
         if self.console is not None:
             self.console.print(text)
 
+    def data_hash(self) -> str:
+        """sha256 of the token data the runs trained on (train and validation splits)."""
+        h = hashlib.sha256(np.ascontiguousarray(self.dataset.train).tobytes())
+        h.update(np.ascontiguousarray(self.dataset.val).tobytes())
+        return h.hexdigest()[:16]
+
     @property
     def dataset(self) -> D.Dataset:
         if self._dataset is None:
@@ -1269,7 +1275,8 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
         results["presets"][name] = section
         results["presets"] = {k: results["presets"][k] for k in PRESETS if k in results["presets"]}
         results["meta"] = {**environment(), "command": command, "size": lab.size, "seeds": settings.seeds,
-                           "data": settings.data or "shakespeare", "overrides": settings.overrides}
+                           "data": settings.data or "shakespeare", "data_sha256": lab.data_hash(), "overrides": settings.overrides}
+        section["meta"] = results["meta"]  # results.json may merge sections of several commands: each says its own
         _write_json(path, results)
     return results
 
@@ -1291,11 +1298,4 @@ def _write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def recheck(results: dict) -> list[str]:
-    """Claims whose recorded verdict does not follow from their numbers by their rule (should be none)."""
-    bad = []
-    for name, section in results.get("presets", {}).items():
-        for c in section.get("claims", []):
-            if C.judge(c["rule"], c["measured"]) != c["verdict"]:
-                bad.append(f"{name}: {c['id']}")
-    return bad
+recheck = C.recheck

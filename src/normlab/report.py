@@ -254,7 +254,14 @@ PLOTS = {"norms": plot_norms, "warmup": plot_warmup, "gradients": plot_gradients
 
 
 def render(results: dict, out: str | Path) -> dict[str, Path]:
-    """Write the PNG plots, report.md and report.html into ``out``; returns their paths."""
+    """Write the PNG plots, report.md and report.html into ``out``; returns their paths. Every
+    verdict is judged again from its numbers first: a file whose verdicts do not follow is refused."""
+    from normlab.claims import recheck
+
+    bad = recheck(results)
+    if bad:
+        raise ValueError(f"results.json holds verdicts that its numbers and rules do not give ({', '.join(bad)}); "
+                         "rerun the preset instead of editing the file")
     plt = _plt()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -335,6 +342,9 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
     lines.append("")
     for name, section in results["presets"].items():
         lines += [f"## {name}: {section['title']}", "", f"*{section['question']}*", ""]
+        if section.get("meta"):
+            lines += [f"Measured by `{section['meta'].get('command')}` on {section['meta'].get('date')} "
+                      f"(git {section['meta'].get('git')}, data sha256 {section['meta'].get('data_sha256')}).", ""]
         cols = section["columns"]
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for row in section["rows"]:
@@ -383,6 +393,10 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
     parts.append("</table>")
     for name, section in results["presets"].items():
         parts += [f"<h2 id='{e(name)}'>{e(name)}: {e(section['title'])}</h2>", f"<p><em>{e(section['question'])}</em></p>"]
+        if section.get("meta"):
+            m = section["meta"]
+            parts.append(f"<p class='rule'>Measured by <code>{e(str(m.get('command')))}</code> on {e(str(m.get('date')))} "
+                         f"(git {e(str(m.get('git')))}, data sha256 {e(str(m.get('data_sha256')))}).</p>")
         cols = section["columns"]
         parts.append("<table><tr>" + "".join(f"<th>{e(c)}</th>" for c in cols) + "</tr>")
         for row in section["rows"]:
