@@ -159,3 +159,12 @@ def test_paragraph_batching_trains_with_masks(corpus, tmp_path, monkeypatch):
     assert summary["status"] == "completed" and summary["val_loss"] < summary["init_val_loss"]
     with pytest.raises(ValueError, match="batching must be one of windows, paragraphs"):
         T.resolve(None, {"batching": "lines"})
+
+
+def test_a_binary_file_as_data_is_refused(tmp_path):
+    path = tmp_path / "weights.txt"
+    path.write_bytes(bytes(range(256)) * 40)
+    with pytest.raises(D.DataError, match=r"weights.txt does not look like text: \d+% of its characters"):
+        D.load_documents(str(path))
+    path.write_text("plain words\n" * 100 + "caf\u00e9 \u2014 na\u00efve\n")  # text with a few non-ASCII letters is fine
+    assert D.load_documents(str(path))[0][0] == "weights.txt"

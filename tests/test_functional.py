@@ -284,3 +284,33 @@ def test_layer_norm_properties(lead, d, affine, mean, seed):
     rstd = torch.rsqrt(var + 1e-5)
     terms = (xd.abs() + mu.abs()) * rstd * (w.double().abs() if w is not None else 1.0)
     assert torch.all((y.double() - truth).abs() <= 1e-5 + 1e-5 * truth.abs() + 4e-7 * terms)
+
+
+@pytest.mark.parametrize("backend", kernels.available_backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_eps_zero_on_zero_rows_gives_the_references_nan(backend, dtype):
+    """eps = 0 is allowed (exact invariance checks use it); a row of zeros then has no scale, and
+    every backend returns the reference's NaN instead of raising inside a kernel."""
+    x = torch.zeros(3, 64, dtype=dtype)
+    x[1] = torch.linspace(-1, 1, 64, dtype=dtype)  # a normal row beside them stays finite
+    w, b = torch.ones(64, dtype=dtype), torch.zeros(64, dtype=dtype)
+    for eps_mode in ("inside", "outside"):
+        y = F.rms_norm(x, w, eps=0.0, eps_mode=eps_mode, backend=backend)
+        torch.testing.assert_close(y, R.rms_norm(x, w, eps=0.0, eps_mode=eps_mode), equal_nan=True, atol=0.02, rtol=0.02)
+        assert torch.isnan(y[0]).all() and torch.isfinite(y[1]).all()
+    y = F.layer_norm(x, w, b, eps=0.0, backend=backend)
+    torch.testing.assert_close(y, R.layer_norm(x, w, b, eps=0.0), equal_nan=True, atol=0.02, rtol=0.02)
+    assert torch.isnan(y[0]).all() and torch.isfinite(y[1]).all()
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_out_may_alias_x_exactly_but_not_in_part(gen, op, dtype):
+    base = torch.randn(65, 128, generator=gen).to(dtype)
+    w = torch.ones(128, dtype=dtype)
+    call = (lambda x, out: F.rms_norm(x, w, out=out)) if op == "rms_norm" else (lambda x, out: F.layer_norm(x, w, out=out))
+    with pytest.raises(ValueError, match="out overlaps x in part"):
+        call(base[:-1], base[1:])
+    x = base.clone()
+    expected = call(x.clone(), torch.empty_like(x))
+    assert torch.equal(call(x, x), expected)  # in place: out is x itself

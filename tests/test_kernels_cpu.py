@@ -4,6 +4,7 @@ The bound (normlab.testing): a fused result may be at most twice as far from the
 as the reference computed in the same low-precision dtype, plus about one rounding step.
 """
 
+import os
 import numpy as np
 import pytest
 import torch
@@ -694,3 +695,14 @@ def test_forward_is_batch_invariant(gen, op, dtype):
     for rows in ([4], [0, 8], [2, 3, 4, 5, 6]):
         part = _call(op, {k: (v[rows] if v.dim() == 2 else v) for k, v in leaves.items()}, {}, "cpu")
         assert all(torch.equal(f[rows], p) for f, p in zip(full, part)), rows
+
+
+@pytest.mark.parametrize("name, value", [("NORMLAB_CPU_POOL_MB", "lots"), ("NORMLAB_CPU_STREAM_MB", "-4"),
+                                         ("NORMLAB_CPU_ALLOC", "malloc")])
+def test_a_bad_environment_setting_names_its_variable(name, value):
+    import subprocess
+    import sys
+
+    code = "import torch, normlab; normlab.rms_norm(torch.randn(2, 8), backend='cpu')"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, name: value}, capture_output=True, text=True)
+    assert out.returncode != 0 and f"environment variable {name} must be" in out.stderr, out.stderr[-500:]

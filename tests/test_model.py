@@ -241,7 +241,7 @@ def test_parameter_counts_of_the_presets():
         ({"n_heads": 4, "n_kv_heads": 3, "d_model": 32}, r"n_heads \(4\) must be divisible by n_kv_heads \(3\)"),
         ({"mlp": "tanh"}, r"mlp must be one of 'swiglu', 'gelu', 'relu'"),
         ({"positions": "alibi"}, r"positions must be one of 'rope', 'learned', 'sinusoidal'"),
-        ({"dropout": 1.0}, r"dropout must be in \[0, 1\)"),
+        ({"dropout": 1.0}, r"dropout must be a number in \[0, 1\)"),
         ({"n_layers": 0}, r"n_layers must be a positive int"),
     ],
 )
@@ -307,3 +307,27 @@ def test_the_original_transformers_embedding_has_unit_scale(gen):
     m = model(gen, d_model=64, n_heads=2, embed_scale=True, positions="sinusoidal", tie_embeddings=False)
     assert m.embed.weight.std().item() == pytest.approx(64**-0.5, rel=0.1)
     assert m.head.weight is not m.embed.weight and m.pos_table.shape == (m.cfg.max_seq_len, 64)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"n_kv_heads": 0}, r"n_kv_heads must be a positive int or None"),
+    ({"rope_theta": -1.0}, r"rope_theta must be a finite number > 0, got -1.0"),
+    ({"init_std": float("nan")}, r"init_std must be a finite number > 0, got nan"),
+    ({"deepnorm_alpha": -2.0}, r"deepnorm_alpha must be a finite number > 0 or None"),
+    ({"d_ff": 2.5}, r"d_ff must be a positive int or None, got 2.5"),
+    ({"dropout": "0.1"}, r"dropout must be a number in \[0, 1\), got '0.1'"),
+])
+def test_more_config_errors_name_the_field(kw, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.preset("tiny", **kw)
+
+
+def test_generate_checks_its_arguments(gen):
+    m = model(gen).eval()
+    prompt = tokens(gen, B=1, T=4)
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        m.generate(prompt, 2, temperature=-0.5)
+    with pytest.raises(ValueError, match="top_k must be at least 1"):
+        m.generate(prompt, 2, top_k=0)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 64\)"):
+        m.generate(torch.tensor([[1, 64]]), 2)

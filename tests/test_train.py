@@ -209,3 +209,13 @@ def test_a_killed_run_resumes_with_every_step_logged_once(corpus, tmp_path):
     assert steps == list(range(40)), (kill_after, steps)
     assert [r["step"] for r in records if "val_loss" in r] == [0, 5, 10, 15, 20, 25, 30, 35, 40]
     assert losses(run) == losses(tmp_path / "straight")
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("min_lr", "-1e-4", "min_lr must be a number >= 0"), ("eval_every", "-1", "eval_every must be an int >= 0"),
+    ("diverge_factor", "1.0", "diverge_factor must be a number > 1"), ("seq_len", "0", "seq_len must be a positive int"),
+    ("grad_clip", "nan", "grad_clip must be a number >= 0"),
+])
+def test_training_fields_are_checked(key, value, message):
+    with pytest.raises(ValueError, match=message):
+        T.resolve(None, {key: value})

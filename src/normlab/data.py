@@ -148,11 +148,25 @@ def load_documents(source: str) -> list[tuple[str, str]]:
     docs = []
     for f in files:
         text = f.read_text(encoding="utf-8", errors="replace")
+        _check_text(f, text)
         if text.strip():
             docs.append((f.name, text))
     if not docs:
         raise DataError(f"data {source!r} is empty: no text in {len(files)} file(s)")
     return docs
+
+
+BINARY_SHARE = 0.01  # above this share of undecodable or control characters a "text" file is binary
+
+
+def _check_text(path: Path, text: str) -> None:
+    """Refuse a file that is not text (a binary passed as data= would train on noise)."""
+    if not text:
+        return
+    bad = sum(1 for c in text if c == "\ufffd" or (ord(c) < 32 and c not in "\n\r\t\f"))
+    if bad / len(text) > BINARY_SHARE:
+        raise DataError(f"{path} does not look like text: {bad / len(text):.0%} of its characters are not valid UTF-8 "
+                        f"or are control characters (more than {BINARY_SHARE:.0%}); pass .txt files of text as data=")
 
 
 def split_documents(docs: list[tuple[str, str]], val_fraction: float = 0.1) -> tuple[list[str], list[str]]:

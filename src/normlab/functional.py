@@ -126,7 +126,27 @@ def _check_out(out: object, x: Tensor, *params: Tensor | None) -> Tensor:
         )
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *params)):
         raise RuntimeError("out= does not support autograd; call without out=, or under torch.no_grad()")
+    if _overlap_in_part(out, x):
+        raise ValueError("out overlaps x in part (a view of the same memory at another offset or stride); the "
+                         "kernels read rows that they have already overwritten. Pass out=x itself, or a separate tensor")
     return out
+
+
+def _overlap_in_part(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors share memory without being the same view (exact aliasing is fine: each
+    row is read before it is written)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    if a.storage_offset() == b.storage_offset() and a.stride() == b.stride() and a.shape == b.shape:
+        return False
+
+    def span(t: Tensor) -> tuple[int, int]:  # the elements a view can touch, first to last
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s > 0)
+        first = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s < 0)
+        return t.storage_offset() + first, t.storage_offset() + last
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 <= b1 and b0 <= a1
 
 
 def _into(module, name: str, out: Tensor, *args, **kwargs) -> Tensor:

@@ -101,6 +101,9 @@ class ModelConfig:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}); change one of them")
         if self.positions == "rope" and (self.d_model // self.n_heads) % 2:
             raise ValueError(f"head_dim = d_model / n_heads = {self.d_model // self.n_heads} must be even for rotary embeddings")
+        if self.n_kv_heads is not None and (isinstance(self.n_kv_heads, bool) or not isinstance(self.n_kv_heads, int)
+                                            or self.n_kv_heads < 1):
+            raise ValueError(f"n_kv_heads must be a positive int or None (None: n_heads), got {self.n_kv_heads!r}")
         kv = self.kv_heads
         if kv < 1 or self.n_heads % kv:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({kv})")
@@ -109,16 +112,25 @@ class ModelConfig:
                 raise ValueError(f"norm_partial is set ({self.norm_partial}) but norm is {self.norm!r}; use norm='prmsnorm' or drop norm_partial")
             if not 0 < self.norm_partial <= 1:
                 raise ValueError(f"norm_partial must be in (0, 1], got {self.norm_partial}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
+        for name in ("rope_theta", "init_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        for name in ("deepnorm_alpha", "deepnorm_beta"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not (math.isfinite(value) and value > 0)):
+                raise ValueError(f"{name} must be a finite number > 0 or None (None: DeepNet's value), got {value!r}")
         if self.norm_eps < 0 or not math.isfinite(self.norm_eps):
             raise ValueError(f"norm_eps must be a finite number >= 0, got {self.norm_eps}")
         choice("norm_impl", ("normlab", "torch"))
         choice("init", INITS)
         if self.norm_impl == "torch" and self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"norm_impl='torch' exists for layernorm and rmsnorm only, not {self.norm!r}")
-        if self.d_ff is not None and self.d_ff < 1:
-            raise ValueError(f"d_ff must be positive or None, got {self.d_ff}")
+        if self.d_ff is not None and (isinstance(self.d_ff, bool) or not isinstance(self.d_ff, int) or self.d_ff < 1):
+            raise ValueError(f"d_ff must be a positive int or None, got {self.d_ff!r}")
 
     @property
     def head_dim(self) -> int:
@@ -440,6 +452,13 @@ class Decoder(nn.Module):
         greedy. The prompt is processed once, then one token per step."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be at least 1, or None for no cut, got {top_k}")
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}) (the vocabulary), got ids from "
+                             f"{int(idx.min())} to {int(idx.max())}")
         if idx.shape[1] + max_new_tokens > self.cfg.max_seq_len:
             raise ValueError(f"prompt ({idx.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len={self.cfg.max_seq_len}")
         was_training = self.training

@@ -80,6 +80,16 @@ class TrainConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.warmup < 0 or self.lr <= 0:
             raise ValueError("warmup must be >= 0 and lr > 0")
+        checks = {"min_lr": (self.min_lr >= 0, "a number >= 0"), "eval_every": (self.eval_every >= 0, "an int >= 0 (0: at the end)"),
+                  "ckpt_every": (self.ckpt_every >= 0, "an int >= 0 (0: at the end)"),
+                  "diag_every": (self.diag_every >= 0, "an int >= 0 (0: never)"),
+                  "diverge_factor": (self.diverge_factor > 1, "a number > 1 (a multiple of the first loss)"),
+                  "seq_len": (self.seq_len is None or self.seq_len >= 1, "a positive int or None (None: max_seq_len)"),
+                  "grad_clip": (self.grad_clip >= 0, "a number >= 0 (0: no clipping)")}
+        for name, (ok, expected) in checks.items():
+            value = getattr(self, name)
+            if not ok or (isinstance(value, float) and not math.isfinite(value)):
+                raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
 def split_overrides(pairs: dict) -> tuple[dict, dict]:

@@ -312,11 +312,17 @@ def _variance(xr, n, mean):
 
 
 @njit
+def _recip(x):
+    """1 / x as float32, inf at 0 (eps = 0 on a zero row) where numba would raise ZeroDivisionError."""
+    return np.float32(math.inf) if x == 0.0 else np.float32(1.0 / x)
+
+
+@njit
 def _rms_scale(ss, k, eps, inside):
     ms = ss / k
     if inside:
-        return np.float32(1.0 / math.sqrt(ms + eps))
-    return np.float32(1.0 / (math.sqrt(ms) + eps))
+        return _recip(math.sqrt(ms + eps))
+    return _recip(math.sqrt(ms) + eps)
 
 
 def _row(a, r):  # pragma: no cover - replaced by the overload below
@@ -1281,7 +1287,7 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, stages, nt):
         for r in range(r0, r1):
             xr = x[r]
             mu, var = _moments(xr, None, None, xr)
-            rs = np.float32(1.0 / math.sqrt(var + eps))
+            rs = _recip(math.sqrt(var + eps))
             mean[r] = mu
             rstd[r] = rs
             _ln_write(xr, w, b, y[r], mu, rs, stage, nt, xr, None)
@@ -1299,7 +1305,7 @@ def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, nt):
         for r in range(r0, r1):
             xr, rr, sr = x[r], res[r], s[r]
             mu, var = _moments(xr, rr, sr, sr)
-            rs = np.float32(1.0 / math.sqrt(var + eps))
+            rs = _recip(math.sqrt(var + eps))
             mean[r] = mu
             rstd[r] = rs
             _ln_write(sr, w, b, y[r], mu, rs, stage, nt, xr, rr)

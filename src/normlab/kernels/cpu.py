@@ -140,10 +140,27 @@ class BufferPool:
             return {"buffers": count, "held_bytes": self._held, "in_use": in_use}
 
 
+def env_setting(name: str, default: str, *, choices: tuple[str, ...] | None = None) -> str | float:
+    """A NORMLAB_CPU_* setting: one of ``choices``, or else a finite number >= 0. A bad value is an
+    error that names the variable, raised when the backend loads."""
+    raw = os.environ.get(name) or default
+    if choices is not None:
+        if raw not in choices:
+            raise ValueError(f"environment variable {name} must be one of {', '.join(choices)}; got {raw!r}")
+        return raw
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"environment variable {name} must be a number of MB >= 0; got {raw!r}")
+    return value
+
+
 # How outputs are allocated: "pool" (default, above), "numpy" (numpy's allocator, unpooled) or
 # "torch" (torch.empty). NORMLAB_CPU_ALLOC picks one; NORMLAB_CPU_POOL_MB caps the pool.
-ALLOCATOR = os.environ.get("NORMLAB_CPU_ALLOC", "pool")
-POOL = BufferPool(int(os.environ.get("NORMLAB_CPU_POOL_MB", "1024")) << 20)
+ALLOCATOR = env_setting("NORMLAB_CPU_ALLOC", "pool", choices=("pool", "numpy", "torch"))
+POOL = BufferPool(int(env_setting("NORMLAB_CPU_POOL_MB", "1024")) << 20)
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -207,7 +224,7 @@ def _last_level_cache_bytes(default: int = 32 << 20) -> int:
 # bound, so it matters less) 0.99-1.01 up to 12 MB, 1.00-1.06 from 16 MB. NORMLAB_CPU_STREAM_MB
 # overrides it (0: always stream, as a test does to compare both paths on small tensors).
 STREAM_MIN_BYTES = (
-    int(float(os.environ["NORMLAB_CPU_STREAM_MB"]) * (1 << 20))
+    int(env_setting("NORMLAB_CPU_STREAM_MB", "") * (1 << 20))
     if os.environ.get("NORMLAB_CPU_STREAM_MB")
     else _last_level_cache_bytes() // 2
 )
