@@ -133,7 +133,7 @@ def test_corrupt_checkpoint_gives_a_clear_error(tmp_path):
 def test_cli_refuses_to_overwrite_a_run_and_reports_data_errors(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", f"data={corpus}", "preset=tiny", "steps=2", "batch_size=4", "seq_len=16", "eval_batches=1", f"out={out}", "--quiet"]) == 0
-    assert main(["train", f"data={corpus}", "preset=tiny", "steps=2", f"out={out}", "--quiet"]) == 1
+    assert main(["train", f"data={corpus}", "preset=tiny", "steps=2", f"out={out}", "--quiet"]) == 2
     assert "already holds a run" in capsys.readouterr().out
     assert main(["train", f"data={tmp_path / 'nothing'}", "--quiet", f"out={tmp_path / 'r2'}"]) == 2
     assert "neither a corpus" in capsys.readouterr().out
@@ -174,11 +174,12 @@ def test_step_times_do_not_include_compilation(corpus, tmp_path):
 
     cold, warm = step_ms("cold"), step_ms("warm")
     assert any((tmp_path / "numba").rglob("*.nbi")), "the first run should have filled the cold cache"
-    # compiling the layer_norm kernels takes seconds; 40 steps of this model take tens of milliseconds
-    assert sum(cold) <= 1.5 * sum(warm) + 100, (cold, warm)
+    # compiling the layer_norm kernels takes about 3 s; 40 steps of this model take a few hundred
+    # milliseconds (the slack lets a busy machine's noise pass, not a compilation)
+    assert sum(cold) <= 2 * sum(warm) + 1000, (cold, warm)
     # the lab's loss-per-second axis: the first evaluation (step 20) sits where 20 steps put it
     for ms in (cold, warm):
-        assert sum(ms[:20]) <= 2 * statistics.median(ms) * 20 + 20, ms
+        assert sum(ms[:20]) <= 2 * statistics.median(ms) * 20 + 250, ms
 
 
 def test_a_killed_run_resumes_with_every_step_logged_once(corpus, tmp_path):
@@ -219,3 +220,17 @@ def test_a_killed_run_resumes_with_every_step_logged_once(corpus, tmp_path):
 def test_training_fields_are_checked(key, value, message):
     with pytest.raises(ValueError, match=message):
         T.resolve(None, {key: value})
+
+
+def test_train_refuses_a_folder_that_holds_a_run_unless_told_to_overwrite(corpus, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # a run that died before its first checkpoint
+    (out / "metrics.jsonl").write_text('{"step": 0, "loss": 4.0}\n')
+    tcfg, m = tiny(corpus, out, steps=3)
+    with pytest.raises(ValueError, match=r"already holds a run \(config.json, metrics.jsonl\).*overwrite=true"):
+        T.train(tcfg, m)
+    assert (out / "metrics.jsonl").read_text() == '{"step": 0, "loss": 4.0}\n'  # untouched
+    tcfg, m = tiny(corpus, out, steps=3, overwrite=True)
+    assert T.train(tcfg, m)["status"] == "completed"
+    assert len([line for line in (out / "metrics.jsonl").read_text().splitlines() if "step_ms" in line]) == 3

@@ -155,10 +155,6 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     tcfg, model_overrides = train.resolve(args.config, overrides)
     if args.quiet:
         tcfg.quiet = True
-    if not args.resume and (Path(tcfg.out) / "checkpoint.pt").exists():
-        console.print(f"[red]error:[/red] {escape(tcfg.out)} already holds a run; resume it with --resume "
-                      f"{escape(tcfg.out)} or choose out=DIR")
-        return 1
     if not tcfg.quiet and int(os.environ.get("RANK", "0")) == 0:
         console.print(f"[bold]config[/bold] train: {dataclasses.asdict(tcfg)}")
         console.print(f"[bold]config[/bold] model: preset {tcfg.preset} + {model_overrides}")

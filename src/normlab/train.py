@@ -31,6 +31,7 @@ from normlab import data as D
 from normlab.model import Decoder, ModelConfig
 
 SCHEDULES = ("cosine", "constant")
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoint.pt")  # what makes a folder a run
 BATCHINGS = ("windows", "paragraphs")
 DTYPES = ("fp32", "bf16")
 
@@ -65,6 +66,7 @@ class TrainConfig:
     seed: int = 0
     out: str = "runs/default"  # the run directory
     quiet: bool = False  # no progress bar
+    overwrite: bool = False  # start afresh in an out directory that already holds a run's files
 
     def validate(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -279,6 +281,10 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
         first_loss = state.get("first_loss")
         init_val_loss = state.get("init_val_loss")
     elif main_rank:
+        held = [name for name in RUN_FILES if (out / name).exists()]
+        if held and not tcfg.overwrite:
+            raise ValueError(f"{out} already holds a run ({', '.join(held)}); resume it (--resume {out}), choose another "
+                             "out=DIR, or pass overwrite=true to start it afresh")
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(resolved, indent=1))
         dataset.tokenizer.save(out / "tokenizer.json")
