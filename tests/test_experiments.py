@@ -370,3 +370,27 @@ def test_report_refuses_a_verdict_its_rule_does_not_give(finished, tmp_path, cap
     assert main(["report", str(tmp_path)]) == 2
     assert "precision: precision.fp16_overflow" in capsys.readouterr().out
     assert not (tmp_path / "report.html").exists()
+
+
+def test_a_cached_run_is_redone_when_its_data_or_code_changed(corpus, env, tmp_path, monkeypatch):
+    data = tmp_path / "corpus"
+    shutil.copytree(corpus, data)
+    settings = E.Settings(out=str(tmp_path / "out"), size="tiny", data=str(data), quiet=True)
+
+    def run(lab):
+        lab.preset = "norms"
+        fields, model = E.lm_sizes(lab)
+        return lab.run("rmsnorm-s0", fields, model, {"norm": "rmsnorm", "seed": 0})
+
+    first = run(E.Lab(settings))
+    again = E.Lab(settings)
+    assert run(again)["run"] == first["run"] and again.stale == []  # same data, same code: reused
+    (data / "play0.txt").write_text((data / "play1.txt").read_text())  # the same file name, other text
+    said, changed = [], E.Lab(settings)
+    changed.say = said.append
+    redone = run(changed)
+    assert redone["run"] != first["run"] and changed.stale == ["run rmsnorm-s0"]
+    assert any("no longer matches its data or code" in s for s in said)
+    monkeypatch.setattr(E, "sources_hash", lambda: "another version")
+    newer = E.Lab(settings)
+    assert run(newer)["run"] not in (first["run"], redone["run"]) and newer.stale == ["run rmsnorm-s0"]

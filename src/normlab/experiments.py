@@ -32,6 +32,7 @@ resumes an interrupted training run from its checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -105,6 +106,7 @@ class Lab:
         self.quick = settings.size != "full"
         self.preset = ""
         self.cost = 0.0  # seconds the current preset's runs and measurements took to compute (cached ones included)
+        self.stale: list[str] = []  # cached entries of the current preset that no longer matched their data or code
         self._dataset = None
 
     # -- sizes and seeds
@@ -121,11 +123,35 @@ class Lab:
         if self.console is not None:
             self.console.print(text)
 
-    def data_hash(self) -> str:
-        """sha256 of the token data the runs trained on (train and validation splits)."""
+    def _keys(self, config) -> tuple[str, str]:
+        """(the cache key, the key of the config alone): the cache key also covers the token data
+        and the sources that decide a result, so a changed corpus or model reruns the work."""
+        config_key = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:10]
+        key = hashlib.sha256(f"{config_key}|{self.data_hash()}|{sources_hash()}".encode()).hexdigest()[:10]
+        return key, config_key
+
+    def _note_stale(self, folder: Path, pattern: str, config_key: str, what: str) -> None:
+        """Say so when a cached entry of the same config no longer matches its data or code."""
+        for old in folder.glob(pattern) if folder.exists() else ():
+            meta = old / "cache.json" if old.is_dir() else old
+            try:
+                if json.loads(meta.read_text()).get("config_key") == config_key:
+                    self.stale.append(what)
+                    self.say(f"  [yellow]{what}: the cached result in {old.name} no longer matches its data or code; "
+                             "computing it again[/yellow]")
+                    return
+            except (OSError, ValueError):
+                continue
+
+    @functools.cached_property
+    def _data_hash(self) -> str:
         h = hashlib.sha256(np.ascontiguousarray(self.dataset.train).tobytes())
         h.update(np.ascontiguousarray(self.dataset.val).tobytes())
         return h.hexdigest()[:16]
+
+    def data_hash(self) -> str:
+        """sha256 of the token data the runs trained on (train and validation splits)."""
+        return self._data_hash
 
     @property
     def dataset(self) -> D.Dataset:
@@ -148,10 +174,12 @@ class Lab:
         tf = {**train_fields, **self.train_over, **t_varied}
         mf = {**model_fields, **self.model_over, **m_varied}
         # stop_at only pauses a run: the same run resumed without it is the same run
-        key = hashlib.sha256(json.dumps([{k: v for k, v in tf.items() if k != "stop_at"}, mf], sort_keys=True,
-                                        default=str).encode()).hexdigest()[:10]
+        config = [{k: v for k, v in tf.items() if k != "stop_at"}, mf]
+        key, config_key = self._keys(config)
         folder = self.out / "runs" / f"{label}-{key}"
         summary_path = folder / "summary.json"
+        if not folder.exists():
+            self._note_stale(self.out / "runs", f"{label}-*", config_key, f"run {label}")
         resume = False
         if summary_path.exists():
             summary = json.loads(summary_path.read_text())
@@ -163,8 +191,10 @@ class Lab:
             resume = True  # killed without a summary: its last checkpoint stands
         if not resume and folder.exists():
             shutil.rmtree(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "cache.json").write_text(json.dumps({"config_key": config_key, "key": key}))
         self.say(f"  [bold]{self.preset}[/bold] {label}" + (" (resuming)" if resume else ""))
-        tcfg = TrainConfig(**{**tf, "out": str(folder), "quiet": self.s.quiet})
+        tcfg = TrainConfig(**{**tf, "out": str(folder), "quiet": self.s.quiet, "overwrite": not resume})
         tcfg.validate()
         summary = train(tcfg, mf, resume=resume, console=self.console)
         if summary["status"] in ("interrupted", "stopped"):
@@ -174,9 +204,14 @@ class Lab:
 
     # -- measurements that are not training runs
     def job(self, name: str, params: dict, fn: Callable[[], dict]) -> dict:
-        """``fn()``'s result, cached as JSON under jobs/<preset>/ by ``name`` and ``params``."""
-        key = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:10]
+        """``fn()``'s result, cached as JSON under jobs/<preset>/ by ``name`` and ``params`` (and,
+        for timings, the machine and thread count)."""
+        if name in TIMING_JOBS:
+            params = {**params, "machine": [bench_machine(), torch.get_num_threads()]}
+        key, config_key = self._keys(params)
         path = self.out / "jobs" / self.preset / f"{name}-{key}.json"
+        if not path.exists():
+            self._note_stale(path.parent, f"{name}-*.json", config_key, f"{self.preset} {name}")
         if path.exists():
             saved = json.loads(path.read_text())
             if "result" not in saved:  # written before results carried their cost
@@ -190,12 +225,35 @@ class Lab:
         self.cost += seconds
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"seconds": round(seconds, 2), "result": result}))
+        tmp.write_text(json.dumps({"seconds": round(seconds, 2), "result": result, "config_key": config_key}))
         os.replace(tmp, path)
         return result
 
 
 _TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
+# The sources whose change changes a result; the lab's own files (presets, claims, report) do not.
+RESULT_SOURCES = ("model.py", "train.py", "data.py", "nn.py", "functional.py", "reference.py", "rnn.py", "kernels")
+
+
+@functools.lru_cache(maxsize=1)
+def sources_hash() -> str:
+    """sha256 of the normlab sources that decide a training run's or a measurement's result."""
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for name in RESULT_SOURCES:
+        for f in sorted((root / name).rglob("*.py")) if (root / name).is_dir() else [root / name]:
+            h.update(f.relative_to(root).as_posix().encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+TIMING_JOBS = ("step_time", "gru_step_time", "kernels", "norm_calls")  # cached per machine and thread count
+
+
+def bench_machine() -> str:
+    from normlab.bench import _cpu_name
+
+    return f"{_cpu_name()} x{os.cpu_count()}"
 
 
 def _run_result(folder: Path, summary: dict) -> dict:
@@ -1267,10 +1325,13 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
     from normlab.bench import environment
 
     for i, name in enumerate(presets, 1):
-        lab.preset, lab.cost = name, 0.0
+        lab.preset, lab.cost, lab.stale = name, 0.0, []
         lab.say(f"[bold cyan]({i}/{len(presets)}) {name}[/bold cyan]")
         section = PRESETS[name](lab)
         section["seconds"] = round(lab.cost, 1)  # to compute it from nothing: cached work counts at its original cost
+        if lab.stale:
+            section["notes"].append(f"Cached results that no longer matched their data or code were computed again: "
+                                    f"{', '.join(lab.stale)}.")
         section["size"] = lab.size
         results["presets"][name] = section
         results["presets"] = {k: results["presets"][k] for k in PRESETS if k in results["presets"]}
