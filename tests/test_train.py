@@ -234,3 +234,25 @@ def test_train_refuses_a_folder_that_holds_a_run_unless_told_to_overwrite(corpus
     tcfg, m = tiny(corpus, out, steps=3, overwrite=True)
     assert T.train(tcfg, m)["status"] == "completed"
     assert len([line for line in (out / "metrics.jsonl").read_text().splitlines() if "step_ms" in line]) == 3
+
+
+def test_a_full_disk_names_the_path_and_keeps_the_last_good_checkpoint(corpus, tmp_path, monkeypatch, capsys):
+    import errno
+
+    real_save, calls = torch.save, []
+
+    def save(obj, f, *a, **k):  # the second checkpoint meets a full disk halfway through
+        calls.append(f)
+        if len(calls) == 2:
+            Path(f).write_bytes(b"half a checkpoint")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save)
+    out = tmp_path / "run"
+    code = main(["train", f"data={corpus}", "preset=tiny", "steps=12", "batch_size=4", "seq_len=16", "eval_batches=1",
+                 "ckpt_every=5", f"out={out}", "--quiet"])
+    text = capsys.readouterr().out
+    assert code == 1 and f"could not write {out / 'checkpoint.pt'}" in " ".join(text.split()) and "No space left" in text
+    assert T.load_checkpoint(out / "checkpoint.pt")["step"] == 5  # the last good one
+    assert not list(out.glob("*.tmp"))  # no debris

@@ -390,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ImportError) as err:  # bad input or a missing extra: say so, no traceback
         console.print(f"[red]error:[/red] {escape(str(err))}")  # the text unmarked: [hf] stays
         return 2
+    except OSError as err:  # a full disk, a read-only folder: one line that names the path
+        console.print(f"[red]error:[/red] {escape(str(err))}")
+        return 1
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/yellow]")
         return 130

@@ -180,11 +180,33 @@ def versions() -> dict:
     return out
 
 
-def save_checkpoint(path: Path, state: dict) -> None:
-    """Write atomically: a crash mid-write leaves the previous checkpoint intact."""
+def write_atomic(path: Path, write) -> None:
+    """``write(tmp)`` into a temporary file beside ``path``, fsync it, rename it over ``path``,
+    fsync the folder: a crash leaves the old file or the new one, never half of one. A failure (a
+    full disk) removes the temporary file and says which path it was writing."""
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, f"could not write {path}: {err.strerror or err}") from err
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """Write atomically: a crash or a full disk mid-write leaves the previous checkpoint intact."""
+    write_atomic(path, lambda tmp: torch.save(state, tmp))
+
+
+def _write_json(path: Path, obj) -> None:
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -286,7 +308,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
             raise ValueError(f"{out} already holds a run ({', '.join(held)}); resume it (--resume {out}), choose another "
                              "out=DIR, or pass overwrite=true to start it afresh")
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(resolved, indent=1))
+        _write_json(out / "config.json", resolved)
         dataset.tokenizer.save(out / "tokenizer.json")
         (out / "metrics.jsonl").write_text("")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=tcfg.dtype == "bf16")
@@ -384,7 +406,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
                    tokens_per_s=round(tokens_seen / wall, 1) if wall > 0 else None, versions=versions(),
                    parameters=model.num_parameters(), parameters_no_embedding=model.num_parameters(False))
     if main_rank:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        _write_json(out / "summary.json", summary)
         metrics.close()
     return summary
 
