@@ -8,7 +8,6 @@ import importlib
 import os
 import platform
 import sys
-from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
