@@ -256,3 +256,19 @@ def test_a_full_disk_names_the_path_and_keeps_the_last_good_checkpoint(corpus, t
     assert code == 1 and f"could not write {out / 'checkpoint.pt'}" in " ".join(text.split()) and "No space left" in text
     assert T.load_checkpoint(out / "checkpoint.pt")["step"] == 5  # the last good one
     assert not list(out.glob("*.tmp"))  # no debris
+
+
+def test_resume_takes_more_steps_refuses_other_changes_and_keeps_the_summary(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    base = [f"data={corpus}", "preset=tiny", "steps=6", "batch_size=4", "seq_len=16", "eval_batches=1", "eval_every=3"]
+    assert main(["train", *base, f"out={out}", "--quiet"]) == 0
+    done = json.loads((out / "summary.json").read_text())
+    assert main(["train", "--resume", str(out), "steps=6", "--quiet"]) == 0  # nothing left to do
+    again = json.loads((out / "summary.json").read_text())
+    assert again["loss"] == done["loss"] and again["val_loss"] == done["val_loss"]  # nothing lost
+    assert main(["train", "--resume", str(out), "lr=1.0", "--quiet"]) == 2
+    assert "can change only steps" in capsys.readouterr().out
+    assert main(["train", "--resume", str(out), "steps=9", "--quiet"]) == 0
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if "step_ms" in line]
+    assert steps == list(range(9)) and json.loads((out / "summary.json").read_text())["step"] == 9
+    assert json.loads((out / "config.json").read_text())["train"]["steps"] == 9  # a later --resume continues to 9

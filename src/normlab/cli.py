@@ -149,15 +149,18 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     from normlab import train
 
     overrides = _pairs(args.overrides)
-    if args.resume:
-        overrides["out"] = args.resume
+    changes = None
+    if args.resume:  # typed like the config's fields; train() refuses what a resumed run may not change
+        t, m = train.split_overrides(overrides)
+        changes = {**t, **m}
+        overrides = {"out": args.resume}
     tcfg, model_overrides = train.resolve(args.config, overrides)
     if args.quiet:
         tcfg.quiet = True
     if not tcfg.quiet and int(os.environ.get("RANK", "0")) == 0:
         console.print(f"[bold]config[/bold] train: {dataclasses.asdict(tcfg)}")
         console.print(f"[bold]config[/bold] model: preset {tcfg.preset} + {model_overrides}")
-    summary = train.train(tcfg, model_overrides, resume=bool(args.resume), console=console)
+    summary = train.train(tcfg, model_overrides, resume=bool(args.resume), console=console, changes=changes)
     if int(os.environ.get("RANK", "0")) == 0:
         color = {"completed": "green", "diverged": "red", "interrupted": "yellow", "stopped": "yellow"}.get(summary["status"], "white")
         console.print(f"[{color}]{summary['status']}[/{color}] at step {summary['step']}: loss {summary.get('loss', float('nan')):.4f}, "

@@ -31,6 +31,7 @@ from normlab import data as D
 from normlab.model import Decoder, ModelConfig
 
 SCHEDULES = ("cosine", "constant")
+RESUMABLE = ("steps", "eval_every", "ckpt_every", "diag_every", "stop_at", "quiet")  # what --resume may change
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoint.pt")  # what makes a folder a run
 BATCHINGS = ("windows", "paragraphs")
 DTYPES = ("fp32", "bf16")
@@ -246,8 +247,15 @@ class _Stop:
 # -------------------------------------------------------------------------------- training
 
 
-def train(tcfg: TrainConfig, model_overrides: dict | None = None, *, resume: bool = False, console=None) -> dict:
-    """Run (or resume) training; returns the summary written to summary.json."""
+def train(tcfg: TrainConfig, model_overrides: dict | None = None, *, resume: bool = False, console=None,
+          changes: dict | None = None) -> dict:
+    """Run (or resume) training; returns the summary written to summary.json. A resumed run keeps
+    its saved config except ``tcfg``'s quiet and stop_at and the ``changes`` (only RESUMABLE fields:
+    more steps, another evaluation or checkpoint cadence)."""
+    bad = sorted(set(changes or {}) - set(RESUMABLE))
+    if bad:
+        raise ValueError(f"--resume continues a run as it was configured; it can change only {', '.join(RESUMABLE)}, "
+                         f"not {', '.join(bad)} (start a new run with out=DIR for that)")
     model_overrides = dict(model_overrides or {})
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank, world = 0, 1
@@ -263,16 +271,25 @@ def train(tcfg: TrainConfig, model_overrides: dict | None = None, *, resume: boo
     out = Path(tcfg.out)
     ckpt_path = out / "checkpoint.pt"
     try:
-        return _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank, world, main_rank, distributed)
+        return _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank, world, main_rank, distributed,
+                      changes or {})
     finally:
         if distributed:
             dist.destroy_process_group()
 
 
-def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank, world, main_rank, distributed):
+def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank, world, main_rank, distributed, changes):
+    previous: dict = {}  # a resumed run's summary: its values stay until new steps replace them
     if resume:
         saved = json.loads((out / "config.json").read_text())
-        tcfg = TrainConfig(**{**saved["train"], "out": str(out), "quiet": tcfg.quiet, "stop_at": tcfg.stop_at})
+        tcfg = TrainConfig(**{**saved["train"], "out": str(out), "quiet": tcfg.quiet, "stop_at": tcfg.stop_at, **changes})
+        tcfg.validate()
+        kept = {k: v for k, v in changes.items() if k not in ("quiet", "stop_at")}  # they pause or quiet, not change, a run
+        if kept and main_rank:  # the run's recorded config is what it runs with from now on
+            saved["train"].update(kept)
+            _write_json(out / "config.json", saved)
+        if (out / "summary.json").exists():
+            previous = json.loads((out / "summary.json").read_text())
         model_overrides = saved["model"]
     dataset = D.prepare(tcfg.data, tcfg.tokenizer, tcfg.bpe_vocab, tcfg.val_fraction)
     mcfg = ModelConfig.preset(tcfg.preset, **{**model_overrides, "vocab_size": dataset.tokenizer.vocab_size})
@@ -318,7 +335,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
     if resume and main_rank:  # a crash after the checkpoint logged steps that will now run again
         truncate_metrics(out / "metrics.jsonl", start)
     metrics = open(out / "metrics.jsonl", "a") if main_rank else None
-    summary = {"status": "running", "step": start}
+    summary = {**previous, "status": "running", "step": start}
     t_start = time.perf_counter()
     tokens_seen = 0
     progress, task = _progress(tcfg, start, console) if main_rank else (None, None)
