@@ -706,3 +706,29 @@ def test_a_bad_environment_setting_names_its_variable(name, value):
     code = "import torch, normlab; normlab.rms_norm(torch.randn(2, 8), backend='cpu')"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, name: value}, capture_output=True, text=True)
     assert out.returncode != 0 and f"environment variable {name} must be" in out.stderr, out.stderr[-500:]
+
+
+@pytest.mark.parametrize("how", ["torch.set_num_threads(1)", "OMP_NUM_THREADS=1"])
+def test_the_first_kernel_call_leaves_torchs_thread_count_and_gradients_alone(how):
+    """numba's OpenMP layer resets the process's thread count when it starts; a fresh process
+    checks that torch's count is still the user's after the first call, and that the first
+    call's weight gradient is bitwise that of later calls."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, normlab\n"
+        + ("torch.set_num_threads(1)\n" if how.startswith("torch") else "")
+        + "g = torch.Generator().manual_seed(0)\n"
+        "x = torch.randn(512, 1000, generator=g); dy = torch.randn(512, 1000, generator=g)\n"
+        "grads = []\n"
+        "for _ in range(3):\n"
+        "    w = torch.ones(1000, requires_grad=True); xx = x.clone().requires_grad_()\n"
+        "    normlab.layer_norm(xx, w, torch.zeros(1000), backend='cpu').backward(dy)\n"
+        "    grads.append(w.grad)\n"
+        "print(torch.get_num_threads(), all(torch.equal(grads[0], g) for g in grads[1:]))\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if how.startswith("OMP") else {k: v for k, v in os.environ.items()
+                                                                                 if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["1", "True"], out.stdout + out.stderr[-500:]

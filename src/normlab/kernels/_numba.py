@@ -311,6 +311,15 @@ def _variance(xr, n, mean):
     return (total + part) / n
 
 
+@njit(parallel=True, cache=True)
+def start_threads(n):
+    """A trivial parallel loop: the first one a process runs starts numba's threading layer."""
+    total = 0
+    for i in prange(n):
+        total += i
+    return total
+
+
 @njit
 def _recip(x):
     """1 / x as float32, inf at 0 (eps = 0 on a zero row) where numba would raise ZeroDivisionError."""

@@ -183,7 +183,24 @@ def _rows(t: Tensor) -> Tensor:
 _numba_threads = threading.local()  # what this thread last set numba's thread count to
 
 
+_threads_started = False
+
+
+def _start_numba_threads() -> None:
+    """numba's OpenMP layer, when it starts, sets the process's OpenMP thread count to all cores,
+    and torch reads that same count: a user's torch.set_num_threads(1) would be undone by the
+    first kernel. Start the layer once, before any kernel, and put torch's count back."""
+    global _threads_started
+    before = torch.get_num_threads()
+    K.start_threads(2)
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+    _threads_started = True
+
+
 def nchunks(rows: int) -> int:
+    if not _threads_started:
+        _start_numba_threads()
     threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     # numba's count is per thread. Asking numba for it cost 6 us a call (a tenth of a small
     # call's launcher), so remember what was set instead.
