@@ -272,3 +272,27 @@ def test_resume_takes_more_steps_refuses_other_changes_and_keeps_the_summary(cor
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if "step_ms" in line]
     assert steps == list(range(9)) and json.loads((out / "summary.json").read_text())["step"] == 9
     assert json.loads((out / "config.json").read_text())["train"]["steps"] == 9  # a later --resume continues to 9
+
+
+def test_sigint_to_one_ddp_rank_stops_both_at_the_same_step(corpus, tmp_path):
+    """Only rank 1 gets SIGINT: the ranks agree to stop (no deadlock in the checkpoint barrier)
+    and leave one checkpoint at the step the summary names."""
+    env = {**os.environ, "NORMLAB_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    run = tmp_path / "ddp"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29523",
+                             "-m", "normlab", "train", f"data={corpus}", "preset=tiny", "steps=100000", "batch_size=8",
+                             "seq_len=32", "eval_every=0", "ckpt_every=0", f"out={run}", "--quiet"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = run / "metrics.jsonl", time.time() + 240
+    while time.time() < deadline and (not metrics.exists() or metrics.read_text().count("step_ms") < 5):
+        time.sleep(0.2)
+    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()]
+    rank1 = next(p for p in workers if b"RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes().replace(b"LOCAL_RANK", b"X"))
+    os.kill(rank1, signal.SIGINT)
+    try:
+        proc.wait(timeout=120)  # a deadlocked barrier would hang here
+    finally:
+        proc.kill()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert T.load_checkpoint(run / "checkpoint.pt")["step"] == summary["step"]

@@ -376,10 +376,11 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
                     _, loss = net(x, y, mask=mask)
                 (loss / tcfg.grad_accum).backward()
                 loss_sum += loss.item() / tcfg.grad_accum
-            if distributed:
-                t = torch.tensor([loss_sum], device=device)
+            stopping = stop.requested
+            if distributed:  # the loss, and whether any rank was asked to stop: all ranks stop at the same step
+                t = torch.tensor([loss_sum, float(stop.requested)], device=device)
                 dist.all_reduce(t)
-                loss_sum = t.item() / world
+                loss_sum, stopping = t[0].item() / world, t[1].item() > 0
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf"))
             if first_loss is None:
                 first_loss = loss_sum
@@ -408,7 +409,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
                                 tps=record["tokens_per_s"])
             if tcfg.ckpt_every and (step + 1) % tcfg.ckpt_every == 0 and not last:
                 checkpoint(step + 1)
-            if stop.requested:
+            if stopping:
                 status = "interrupted"
                 break
             if tcfg.stop_at and step + 1 >= tcfg.stop_at and not last:
