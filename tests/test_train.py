@@ -292,7 +292,11 @@ def test_sigint_to_one_ddp_rank_stops_both_at_the_same_step(corpus, tmp_path):
     try:
         proc.wait(timeout=120)  # a deadlocked barrier would hang here
     finally:
-        proc.kill()
+        for pid in [proc.pid, *workers]:  # nothing left behind if it did
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted"
     assert T.load_checkpoint(run / "checkpoint.pt")["step"] == summary["step"]
