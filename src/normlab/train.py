@@ -326,7 +326,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
                              "out=DIR, or pass overwrite=true to start it afresh")
         out.mkdir(parents=True, exist_ok=True)
         _write_json(out / "config.json", resolved)
-        dataset.tokenizer.save(out / "tokenizer.json")
+        write_atomic(out / "tokenizer.json", dataset.tokenizer.save)
         (out / "metrics.jsonl").write_text("")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=tcfg.dtype == "bf16")
     # the clock (step_ms, the lab's loss-per-second axis) must time training, not compilation
