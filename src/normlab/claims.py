@@ -119,14 +119,11 @@ def interval(a: list, b, *, paired: bool = False, absolute: bool = False) -> dic
 
 
 def _exact(measured: dict, ref):
-    if isinstance(ref, (int, float)) and not isinstance(ref, bool):
-        return float(ref)
-    v = measured.get(ref)
+    """An exact number, or None when missing; samples are an error for a point rule."""
+    v = _samples(measured, ref)
     if isinstance(v, list):
         raise ValueError(f"{ref} holds samples, but the rule compares exact values (point); use a sampled rule")
-    if v is None or not math.isfinite(v):
-        return None
-    return float(v)
+    return v
 
 
 def _samples(measured: dict, ref):

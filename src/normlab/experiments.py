@@ -127,7 +127,7 @@ class Lab:
         """(the cache key, the key of the config alone): the cache key also covers the token data
         and the sources that decide a result, so a changed corpus or model reruns the work."""
         config_key = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:10]
-        key = hashlib.sha256(f"{config_key}|{self.data_hash()}|{sources_hash()}".encode()).hexdigest()[:10]
+        key = hashlib.sha256(f"{config_key}|{self.data_hash}|{sources_hash()}".encode()).hexdigest()[:10]
         return key, config_key
 
     def _note_stale(self, folder: Path, pattern: str, config_key: str, what: str) -> None:
@@ -144,14 +144,11 @@ class Lab:
                 continue
 
     @functools.cached_property
-    def _data_hash(self) -> str:
+    def data_hash(self) -> str:
+        """sha256 of the token data the runs trained on (train and validation splits)."""
         h = hashlib.sha256(np.ascontiguousarray(self.dataset.train).tobytes())
         h.update(np.ascontiguousarray(self.dataset.val).tobytes())
         return h.hexdigest()[:16]
-
-    def data_hash(self) -> str:
-        """sha256 of the token data the runs trained on (train and validation splits)."""
-        return self._data_hash
 
     @property
     def dataset(self) -> D.Dataset:
@@ -634,13 +631,15 @@ def preset_warmup(lab: Lab) -> dict:
         measured[f"{key.replace('|', '_')}_best_log10_lr"] = best
         curves[key] = {"lr": list(lrs), "loss": [[r["val_loss"] for r in runs[key, lr]] for lr in lrs],
                        "init": stats([r["init_val_loss"] for r in runs[key, lrs[0]]])["mean"]}
+        mean_best = stats(best)["mean"]  # one value per setting, shown on each of its rows
+        per_setting = {"sensitivity": _round(stats(sens)["mean"], 3),
+                       "best_lr": _round(10**mean_best, 3) if mean_best is not None else None}
         for lr in lrs:
             val = stats([r["val_loss"] for r in runs[key, lr]])
             rows.append({"setting": key, "lr": lr, "diverged": sum(r["status"] == "diverged" for r in runs[key, lr]),
                          "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2),
                          "max_logit": _round(statistics.fmean(logits[key, lr]), 4) if (key, lr) in logits else None,
-                         "sensitivity": _round(stats(sens)["mean"], 3),
-                         "best_lr": _round(10 ** stats(best)["mean"], 3) if stats(best)["n"] else None})
+                         **per_setting})
     measured["post_minus_pre_best_log10_lr"] = [None if a is None or b is None else a - b for a, b in
                                                 zip(measured["post_warm_best_log10_lr"], measured["pre_warm_best_log10_lr"])]
     top = lrs[-1]
@@ -1336,7 +1335,7 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
         results["presets"][name] = section
         results["presets"] = {k: results["presets"][k] for k in PRESETS if k in results["presets"]}
         results["meta"] = {**environment(), "command": command, "size": lab.size, "seeds": settings.seeds,
-                           "data": settings.data or "shakespeare", "data_sha256": lab.data_hash(), "overrides": settings.overrides}
+                           "data": settings.data or "shakespeare", "data_sha256": lab.data_hash, "overrides": settings.overrides}
         section["meta"] = results["meta"]  # results.json may merge sections of several commands: each says its own
         _write_json(path, results)
     return results
