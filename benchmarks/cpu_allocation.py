@@ -16,7 +16,8 @@ import time
 import numpy as np
 import torch
 
-from normlab.bench import DTYPES, environment, parse_shape
+from normlab.bench import DTYPES, parse_shape
+from normlab.env import environment
 from normlab.kernels import cpu
 
 

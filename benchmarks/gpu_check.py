@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from normlab import bench
+from normlab.env import environment
 from normlab import functional as F
 from normlab.testing import assert_close
 
@@ -120,7 +121,7 @@ def main() -> int:
         print("no CUDA device")
         return 2
     t0 = time.time()
-    env = bench.environment()
+    env = environment()
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; triton {env.get('triton')}", flush=True)
     try:
         checks = correctness(args.quick)

@@ -18,7 +18,7 @@ import time
 import torch
 
 from normlab import hf
-from normlab.bench import environment
+from normlab.env import environment
 
 
 def step(model, ids):

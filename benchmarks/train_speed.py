@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from normlab.bench import environment
+from normlab.env import environment
 from normlab.model import Decoder, ModelConfig
 
 VARIANTS = [("rmsnorm", "normlab"), ("rmsnorm", "torch"), ("layernorm", "normlab"), ("layernorm", "torch")]

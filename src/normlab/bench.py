@@ -23,13 +23,13 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import platform
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
 import torch.nn.functional as TF
 
 from normlab import functional as F
@@ -374,42 +374,6 @@ def _records(cases: list[Case], device: torch.device) -> list[dict]:
     return out
 
 
-def environment() -> dict:
-    """Machine and versions, recorded with every result."""
-    import normlab
-
-    env = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": platform.machine(), "processor": _cpu_name(), "cpus": __import__("os").cpu_count(),
-        "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-        "torch": torch.__version__, "normlab": normlab.__version__,
-    }
-    for mod in ("numba", "triton", "liger_kernel"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except ImportError:
-            pass
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(0)
-    try:
-        import subprocess
-
-        env["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except Exception:
-        pass
-    return env
-
-
-def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def write_json(path: str, records: list[dict], env: dict) -> None:
     with open(path, "w") as f:
         json.dump({"environment": env, "records": records}, f, indent=1)
@@ -441,4 +405,3 @@ def rms_vs_layer(records: list[dict], backend: str = "normlab") -> list[dict]:
             rows.append({"op": op, "dtype": dtype, "shape": shape, "pass": pass_, "alloc": alloc,
                          "rms_ms": rms_ms, "layer_ms": ln_ms, "ratio": round(rms_ms / ln_ms, 3)})
     return rows
-

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import os
 import platform
 import sys
@@ -14,27 +13,14 @@ from rich.markup import escape
 from rich.table import Table
 
 
-def _version_of(module: str) -> str | None:
-    try:
-        return getattr(importlib.import_module(module), "__version__", "unknown")
-    except ImportError:
-        return None
-
-
 def info_rows() -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
     """(software versions, backends with their status) for ``normlab info``."""
     import torch
 
-    import normlab
-    from normlab import kernels
+    from normlab import env, kernels
 
-    versions = [
-        ("normlab", normlab.__version__),
-        ("python", platform.python_version()),
-        ("platform", f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"),
-    ]
-    for module in ("torch", "numpy", "numba", "triton", "transformers", "tokenizers"):
-        versions.append((module, _version_of(module) or "not installed"))
+    versions = list(env.versions(missing="not installed").items())
+    versions.insert(2, ("platform", f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"))
     cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     versions.append(("CUDA device", cuda))
     backends = []
@@ -82,6 +68,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from normlab import bench
+    from normlab.env import environment
 
     backends = _csv(args.backends)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} groups"),
@@ -91,7 +78,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
             passes=_csv(args.passes), allocs=_csv(args.alloc), repeat=args.repeat, device=args.device, progress=progress,
             case_seconds=args.case_seconds,
         )
-    env = bench.environment()
+    env = environment()
     if args.json:
         bench.write_json(args.json, records, env)
     table = Table(title=f"normlab bench: {env['processor']}, {env['torch_threads']} threads, torch {env['torch']}")

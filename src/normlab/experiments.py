@@ -248,9 +248,9 @@ TIMING_JOBS = ("step_time", "gru_step_time", "kernels", "norm_calls")  # cached 
 
 
 def bench_machine() -> str:
-    from normlab.bench import _cpu_name
+    from normlab.env import cpu_name
 
-    return f"{_cpu_name()} x{os.cpu_count()}"
+    return f"{cpu_name()} x{os.cpu_count()}"
 
 
 def _run_result(folder: Path, summary: dict) -> dict:
@@ -1321,7 +1321,7 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
     results = json.loads(path.read_text()) if path.exists() else {"presets": {}}
-    from normlab.bench import environment
+    from normlab.env import environment
 
     for i, name in enumerate(presets, 1):
         lab.preset, lab.cost, lab.stale = name, 0.0, []

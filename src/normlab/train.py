@@ -18,7 +18,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import signal
 import time
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from normlab import data as D
+from normlab import env
 from normlab.model import Decoder, ModelConfig
 
 SCHEDULES = ("cosine", "constant")
@@ -166,19 +166,6 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
     rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
-
-
-def versions() -> dict:
-    import normlab
-
-    out = {"normlab": normlab.__version__, "torch": torch.__version__, "python": platform.python_version()}
-    try:
-        import numba
-
-        out["numba"] = numba.__version__
-    except ImportError:
-        pass
-    return out
 
 
 def write_atomic(path: Path, write) -> None:
@@ -421,7 +408,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
         checkpoint(summary["step"])
     wall = time.perf_counter() - t_start
     summary.update(status=status, first_loss=first_loss, wall_s=round(wall, 2),
-                   tokens_per_s=round(tokens_seen / wall, 1) if wall > 0 else None, versions=versions(),
+                   tokens_per_s=round(tokens_seen / wall, 1) if wall > 0 else None, versions=env.versions(),
                    parameters=model.num_parameters(), parameters_no_embedding=model.num_parameters(False))
     if main_rank:
         _write_json(out / "summary.json", summary)

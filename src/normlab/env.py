@@ -1,0 +1,67 @@
+"""The machine and the software versions, in one place: every record, summary and `normlab info`
+reports them from here."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from importlib import metadata
+
+# The packages whose versions a result depends on (distribution names), in the order shown.
+PACKAGES = ("torch", "numpy", "numba", "triton", "transformers", "tokenizers", "liger-kernel")
+
+
+def versions(missing: str | None = None) -> dict[str, str]:
+    """normlab's, Python's and each of PACKAGES' version; a package that is not installed is left
+    out, or given as ``missing`` when that is set. Read from the installed metadata: nothing is
+    imported (importing transformers or triton takes seconds)."""
+    import normlab
+
+    out = {"normlab": normlab.__version__, "python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            if missing is not None:
+                out[name] = missing
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def git_commit() -> str | None:
+    """The checkout's short commit, when normlab runs from one."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
+def environment() -> dict:
+    """Machine and versions, recorded with every result."""
+    import torch
+
+    env = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": platform.machine(), "processor": cpu_name(), "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(), **versions(),
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    commit = git_commit()
+    if commit:
+        env["git"] = commit
+    return env
