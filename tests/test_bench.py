@@ -90,21 +90,18 @@ def test_command_line_rejects_unknown_names(capsys):
     assert "unknown op 'group_norm'" in capsys.readouterr().out
 
 
-def test_cpu_ab_script_compares_two_kernel_files(tmp_path):
-    # benchmarks/cpu_ab.py calls the kernels by their signatures: it must keep up with them.
-    # The same file twice, one small case: the output names both speeds and B's speedup.
+def test_cpu_ab_tool_compares_two_source_trees():
+    # tools/cpu_ab.py calls the kernels by their signatures: it must keep up with them.
+    # The same tree twice, one small case: the output names both speeds and B's speedup.
     import re
     import subprocess
     import sys
     from pathlib import Path
 
-    from normlab.kernels import _numba
-
     root = Path(__file__).resolve().parents[1]
-    old = tmp_path / "old.py"
-    old.write_text(Path(_numba.__file__).read_text())
+    src = str(root / "src")
     done = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "cpu_ab.py"), str(old), _numba.__file__, "--ops", "rms",
+        [sys.executable, str(root / "tools" / "cpu_ab.py"), src, src, "--ops", "rms",
          "--shapes", "64x256", "--dtype", "fp32", "--threads", "1", "--rounds", "2"],
         capture_output=True, text=True, timeout=600,
     )

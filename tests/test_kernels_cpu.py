@@ -5,6 +5,8 @@ as the reference computed in the same low-precision dtype, plus about one roundi
 """
 
 import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,9 @@ from normlab import kernels, reference
 from normlab.testing import assert_close
 
 pytest.importorskip("numba", reason="the cpu backend needs numba (pip install normlab[cpu])")
-from normlab.kernels import _numba as K  # noqa: E402
+from normlab.kernels.cpu import codecs, launch, memory, rows, simd  # noqa: E402
+from normlab.kernels.cpu import layernorm as LN  # noqa: E402
+from normlab.kernels.cpu import rmsnorm as RMS  # noqa: E402
 from normlab.kernels import cpu  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -273,7 +277,7 @@ def test_rows_whose_first_block_is_unlike_the_rest(gen, op, dtype):
     leaves["x"] = x.to(dtype)
     check(gen, op, None, dtype, leaves=leaves)
     res = leaves.get("residual")
-    _, s, mean, rstd = cpu.ln_fwd_launch(leaves["x"], None, None, 1e-5, residual=res)
+    _, s, mean, rstd = launch.ln_fwd_launch(leaves["x"], None, None, 1e-5, residual=res)
     row = (s if res is not None else leaves["x"]).double()
     true_rstd = torch.rsqrt(row.var(-1, unbiased=False) + 1e-5)
     assert torch.allclose(mean, row.mean(-1), rtol=0, atol=1e-6 * row.abs().max().item())
@@ -290,7 +294,7 @@ def test_streaming_stores_give_the_same_bits(gen, op, dtype, monkeypatch):
     leaves = _leaves(gen, op, (37, 1000), dtype)
     runs = []
     for min_bytes in (1 << 62, 0):
-        monkeypatch.setattr(cpu, "STREAM_MIN_BYTES", min_bytes)
+        monkeypatch.setattr(launch, "STREAM_MIN_BYTES", min_bytes)
         grads = torch.Generator().manual_seed(7)
         runs.append(_run(op, leaves, {}, "cpu", [torch.randn(leaves["x"].shape, generator=grads).to(dtype)] * 2))
     (plain, plain_g), (streamed, streamed_g) = runs
@@ -300,19 +304,19 @@ def test_streaming_stores_give_the_same_bits(gen, op, dtype, monkeypatch):
 
 def test_shared_staging_rows_stay_zero_and_aligned(gen, monkeypatch):
     # The launchers share one set of staging rows per chunk count between calls and threads
-    # (cpu._zero_stages), and the streamed 16-bit stores read a line of zeros from them. A kernel
+    # (memory._zero_stages), and the streamed 16-bit stores read a line of zeros from them. A kernel
     # that wrote there would corrupt every later call: run every op forward and backward, plain
     # and streamed, in every dtype, then look.
     shape = (37, 1000)
     for min_bytes in (1 << 62, 0):
-        monkeypatch.setattr(cpu, "STREAM_MIN_BYTES", min_bytes)
+        monkeypatch.setattr(launch, "STREAM_MIN_BYTES", min_bytes)
         for op in OPS:
             for dtype in DTYPES:
                 leaves = _leaves(gen, op, shape, dtype)
                 grads = [torch.randn(shape, generator=gen).to(dtype)] * 2
                 _run(op, leaves, {}, "cpu", grads)
-    stages = cpu._zero_stages(cpu.nchunks(shape[0]))
-    assert stages.shape[0] == cpu.nchunks(shape[0]) and not stages.any()
+    stages = memory._zero_stages(launch.nchunks(shape[0]))
+    assert stages.shape[0] == launch.nchunks(shape[0]) and not stages.any()
     assert stages.ctypes.data % 64 == 0
 
 
@@ -328,7 +332,7 @@ def _special_floats(gen, n):
 
 
 @pytest.mark.parametrize("nt", [False, True], ids=["stored", "streamed"])
-@pytest.mark.parametrize("path", ["kernels", "integer-bf16"] if K.HW_BF16 else ["kernels"])
+@pytest.mark.parametrize("path", ["kernels", "integer-bf16"] if simd.HW_BF16 else ["kernels"])
 @pytest.mark.parametrize("llama", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_block_conversions_match_the_scalar_ones(gen, dtype, llama, path, nt):
@@ -338,32 +342,32 @@ def test_block_conversions_match_the_scalar_ones(gen, dtype, llama, path, nt):
     # the scalar _store. Both must give the same bits on everything a normalized row can hold.
     from numba import njit
 
-    src = _special_floats(gen, K.EMIT)
-    stage = np.zeros(K.STAGE_WIDTH, np.float32)  # a staging row, as the launchers make them
-    w = (torch.randn(K.EMIT, generator=gen) * 3).numpy()
-    code = cpu._NP_CODE[dtype]
-    nbytes = K.EMIT * np.dtype(code).itemsize
-    vec = cpu._aligned(cpu._raw(nbytes), nbytes).view(code)  # streamed stores need 64-byte alignment
-    scalar = np.zeros(K.EMIT, code)
-    emit = (K._EMIT if path == "kernels" else K._EMIT_INTEGER_BF16)[llama, nt]
+    src = _special_floats(gen, simd.EMIT)
+    stage = np.zeros(simd.STAGE_WIDTH, np.float32)  # a staging row, as the launchers make them
+    w = (torch.randn(simd.EMIT, generator=gen) * 3).numpy()
+    code = launch._NP_CODE[dtype]
+    nbytes = simd.EMIT * np.dtype(code).itemsize
+    vec = memory._aligned(memory._raw(nbytes), nbytes).view(code)  # streamed stores need 64-byte alignment
+    scalar = np.zeros(simd.EMIT, code)
+    emit = (simd._EMIT if path == "kernels" else simd._EMIT_INTEGER_BF16)[llama, nt]
 
     @njit
     def by_vectors(dst, src, w):
         emit(dst, np.uint64(0), src, w)
-        K._store_fence()
+        simd._store_fence()
 
     @njit
     def by_scalars(dst, src, w):
         for i in range(src.shape[0]):
-            v = K._round_like(dst, src[i]) * w[i] if llama else src[i]
-            K._store(dst, i, v)
+            v = codecs._round_like(dst, src[i]) * w[i] if llama else src[i]
+            codecs._store(dst, i, v)
 
-    stage[: K.EMIT] = src
+    stage[: simd.EMIT] = src
     by_vectors(vec, stage, w)
     by_scalars(scalar, src, w)
     assert np.array_equal(vec, scalar)
-    if dtype != torch.float32:  # a nan stays a nan (its bits may differ: see _numba.py)
-        stage[: K.EMIT] = np.nan
+    if dtype != torch.float32:  # a nan stays a nan (its bits may differ: see codecs.py)
+        stage[: simd.EMIT] = np.nan
         by_vectors(vec, stage, w)
         widened = torch.from_numpy(vec.view(np.int16)).view(dtype).float()
         assert torch.isnan(widened).all()
@@ -378,13 +382,13 @@ def test_vector_row_sums_match_float64(gen, dtype):
 
     @njit
     def sums(row, n, c):
-        return K._row_moments(row, n, c, row, None), K._row_sumsq(row, n, c, row, None)
+        return simd._row_moments(row, n, c, row, None), simd._row_sumsq(row, n, c, row, None)
 
-    x = (torch.randn(3 * K.BLOCK + 7, generator=gen) * 2 + 5).to(dtype)
-    row = cpu._as_numpy(x)
+    x = (torch.randn(3 * simd.BLOCK + 7, generator=gen) * 2 + 5).to(dtype)
+    row = memory._as_numpy(x)
     c = np.float32(4.5)
     for blocks in (0, 1, 3):
-        n = blocks * K.BLOCK
+        n = blocks * simd.BLOCK
         (s1, s2), (ss, zero) = sums(row, n, c)
         v = x[:n].double()
         u = v - float(c)
@@ -396,11 +400,11 @@ def test_vector_row_sums_match_float64(gen, dtype):
 @pytest.mark.parametrize("op", ["ln", "rms", "rms_llama"])
 def test_backward_pair_order_sums_match_float64(gen, op):
     # The bf16 backward's first pass reads rows two values to a 32-bit lane, so it reads the
-    # weight, and adds the dw (db) terms, in pair order (_numba.pair_order): its sums must be the
+    # weight, and adds the dw (db) terms, in pair order (simd.pair_order): its sums must be the
     # float64 ones, and its partial rows, put back in place, the float64 terms of each element.
     from numba import njit
 
-    ln_sums = K._LN_GRAD_SUMS[1]
+    ln_sums = LN._GRAD_SUMS[1]
 
     @njit
     def ln_pass(dy, x, wp, dwc, dbc, n, mhi, rstd, lo):
@@ -408,35 +412,35 @@ def test_backward_pair_order_sums_match_float64(gen, op):
 
     @njit
     def rms_pass(dy, x, wp, dwc, rnd, n, rstd):
-        return K._rms_blocks(dy, wp, wp, x, n, dwc, rstd, rnd, True)  # the first wp: not read (bf16)
+        return RMS._rms_blocks(dy, wp, wp, x, n, dwc, rstd, rnd, True)  # the first wp: not read (bf16)
 
-    d = 3 * K.BLOCK + 7
+    d = 3 * simd.BLOCK + 7
     x, dy = ((torch.randn(d, generator=gen) * s + m).to(torch.bfloat16) for s, m in ((2, 5), (1, 0)))
     w = torch.randn(d, generator=gen).numpy()
     mean, rstd = 4.75, np.float32(0.6)
     for blocks in (0, 1, 3):
-        n = blocks * K.BLOCK
+        n = blocks * simd.BLOCK
         v, g = x[:n].double(), dy[:n].double()
         wn = torch.from_numpy(w[:n]).double()
         dwc, dbc = np.zeros(d, np.float32), np.zeros(d, np.float32)
-        wp = K.pair_order(w, n)
+        wp = simd.pair_order(w, n)
         if op == "ln":
             mhi, mlo = np.float32(mean), np.float32(0.0)
             lo = np.float32(-float(mlo) * rstd)
-            got = ln_pass(cpu._as_numpy(dy), cpu._as_numpy(x), wp, dwc, dbc, n, mhi, rstd, lo)
+            got = ln_pass(memory._as_numpy(dy), memory._as_numpy(x), wp, dwc, dbc, n, mhi, rstd, lo)
             xhat = (v - mean) * float(rstd)
             want = ((g * wn).sum(), (g * wn * xhat).sum())
-            assert np.allclose(K.pair_unorder(dbc, n)[:n], g.numpy(), rtol=1e-6, atol=0)
+            assert np.allclose(simd.pair_unorder(dbc, n)[:n], g.numpy(), rtol=1e-6, atol=0)
         else:
-            rnd = cpu._rnd(torch.bfloat16, op == "rms_llama")
-            got = rms_pass(cpu._as_numpy(dy), cpu._as_numpy(x), wp, dwc, rnd, n, rstd)
+            rnd = launch._rnd(torch.bfloat16, op == "rms_llama")
+            got = rms_pass(memory._as_numpy(dy), memory._as_numpy(x), wp, dwc, rnd, n, rstd)
             xhat = v * float(rstd)
             if op == "rms_llama":  # x * rstd rounded to bf16 before the multiply
                 xhat = (v.float() * rstd).to(torch.bfloat16).double()
             want = ((g * wn * v).sum(), (v * v).sum())
         for got_sum, want_sum in zip(got, want):
             assert abs(got_sum - want_sum.item()) <= 1e-5 * max(abs(want_sum.item()), 1.0), (op, blocks, got, want)
-        assert np.allclose(K.pair_unorder(dwc, n)[:n], (g * xhat).numpy(), rtol=1e-5, atol=1e-6)
+        assert np.allclose(simd.pair_unorder(dwc, n)[:n], (g * xhat).numpy(), rtol=1e-5, atol=1e-6)
         assert not dwc[n:].any()  # and nothing past n
 
 
@@ -448,9 +452,9 @@ def test_first_pass_over_a_row_pair_is_bitwise_two_single_rows(gen, op):
     from numba import njit
 
     if op == "ln":
-        one, two = K._LN_GRAD_SUMS[1], K._LN_GRAD_SUMS[2]
+        one, two = LN._GRAD_SUMS[1], LN._GRAD_SUMS[2]
     else:
-        one, two = (K._RMS_GRAD_SUMS[op == "rms_llama", op == "rms_squares", rows] for rows in (1, 2))
+        one, two = (RMS._GRAD_SUMS[op == "rms_llama", op == "rms_squares", rows] for rows in (1, 2))
 
     @njit
     def single(dy, x, dy2, x2, wp, dwc, aux, n, c, e):
@@ -460,30 +464,30 @@ def test_first_pass_over_a_row_pair_is_bitwise_two_single_rows(gen, op):
     def pair(dy, x, dy2, x2, wp, dwc, aux, n, c, e):
         return two(dy, x, dy2, x2, wp, dwc, aux, n, c[0], c[1], c[2], e[0], e[1], e[2])
 
-    d = 3 * K.BLOCK + 7
-    rows = [cpu._as_numpy((torch.randn(d, generator=gen) * 3 + 2).to(torch.bfloat16)) for _ in range(4)]
-    wp = K.pair_order(torch.randn(d, generator=gen).numpy(), 3 * K.BLOCK)
+    d = 3 * simd.BLOCK + 7
+    rows = [memory._as_numpy((torch.randn(d, generator=gen) * 3 + 2).to(torch.bfloat16)) for _ in range(4)]
+    wp = simd.pair_order(torch.randn(d, generator=gen).numpy(), 3 * simd.BLOCK)
     c, e = (np.array([m, s, lo], np.float32) for m, s, lo in ((2.0, 0.4, -0.01), (1.5, 0.7, 0.02)))
     start = torch.randn(2, d, generator=gen).numpy()  # partial rows that already hold sums
     results = []
     for run in (single, pair):
         part = start.copy()
-        aux = part[1] if op == "ln" else cpu._rnd(torch.bfloat16, op == "rms_llama")
-        sums = run(*rows, wp, part[0], aux, 3 * K.BLOCK, c, e)
+        aux = part[1] if op == "ln" else launch._rnd(torch.bfloat16, op == "rms_llama")
+        sums = run(*rows, wp, part[0], aux, 3 * simd.BLOCK, c, e)
         results.append((np.array(sums), part))
     (s1, p1), (s2, p2) = results
     assert s1.tobytes() == s2.tobytes(), (s1, s2)
     assert p1.tobytes() == p2.tobytes()
     assert not np.array_equal(p1, start)  # the terms were added
-    assert np.array_equal(p1[:, 3 * K.BLOCK :], start[:, 3 * K.BLOCK :])  # and nothing past n
+    assert np.array_equal(p1[:, 3 * simd.BLOCK :], start[:, 3 * simd.BLOCK :])  # and nothing past n
 
 
 @pytest.mark.parametrize("op", OPS)
 def test_wide_bf16_rows_in_pairs(gen, op):
-    # From K.PAIR_ROWS_MIN values a row, the bf16 backward takes rows two at a time (a chunk's
+    # From rows.PAIR_ROWS_MIN values a row, the bf16 backward takes rows two at a time (a chunk's
     # odd row alone): gradients against float64, and each row's input gradient bitwise the one
     # it gets alone, which goes through the single-row path.
-    d = K.PAIR_ROWS_MIN + 37
+    d = rows.PAIR_ROWS_MIN + 37
     options = [{}] if "layer" in op else [{}, {"eps_mode": "outside", "cast": "gemma"}, {"partial": 0.75}]
     for opts in options:
         check(gen, op, (7, d), torch.bfloat16, opts)
@@ -499,21 +503,21 @@ def test_wide_bf16_rows_in_pairs(gen, op):
 
 def test_pair_order_is_undone_by_pair_unorder(gen):
     v = torch.randn(3 * 32 + 5, generator=gen).numpy()
-    ordered = K.pair_order(v, 96)
+    ordered = simd.pair_order(v, 96)
     assert np.array_equal(ordered[:32], np.concatenate([v[0:32:2], v[1:32:2]]))  # evens, then odds
     assert np.array_equal(ordered[96:], v[96:])  # past the span: in place
-    assert np.array_equal(K.pair_unorder(ordered, 96), v)
+    assert np.array_equal(simd.pair_unorder(ordered, 96), v)
 
 
 def test_streamed_spans_are_aligned_blocks():
     x = torch.zeros(4, 1000).numpy()
     for r in range(4):
         row = x[r]
-        a, b = K._spans(row, 0, 1000, True)
+        a, b = rows._spans(row, 0, 1000, True)
         assert (row.ctypes.data + 4 * a) % 64 == 0 and 0 <= a < 16
-        assert (b - a) % K.EMIT == 0 and 1000 - b < K.EMIT and b - a >= 14 * K.EMIT
-        assert K._spans(row, 0, 1000, False) == (0, 960)  # blocks from the row's start
-        a, b = K._spans(row, 990, 1000, True)  # too short for a block: all plain
+        assert (b - a) % simd.EMIT == 0 and 1000 - b < simd.EMIT and b - a >= 14 * simd.EMIT
+        assert rows._spans(row, 0, 1000, False) == (0, 960)  # blocks from the row's start
+        a, b = rows._spans(row, 990, 1000, True)  # too short for a block: all plain
         assert a == b and 990 <= a <= 1000
 
 
@@ -558,13 +562,13 @@ def test_threads_follow_torch():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert cpu.nchunks(1000) == 1
+        assert launch.nchunks(1000) == 1
         import numba
 
         assert numba.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
-    assert cpu.nchunks(1000) == min(before, cpu.numba.config.NUMBA_NUM_THREADS)
+    assert launch.nchunks(1000) == min(before, launch.numba.config.NUMBA_NUM_THREADS)
 
 
 def test_out_writes_into_the_given_tensor(gen):
@@ -585,6 +589,60 @@ def test_cache_status_reports_every_kernel():
     status = cpu.cache_status()
     assert set(status["kernels"]) == {k.__name__ for k in cpu.KERNELS}
     assert status["warm"] == all(status["kernels"].values())
+
+
+def test_every_file_with_numba_code_is_in_the_cache_key():
+    # cache.SOURCES decides which edits recompile the kernels: a file of jitted helpers left out
+    # of it would let an edit there reach no kernel until the cache is cleared.
+    import re
+
+    from normlab.kernels.cpu import cache
+
+    jitted = re.compile(r"^@(njit|intrinsic|overload|kernel)\b|= (intrinsic|forward_block|backward_block|grad_sums)\(", re.M)
+    folder = Path(cache.__file__).parent
+    with_code = {p.name for p in folder.glob("*.py") if jitted.search(p.read_text())}
+    assert with_code and with_code <= set(cache.SOURCES), with_code - set(cache.SOURCES)
+    assert all((folder / name).exists() for name in cache.SOURCES)
+
+
+_CACHE_PROBE = """
+import torch
+from normlab import functional as F
+from normlab.kernels.cpu import rmsnorm
+y = F.rms_norm(torch.linspace(-1, 1, 64 * 32).view(64, 32), backend="cpu")
+stats = rmsnorm.rms_fwd.stats
+print(sum(stats.cache_hits.values()), sum(stats.cache_misses.values()), float(y.abs().sum()))
+"""
+
+
+def test_a_changed_helper_recompiles_the_kernels_that_inline_it(tmp_path):
+    # numba keys its cache by the defining file alone; rms_fwd inlines _recip from rows.py, so
+    # with numba's own key an edit to _recip would be served stale from the cache.
+    import shutil
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    shutil.copytree(Path(cpu.__file__).parents[2], src / "normlab", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(src), "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+
+    def probe():
+        done = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        hits, misses, total = done.stdout.split()
+        return int(hits), int(misses), float(total)
+
+    hits, misses, first = probe()
+    assert misses == 1 and hits == 0  # cold: compiled
+    hits, misses, again = probe()
+    assert hits == 1 and misses == 0 and again == first  # warm: from the cache
+    rows = src / "normlab" / "kernels" / "cpu" / "rows.py"
+    text = rows.read_text()
+    assert "np.float32(1.0 / x)" in text
+    rows.write_text(text.replace("np.float32(1.0 / x)", "np.float32(2.0 / x)"))
+    hits, misses, changed = probe()
+    assert misses == 1 and hits == 0
+    assert changed == pytest.approx(2 * first, rel=1e-6)  # the edit reached the kernel
 
 
 # --------------------------------------------------------------------------- torch.compile
@@ -651,7 +709,7 @@ def test_properties(op, dtype, rows, d, partial, eps_mode, cast, weight, seed):
 
 
 def test_buffer_pool_reuses_only_unreferenced_buffers():
-    pool = cpu.BufferPool(max_bytes=64 << 20, min_bytes=0)
+    pool = memory.BufferPool(max_bytes=64 << 20, min_bytes=0)
     a = pool.take(1 << 20)
     b = pool.take(1 << 20)
     assert a.ctypes.data != b.ctypes.data  # a is still held
@@ -668,7 +726,7 @@ def test_buffer_pool_reuses_only_unreferenced_buffers():
 
 
 def test_buffer_pool_respects_its_cap():
-    pool = cpu.BufferPool(max_bytes=3 << 20, min_bytes=0)
+    pool = memory.BufferPool(max_bytes=3 << 20, min_bytes=0)
     held = [pool.take(1 << 20) for _ in range(5)]  # beyond the cap: served, not pooled
     assert pool.stats()["held_bytes"] == 3 << 20
     del held
@@ -692,9 +750,9 @@ def test_forward_is_batch_invariant(gen, op, dtype):
     # a row's output does not depend on how many rows share the call (chunk boundaries move)
     leaves = _leaves(gen, op, (9, 300), dtype)
     full = _call(op, leaves, {}, "cpu")
-    for rows in ([4], [0, 8], [2, 3, 4, 5, 6]):
-        part = _call(op, {k: (v[rows] if v.dim() == 2 else v) for k, v in leaves.items()}, {}, "cpu")
-        assert all(torch.equal(f[rows], p) for f, p in zip(full, part)), rows
+    for picked in ([4], [0, 8], [2, 3, 4, 5, 6]):
+        part = _call(op, {k: (v[picked] if v.dim() == 2 else v) for k, v in leaves.items()}, {}, "cpu")
+        assert all(torch.equal(f[picked], p) for f, p in zip(full, part)), picked
 
 
 @pytest.mark.parametrize("name, value", [("NORMLAB_CPU_POOL_MB", "lots"), ("NORMLAB_CPU_STREAM_MB", "-4"),

@@ -1,11 +1,12 @@
-"""Interleaved A/B of two versions of the CPU kernels (``_numba.py``) in one process.
+"""Interleaved A/B of two versions of the CPU kernels in one process.
 
-    python benchmarks/cpu_ab.py OLD.py NEW.py [--ops rms,ln,rmsb,lnb] [--shapes 8192x1024,...]
-                                [--dtype bf16|fp32] [--threads 2] [--rounds 10]
+    python tools/cpu_ab.py OLD_SRC NEW_SRC [--ops rms,ln,rmsb,lnb] [--shapes 8192x1024,...]
+                           [--dtype bf16|fp32] [--threads 2] [--rounds 10]
 
 On a machine whose memory bandwidth drifts (2x within minutes on the 2-core CI machine), two
-bench runs a minute apart differ by more than most kernel changes do. This loads both files as
-modules (a fresh numba cache directory, so neither reuses the other's compiled code), then for
+bench runs a minute apart differ by more than most kernel changes do. This loads both trees'
+kernels (OLD_SRC and NEW_SRC hold normlab/; the trees' kernel packages are imported under
+names of their own, without registering their custom ops), then for
 each case alternates batches of calls: a copy of the same bytes, A, B (B, A in every other
 round, so neither always follows the copy), and reports each one's speed as a fraction of the
 copy and B's speedup over A as the median of the per-round ratios with their range. Inputs
@@ -15,17 +16,20 @@ Even so, an A/A run moves by about 5%: trust a change when its whole range sits 
 Ops: rms / ln (forward into a preallocated output), rmsb / lnb (backward; its fraction of copy
 counts the three tensors it moves). Example, the working tree against the last commit::
 
-    git show HEAD:src/normlab/kernels/_numba.py > /tmp/old.py
-    python benchmarks/cpu_ab.py /tmp/old.py src/normlab/kernels/_numba.py --ops ln
+    git worktree add /tmp/old HEAD
+    python tools/cpu_ab.py /tmp/old/src src --ops ln
 """
 
 import argparse
+import importlib
 import importlib.util
 import os
 import statistics
 import sys
 import tempfile
 import time
+import types
+from pathlib import Path
 
 os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="normlab-ab-")
 
@@ -34,29 +38,35 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from normlab.bench import _rotation  # noqa: E402
-from normlab.kernels import cpu as C  # noqa: E402
+from normlab.kernels.cpu import launch as C  # noqa: E402
+from normlab.kernels.cpu import memory  # noqa: E402
 
 
-def load(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # numba's cache wants the module importable by name
-    spec.loader.exec_module(module)
-    return module
+def load(src: str, name: str):
+    """The kernels (rms_fwd, ln_fwd, rms_bwd, ln_bwd) of the tree whose sources are in ``src``."""
+    package = Path(src) / "normlab" / "kernels" / "cpu"
+    if not package.is_dir():  # before the kernels became a package: one module, _numba.py
+        spec = importlib.util.spec_from_file_location(name, package.parent / "_numba.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # numba's cache wants the module importable by name
+        spec.loader.exec_module(module)
+        return module
+    parent = types.ModuleType(name)  # the package without its __init__, which registers custom ops
+    parent.__path__ = [str(package)]
+    sys.modules[name] = parent
+    rms, ln = (importlib.import_module(f"{name}.{op}") for op in ("rmsnorm", "layernorm"))
+    return types.SimpleNamespace(rms_fwd=rms.rms_fwd, ln_fwd=ln.ln_fwd, rms_bwd=rms.rms_bwd, ln_bwd=ln.ln_bwd)
 
 
 def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False):
     """A no-argument callable that runs ``op`` of kernel module K on the next input set."""
     k = _rotation((n, d), dtype)
-    sets = [(C._as_numpy(torch.randn(n, d, dtype=dtype)), C._as_numpy(torch.randn(n, d, dtype=dtype))) for _ in range(k)]
-    y = C._as_numpy(torch.empty(n, d, dtype=dtype))
+    sets = [(memory._as_numpy(torch.randn(n, d, dtype=dtype)), memory._as_numpy(torch.randn(n, d, dtype=dtype))) for _ in range(k)]
+    y = memory._as_numpy(torch.empty(n, d, dtype=dtype))
     w, b = torch.randn(d).numpy(), torch.randn(d).numpy()
     stages, nt = C._stages(torch.empty(n, d, dtype=dtype), n)
     rstd, mean, rnd = np.empty(n, np.float32), np.empty(n, np.float64), C._rnd(dtype, llama)
-    # The backward's weight-gradient outputs: the (d,) sums where the kernel sums its partial
-    # rows itself (_numba._sum_partials); the (chunks, d) partial rows for older kernel files.
-    rows = (d,) if hasattr(K, "_sum_partials") else (stages.shape[0], d)
-    dw, db = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+    dw, db = np.zeros(d, np.float32), np.zeros(d, np.float32)
     if op == "rmsb":  # the statistics the backward reads
         K.rms_fwd(sets[0][0], w, y, rstd, 1e-6, True, d, rnd, stages, nt)
     if op == "lnb":

@@ -1,6 +1,6 @@
 """First-call latency of the cpu backend in a new process (numba's on-disk cache warm or cold).
 
-    python benchmarks/cold_start.py [--cold]
+    python tools/cold_start.py [--cold]
 
 Runs a child process that imports normlab and times its first rms_norm call (a 64x1024 fp32
 tensor), three times. ``--cold`` points numba at an empty cache directory for the first run,

@@ -1,6 +1,6 @@
 """The fixed cost of a CPU call: what a small tensor pays around the kernel.
 
-    python benchmarks/cpu_overhead.py [--shape 8x1024] [--dtype bf16] [--calls 3000]
+    python tools/cpu_overhead.py [--shape 8x1024] [--dtype bf16] [--calls 3000]
 
 For rms_norm and layer_norm it times, per call (median of ``--calls`` after a warm-up): the
 numba kernel alone, the launcher (allocation, argument conversion, the kernel, the weight
@@ -19,8 +19,8 @@ import torch
 
 import normlab.functional as F
 from normlab.bench import parse_shape
-from normlab.kernels import _numba as K
-from normlab.kernels import cpu as C
+from normlab.kernels.cpu import launch as C
+from normlab.kernels.cpu import layernorm, memory, rmsnorm
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -79,8 +79,8 @@ def main() -> None:
     w = torch.randn(d, dtype=dtype, requires_grad=True)
     b = torch.randn(d, dtype=dtype, requires_grad=True)
 
-    xn, dyn = C._as_numpy(x.detach().view(n, d)), C._as_numpy(dy.view(n, d))
-    out = C._as_numpy(torch.empty(n, d, dtype=dtype))
+    xn, dyn = memory._as_numpy(x.detach().view(n, d)), memory._as_numpy(dy.view(n, d))
+    out = memory._as_numpy(torch.empty(n, d, dtype=dtype))
     stages, nt = C._stages(torch.empty(n, d, dtype=dtype), n)
     wn, bn = w.detach().float().numpy(), b.detach().float().numpy()
     mean, rstd = np.empty(n), np.empty(n, np.float32)
@@ -88,12 +88,12 @@ def main() -> None:
     rnd = C._rnd(dtype, False)
     _, _, rstd_t = C.rms_fwd_launch(x.detach(), w, 1e-6, True, False, 0.0, d)
     _, _, mean_t, lrstd_t = C.ln_fwd_launch(x.detach(), w, b, 1e-5)
-    K.ln_fwd(xn, wn, bn, out, mean, rstd, 1e-5, stages, nt)
+    layernorm.ln_fwd(xn, wn, bn, out, mean, rstd, 1e-5, stages, nt)
 
     rows = {
         "rms_norm": {
-            "kernel fwd": lambda: K.rms_fwd(xn, wn, out, rstd, 1e-6, True, d, rnd, stages, nt),
-            "kernel bwd": lambda: K.rms_bwd(dyn, xn, wn, rstd, None, out, dw, 1e-6, True, d, rnd, stages, nt),
+            "kernel fwd": lambda: rmsnorm.rms_fwd(xn, wn, out, rstd, 1e-6, True, d, rnd, stages, nt),
+            "kernel bwd": lambda: rmsnorm.rms_bwd(dyn, xn, wn, rstd, None, out, dw, 1e-6, True, d, rnd, stages, nt),
             "launcher fwd": lambda: C.rms_fwd_launch(x.detach(), w, 1e-6, True, False, 0.0, d),
             "launcher bwd": lambda: C.rms_bwd_launch(dy, x.detach(), w, rstd_t, None, 1e-6, True, False, 0.0, d),
             "fwd, no grad": lambda: F.rms_norm(x.detach(), w.detach(), backend="cpu"),
@@ -101,8 +101,8 @@ def main() -> None:
             "bwd (autograd.grad)": timed_backward(lambda: F.rms_norm(x, w, backend="cpu"), [x, w], dy),
         },
         "layer_norm": {
-            "kernel fwd": lambda: K.ln_fwd(xn, wn, bn, out, mean, rstd, 1e-5, stages, nt),
-            "kernel bwd": lambda: K.ln_bwd(dyn, xn, wn, mean, rstd, None, out, dw, dw.copy(), stages, nt),
+            "kernel fwd": lambda: layernorm.ln_fwd(xn, wn, bn, out, mean, rstd, 1e-5, stages, nt),
+            "kernel bwd": lambda: layernorm.ln_bwd(dyn, xn, wn, mean, rstd, None, out, dw, dw.copy(), stages, nt),
             "launcher fwd": lambda: C.ln_fwd_launch(x.detach(), w, b, 1e-5),
             "launcher bwd": lambda: C.ln_bwd_launch(dy, x.detach(), w, mean_t, lrstd_t, None),
             "fwd, no grad": lambda: F.layer_norm(x.detach(), w.detach(), b.detach(), backend="cpu"),

@@ -1,6 +1,6 @@
 """Interleaved A/B of two source trees of normlab through autograd: the call users make.
 
-    python benchmarks/autograd_ab.py OLD_SRC NEW_SRC [--ops ln,rms] [--shapes 8192x1024,...]
+    python tools/autograd_ab.py OLD_SRC NEW_SRC [--ops ln,rms] [--shapes 8192x1024,...]
                                      [--dtype bf16|fp32] [--rounds 12] [--calls 15]
 
 cpu_ab.py compares two kernel files in one process; this compares everything a backward goes
@@ -12,7 +12,7 @@ host whose memory bandwidth drifts. Reports each one's median time and B's speed
 the median of the per-round ratios with their range. Example, the working tree against a commit::
 
     git worktree add /tmp/old COMMIT
-    python benchmarks/autograd_ab.py /tmp/old/src src --ops ln,rms --shapes 8192x1024
+    python tools/autograd_ab.py /tmp/old/src src --ops ln,rms --shapes 8192x1024
 """
 
 import argparse

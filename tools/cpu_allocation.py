@@ -1,7 +1,7 @@
 """How should the cpu backend allocate its outputs? Measures one fused rms_norm forward into
 outputs from each allocator, interleaved round-robin, median of many rounds.
 
-    python benchmarks/cpu_allocation.py [--shape 8192x1024] [--dtype fp32] [--rounds 30]
+    python tools/cpu_allocation.py [--shape 8192x1024] [--dtype fp32] [--rounds 30]
 
 prealloc: into one preallocated tensor (the floor); torch: torch.empty each call; numpy:
 np.empty each call (numpy asks for transparent huge pages); pool: normlab's BufferPool (the
@@ -18,7 +18,7 @@ import torch
 
 from normlab.bench import DTYPES, parse_shape
 from normlab.env import environment
-from normlab.kernels import cpu
+from normlab.kernels.cpu import launch, memory
 
 
 def main() -> None:
@@ -34,16 +34,16 @@ def main() -> None:
     d = shape[-1]
 
     def kernel(i, y):
-        return cpu.rms_fwd_launch(xs[i % k], None, 1e-6, True, True, 0.0, d, y=y)
+        return launch.rms_fwd_launch(xs[i % k], None, 1e-6, True, True, 0.0, d, y=y)
 
     def with_allocator(name):
         def run(i):
-            previous = cpu.ALLOCATOR
-            cpu.ALLOCATOR = name
+            previous = memory.ALLOCATOR
+            memory.ALLOCATOR = name
             try:
                 return kernel(i, None)
             finally:
-                cpu.ALLOCATOR = previous
+                memory.ALLOCATOR = previous
 
         return run
 

@@ -1,0 +1,192 @@
+"""The launchers: from torch tensors to a kernel call, and the outputs back as tensors.
+
+They make inputs contiguous (rows, d), allocate outputs (memory.py), fold the options into a
+float32 weight vector (``offset + w`` for the gemma order; rounded to the output dtype for the
+llama order, which multiplies in that dtype; ones when there is no weight, exact), and pick the
+chunk count: torch's thread count, capped by numba's pool, so normlab never runs more threads
+than torch would. dtypes travel as numpy arrays: float32 as is, bfloat16 as uint16 bits, float16
+as int16 bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numba
+import numpy as np
+import torch
+from torch import Tensor
+
+from normlab.kernels._glue import _sum_dtype
+
+from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
+from .memory import STREAM_MIN_BYTES, _as_numpy, _rows, _zero_stages, empty
+from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
+from .rows import start_threads
+from .simd import X86
+
+_numba_threads = threading.local()  # what this thread last set numba's thread count to
+
+
+_threads_started = False
+
+
+def _start_numba_threads() -> None:
+    """numba's OpenMP layer, when it starts, sets the process's OpenMP thread count to all cores,
+    and torch reads that same count: a user's torch.set_num_threads(1) would be undone by the
+    first kernel. Start the layer once, before any kernel, and put torch's count back."""
+    global _threads_started
+    before = torch.get_num_threads()
+    start_threads(2)
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+    _threads_started = True
+
+
+def nchunks(rows: int) -> int:
+    if not _threads_started:
+        _start_numba_threads()
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    # numba's count is per thread. Asking numba for it cost 6 us a call (a tenth of a small
+    # call's launcher), so remember what was set instead.
+    if getattr(_numba_threads, "count", None) != threads:
+        numba.set_num_threads(threads)
+        _numba_threads.count = threads
+    return max(1, min(rows, threads))
+
+
+_NP_CODE = {torch.float32: np.float32, torch.bfloat16: np.uint16, torch.float16: np.int16}
+
+
+@functools.cache
+def _rnd(out_dtype: torch.dtype, llama: bool) -> np.ndarray:
+    """The kernels' ``rnd``: a 1-element array of the dtype xhat is rounded to before the weight
+    multiply (the output dtype in the llama order; float32, no rounding, in the gemma order).
+    Only its dtype is read, so one array per key serves every call."""
+    return np.zeros(1, _NP_CODE[out_dtype] if llama else np.float32)
+
+
+def _stages(out: Tensor, rows: int) -> tuple[np.ndarray, bool]:
+    """The kernels' float32 staging rows (one per chunk: their count is the chunk count) and
+    whether ``out`` is streamed."""
+    stream = X86 and out.numel() * out.element_size() >= STREAM_MIN_BYTES
+    return _zero_stages(nchunks(rows)), stream
+
+
+
+def _rms_weight(weight: Tensor | None, d: int, out_dtype: torch.dtype, llama: bool, offset: float) -> np.ndarray:
+    if weight is None:
+        return np.ones(d, np.float32)
+    w = weight.detach().float()
+    if offset:
+        w = w + offset
+    if llama:  # the llama order multiplies in the output dtype: the weight is rounded to it
+        w = w.to(out_dtype).float()
+    return w.contiguous().numpy()
+
+
+def _f32_vector(t: Tensor | None, d: int, fill: float) -> np.ndarray:
+    """A weight or bias as a float32 vector, ``fill`` everywhere when there is none."""
+    return np.full(d, fill, np.float32) if t is None else t.detach().float().contiguous().numpy()
+
+
+def _ln_weights(weight: Tensor | None, bias: Tensor | None, d: int) -> tuple[np.ndarray, np.ndarray]:
+    return _f32_vector(weight, d, 1.0), _f32_vector(bias, d, 0.0)
+
+
+# -------------------------------------------------------------------------------- launchers
+
+
+def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None, residual_in_fp32=False):
+    """Returns (y, s or None, rstd). With ``residual``: s = x + residual is written and normalized."""
+    shape, d = x.shape, x.shape[-1]
+    x2 = _rows(x)
+    n = x2.shape[0]
+    y = empty(shape, x.dtype) if y is None else y
+    rstd = empty(shape[:-1], torch.float32)
+    w = _rms_weight(weight, d, x.dtype, llama, offset)
+    s = None
+    if residual is not None:
+        s = empty(shape, _sum_dtype(x, residual, residual_in_fp32))
+    if n:
+        if s is None:
+            rms_fwd(_as_numpy(x2), w, _as_numpy(y.view(n, d)), rstd.view(n).numpy(), eps, inside, k, _rnd(x.dtype, llama),
+                      *_stages(y, n))
+        else:
+            add_rms_fwd(
+                _as_numpy(x2), _as_numpy(_rows(residual)), w, _as_numpy(y.view(n, d)), _as_numpy(s.view(n, d)),
+                rstd.view(n).numpy(), eps, inside, k, _rnd(x.dtype, llama), *_stages(y, n),
+            )
+    return y, s, rstd
+
+
+def _weight_grads(grad_dtypes: tuple | None, count: int, d: int, rows: int) -> list[Tensor]:
+    """The (d,) outputs the kernels store weight (and bias) gradients into: in ``grad_dtypes``,
+    else float32; zeros when there are no rows."""
+    dtypes = grad_dtypes or (torch.float32,) * count
+    return [torch.empty(d, dtype=t) if rows else torch.zeros(d, dtype=t) for t in dtypes]
+
+
+def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k, *, grad_dtypes=None):
+    """Returns (dx in x's dtype, dw (d,) float32 or in ``grad_dtypes[0]``). ``ds`` (optional) is
+    added to dx."""
+    shape, d = x.shape, x.shape[-1]
+    x2, dy2 = _rows(x), _rows(dy)
+    n = x2.shape[0]
+    dx = empty(shape, x.dtype)
+    stages, stream = _stages(dx, n)
+    (dw,) = _weight_grads(grad_dtypes, 1, d, n)
+    if n:
+        w = _rms_weight(weight, d, dy.dtype, llama, offset)
+        ds2 = _as_numpy(_rows(ds)) if ds is not None else None
+        rms_bwd(
+            _as_numpy(dy2), _as_numpy(x2), w, rstd.reshape(n).numpy(), ds2, _as_numpy(dx.view(n, d)),
+            _as_numpy(dw), eps, inside, k, _rnd(dy.dtype, llama), stages, stream,
+        )
+    return dx, dw
+
+
+def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp32=False):
+    """Returns (y, s or None, mean float64, rstd float32)."""
+    shape, d = x.shape, x.shape[-1]
+    x2 = _rows(x)
+    n = x2.shape[0]
+    y = empty(shape, x.dtype) if y is None else y
+    mean = empty(shape[:-1], torch.float64)
+    rstd = empty(shape[:-1], torch.float32)
+    w, b = _ln_weights(weight, bias, d)
+    s = None
+    if residual is not None:
+        s = empty(shape, _sum_dtype(x, residual, residual_in_fp32))
+    if n:
+        stats = (mean.view(n).numpy(), rstd.view(n).numpy())
+        if s is None:
+            ln_fwd(_as_numpy(x2), w, b, _as_numpy(y.view(n, d)), *stats, eps, *_stages(y, n))
+        else:
+            add_ln_fwd(
+                _as_numpy(x2), _as_numpy(_rows(residual)), w, b, _as_numpy(y.view(n, d)), _as_numpy(s.view(n, d)),
+                *stats, eps, *_stages(y, n),
+            )
+    return y, s, mean, rstd
+
+
+def ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None):
+    """Returns (dx in x's dtype, dw, db), (d,) float32 or in ``grad_dtypes``."""
+    shape, d = x.shape, x.shape[-1]
+    x2, dy2 = _rows(x), _rows(dy)
+    n = x2.shape[0]
+    dx = empty(shape, x.dtype)
+    stages, stream = _stages(dx, n)
+    dw, db = _weight_grads(grad_dtypes, 2, d, n)
+    if n:
+        w = _f32_vector(weight, d, 1.0)
+        ds2 = _as_numpy(_rows(ds)) if ds is not None else None
+        ln_bwd(
+            _as_numpy(dy2), _as_numpy(x2), w, mean.reshape(n).numpy(), rstd.reshape(n).numpy(),
+            ds2, _as_numpy(dx.view(n, d)), _as_numpy(dw), _as_numpy(db), stages, stream,
+        )
+    return dx, dw, db
+
+
+

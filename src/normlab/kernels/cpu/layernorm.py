@@ -1,0 +1,420 @@
+"""LayerNorm on CPU, fused: the forward, the residual-add forward, and the backward.
+
+Forward, per row of d features:
+
+    mean = sum(x) / d,   var = sum((x - mean)^2) / d,   rstd = 1 / sqrt(var + eps)
+    y    = (x - mean) * rstd * w + b
+    add variant: s = round(x + residual), stored, and y = layer_norm(s)
+
+Backward, with g = dy * w and xhat = (x - mean) * rstd:
+
+    dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+    dw = sum over rows of dy * xhat,   db = sum over rows of dy
+
+The mean is float64 and enters as two float32 parts (mhi + mlo), so x - mhi is exact for x near
+the mean and rows with a large mean (1e4) keep their centred values. Each output is written by
+scalar element helpers at a row's head and tail and by 16-lane vector blocks in between; the two
+forms of each formula sit side by side below and do the same operations in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+from numba.extending import overload
+
+from .cache import kernel
+from .codecs import _accumulate, _load, _store
+from .rows import _chunk, _pair_types, _paired, _partial_rows, _recip, _row, _row_pairs, _spans, _sum_partials, _value, _vector_sums
+from .simd import (BLOCK, EMIT, _fma, _fma32, _prefetch_pass1, _prefetch_pass2, _row_moments, _store_fence,
+                   backward_block, forward_block, grad_sums, pair_order)
+
+# ---------------------------------------------------------------------------------- forward
+# ``stages``: one float32 staging row per chunk (their count is the chunk count; see simd.py).
+# ``nt``: stream the outputs past the caches.
+
+
+@kernel
+def ln_fwd(x, w, b, y, mean, rstd, eps, stages, nt):
+    n = x.shape[0]
+    nchunks = stages.shape[0]
+    for c in prange(nchunks):
+        r0, r1 = _chunk(c, nchunks, n)
+        stage = stages[c]
+        for r in range(r0, r1):
+            xr = x[r]
+            mu, var = _moments(xr, None, None, xr)
+            rs = _recip(math.sqrt(var + eps))
+            mean[r] = mu
+            rstd[r] = rs
+            _ln_write(xr, w, b, y[r], mu, rs, stage, nt, xr, None)
+        if nt:
+            _store_fence()
+
+
+@kernel
+def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, nt):
+    n = x.shape[0]
+    nchunks = stages.shape[0]
+    for c in prange(nchunks):
+        r0, r1 = _chunk(c, nchunks, n)
+        stage = stages[c]
+        for r in range(r0, r1):
+            xr, rr, sr = x[r], res[r], s[r]
+            mu, var = _moments(xr, rr, sr, sr)
+            rs = _recip(math.sqrt(var + eps))
+            mean[r] = mu
+            rstd[r] = rs
+            _ln_write(sr, w, b, y[r], mu, rs, stage, nt, xr, rr)
+        if nt:
+            _store_fence()
+
+
+@njit(inline="always")
+def _moments(xr, rr, sr, row):
+    """(mean, variance) of the row (``row`` is x, or the residual sum sr) in one pass: sums of
+    u = x - c and u^2, with c the mean of the row's first block, then var = E[u^2] - E[u]^2.
+    x - c is exact for x near c (Sterbenz). When E[u]^2 is not small against var (a first block
+    unlike the rest of the row) the variance comes from a second pass over the row, in cache."""
+    d = row.shape[0]
+    head = min(d, BLOCK)
+    c = np.float32(0.0)
+    for i in range(head):
+        c += _value(xr, rr, sr, i)
+    c = np.float32(c / head)
+    full = d - d % BLOCK
+    if rr is None and _vector_sums(xr):
+        s1, s2 = _row_moments(xr, full, c, xr, None)
+    else:
+        s1 = 0.0
+        s2 = 0.0
+        for j in range(0, full, BLOCK):
+            _prefetch_pass1(xr, rr, j)
+            p1 = np.float32(0.0)
+            p2 = np.float32(0.0)
+            for i in range(j, j + BLOCK):
+                u = _value(xr, rr, sr, i) - c
+                p1 += u
+                p2 += u * u
+            s1 += p1
+            s2 += p2
+    p1 = np.float32(0.0)
+    p2 = np.float32(0.0)
+    for i in range(full, d):
+        u = _value(xr, rr, sr, i) - c
+        p1 += u
+        p2 += u * u
+    m1 = (s1 + p1) / d
+    mean = np.float64(c) + m1
+    var = (s2 + p2) / d - m1 * m1
+    if not m1 * m1 <= var * 0.0625:  # also taken for var <= 0 and nan
+        var = _variance(row, d, mean)
+    return mean, var
+
+
+@njit
+def _variance(xr, n, mean):
+    """A second pass over a row in cache: mean((x - mean)^2), no cancellation."""
+    mhi, mlo = _split(mean)
+    total = 0.0
+    full = n - n % BLOCK
+    for j in range(0, full, BLOCK):
+        part = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            c = _centred(_load(xr, i), mhi, mlo)
+            part += c * c
+        total += part
+    part = np.float32(0.0)
+    for i in range(full, n):
+        c = _centred(_load(xr, i), mhi, mlo)
+        part += c * c
+    return (total + part) / n
+
+
+@njit
+def _split(mean):
+    """The float64 mean as float32 mhi + mlo."""
+    mhi = np.float32(mean)
+    return mhi, np.float32(mean - np.float64(mhi))
+
+
+@njit
+def _centred(v, mhi, mlo):
+    return (v - mhi) - mlo
+
+
+@njit(inline="always")
+def _ln_write(xr, w, bias, yr, mean, rs, stage, nt, ahead1, ahead2):
+    """The row's outputs; ahead1 and ahead2 are the inputs whose next rows pass 2 prefetches."""
+    d = yr.shape[0]
+    mhi, mlo = _split(mean)
+    a, b = _spans(yr, 0, d, nt)
+    for i in range(a):
+        _ln_y(xr, w, bias, yr, mhi, mlo, rs, i)
+    for j in range(a, b, EMIT):
+        _prefetch_pass2(ahead1, ahead2, j, 1)
+        _y_block(yr, j, xr, w, bias, stage, mhi, mlo, rs, nt)
+    for i in range(b, d):
+        _ln_y(xr, w, bias, yr, mhi, mlo, rs, i)
+
+
+@njit
+def _ln_y(xr, w, bias, out, mhi, mlo, rs, i):
+    _store(out, i, _centred(_load(xr, i), mhi, mlo) * rs * _load(w, i) + _load(bias, i))
+
+
+def _y_vector(builder, x, w, b, mhi, mlo, rs):
+    """_ln_y on 16 lanes."""
+    t = builder.fmul(builder.fsub(builder.fsub(x, mhi), mlo), rs)
+    return builder.fadd(builder.fmul(t, w()), b())
+
+
+_Y_BLOCK = {nt: forward_block(_y_vector, False, nt) for nt in (False, True)}
+
+
+def _y_block(y, j, x, w, b, stage, mhi, mlo, rs, nt):  # pragma: no cover - replaced by the overload below
+    """The output block y[j:j + EMIT] (simd.forward_block)."""
+    raise NotImplementedError
+
+
+@overload(_y_block)
+def _ov_y_block(y, j, x, w, b, stage, mhi, mlo, rs, nt):
+    plain, streamed = _Y_BLOCK[False], _Y_BLOCK[True]
+
+    def block(y, j, x, w, b, stage, mhi, mlo, rs, nt):
+        if nt:
+            streamed(y, np.uint64(j), x, w, b, stage, mhi, mlo, rs)
+        else:
+            plain(y, np.uint64(j), x, w, b, stage, mhi, mlo, rs)
+
+    return block
+
+
+# --------------------------------------------------------------------------------- backward
+# Pass 1 forms sum(g) and sum(g * xhat) and adds the row's dw and db terms to its chunk's float32
+# partial rows; pass 2 writes dx. The partial rows are summed in chunk order at the end. bf16 rows
+# take pass 1 as vectors (grad_sums), read in pair order, and in pairs of rows from PAIR_ROWS_MIN
+# features on (rows.py). ``ds``: the gradient flowing into the residual sum, added to dx, or None.
+
+
+@kernel
+def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, nt):
+    n, d = x.shape
+    nchunks = stages.shape[0]
+    span = d - d % BLOCK if _paired(x, dy) else 0
+    wp = pair_order(w, span)
+    dw_part = _partial_rows(nchunks, d)
+    db_part = _partial_rows(nchunks, d)
+    pairs = _row_pairs(x, dy, d)
+    for c in prange(nchunks):
+        r0, r1 = _chunk(c, nchunks, n)
+        dwc = dw_part[c]
+        dbc = db_part[c]
+        stage = stages[c]
+        paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
+        sg2, sgx2 = 0.0, 0.0
+        for r in range(r0, r1):
+            dyr, xr = dy[r], x[r]
+            mu, rs = mean[r], rstd[r]
+            ahead = 1 if r >= paired_to else 2  # rows ahead that pass 2 prefetches
+            if ahead == 1:
+                sg, sgx = _ln_sums(dyr, w, wp, xr, mu, rs, dwc, dbc)
+            elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
+                sg, sgx, sg2, sgx2 = _ln_sums_pair(dyr, xr, dy[r + 1], x[r + 1], w, wp, mu, rs, mean[r + 1], rstd[r + 1], dwc, dbc)
+            else:
+                sg, sgx = sg2, sgx2
+            _ln_bwd_write(dyr, xr, w, wp, _row(ds, r), dx[r], mu, rs, sg, sgx, stage, nt, ahead)
+        if nt:
+            _store_fence()
+    _sum_partials(dw_part, span, dw)
+    _sum_partials(db_part, span, db)
+
+
+# ------------------------------------------------------------------------- backward, pass 1
+
+
+@njit(inline="always")
+def _ln_sums(dyr, w, wp, xr, mean, rs, dwc, dbc):
+    """(sum of g, sum of g * xhat), adding the row's dw and db terms to dwc and dbc. ``wp``: w
+    in pair_order over the row's whole blocks (bf16 rows)."""
+    mhi, lo = _ln_consts(mean, rs)
+    full = xr.shape[0] - xr.shape[0] % BLOCK
+    tg, tgx = _ln_blocks(dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc)
+    pg, pgx = _ln_tail(dyr, w, xr, full, mhi, rs, lo, dwc, dbc)
+    return tg + pg, tgx + pgx
+
+
+@njit(inline="always")
+def _ln_consts(mean, rs):
+    """(mhi, lo) of _ln_dw: the mean's float32 head and -mlo * rstd."""
+    mhi, mlo = _split(mean)
+    return mhi, np.float32(-np.float64(mlo) * rs)
+
+
+@njit
+def _ln_dw(dyr, xr, dwc, dbc, mhi, rs, lo, i):
+    """Add element i's dw and db terms to dwc and dbc; returns xhat[i], computed as
+    fma(x - mhi, rstd, lo) with lo = -mlo * rstd (as exact as ((x - mhi) - mlo) * rstd, an
+    operation fewer: 0 for a constant row)."""
+    dyv = _load(dyr, i)
+    xh = _fma32(_load(xr, i) - mhi, rs, lo)
+    dwc[i] = _fma32(dyv, xh, dwc[i])
+    _accumulate(dbc, i, dyv)
+    return xh
+
+
+def _grad_terms(builder, x, dy, w, c, s0, s1, a, aux_kind, hw):
+    """_ln_blocks_loop's element on 16 lanes, for simd.grad_sums (c = mhi, rstd, lo)."""
+    mhi, rs, lo = c
+    g = builder.fmul(dy, w)
+    s0[a] = builder.fadd(s0[a], g)
+    xh = _fma(builder, builder.fsub(x, mhi), rs, lo)
+    s1[a] = _fma(builder, g, xh, s1[a])
+    return xh
+
+
+_GRAD_SUMS = {rows: grad_sums(_grad_terms, rows, with_db=True) for rows in (1, 2)}
+
+
+@njit(inline="always")
+def _ln_blocks_loop(dyr, w, xr, full, mhi, rs, lo, dwc, dbc):
+    """_ln_sums's whole blocks as element loops (LLVM vectorizes them)."""
+    tg = 0.0
+    tgx = 0.0
+    for j in range(0, full, BLOCK):
+        _prefetch_pass1(xr, dyr, j)
+        pg = np.float32(0.0)
+        pgx = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            g = _load(dyr, i) * _load(w, i)
+            pg += g
+            pgx += g * _ln_dw(dyr, xr, dwc, dbc, mhi, rs, lo, i)
+        tg += pg
+        tgx += pgx
+    return tg, tgx
+
+
+def _ln_blocks(dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc):  # pragma: no cover - replaced by the overload below
+    """_ln_sums over the whole blocks [0, full): the vector pass for bf16 rows, else the element
+    loops. Picked when numba types the call, so each kernel compiles one of them."""
+    raise NotImplementedError
+
+
+@overload(_ln_blocks, inline="always")
+def _ov_ln_blocks(dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc):
+    if not _pair_types(xr, dyr):
+        return lambda dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc: _ln_blocks_loop(dyr, w, xr, full, mhi, rs, lo, dwc, dbc)
+    sums = _GRAD_SUMS[1]
+    return lambda dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc: sums(dyr, xr, wp, dwc, dbc, full, mhi, rs, lo)
+
+
+@njit(inline="always")
+def _ln_tail(dyr, w, xr, full, mhi, rs, lo, dwc, dbc):
+    """_ln_sums past the whole blocks."""
+    pg = np.float32(0.0)
+    pgx = np.float32(0.0)
+    for i in range(full, xr.shape[0]):
+        g = _load(dyr, i) * _load(w, i)
+        pg += g
+        pgx += g * _ln_dw(dyr, xr, dwc, dbc, mhi, rs, lo, i)
+    return pg, pgx
+
+
+def _ln_sums_pair(dyr, xr, dyr2, xr2, w, wp, mean, rs, mean2, rs2, dwc, dbc):  # pragma: no cover - the overload below
+    """_ln_sums of two bf16 rows, their whole blocks in one pass (grad_sums, rows=2): the sums of
+    the first row, then of the second; the bits of two _ln_sums calls. A stub for other dtypes."""
+    raise NotImplementedError
+
+
+@overload(_ln_sums_pair, inline="always")
+def _ov_ln_sums_pair(dyr, xr, dyr2, xr2, w, wp, mean, rs, mean2, rs2, dwc, dbc):
+    if not _pair_types(xr, dyr):
+        return lambda dyr, xr, dyr2, xr2, w, wp, mean, rs, mean2, rs2, dwc, dbc: (0.0, 0.0, 0.0, 0.0)
+    sums = _GRAD_SUMS[2]
+
+    def pair(dyr, xr, dyr2, xr2, w, wp, mean, rs, mean2, rs2, dwc, dbc):
+        mhi, lo = _ln_consts(mean, rs)
+        mhi2, lo2 = _ln_consts(mean2, rs2)
+        full = xr.shape[0] - xr.shape[0] % BLOCK
+        tg, tgx, tg2, tgx2 = sums(dyr, xr, dyr2, xr2, wp, dwc, dbc, full, mhi, rs, lo, mhi2, rs2, lo2)
+        pg, pgx = _ln_tail(dyr, w, xr, full, mhi, rs, lo, dwc, dbc)
+        pg2, pgx2 = _ln_tail(dyr2, w, xr2, full, mhi2, rs2, lo2, dwc, dbc)
+        return tg + pg, tgx + pgx, tg2 + pg2, tgx2 + pgx2
+
+    return pair
+
+
+# ------------------------------------------------------------------------- backward, pass 2
+
+
+@njit(inline="always")
+def _ln_bwd_write(dyr, xr, w, wp, dsr, dxr, mean, rs, sg, sgx, stage, nt, ahead):
+    """dx of this row, with the terms that do not depend on g folded into one affine function of
+    x - mhi: dx = rstd * g + p * (x - mhi) + q, p = -rstd^2 * mean(g * xhat), q = -rstd * mean(g)
+    - p * mlo (from the float64 sums): two fmas per value. x - mhi is exact near the mean, and
+    for a constant row it is 0 and so is p."""
+    d = dxr.shape[0]
+    mhi, mlo = _split(mean)
+    r = np.float64(rs)
+    p = np.float32(-r * r * (sgx / d))
+    q = np.float32(-r * (sg / d) - np.float64(p) * mlo)
+    a, b = _spans(dxr, 0, d, nt)
+    for i in range(a):
+        _ln_dx(dyr, xr, w, dsr, dxr, mhi, p, q, rs, i)
+    c = a
+    if a == 0 and _paired(xr, dyr, dsr):  # whole blocks of bf16 rows: in pairs
+        c = d - d % BLOCK
+        for j in range(0, c, EMIT):
+            _prefetch_pass2(xr, dyr, j, ahead)
+            _dx_block("pairs", dxr, j, dyr, xr, wp, dsr, stage, mhi, p, q, rs, nt)
+    for j in range(c, b, EMIT):
+        _prefetch_pass2(xr, dyr, j, ahead)
+        _dx_block("plain", dxr, j, dyr, xr, w, dsr, stage, mhi, p, q, rs, nt)
+    for i in range(b, d):
+        _ln_dx(dyr, xr, w, dsr, dxr, mhi, p, q, rs, i)
+
+
+@njit
+def _ln_dx(dyr, xr, w, dsr, out, mhi, p, q, rs, i):
+    v = _fma32(_load(dyr, i) * _load(w, i), rs, _fma32(_load(xr, i) - mhi, p, q))
+    if dsr is not None:
+        v += _load(dsr, i)
+    _store(out, i, v)
+
+
+def _dx_vector(builder, dy, x, w, c, rs):
+    """_ln_dx on 16 lanes (c = mhi, p, q)."""
+    g = builder.fmul(dy, w)
+    xc = builder.fsub(x, c[0])
+    return _fma(builder, g, rs, _fma(builder, xc, c[1], c[2]))
+
+
+_DX_BLOCK = {
+    (variant, nt): backward_block(_dx_vector, nt, paired=variant == "pairs")
+    for variant in ("plain", "pairs")
+    for nt in (False, True)
+}
+
+
+def _dx_block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, rs, nt):  # pragma: no cover - replaced by the overload below
+    """The dx block at j (simd.backward_block). ``variant`` a string literal: "plain", or
+    "pairs" (bf16 rows read in pairs, w in pair_order)."""
+    raise NotImplementedError
+
+
+@overload(_dx_block, prefer_literal=True)
+def _ov_dx_block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, rs, nt):
+    name = variant.literal_value
+    if name == "pairs" and not (_pair_types(x, dy, ds) and dx.dtype == dy.dtype):
+        return lambda variant, dx, j, dy, x, w, ds, stage, mhi, p, q, rs, nt: None  # not called: _paired is False
+    plain, streamed = _DX_BLOCK[name, False], _DX_BLOCK[name, True]
+
+    def block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, rs, nt):
+        if nt:
+            streamed(dx, np.uint64(j), dy, x, w, ds, stage, mhi, p, q, rs)
+        else:
+            plain(dx, np.uint64(j), dy, x, w, ds, stage, mhi, p, q, rs)
+
+    return block

@@ -1,0 +1,192 @@
+"""Where the CPU kernels' outputs live: a pool of large aligned buffers, and when to stream.
+
+Allocating a fresh large tensor costs more than the kernel on a small machine (every first touch
+of a new page faults), so large outputs come from a pool that keeps its pages (BufferPool).
+Outputs larger than half the last-level cache are written with non-temporal stores, which skip
+the read-for-ownership of each line (STREAM_MIN_BYTES; docs/cpu-kernels.md has the measurements).
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import math
+import os
+import sys
+import threading
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .simd import STAGE_WIDTH
+
+
+def _as_numpy(t: Tensor) -> np.ndarray:
+    """A numpy view of a contiguous CPU tensor in the encoding the kernels expect. (An integer
+    view never requires grad, so only float32 needs the detach; each step is a microsecond or
+    two of every call.)"""
+    if t.dtype == torch.float32:
+        return t.detach().numpy()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy()
+    if t.dtype == torch.float16:
+        return t.view(torch.int16).numpy()
+    raise TypeError(f"cpu kernels take float32, bfloat16 or float16 tensors, got {t.dtype}")
+
+
+_NP_STORAGE = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.int16, torch.float64: np.float64}
+
+
+ALIGN = 64  # bytes: a cache line, and what the streaming stores need (torch aligns to 64 too)
+
+
+def _raw(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes + ALIGN, np.uint8)
+
+
+def _aligned(raw: np.ndarray, nbytes: int, start: int | None = None) -> np.ndarray:
+    """The 64-byte-aligned ``nbytes`` of a buffer from ``_raw`` (``start``: where they begin, if
+    known). A view, whose base is ``raw`` itself (numpy collapses view chains), so holding it
+    holds ``raw``: the pool's reference counts stay right."""
+    if start is None:
+        start = -raw.__array_interface__["data"][0] % ALIGN
+    return raw[start : start + nbytes]
+
+
+class BufferPool:
+    """Large output buffers, reused once nothing refers to them any more.
+
+    Why: a fresh large tensor's pages fault on first touch, inside the kernel, and glibc returns
+    large blocks to the OS on free, so every call would fault again (docs/cpu-kernels.md,
+    "Output buffers"). This pool keeps the pages: a buffer goes back into use when
+    its reference count shows that no tensor, view or autograd graph holds it (the tensor
+    returned keeps its numpy view, and the view its buffer, alive). Buffers smaller than
+    ``min_bytes`` come from torch's allocator, which recycles small blocks itself.
+
+    ``max_bytes`` caps what the pool holds (in use or free); past it, outputs come from numpy's
+    allocator unpooled, and free buffers are dropped oldest first to make room.
+    """
+
+    def __init__(self, max_bytes: int, min_bytes: int = 1 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.min_bytes = min_bytes
+        self._buffers: dict[int, list[tuple[np.ndarray, int]]] = {}  # (buffer, where its aligned bytes start)
+        self._held = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _free(buffers: list[tuple[np.ndarray, int]], i: int) -> bool:
+        # Two references when free: the pool's entry and getrefcount's own argument. Any tensor,
+        # view or saved activation made from the buffer adds one.
+        return sys.getrefcount(buffers[i][0]) == 2
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            buffers = self._buffers.setdefault(nbytes, [])
+            for i in range(len(buffers)):
+                if self._free(buffers, i):
+                    raw, start = buffers[i]
+                    return _aligned(raw, nbytes, start)  # a view: holding it holds the buffer
+            if self._held + nbytes > self.max_bytes:
+                self._evict(self._held + nbytes - self.max_bytes)
+            if self._held + nbytes > self.max_bytes:
+                return _aligned(_raw(nbytes), nbytes)  # over the cap: not pooled
+            raw = _raw(nbytes)
+            buffers.append((raw, -raw.__array_interface__["data"][0] % ALIGN))
+            self._held += nbytes
+            return _aligned(raw, nbytes, buffers[-1][1])
+
+    def _evict(self, need: int) -> None:
+        for size, buffers in self._buffers.items():
+            i = 0
+            while i < len(buffers) and need > 0:
+                if self._free(buffers, i):
+                    del buffers[i]
+                    need -= size
+                    self._held -= size
+                else:
+                    i += 1
+
+    def clear(self) -> None:
+        """Drop every free buffer."""
+        with self._lock:
+            self._evict(self._held)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            in_use = sum(not self._free(b, i) for b in self._buffers.values() for i in range(len(b)))
+            count = sum(len(b) for b in self._buffers.values())
+            return {"buffers": count, "held_bytes": self._held, "in_use": in_use}
+
+
+def env_setting(name: str, default: str, *, choices: tuple[str, ...] | None = None) -> str | float:
+    """A NORMLAB_CPU_* setting: one of ``choices``, or else a finite number >= 0. A bad value is an
+    error that names the variable, raised when the backend loads."""
+    raw = os.environ.get(name) or default
+    if choices is not None:
+        if raw not in choices:
+            raise ValueError(f"environment variable {name} must be one of {', '.join(choices)}; got {raw!r}")
+        return raw
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"environment variable {name} must be a number of MB >= 0; got {raw!r}")
+    return value
+
+
+# How outputs are allocated: "pool" (default, above), "numpy" (numpy's allocator, unpooled) or
+# "torch" (torch.empty). NORMLAB_CPU_ALLOC picks one; NORMLAB_CPU_POOL_MB caps the pool.
+ALLOCATOR = env_setting("NORMLAB_CPU_ALLOC", "pool", choices=("pool", "numpy", "torch"))
+POOL = BufferPool(int(env_setting("NORMLAB_CPU_POOL_MB", "1024")) << 20)
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    nbytes = math.prod(shape) * dtype.itemsize
+    if ALLOCATOR == "torch" or nbytes < POOL.min_bytes:
+        return torch.empty(shape, dtype=dtype)
+    if ALLOCATOR == "pool":
+        raw = POOL.take(nbytes)
+    else:
+        raw = _aligned(_raw(nbytes), nbytes)
+    buf = torch.from_numpy(raw.view(_NP_STORAGE[dtype]).reshape(shape))
+    return buf if buf.dtype == dtype else buf.view(dtype)
+
+
+def _rows(t: Tensor) -> Tensor:
+    """(..., d) -> contiguous (rows, d)."""
+    return t.contiguous().view(-1, t.shape[-1]) if t.dim() != 2 or not t.is_contiguous() else t
+
+
+def _last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """The size of the largest CPU cache (Linux sysfs), or ``default`` where it cannot be read."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip().upper()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=default)
+
+
+# Outputs of at least this many bytes are written with non-temporal stores (x86 only): half the
+# last-level cache, where input plus output stop fitting in it; below it streaming is slower
+# (docs/cpu-kernels.md, "Streaming stores"). NORMLAB_CPU_STREAM_MB overrides it (0: always
+# stream, as a test does to compare both paths on small tensors).
+STREAM_MIN_BYTES = (
+    int(env_setting("NORMLAB_CPU_STREAM_MB", "") * (1 << 20))
+    if os.environ.get("NORMLAB_CPU_STREAM_MB")
+    else _last_level_cache_bytes() // 2
+)
+
+
+@functools.cache
+def _zero_stages(count: int) -> np.ndarray:
+    """The kernels' staging rows, one per chunk (simd.STAGE_WIDTH). Nothing writes them, so calls
+    and threads share one set per chunk count; torch aligns them to 64 bytes, so the line of
+    zeros the kernels load is one cache line."""
+    return torch.zeros(count, STAGE_WIDTH, dtype=torch.float32).numpy()

@@ -1,0 +1,411 @@
+"""RMSNorm on CPU, fused: the forward, the residual-add forward, and the backward.
+
+Forward, per row of d features (the statistic over the first k; k < d is partial RMSNorm):
+
+    rstd = 1 / sqrt(mean(x[:k]^2) + eps)      (eps inside the root; outside: 1 / (rms + eps))
+    y    = x * rstd * w                       (gemma order, in float32; w = offset + weight)
+    y    = round(x * rstd) * w                (llama order: x * rstd rounded to y's dtype first,
+                                               w rounded to it by the launcher)
+    add variant: s = round(x + residual), stored, and y = rms_norm(s)
+
+Backward, with g = dy * w (for the features past k only the first term applies):
+
+    dx = rstd * g - coef * x,   coef = rstd^3 * sum(g * x) / k          (eps inside)
+                                coef = rstd^2 / rms * sum(g * x) / k    (eps outside)
+    dw = sum over rows of dy * xhat,   xhat = x * rstd (rounded as in the forward)
+
+Sums are float32 over blocks of BLOCK values added in float64. Each output is written by scalar
+element helpers at a row's head and tail and by 16-lane vector blocks in between; the two forms
+of each formula sit side by side below and do the same operations in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+from numba.extending import overload
+
+from .cache import kernel
+from .codecs import _load, _round_like, _store
+from .rows import (_chunk, _is_llama, _pair_types, _paired, _partial_rows, _recip, _row, _row_pairs, _spans,
+                   _sum_partials, _value, _vector_sums)
+from .simd import (BLOCK, EMIT, _fma, _fma32, _narrow, _prefetch_pass1, _prefetch_pass2, _row_sumsq,
+                   _store_fence, _widen, backward_block, forward_block, grad_sums, pair_order)
+
+# ---------------------------------------------------------------------------------- forward
+# ``stages``: one float32 staging row per chunk (their count is the chunk count; see simd.py).
+# ``nt``: stream the outputs past the caches. ``rnd``: a 1-element array whose dtype is where
+# xhat is rounded (the output's in the llama order, float32 in the gemma order).
+
+
+@kernel
+def rms_fwd(x, w, y, rstd, eps, inside, k, rnd, stages, nt):
+    n = x.shape[0]
+    nchunks = stages.shape[0]
+    for c in prange(nchunks):
+        r0, r1 = _chunk(c, nchunks, n)
+        stage = stages[c]
+        for r in range(r0, r1):
+            xr = x[r]
+            rs = _rms_scale(_sumsq(xr, None, None, k), k, eps, inside)
+            rstd[r] = rs
+            _rms_write(xr, w, y[r], rs, rnd, stage, nt, xr, None)
+        if nt:
+            _store_fence()
+
+
+@kernel
+def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, rnd, stages, nt):
+    n = x.shape[0]
+    nchunks = stages.shape[0]
+    for c in prange(nchunks):
+        r0, r1 = _chunk(c, nchunks, n)
+        stage = stages[c]
+        for r in range(r0, r1):
+            xr, rr, sr = x[r], res[r], s[r]
+            # s is an output too, but the second pass reads it back: plain stores keep it cached
+            rs = _rms_scale(_sumsq(xr, rr, sr, k), k, eps, inside)
+            rstd[r] = rs
+            _rms_write(sr, w, y[r], rs, rnd, stage, nt, xr, rr)
+        if nt:
+            _store_fence()
+
+
+@njit(inline="always")
+def _sumsq(xr, rr, sr, k):
+    """Sum of the row's squares over [:k] (forming the whole residual sum when rr is given)."""
+    full = k - k % BLOCK
+    if rr is None and _vector_sums(xr):
+        total = _row_sumsq(xr, full, np.float32(0.0), xr, None)[0]
+    else:
+        total = 0.0
+        for j in range(0, full, BLOCK):
+            _prefetch_pass1(xr, rr, j)
+            part = np.float32(0.0)
+            for i in range(j, j + BLOCK):
+                v = _value(xr, rr, sr, i)
+                part += v * v
+            total += part
+    part = np.float32(0.0)
+    for i in range(full, k):
+        v = _value(xr, rr, sr, i)
+        part += v * v
+    if rr is not None:
+        for i in range(k, xr.shape[0]):  # past the statistic: the sum is still formed
+            _value(xr, rr, sr, i)
+    return total + part
+
+
+@njit
+def _rms_scale(ss, k, eps, inside):
+    ms = ss / k
+    if inside:
+        return _recip(math.sqrt(ms + eps))
+    return _recip(math.sqrt(ms) + eps)
+
+
+@njit(inline="always")
+def _rms_write(xr, w, yr, rs, rnd, stage, nt, ahead1, ahead2):
+    """The row's outputs; ahead1 and ahead2 are the inputs whose next rows pass 2 prefetches."""
+    d = yr.shape[0]
+    a, b = _spans(yr, 0, d, nt)
+    for i in range(a):
+        _rms_y(xr, w, yr, rs, rnd, i)
+    for j in range(a, b, EMIT):
+        _prefetch_pass2(ahead1, ahead2, j, 1)
+        _y_block(yr, j, xr, w, stage, rs, nt, rnd)
+    for i in range(b, d):
+        _rms_y(xr, w, yr, rs, rnd, i)
+
+
+@njit
+def _rms_y(xr, w, yr, rs, rnd, i):
+    _store(yr, i, _round_like(rnd, _load(xr, i) * rs) * _load(w, i))
+
+
+def _y_vector(llama):
+    """_rms_y on 16 lanes (the llama order's rounding and weight come as the block is stored)."""
+
+    def y(builder, x, w, b, mhi, mlo, rs):
+        t = builder.fmul(x, rs)
+        return t if llama else builder.fmul(t, w())
+
+    return y
+
+
+_Y_BLOCK = {(llama, nt): forward_block(_y_vector(llama), llama, nt) for llama in (False, True) for nt in (False, True)}
+
+
+def _y_block(y, j, x, w, stage, rs, nt, rnd):  # pragma: no cover - replaced by the overload below
+    """The output block y[j:j + EMIT] (simd.forward_block)."""
+    raise NotImplementedError
+
+
+@overload(_y_block)
+def _ov_y_block(y, j, x, w, stage, rs, nt, rnd):
+    plain, streamed = (_Y_BLOCK[_is_llama(rnd), t] for t in (False, True))
+
+    def block(y, j, x, w, stage, rs, nt, rnd):
+        z = np.float32(0.0)
+        if nt:
+            streamed(y, np.uint64(j), x, w, w, stage, z, z, rs)
+        else:
+            plain(y, np.uint64(j), x, w, w, stage, z, z, rs)
+
+    return block
+
+
+# --------------------------------------------------------------------------------- backward
+# Pass 1 forms sum(g * x) (and sum(x^2) over [:k] when eps is outside the root) and adds the row's
+# dw terms to its chunk's float32 partial row; pass 2 writes dx. The partial rows are summed in
+# chunk order at the end. bf16 rows take pass 1 as vectors (grad_sums), read in pair order, and
+# in pairs of rows from PAIR_ROWS_MIN features on (rows.py). ``ds``: the gradient flowing into
+# the residual sum (add variants), added to dx, or None.
+
+
+@kernel
+def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, rnd, stages, nt):
+    n, d = x.shape
+    nchunks = stages.shape[0]
+    span = k - k % BLOCK if _paired(x, dy) else 0
+    wp = pair_order(w, span)
+    dw_part = _partial_rows(nchunks, d)
+    pairs = _row_pairs(x, dy, k)
+    for c in prange(nchunks):
+        r0, r1 = _chunk(c, nchunks, n)
+        dwc = dw_part[c]
+        stage = stages[c]
+        paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
+        gx2, ss2 = 0.0, 0.0
+        for r in range(r0, r1):
+            dyr, xr, dxr, dsr = dy[r], x[r], dx[r], _row(ds, r)
+            rs = rstd[r]
+            ahead = 1 if r >= paired_to else 2  # rows ahead that pass 2 prefetches
+            if ahead == 1:
+                gx, ss = _dot_gx(dyr, w, wp, xr, k, dwc, rs, rnd, not inside)
+            elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
+                gx, ss, gx2, ss2 = _dot_gx_pair(dyr, xr, dy[r + 1], x[r + 1], w, wp, k, dwc, rs, rstd[r + 1], rnd, not inside)
+            else:
+                gx, ss = gx2, ss2
+            coef = _rms_coef(rs, gx, ss, k, inside)
+            _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, 0, k, True, stage, nt, ahead)
+            if k < d:  # pRMSNorm: the features past the statistic
+                _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, k, d, False, stage, nt, ahead)
+        if nt:
+            _store_fence()
+    _sum_partials(dw_part, span, dw)
+
+
+# ------------------------------------------------------------------------- backward, pass 1
+
+
+@njit(inline="always")
+def _dot_gx(dyr, w, wp, xr, k, dwc, rs, rnd, squares):
+    """(sum over the row of g * x, sum of x^2 over [:k] or, without ``squares``, any value),
+    adding the row's dw terms to dwc. ``wp``: w in pair_order over the whole blocks of [:k]."""
+    full = k - k % BLOCK
+    tgx, tss = _rms_blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares)
+    pgx, pss = _rms_tail(dyr, w, xr, full, k, dwc, rs, rnd)
+    return tgx + pgx, tss + pss
+
+
+@njit
+def _rms_dw(dyr, xr, dwc, rs, rnd, i):
+    """Add element i's dw term to dwc; returns x[i]."""
+    xv = _load(xr, i)
+    dwc[np.uint64(i)] = _fma32(_load(dyr, i), _round_like(rnd, xv * rs), dwc[np.uint64(i)])
+    return xv
+
+
+def _grad_terms(llama, squares):
+    """_rms_blocks_loop's element on 16 lanes, for simd.grad_sums: s0 += g * x, s1 += x * x,
+    and xhat for the dw term."""
+
+    def terms(builder, x, dy, w, c, s0, s1, a, rnd_kind, hw):
+        g = builder.fmul(dy, w)
+        s0[a] = _fma(builder, g, x, s0[a])
+        if squares:
+            s1[a] = _fma(builder, x, x, s1[a])
+        xh = builder.fmul(x, c[0])
+        if llama:
+            xh = _widen(builder, _narrow(builder, xh, rnd_kind, hw), rnd_kind)
+        return xh
+
+    return terms
+
+
+_GRAD_SUMS = {
+    (llama, squares, rows): grad_sums(_grad_terms(llama, squares), rows)
+    for llama in (False, True) for squares in (False, True) for rows in (1, 2)
+}
+
+
+@njit(inline="always")
+def _rms_blocks_loop(dyr, w, xr, full, dwc, rs, rnd):
+    """_dot_gx's whole blocks as element loops (LLVM vectorizes them)."""
+    tgx = 0.0
+    tss = 0.0
+    for j in range(0, full, BLOCK):
+        _prefetch_pass1(xr, dyr, j)
+        pgx = np.float32(0.0)
+        pss = np.float32(0.0)
+        for i in range(j, j + BLOCK):
+            xv = _rms_dw(dyr, xr, dwc, rs, rnd, i)
+            pgx += (_load(dyr, i) * _load(w, i)) * xv
+            pss += xv * xv
+        tgx += pgx
+        tss += pss
+    return tgx, tss
+
+
+def _rms_blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares):  # pragma: no cover - replaced by the overload below
+    """_dot_gx over the whole blocks [0, full): the vector pass for bf16 rows, else the element
+    loops. Picked when numba types the call, so each kernel compiles one of them."""
+    raise NotImplementedError
+
+
+@overload(_rms_blocks, inline="always")
+def _ov_rms_blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares):
+    if not _pair_types(xr, dyr):
+        return lambda dyr, w, wp, xr, full, dwc, rs, rnd, squares: _rms_blocks_loop(dyr, w, xr, full, dwc, rs, rnd)
+    with_squares, without = (_GRAD_SUMS[_is_llama(rnd), s, 1] for s in (True, False))
+
+    def blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares):
+        z = np.float32(0.0)
+        if squares:
+            return with_squares(dyr, xr, wp, dwc, rnd, full, rs, z, z)
+        return without(dyr, xr, wp, dwc, rnd, full, rs, z, z)
+
+    return blocks
+
+
+@njit(inline="always")
+def _rms_tail(dyr, w, xr, full, k, dwc, rs, rnd):
+    """_dot_gx past the whole blocks: [full, k), then [k, d) (pRMSNorm: g * x only)."""
+    pgx = np.float32(0.0)
+    pss = np.float32(0.0)
+    for i in range(full, k):
+        xv = _rms_dw(dyr, xr, dwc, rs, rnd, i)
+        pgx += (_load(dyr, i) * _load(w, i)) * xv
+        pss += xv * xv
+    for i in range(k, xr.shape[0]):
+        pgx += (_load(dyr, i) * _load(w, i)) * _rms_dw(dyr, xr, dwc, rs, rnd, i)
+    return pgx, pss
+
+
+def _dot_gx_pair(dyr, xr, dyr2, xr2, w, wp, k, dwc, rs, rs2, rnd, squares):  # pragma: no cover - the overload below
+    """_dot_gx of two bf16 rows, their whole blocks in one pass (grad_sums, rows=2): (gx, ss) of
+    the first row, then of the second; the bits of two _dot_gx calls. Other dtypes compile a
+    stub (_row_pairs is False for them), which saves compile time."""
+    raise NotImplementedError
+
+
+@overload(_dot_gx_pair, inline="always")
+def _ov_dot_gx_pair(dyr, xr, dyr2, xr2, w, wp, k, dwc, rs, rs2, rnd, squares):
+    if not _pair_types(xr, dyr):
+        return lambda dyr, xr, dyr2, xr2, w, wp, k, dwc, rs, rs2, rnd, squares: (0.0, 0.0, 0.0, 0.0)
+    with_squares, without = (_GRAD_SUMS[_is_llama(rnd), s, 2] for s in (True, False))
+
+    def pair(dyr, xr, dyr2, xr2, w, wp, k, dwc, rs, rs2, rnd, squares):
+        full = k - k % BLOCK
+        z = np.float32(0.0)
+        if squares:
+            tgx, tss, tgx2, tss2 = with_squares(dyr, xr, dyr2, xr2, wp, dwc, rnd, full, rs, z, z, rs2, z, z)
+        else:
+            tgx, tss, tgx2, tss2 = without(dyr, xr, dyr2, xr2, wp, dwc, rnd, full, rs, z, z, rs2, z, z)
+        pgx, pss = _rms_tail(dyr, w, xr, full, k, dwc, rs, rnd)
+        pgx2, pss2 = _rms_tail(dyr2, w, xr2, full, k, dwc, rs2, rnd)
+        return tgx + pgx, tss + pss, tgx2 + pgx2, tss2 + pss2
+
+    return pair
+
+
+@njit
+def _rms_coef(rs, gx, ss, k, inside):
+    # d rstd / d ms: inside -rstd^3 / 2; outside -rstd^2 / (2 sqrt(ms)). The sum of g * x runs
+    # over all d features (every one is scaled by rstd); only ms is over the first k.
+    r = np.float64(rs)
+    if inside:
+        return np.float32(r * r * r * gx / k)
+    rms = math.sqrt(ss / k)
+    return np.float32(r * r / rms * gx / k) if rms > 0.0 else np.float32(0.0)
+
+
+# ------------------------------------------------------------------------- backward, pass 2
+
+
+@njit(inline="always")
+def _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, i0, i1, head, stage, nt, ahead):
+    """dx over [i0, i1) (``head``: inside the first k, where the coef term applies; there, with
+    i0 = 0, the whole blocks of bf16 rows are read in pairs)."""
+    a, b = _spans(dxr, i0, i1, nt)
+    for i in range(i0, a):
+        _rms_dx(dyr, xr, w, dsr, dxr, rs, coef, i, head)
+    c = a
+    if head and a == 0 and _paired(xr, dyr, dsr):
+        c = i1 - i1 % BLOCK
+        for j in range(0, c, EMIT):
+            _prefetch_pass2(xr, dyr, j, ahead)
+            _dx_block("head/pairs", dxr, j, dyr, xr, wp, dsr, stage, coef, rs, nt)
+    for j in range(c, b, EMIT):
+        _prefetch_pass2(xr, dyr, j, ahead)
+        if head:
+            _dx_block("head", dxr, j, dyr, xr, w, dsr, stage, coef, rs, nt)
+        else:
+            _dx_block("tail", dxr, j, dyr, xr, w, dsr, stage, coef, rs, nt)
+    for i in range(b, i1):
+        _rms_dx(dyr, xr, w, dsr, dxr, rs, coef, i, head)
+
+
+@njit
+def _rms_dx(dyr, xr, w, dsr, out, rs, coef, i, in_head):
+    xv = _load(xr, i)
+    dyv = _load(dyr, i)
+    v = rs * (dyv * _load(w, i))
+    if in_head:
+        v = _fma32(xv, -coef, v)
+    if dsr is not None:
+        v += _load(dsr, i)
+    _store(out, i, v)
+
+
+def _dx_vector(head):
+    """_rms_dx on 16 lanes (p[0] is coef)."""
+
+    def dx(builder, dy, x, w, p, rs):
+        t = builder.fmul(rs, builder.fmul(dy, w))
+        return _fma(builder, x, builder.fneg(p[0]), t) if head else t
+
+    return dx
+
+
+_DX_BLOCK = {
+    (variant, nt): backward_block(_dx_vector(variant != "tail"), nt, paired=variant.endswith("/pairs"), reads_x=variant != "tail")
+    for variant in ("head", "tail", "head/pairs")
+    for nt in (False, True)
+}
+
+
+def _dx_block(variant, dx, j, dy, x, w, ds, stage, coef, rs, nt):  # pragma: no cover - replaced by the overload below
+    """The dx block at j (simd.backward_block). ``variant`` a string literal: "head" (inside
+    the first k), "tail" (past it) or "head/pairs" (bf16 rows read in pairs, w in pair_order)."""
+    raise NotImplementedError
+
+
+@overload(_dx_block, prefer_literal=True)
+def _ov_dx_block(variant, dx, j, dy, x, w, ds, stage, coef, rs, nt):
+    name = variant.literal_value
+    if name.endswith("/pairs") and not (_pair_types(x, dy, ds) and dx.dtype == dy.dtype):
+        return lambda variant, dx, j, dy, x, w, ds, stage, coef, rs, nt: None  # not called: _paired is False
+    plain, streamed = (_DX_BLOCK[name, t] for t in (False, True))
+
+    def block(variant, dx, j, dy, x, w, ds, stage, coef, rs, nt):
+        z = np.float32(0.0)
+        if nt:
+            streamed(dx, np.uint64(j), dy, x, w, ds, stage, coef, z, z, rs)
+        else:
+            plain(dx, np.uint64(j), dy, x, w, ds, stage, coef, z, z, rs)
+
+    return block

@@ -1,0 +1,155 @@
+"""What every kernel does per row and per chunk of rows, whatever the op.
+
+Every kernel takes 2-D C-contiguous (rows, d) arrays and splits the rows into ``nchunks``
+contiguous chunks, one ``prange`` iteration each. A chunk owns its slice of the outputs and its
+own row of the weight-gradient partials, so the same inputs and chunk count give bitwise-
+identical outputs and gradients, whichever thread ran which chunk. Each row is worked in two
+passes: its statistics (streaming it from memory), then its outputs (reading it again from
+cache), by the same loops whatever the rest of the call, so a row's result does not depend on
+the batch it came in.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from .cache import kernel
+from .codecs import _load, _round_like, _store
+from .simd import BLOCK, EMIT, pair_unorder
+
+
+@kernel
+def start_threads(n):
+    """A trivial parallel loop: the first one a process runs starts numba's threading layer."""
+    total = 0
+    for i in prange(n):
+        total += i
+    return total
+
+
+@njit
+def _chunk(c, nchunks, n):
+    return c * n // nchunks, (c + 1) * n // nchunks
+
+
+@njit
+def _value(xr, rr, sr, i):
+    """Element i of the row being normalized: x, or in the add variants (rr given) the residual
+    sum x + r rounded to sr's dtype, which is stored in sr on the way."""
+    if rr is None:
+        return _load(xr, i)
+    v = _round_like(sr, _load(xr, i) + _load(rr, i))
+    _store(sr, i, v)
+    return v
+
+
+@njit
+def _recip(x):
+    """1 / x as float32, inf at 0 (eps = 0 on a zero row) where numba would raise ZeroDivisionError."""
+    return np.float32(math.inf) if x == 0.0 else np.float32(1.0 / x)
+
+
+def _row(a, r):  # pragma: no cover - replaced by the overload below
+    raise NotImplementedError
+
+
+@overload(_row)
+def _ov_row(a, r):
+    """a[r], or None when a is None (an optional input such as the residual gradient). An
+    overload rather than an ``if a is None`` branch: numba would type that value Optional."""
+    if _is_none(a):
+        return lambda a, r: None
+    return lambda a, r: a[r]
+
+
+@njit
+def _spans(out, i0, i1, nt):
+    """Split [i0, i1) of an output row into a plain head [i0, a), whole blocks [a, b) and a plain
+    tail [b, i1). With ``nt`` the blocks start at the row's first 64-byte boundary, as
+    non-temporal stores need."""
+    a = i0
+    if nt:
+        size = out.itemsize
+        misalign = (np.int64(out.ctypes.data) + i0 * size) % 64
+        a = i0 + min(i1 - i0, ((64 - misalign) % 64) // size)
+    return a, a + (i1 - a) // EMIT * EMIT
+
+
+# ------------------------------------------------------------------------- typing-time choices
+
+
+def _is_none(t):
+    """Whether a numba argument type is None (or the argument was left out)."""
+    return t is None or isinstance(t, (types.NoneType, types.Omitted))
+
+
+def _is_llama(rnd):
+    return not _is_none(rnd) and rnd.dtype != types.float32
+
+
+def _pair_types(x, dy, ds=None):
+    """Whether numba array types x and dy (and ds, when given) are all bf16: the rows the
+    backward reads in pairs (_bf16_pair)."""
+    return x.dtype == dy.dtype == types.uint16 and (_is_none(ds) or ds.dtype == types.uint16)
+
+
+def _paired(x, dy, ds=None):  # pragma: no cover - replaced by the overload below
+    """Whether the backward reads its rows in bf16 pairs with w in pair_order."""
+    raise NotImplementedError
+
+
+@overload(_paired)
+def _ov_paired(x, dy, ds=None):
+    every = _pair_types(x, dy, ds)
+    return lambda x, dy, ds=None: every
+
+
+def _vector_sums(a):  # pragma: no cover - replaced by the overload below
+    """Whether pass 1 over row ``a`` takes the vector loops (simd._row_sums): 16-bit rows,
+    where the sums set the pace. A float32 row waits on memory, and there they were slower."""
+    raise NotImplementedError
+
+
+@overload(_vector_sums)
+def _ov_vector_sums(a):
+    vector = a.dtype != types.float32
+    return lambda a: vector
+
+
+# Row pairs: the bf16 backward's pass 1 takes two rows at once where a row's whole blocks span at
+# least PAIR_ROWS_MIN values: its float32 partial rows outgrow L1 there, and two rows halve that
+# traffic. Below it, rows read side by side slowed the stream prefetcher (docs/cpu-kernels.md).
+PAIR_ROWS_MIN = 4096
+
+
+@njit
+def _row_pairs(x, dy, k):
+    """Whether the backward takes its rows in pairs (see PAIR_ROWS_MIN)."""
+    return _paired(x, dy) and k - k % BLOCK >= max(PAIR_ROWS_MIN, BLOCK)
+
+
+# ------------------------------------------------------------------ weight-gradient partials
+
+
+@njit
+def _partial_rows(nchunks, d):
+    """Zeroed float32 rows, one per chunk. (Its own function: in a parallel kernel's body numba
+    turns np.zeros into a parallel loop, more compile time for every signature.)"""
+    return np.zeros((nchunks, d), np.float32)
+
+
+@njit
+def _sum_partials(part, span, out):
+    """out = the partial rows summed in chunk order (deterministic for a chunk count), put back
+    in place from pair order over [0, span) and stored in out's dtype (rounded to nearest even,
+    as torch converts)."""
+    total = part[0].copy()
+    for c in range(1, part.shape[0]):
+        total += part[c]
+    total = pair_unorder(total, span)
+    for i in range(total.shape[0]):
+        _store(out, i, total[i])

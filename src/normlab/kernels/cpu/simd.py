@@ -1,0 +1,554 @@
+"""Vector code the kernels call, written as LLVM IR: loads, output blocks, sums and prefetches.
+
+LLVM's vectorizer leaves the kernels' hot loops short of what the hardware does (it reduces
+every block to a scalar, chains the fmas, and converts bf16 one element at a time), so those
+loops are spelled out here as 16-lane vectors. What the vectors compute is the op files' business:
+``forward_block``, ``backward_block`` and ``grad_sums`` take the math as a function from the op
+file (rmsnorm.py, layernorm.py), which emits exactly the operations of that op's scalar
+helper, so vector blocks and scalar heads and tails give the same bits.
+docs/cpu-kernels.md says what each technique buys and how that was measured.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numba
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from .codecs import _LANES, _bf16_pair, _narrow, _narrow_line, _pair_line, _widen
+
+BLOCK = 256  # values per block of a row's first pass (its sums)
+EMIT = 64  # outputs per block of the second pass: small, so stores interleave with the arithmetic
+_ACC = 4  # independent float32 accumulators per sum in a block
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+HW_BF16 = numba.config.CPU_NAME is None and bool(llvm.get_host_cpu_features().get("avx512bf16", False))
+
+# A staging row (one per chunk, float32, 64-byte aligned): a line of zeros at _ZERO, which
+# _narrow_line needs (the launcher zeroes the row, the kernels never write it); [0, EMIT) holds
+# a block where _EMIT (the tests) converts one.
+_ZERO = 128
+STAGE_WIDTH = 192
+
+# ------------------------------------------------------------------------------- arithmetic
+
+
+def _fma(builder, a, b, c):
+    """a * b + c rounded once, for float32 scalars or vectors of 16."""
+    ty = a.type
+    name = "llvm.fma.v16f32" if isinstance(ty, ir.VectorType) else "llvm.fma.f32"
+    return builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]), name), [a, b, c])
+
+
+@intrinsic
+def _fma32(typingctx, a, b, c):
+    """a * b + c for float32 scalars, rounded once (the vector blocks' fma, element by element)."""
+
+    def codegen(context, builder, signature, args):
+        return _fma(builder, *args)
+
+    f = types.float32
+    return f(f, f, f), codegen
+
+
+def _f32x16(builder, scalar):
+    v = builder.insert_element(ir.Constant(ir.VectorType(ir.FloatType(), _LANES), ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES))
+
+
+def _tree(builder, vectors):
+    """The vectors added pairwise, in a fixed order."""
+    while len(vectors) > 1:
+        vectors = [builder.fadd(vectors[i], vectors[i + 1]) for i in range(0, len(vectors), 2)]
+    return vectors[0]
+
+
+def _half(builder, v, h):
+    """The low (h=0) or high (h=1) half of a vector's lanes."""
+    n = v.type.count // 2
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), n), list(range(h * n, (h + 1) * n))))
+
+
+def _lanes_sum(builder, v):
+    """The lanes of a float64 vector added pairwise: one scalar."""
+    while v.type.count > 1:
+        v = builder.fadd(_half(builder, v, 0), _half(builder, v, 1))
+    return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+
+
+# ------------------------------------------------------------------------------------ loads
+
+
+def _load_f32(builder, base, v):
+    """Float32 vector v (16 lanes) from a float32 pointer."""
+    f32 = ir.VectorType(ir.FloatType(), _LANES)
+    ptr = builder.gep(base, [ir.Constant(ir.IntType(64), v * _LANES)])
+    return builder.load(builder.bitcast(ptr, f32.as_pointer()), align=4)
+
+
+def _load_row(builder, base, v, kind):
+    """Vector v (16 lanes, in order) from a row of ``kind``, widened to float32."""
+    element = ir.FloatType() if kind == types.float32 else ir.IntType(kind.bitwidth)
+    ptr = builder.gep(base, [ir.Constant(ir.IntType(64), v * _LANES)])
+    bits = builder.load(builder.bitcast(ptr, ir.VectorType(element, _LANES).as_pointer()), align=kind.bitwidth // 8)
+    return _widen(builder, bits, kind)
+
+
+def _block_stream(builder, data, base, kind):
+    """The BLOCK values from element ``base`` of ``data`` as float32 vectors of 16, emitted as
+    they are used, in an order fit for sums (bf16 read in pairs: _bf16_pair)."""
+    start = builder.gep(data, [base])
+    if kind == types.uint16:
+        for v in range(BLOCK // 32):
+            yield from _bf16_pair(builder, start, 32 * v)
+    else:
+        for v in range(BLOCK // _LANES):
+            yield _load_row(builder, start, v, kind)
+
+
+# ------------------------------------------------------------------------------- prefetches
+# The next row's inputs are prefetched while this row is worked on, half during each pass, at
+# the pace the pass reads this row, so memory stays busy and the next first pass reads cache.
+
+
+def _prefetch_ir(builder, ptr, write):
+    """A prefetch of the line at ``ptr`` into all cache levels (never faults, in bounds or not)."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(write)), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
+def _prefetch_next_block(builder, base, kind):
+    """Prefetch for writing the lines of the next output block (beyond the row's end: harmless)."""
+    first = builder.bitcast(builder.gep(base, [ir.Constant(ir.IntType(64), EMIT)]), ir.IntType(8).as_pointer())
+    for line in range(EMIT * (kind.bitwidth // 8) // 64):
+        _prefetch_ir(builder, builder.gep(first, [ir.Constant(ir.IntType(64), 64 * line)]), write=True)
+
+
+def _prefetch_ahead(context, builder, aryty, ary, j, values, ahead=1):
+    """Prefetch (for reading) the lines of values [j, j + ``values``) of the row ``ahead`` rows
+    after the row ``ary`` in memory; nothing for a None."""
+    if isinstance(aryty, (types.NoneType, types.Omitted)):
+        return
+    data = context.make_array(aryty)(context, builder, ary)
+    row = builder.extract_value(data.shape, 0)
+    if ahead > 1:
+        row = builder.mul(row, ir.Constant(row.type, ahead))
+    first = builder.gep(data.data, [builder.add(row, j)])
+    first = builder.bitcast(first, ir.IntType(8).as_pointer())
+    for line in range(max(1, values * aryty.dtype.bitwidth // 8 // 64)):
+        _prefetch_ir(builder, builder.gep(first, [ir.Constant(ir.IntType(64), 64 * line)]), write=False)
+
+
+def _make_prefetch(values):
+    """A function (a, j) that prefetches the lines of values [j, j + ``values``) of the row that
+    follows the row ``a`` in memory; nothing for a None. The line count is a compile-time
+    constant (a loop over numba's ``a.itemsize`` cost a division per block)."""
+
+    def prefetch(typingctx, a, j):
+        def codegen(context, builder, signature, args):
+            _prefetch_ahead(context, builder, signature.args[0], args[0], args[1], values)
+            return context.get_dummy_value()
+
+        return types.void(a, types.int64), codegen
+
+    lines = intrinsic(prefetch)
+
+    def fetch(a, j):  # pragma: no cover - replaced by the overload below
+        raise NotImplementedError
+
+    @overload(fetch, inline="always")
+    def _ov_fetch(a, j):
+        if isinstance(a, (types.NoneType, types.Omitted)):
+            return lambda a, j: None
+        return lambda a, j: lines(a, j)
+
+    return fetch
+
+
+_prefetch_wide = _make_prefetch(BLOCK // 2)
+_prefetch_narrow = _make_prefetch(EMIT // 2)
+
+
+@njit(inline="always")  # a call per block here made the backward 1.15x-1.5x slower
+def _prefetch_pass1(a1, a2, j):
+    """Prefetch what block j of pass 1 asks of the rows that follow a1 and a2 (a2 may be None):
+    the values from j // 2, so the first half of the next row arrives during this pass 1."""
+    _prefetch_wide(a1, j // 2)
+    _prefetch_wide(a2, j // 2)
+
+
+@njit(inline="always")
+def _prefetch_pass2(a1, a2, j, ahead):
+    """Pass 2's share for block j: the values from d // 2 + j // 2 of the rows ``ahead`` rows
+    after a1 and a2 (1, or 2 where rows go in pairs)."""
+    h = a1.shape[0] * (ahead - 1) + a1.shape[0] // 2 + j // 2
+    _prefetch_narrow(a1, h)
+    _prefetch_narrow(a2, h)
+
+
+# ----------------------------------------------------------------------------------- stores
+
+
+def _store_block(builder, kind, base, wbase, values, llama, nt, hw, zero):
+    """Store EMIT float32 values (16-lane vectors) at ``base`` in the output's dtype. ``llama``:
+    the values are x * rstd, rounded to the output's dtype, widened, multiplied by the weights at
+    ``wbase`` and rounded again. ``nt``: non-temporal stores (``base`` 64-byte aligned), of whole
+    64-byte lines. ``zero``: a staging row's line of zeros (see _narrow_line)."""
+    nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+    if not nt:
+        _prefetch_next_block(builder, base, kind)
+    pending = None
+    for v, x in enumerate(values):
+        off = ir.Constant(ir.IntType(64), v * _LANES)
+        if llama:
+            x = builder.fmul(_widen(builder, _narrow(builder, x, kind, hw), kind), _load_f32(builder, wbase, v))
+        if nt and kind != types.float32:  # 16-bit outputs: a line holds two vectors
+            if pending is None:
+                pending = x
+                continue
+            y = _narrow_line(builder, pending, x, kind, hw, zero)
+            ptr = builder.bitcast(builder.gep(base, [ir.Constant(ir.IntType(64), (v - 1) * _LANES)]), y.type.as_pointer())
+            builder.store(y, ptr, align=64).set_metadata("nontemporal", nontemporal)
+            pending = None
+            continue
+        y = _narrow(builder, x, kind, hw)
+        ptr = builder.bitcast(builder.gep(base, [off]), y.type.as_pointer())
+        if nt:
+            builder.store(y, ptr, align=64).set_metadata("nontemporal", nontemporal)
+        else:
+            builder.store(y, ptr, align=kind.bitwidth // 8)
+
+
+def _store_pairs(builder, base, values, nt, hw, zero):
+    """Store float32 vectors (even, odd, even, odd, ...: see _bf16_pair) as bf16 at ``base``, 32
+    values a line (``nt``: non-temporal, ``base`` 64-byte aligned)."""
+    if not nt:
+        _prefetch_next_block(builder, base, types.uint16)
+    nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+    for c in range(len(values) // 2):
+        line = _pair_line(builder, values[2 * c], values[2 * c + 1], hw, zero)
+        ptr = builder.bitcast(builder.gep(base, [ir.Constant(ir.IntType(64), 32 * c)]), line.type.as_pointer())
+        if nt:
+            builder.store(line, ptr, align=64).set_metadata("nontemporal", nontemporal)
+        else:
+            builder.store(line, ptr, align=2)
+
+
+@intrinsic
+def _store_fence(typingctx):
+    """This thread's non-temporal stores become visible before anything after it: sfence on
+    x86 (a plain fence there orders only normal stores), a full fence elsewhere."""
+
+    def codegen(context, builder, signature, args):
+        if X86:
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.sse.sfence"), [])
+        else:
+            builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+# ----------------------------------------------------------------------------- output blocks
+
+
+def forward_block(math, llama, nt, hw=HW_BF16):
+    """An intrinsic (y, j, x, w, b, stage, mhi, mlo, rstd) that computes and stores the output
+    block y[j:j + EMIT]. ``math(builder, x, w, b, mhi, mlo, rstd)`` gives one 16-lane vector of
+    outputs from one of x; ``w`` and ``b`` are functions that load the matching weights, so a
+    form that does not use them loads nothing. ``llama``: the weight multiply happens as the
+    block is stored (see _store_block), not in ``math``."""
+
+    def block(typingctx, y, j, x, w, b, stage, mhi, mlo, rs):
+        kind, xkind = y.dtype, x.dtype
+
+        def codegen(context, builder, signature, args):
+            y_data, x_data, w_data, b_data, stage_data = (
+                context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 2, 3, 4, 5)
+            )
+            at = args[1]
+            xbase, wbase, bbase = (builder.gep(data, [at]) for data in (x_data, w_data, b_data))
+            mhi, mlo, rs = (_f32x16(builder, args[k]) for k in (6, 7, 8))
+            values = []
+            for v in range(EMIT // _LANES):
+                t = _load_row(builder, xbase, v, xkind)
+                values.append(math(builder, t, lambda v=v: _load_f32(builder, wbase, v),
+                                   lambda v=v: _load_f32(builder, bbase, v), mhi, mlo, rs))
+            zero = builder.gep(stage_data, [ir.Constant(ir.IntType(64), _ZERO)])
+            _store_block(builder, kind, builder.gep(y_data, [at]), wbase, values, llama, nt, hw, zero)
+            return context.get_dummy_value()
+
+        return types.void(y, types.uint64, x, w, b, stage, types.float32, types.float32, types.float32), codegen
+
+    return intrinsic(block)
+
+
+def backward_block(math, nt, paired=False, reads_x=True, hw=HW_BF16):
+    """An intrinsic (dx, j, dy, x, w, ds, stage, p0, p1, p2, rstd) that computes and stores the
+    dx block at j, plus ds (the residual's gradient) when it is not None. ``math(builder, dy, x,
+    w, (p0, p1, p2), rstd)`` gives one 16-lane vector of dx from one of dy and x (x None without
+    ``reads_x``). ``paired`` (bf16 rows, the block's start a multiple of 32 from the row's): the
+    inputs are read two values to a 32-bit lane (_bf16_pair), w is in pair_order, and each 32
+    results are interleaved back into place as they are stored (_store_pairs)."""
+
+    def block(typingctx, dx, j, dy, x, w, ds, stage, p0, p1, p2, rs):
+        has_ds = not isinstance(ds, (types.NoneType, types.Omitted))
+
+        def codegen(context, builder, signature, args):
+            data = {k: context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 2, 3, 4, 6)}
+            if has_ds:
+                data[5] = context.make_array(signature.args[5])(context, builder, args[5]).data
+            at = args[1]
+            base = {k: builder.gep(v, [at]) for k, v in data.items()}
+            p = [_f32x16(builder, args[k]) for k in (7, 8, 9)]
+            rs = _f32x16(builder, args[10])
+
+            def row(k, kind):
+                if paired:
+                    return [u for c in range(EMIT // 32) for u in _bf16_pair(builder, base[k], 32 * c)]
+                return [_load_row(builder, base[k], v, kind) for v in range(EMIT // _LANES)]
+
+            dys = row(2, dy.dtype)
+            xs = row(3, x.dtype) if reads_x else [None] * (EMIT // _LANES)
+            dss = row(5, ds.dtype) if has_ds else None
+            values = []
+            for v in range(EMIT // _LANES):
+                t = math(builder, dys[v], xs[v], _load_f32(builder, base[4], v), p, rs)
+                if has_ds:
+                    t = builder.fadd(t, dss[v])
+                values.append(t)
+            zero = builder.gep(data[6], [ir.Constant(ir.IntType(64), _ZERO)])
+            if paired:
+                _store_pairs(builder, base[0], values, nt, hw, zero)
+            else:
+                _store_block(builder, dx.dtype, base[0], base[4], values, False, nt, hw, zero)
+            return context.get_dummy_value()
+
+        f = types.float32
+        return types.void(dx, types.uint64, dy, x, w, ds, stage, f, f, f, f), codegen
+
+    return intrinsic(block)
+
+
+def _make_emit(llama, nt, hw=HW_BF16):
+    """dst[j:j + EMIT] = src[:EMIT] (a staging row) converted to dst's dtype (see _store_block)."""
+
+    def emit(typingctx, dst, j, src, w):
+        kind = dst.dtype
+
+        def codegen(context, builder, signature, args):
+            dst_data, src_data, w_data = (
+                context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 2, 3)
+            )
+            values = [_load_f32(builder, src_data, v) for v in range(EMIT // _LANES)]
+            zero = builder.gep(src_data, [ir.Constant(ir.IntType(64), _ZERO)])
+            base, wbase = builder.gep(dst_data, [args[1]]), builder.gep(w_data, [args[1]])
+            _store_block(builder, kind, base, wbase, values, llama, nt, hw, zero)
+            return context.get_dummy_value()
+
+        return types.void(dst, types.uint64, src, w), codegen
+
+    return intrinsic(emit)
+
+
+# The conversions on their own, from a staging row: tests/test_kernels_cpu.py checks _store_block
+# through them against the scalar conversions (the integer bf16 path too, on every CPU).
+_EMIT = {(llama, nt): _make_emit(llama, nt) for llama in (False, True) for nt in (False, True)}
+_EMIT_INTEGER_BF16 = {key: _make_emit(*key, hw=False) for key in _EMIT}
+
+# --------------------------------------------------------------------------------- row sums
+# Pass 1 over a row's whole blocks: per block, 16-lane vectors summed into _ACC float32
+# accumulators per sum, the block's lanes then added to float64 lanes, reduced once per row.
+# As fast as a float32 sum and as accurate as a float64 one for any row length.
+
+
+def _f64_totals(builder, count):
+    """``count`` running float64 totals, each two 8-lane vectors (a 16-lane float32 block's halves)."""
+    f64 = ir.VectorType(ir.DoubleType(), _LANES // 2)
+    return [[cgutils.alloca_once_value(builder, ir.Constant(f64, [0.0] * f64.count)) for _ in range(2)] for _ in range(count)]
+
+
+def _add_blocks(builder, acc, totals):
+    """Add each sum's block (its _ACC float32 accumulators, added pairwise) to its float64 total."""
+    f64 = ir.VectorType(ir.DoubleType(), _LANES // 2)
+    for sums, total in zip(acc, totals):
+        block = _tree(builder, sums)
+        for h, t in enumerate(total):
+            builder.store(builder.fadd(builder.load(t), builder.fpext(_half(builder, block, h), f64)), t)
+
+
+def _totals(builder, totals):
+    """The float64 totals as scalars."""
+    return [_lanes_sum(builder, _tree(builder, [builder.load(t) for t in total])) for total in totals]
+
+
+def _make_row_sums(centred):
+    """An intrinsic (xr, n, c, a1, a2) -> (float64, float64) over the values [0, n) of row xr
+    (n a multiple of BLOCK): with ``centred`` the sums of u and u^2 for u = x - c, else the sum
+    of x^2 (and 0.0; c is not used). Block j prefetches as _prefetch_pass1(a1, a2, j) does."""
+
+    def row_sums(typingctx, xr, n, c, a1, a2):
+        kind = xr.dtype
+
+        def codegen(context, builder, signature, args):
+            f32 = ir.VectorType(ir.FloatType(), _LANES)
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            shift = _f32x16(builder, args[2])
+            nsums = 2 if centred else 1
+            totals = _f64_totals(builder, nsums)
+            blocks = builder.udiv(args[1], ir.Constant(ir.IntType(64), BLOCK))
+            with cgutils.for_range(builder, blocks) as loop:
+                base = builder.mul(loop.index, ir.Constant(ir.IntType(64), BLOCK))
+                half = builder.udiv(base, ir.Constant(ir.IntType(64), 2))
+                for k in (3, 4):
+                    _prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2)
+                acc = [[ir.Constant(f32, [0.0] * _LANES)] * _ACC for _ in range(nsums)]
+                for v, x in enumerate(_block_stream(builder, data, base, kind)):
+                    a = v % _ACC
+                    if centred:
+                        x = builder.fsub(x, shift)
+                        acc[1][a] = _fma(builder, x, x, acc[1][a])
+                        acc[0][a] = builder.fadd(acc[0][a], x)
+                    else:
+                        acc[0][a] = _fma(builder, x, x, acc[0][a])
+                _add_blocks(builder, acc, totals)
+            out = _totals(builder, totals)
+            if not centred:
+                out.append(ir.Constant(ir.DoubleType(), 0.0))
+            return context.make_tuple(builder, signature.return_type, out)
+
+        return types.UniTuple(types.float64, 2)(xr, types.int64, types.float32, a1, a2), codegen
+
+    return intrinsic(row_sums)
+
+
+_row_moments = _make_row_sums(centred=True)
+_row_sumsq = _make_row_sums(centred=False)
+
+
+def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
+    """An intrinsic for the backward's first pass over the whole blocks of bf16 rows: the two
+    sums its dx formula needs, and the rows' dw (and db) terms added to the chunk's partial rows
+    on the way. Arguments (dyr, xr, wp, dwc, aux, n, c0, c1, c2) -> (float64, float64), over
+    values [0, n) (a multiple of BLOCK); ``aux`` is the db partial row (``with_db``) or any array
+    whose dtype ``terms`` reads. Values arrive in pair order (_bf16_pair), so wp, dwc and aux are
+    kept in pair_order.
+
+    ``terms(builder, x, dy, w, (c0, c1, c2), s0, s1, a, aux_kind, hw)`` adds one vector's terms
+    to accumulators s0[a] and s1[a] and returns xhat; then dw += dy * xhat (one fma) and, with
+    ``with_db``, db += dy.
+
+    ``rows=2``: (dyr, xr, dyr2, xr2, wp, dwc, aux, n, c0, c1, c2, e0, e1, e2) -> four float64,
+    the same work for two rows at once, which loads and stores each partial-row value once for
+    both. The terms reach dwc in the order two calls would add them: the bits do not change."""
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.VectorType(ir.FloatType(), _LANES)
+        i64 = ir.IntType(64)
+        data = [context.make_array(signature.args[k])(context, builder, args[k]).data for k in range(2 * rows + 2)]
+        w_data, dw_data = data[2 * rows :]
+        aux_type = signature.args[2 * rows + 2]
+        db_data = context.make_array(aux_type)(context, builder, args[2 * rows + 2]).data if with_db else None
+        c = [[_f32x16(builder, args[2 * rows + 4 + 3 * r + k]) for k in range(3)] for r in range(rows)]
+        totals = _f64_totals(builder, 2 * rows)
+        blocks = builder.udiv(args[2 * rows + 3], ir.Constant(i64, BLOCK))
+        with cgutils.for_range(builder, blocks) as loop:
+            base = builder.mul(loop.index, ir.Constant(i64, BLOCK))
+            half = builder.udiv(base, ir.Constant(i64, 2))
+            for r in range(rows):
+                for k in (2 * r + 1, 2 * r):
+                    _prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2, rows)
+            acc = [[ir.Constant(f32, [0.0] * _LANES)] * _ACC for _ in range(2 * rows)]
+            streams = [(_block_stream(builder, data[2 * r + 1], base, signature.args[2 * r + 1].dtype),
+                        _block_stream(builder, data[2 * r], base, signature.args[2 * r].dtype)) for r in range(rows)]
+            for v in range(BLOCK // _LANES):
+                a = v % _ACC
+                at = builder.add(base, ir.Constant(i64, v * _LANES))
+                w = _load_f32(builder, builder.gep(w_data, [at]), 0)
+                dwp = builder.bitcast(builder.gep(dw_data, [at]), f32.as_pointer())
+                dw = builder.load(dwp, align=4)
+                if with_db:
+                    dbp = builder.bitcast(builder.gep(db_data, [at]), f32.as_pointer())
+                    db = builder.load(dbp, align=4)
+                for r, (xs, dys) in enumerate(streams):
+                    x, dy = next(xs), next(dys)
+                    xh = terms(builder, x, dy, w, c[r], acc[2 * r], acc[2 * r + 1], a, aux_type.dtype, hw)
+                    if with_db:
+                        db = builder.fadd(db, dy)
+                    dw = _fma(builder, dy, xh, dw)
+                if with_db:
+                    builder.store(db, dbp, align=4)
+                builder.store(dw, dwp, align=4)
+            _add_blocks(builder, acc, totals)
+        out = _totals(builder, totals)
+        return context.make_tuple(builder, signature.return_type, out)
+
+    f = types.float32
+    if rows == 1:
+        def sums(typingctx, dyr, xr, wp, dwc, aux, n, c0, c1, c2):
+            return types.UniTuple(types.float64, 2)(dyr, xr, wp, dwc, aux, types.int64, f, f, f), codegen
+    else:
+        def sums(typingctx, dyr, xr, dyr2, xr2, wp, dwc, aux, n, c0, c1, c2, e0, e1, e2):
+            return types.UniTuple(types.float64, 4)(dyr, xr, dyr2, xr2, wp, dwc, aux, types.int64, f, f, f, f, f, f), codegen
+
+    return intrinsic(sums)
+
+
+# ------------------------------------------------------------------------------- pair order
+
+
+def _make_pair_shuffle(to_pairs):
+    """An intrinsic (src, dst, span): dst[:span] = src[:span] in pair order (``to_pairs``) or
+    back from it, 32 float32 values at a time as two shuffles of two vectors."""
+    even = [2 * i for i in range(16)]
+    if to_pairs:  # (a, b) = values [g, g + 32) -> (even-indexed, odd-indexed)
+        masks = (even, [i + 1 for i in even])
+    else:  # (evens, odds) -> values in place
+        masks = ([i // 2 + 16 * (i % 2) for i in range(16)], [8 + i // 2 + 16 * (i % 2) for i in range(16)])
+
+    def shuffle(typingctx, src, dst, span):
+        def codegen(context, builder, signature, args):
+            src_data, dst_data = (context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 1))
+            i64 = ir.IntType(64)
+            groups = builder.udiv(args[2], ir.Constant(i64, 32))
+            with cgutils.for_range(builder, groups) as loop:
+                at = builder.mul(loop.index, ir.Constant(i64, 32))
+                a, b = (_load_f32(builder, builder.gep(src_data, [at]), v) for v in (0, 1))
+                for v, mask in enumerate(masks):
+                    out = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 16), mask))
+                    ptr = builder.gep(dst_data, [builder.add(at, ir.Constant(i64, 16 * v))])
+                    builder.store(out, builder.bitcast(ptr, out.type.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.void(src, dst, types.int64), codegen
+
+    return intrinsic(shuffle)
+
+
+_to_pairs = _make_pair_shuffle(True)
+_from_pairs = _make_pair_shuffle(False)
+
+
+@njit
+def pair_order(v, span):
+    """A copy of the float32 vector v with each 32 values of [0, span) (span a multiple of 32)
+    in the order the bf16 passes read them: the 16 even-indexed ones, then the 16 odd-indexed
+    ones; past span, in place."""
+    out = v.copy()
+    _to_pairs(v, out, span)
+    return out
+
+
+@njit
+def pair_unorder(v, span):
+    """The inverse of pair_order."""
+    out = v.copy()
+    _from_pairs(v, out, span)
+    return out
+
