@@ -25,6 +25,8 @@ caches) know them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -43,300 +45,239 @@ def _sum_dtype(x: Tensor, residual: Tensor, residual_in_fp32: bool) -> torch.dty
     return torch.promote_types(dtype, torch.float32) if residual_in_fp32 else dtype
 
 
-def build(prefix: str, device_types: str, L, fused_dtypes: tuple, mean_dtype: torch.dtype) -> SimpleNamespace:
-    """The public functions of a backend whose launchers are the attributes of ``L``."""
-    # ------------------------------------------------------------------------------ custom ops
-    # Options travel as plain scalars (float, bool, int) so the schema stays simple and traceable.
+# ------------------------------------------------------------------------------- the ops
+# One row per custom op: its schema (options travel as plain scalars, so it stays traceable),
+# the launcher call behind it (``L``: the backend's launchers), and its fake implementation,
+# which gives tracing the outputs' shapes and dtypes. A forward op returns y, the residual sum
+# for the add variants, and the statistics its backward needs.
 
 
-
-    @torch.library.custom_op(f"normlab::{prefix}_rms_norm", mutates_args=(), device_types=device_types)
-    def _rms_norm_op(
-        x: Tensor, weight: Tensor | None, eps: float, inside: bool, llama: bool, offset: float, k: int
-    ) -> tuple[Tensor, Tensor]:
-        y, _, rstd = L.rms_fwd_launch(x, weight, eps, inside, llama, offset, k)
-        return y, rstd
-
-
-    @_rms_norm_op.register_fake
-    def _(x, weight, eps, inside, llama, offset, k):
-        return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
+@dataclass(frozen=True)
+class Op:
+    name: str
+    schema: str
+    launch: Callable  # (L, *inputs) -> outputs
+    fake: Callable  # (mean_dtype, *inputs) -> empty outputs
 
 
-    @torch.library.custom_op(f"normlab::{prefix}_add_rms_norm", mutates_args=(), device_types=device_types)
-    def _add_rms_norm_op(
-        x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, inside: bool, llama: bool, offset: float,
-        k: int, residual_in_fp32: bool,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        y, s, rstd = L.rms_fwd_launch(x, weight, eps, inside, llama, offset, k, residual=residual, residual_in_fp32=residual_in_fp32)
-        return y, s, rstd
+def _like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    return x.new_empty(x.shape, dtype=dtype)
 
 
-    @_add_rms_norm_op.register_fake
-    def _(x, residual, weight, eps, inside, llama, offset, k, residual_in_fp32):
-        s = x.new_empty(x.shape, dtype=_sum_dtype(x, residual, residual_in_fp32))
-        return x.new_empty(x.shape), s, x.new_empty(x.shape[:-1], dtype=torch.float32)
+def _per_row(x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    return x.new_empty(x.shape[:-1], dtype=dtype)
 
 
-    @torch.library.custom_op(f"normlab::{prefix}_rms_norm_backward", mutates_args=(), device_types=device_types)
-    def _rms_norm_bwd_op(
-        dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, ds: Tensor | None, eps: float, inside: bool,
-        llama: bool, offset: float, k: int,
-    ) -> tuple[Tensor, Tensor]:
-        return L.rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k)
+def _per_feature(x: Tensor) -> Tensor:
+    return x.new_empty(x.shape[-1:], dtype=torch.float32)
 
 
-    @_rms_norm_bwd_op.register_fake
-    def _(dy, x, weight, rstd, ds, eps, inside, llama, offset, k):
-        return x.new_empty(x.shape), x.new_empty(x.shape[-1:], dtype=torch.float32)
+def _without_sum(outputs: tuple) -> tuple:
+    """A forward launcher's outputs without the residual sum (None: there was no residual)."""
+    return (outputs[0],) + tuple(outputs[2:])
 
 
-    @torch.library.custom_op(f"normlab::{prefix}_layer_norm", mutates_args=(), device_types=device_types)
-    def _layer_norm_op(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-        y, _, mean, rstd = L.ln_fwd_launch(x, weight, bias, eps)
-        return y, mean, rstd
+_RMS_OPTS = "float eps, bool inside, bool llama, float offset, int k"
+
+OPS = (
+    Op("rms_norm", f"(Tensor x, Tensor? weight, {_RMS_OPTS}) -> (Tensor, Tensor)",
+       lambda L, *inputs: _without_sum(L.rms_fwd_launch(*inputs)),
+       lambda mean_dtype, x, *_: (_like(x), _per_row(x))),
+    Op("add_rms_norm",
+       f"(Tensor x, Tensor residual, Tensor? weight, {_RMS_OPTS}, bool residual_in_fp32) -> (Tensor, Tensor, Tensor)",
+       lambda L, x, r, w, *opts: L.rms_fwd_launch(x, w, *opts[:-1], residual=r, residual_in_fp32=opts[-1]),
+       lambda mean_dtype, x, r, *opts: (_like(x), _like(x, _sum_dtype(x, r, opts[-1])), _per_row(x))),
+    Op("rms_norm_backward", f"(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, Tensor? ds, {_RMS_OPTS}) -> (Tensor, Tensor)",
+       lambda L, *inputs: L.rms_bwd_launch(*inputs),
+       lambda mean_dtype, dy, x, *_: (_like(x), _per_feature(x))),
+    Op("layer_norm", "(Tensor x, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)",
+       lambda L, *inputs: _without_sum(L.ln_fwd_launch(*inputs)),
+       lambda mean_dtype, x, *_: (_like(x), _per_row(x, mean_dtype), _per_row(x))),
+    Op("add_layer_norm",
+       "(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps, bool residual_in_fp32) -> (Tensor, Tensor, Tensor, Tensor)",
+       lambda L, x, r, w, b, eps, fp32: L.ln_fwd_launch(x, w, b, eps, residual=r, residual_in_fp32=fp32),
+       lambda mean_dtype, x, r, w, b, eps, fp32: (_like(x), _like(x, _sum_dtype(x, r, fp32)), _per_row(x, mean_dtype), _per_row(x))),
+    Op("layer_norm_backward",
+       "(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, Tensor? ds) -> (Tensor, Tensor, Tensor)",
+       lambda L, *inputs: L.ln_bwd_launch(*inputs),
+       lambda mean_dtype, dy, x, *_: (_like(x), _per_feature(x), _per_feature(x))),
+)
 
 
-    @_layer_norm_op.register_fake
-    def _(x, weight, bias, eps):
-        rows = x.shape[:-1]
-        return x.new_empty(x.shape), x.new_empty(rows, dtype=mean_dtype), x.new_empty(rows, dtype=torch.float32)
+# ----------------------------------------------------------------------------- gradients
+# What each forward saves, and its gradients. ``bwd`` is the backward custom op under
+# torch.compile, or the backward launcher in eager mode; it takes (dy, x, weight, rstd, ds,
+# *opts) for rms and (dy, x, weight, bias, mean, rstd, ds) for ln.
 
 
-    @torch.library.custom_op(f"normlab::{prefix}_add_layer_norm", mutates_args=(), device_types=device_types)
-    def _add_layer_norm_op(
-        x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, residual_in_fp32: bool
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        y, s, mean, rstd = L.ln_fwd_launch(x, weight, bias, eps, residual=residual, residual_in_fp32=residual_in_fp32)
-        return y, s, mean, rstd
+def _grad_like(g: Tensor | None, t: Tensor | None, needed: bool) -> Tensor | None:
+    return None if t is None or not needed or g is None else g.to(t.dtype)
 
 
-    @_add_layer_norm_op.register_fake
-    def _(x, residual, weight, bias, eps, residual_in_fp32):
-        rows = x.shape[:-1]
-        s = x.new_empty(x.shape, dtype=_sum_dtype(x, residual, residual_in_fp32))
-        return x.new_empty(x.shape), s, x.new_empty(rows, dtype=mean_dtype), x.new_empty(rows, dtype=torch.float32)
+def _rms_setup(ctx, inputs, output):
+    x, weight, *opts = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.opts = tuple(opts)
 
 
-    @torch.library.custom_op(f"normlab::{prefix}_layer_norm_backward", mutates_args=(), device_types=device_types)
-    def _layer_norm_bwd_op(
-        dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor, ds: Tensor | None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        return L.ln_bwd_launch(dy, x, weight, mean, rstd, ds)
+def _rms_grads(ctx, dy, bwd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = bwd(dy, x, weight, rstd, None, *ctx.opts)
+    need = ctx.needs_input_grad
+    return _grad_like(dx, x, need[0]), _grad_like(dw, weight, need[1]), None, None, None, None, None
 
 
-    @_layer_norm_bwd_op.register_fake
-    def _(dy, x, weight, mean, rstd, ds):
-        d = x.shape[-1:]
-        return x.new_empty(x.shape), x.new_empty(d, dtype=torch.float32), x.new_empty(d, dtype=torch.float32)
+def _add_rms_setup(ctx, inputs, output):
+    x, residual, weight, *opts, _ = inputs
+    ctx.save_for_backward(output[1], weight, output[2])  # the backward normalizes the sum s
+    ctx.opts = tuple(opts)
+    ctx.dtypes = (x.dtype, residual.dtype)
 
 
-    # -------------------------------------------------------------------------------- autograd
-    # Two doors to the same launchers. Under torch.compile the custom ops above are traced (their
-    # fake implementations give shapes, register_autograd gives the backward). In eager mode a plain
-    # autograd.Function calls the launchers directly: a custom op's first call imports
-    # torch._dynamo (about a second, measured) and every call pays the op dispatcher, neither of
-    # which eager users should pay. The gradient code (``_*_grads``) is shared; ``bwd`` is the
-    # backward custom op or the backward launcher.
+def _add_rms_grads(ctx, dy, ds, bwd):
+    s, weight, rstd = ctx.saved_tensors
+    dsum, dw = bwd(dy, s, weight, rstd, ds, *ctx.opts)
+    need = ctx.needs_input_grad
+    dx = dsum.to(ctx.dtypes[0]) if need[0] else None
+    dres = dsum.to(ctx.dtypes[1]) if need[1] else None
+    return dx, dres, _grad_like(dw, weight, need[2]), None, None, None, None, None, None
 
 
-    def _grad_like(g: Tensor | None, t: Tensor | None, needed: bool) -> Tensor | None:
-        if t is None or not needed or g is None:
-            return None
-        return g.to(t.dtype)
+def _ln_setup(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    ctx.save_for_backward(x, weight, bias, output[1], output[2])
 
 
-    def _rms_setup(ctx, inputs, output):
-        x, weight, eps, inside, llama, offset, k = inputs
-        ctx.save_for_backward(x, weight, output[1])
-        ctx.opts = (eps, inside, llama, offset, k)
+def _ln_grads(ctx, dy, bwd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = bwd(dy, x, weight, bias, mean, rstd, None)
+    need = ctx.needs_input_grad
+    return _grad_like(dx, x, need[0]), _grad_like(dw, weight, need[1]), _grad_like(db, bias, need[2]), None
 
 
-    def _rms_grads(ctx, dy, bwd):
-        x, weight, rstd = ctx.saved_tensors
-        dx, dw = bwd(dy, x, weight, rstd, None, *ctx.opts)
-        need = ctx.needs_input_grad
-        return _grad_like(dx, x, need[0]), _grad_like(dw, weight, need[1]), None, None, None, None, None
+def _add_ln_setup(ctx, inputs, output):
+    x, residual, weight, bias, _, _ = inputs
+    ctx.save_for_backward(output[1], weight, bias, output[2], output[3])
+    ctx.dtypes = (x.dtype, residual.dtype)
 
 
-    def _add_rms_setup(ctx, inputs, output):
-        x, residual, weight, eps, inside, llama, offset, k, _ = inputs
-        ctx.save_for_backward(output[1], weight, output[2])
-        ctx.opts = (eps, inside, llama, offset, k)
-        ctx.dtypes = (x.dtype, residual.dtype)
+def _add_ln_grads(ctx, dy, ds, bwd):
+    s, weight, bias, mean, rstd = ctx.saved_tensors
+    dsum, dw, db = bwd(dy, s, weight, bias, mean, rstd, ds)
+    need = ctx.needs_input_grad
+    dx = dsum.to(ctx.dtypes[0]) if need[0] else None
+    dres = dsum.to(ctx.dtypes[1]) if need[1] else None
+    return dx, dres, _grad_like(dw, weight, need[2]), _grad_like(db, bias, need[3]), None, None
 
 
-    def _add_rms_grads(ctx, dy, ds, bwd):
-        s, weight, rstd = ctx.saved_tensors
-        dsum, dw = bwd(dy, s, weight, rstd, ds, *ctx.opts)
-        need = ctx.needs_input_grad
-        dx = dsum.to(ctx.dtypes[0]) if need[0] else None
-        dres = dsum.to(ctx.dtypes[1]) if need[1] else None
-        return dx, dres, _grad_like(dw, weight, need[2]), None, None, None, None, None, None
+# forward op -> (setup, gradients, how many outputs users see, which backward)
+AUTOGRAD = {
+    "rms_norm": (_rms_setup, _rms_grads, 1, "rms"),
+    "add_rms_norm": (_add_rms_setup, _add_rms_grads, 2, "rms"),
+    "layer_norm": (_ln_setup, _ln_grads, 1, "ln"),
+    "add_layer_norm": (_add_ln_setup, _add_ln_grads, 2, "ln"),
+}
 
 
-    def _ln_setup(ctx, inputs, output):
-        x, weight, bias, _ = inputs
-        ctx.save_for_backward(x, weight, bias, output[1], output[2])
+def _function(name: str, forward: Callable, setup: Callable, grads: Callable, visible: int, bwd: Callable) -> type:
+    """The eager door to the same launchers: a plain autograd.Function. A custom op's first call
+    imports torch._dynamo (about a second) and every call pays the op dispatcher; eager users
+    pay neither."""
+
+    def fwd(ctx, *inputs):
+        output = forward(*inputs)
+        setup(ctx, inputs, output)
+        return output[0] if visible == 1 else tuple(output[:visible])
+
+    def backward(ctx, *grads_out):
+        return grads(ctx, *grads_out, bwd)
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(backward)})
 
 
-    def _ln_grads(ctx, dy, bwd):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = bwd(dy, x, weight, bias, mean, rstd, None)
-        need = ctx.needs_input_grad
-        return _grad_like(dx, x, need[0]), _grad_like(dw, weight, need[1]), _grad_like(db, bias, need[2]), None
+# ---------------------------------------------------------------------------- a backend
 
 
-    def _add_ln_setup(ctx, inputs, output):
-        x, residual, weight, bias, _, _ = inputs
-        ctx.save_for_backward(output[1], weight, bias, output[2], output[3])
-        ctx.dtypes = (x.dtype, residual.dtype)
+def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.dtype) -> SimpleNamespace:
+    """The public functions of a backend whose launchers are the attributes of ``L``, behind its
+    custom ops (``normlab::<prefix>_<op>``, for torch.compile) and eager autograd.Functions."""
+    ops, launch = {}, {}
+    for op in OPS:
+        launch[op.name] = lambda *inputs, _op=op: _op.launch(L, *inputs)
+        ops[op.name] = torch.library.custom_op(f"normlab::{prefix}_{op.name}", launch[op.name], mutates_args=(),
+                                               device_types=device_types, schema=op.schema)
+        ops[op.name].register_fake(lambda *inputs, _op=op: _op.fake(mean_dtype, *inputs))
 
+    def ln_bwd_op(dy, x, weight, bias, mean, rstd, ds):
+        return ops["layer_norm_backward"](dy, x, weight, mean, rstd, ds)
 
-    def _add_ln_grads(ctx, dy, ds, bwd):
-        s, weight, bias, mean, rstd = ctx.saved_tensors
-        dsum, dw, db = bwd(dy, s, weight, bias, mean, rstd, ds)
-        need = ctx.needs_input_grad
-        dx = dsum.to(ctx.dtypes[0]) if need[0] else None
-        dres = dsum.to(ctx.dtypes[1]) if need[1] else None
-        return dx, dres, _grad_like(dw, weight, need[2]), _grad_like(db, bias, need[3]), None, None
-
-
-    # The backward callables the gradient code takes: (dy, x, weight, rstd, ds, *opts) for rms,
-    # (dy, x, weight, bias, mean, rstd, ds) for ln; the eager ones ask for the parameters' dtypes.
-
-    def _ln_bwd_op(dy, x, weight, bias, mean, rstd, ds):
-        return _layer_norm_bwd_op(dy, x, weight, mean, rstd, ds)
-
-
-    def _rms_bwd_eager(dy, x, weight, rstd, ds, *opts):
+    # The eager backward asks for the weight (and bias) gradients in their own dtypes: the cpu
+    # kernels round as they store, which saves conversions right after a large kernel.
+    def rms_bwd_eager(dy, x, weight, rstd, ds, *opts):
         return L.rms_bwd_launch(dy, x, weight, rstd, ds, *opts, grad_dtypes=(_grad_dtype(weight),))
 
-
-    def _ln_bwd_eager(dy, x, weight, bias, mean, rstd, ds):
+    def ln_bwd_eager(dy, x, weight, bias, mean, rstd, ds):
         return L.ln_bwd_launch(dy, x, weight, mean, rstd, ds, grad_dtypes=(_grad_dtype(weight), _grad_dtype(bias)))
 
+    traced_bwd = {"rms": ops["rms_norm_backward"], "ln": ln_bwd_op}
+    eager_bwd = {"rms": rms_bwd_eager, "ln": ln_bwd_eager}
+    eager = {}
+    for name, (setup, grads, visible, kind) in AUTOGRAD.items():
+        ops[name].register_autograd(lambda ctx, *g, _grads=grads, _n=visible, _bwd=traced_bwd[kind]: _grads(ctx, *g[:_n], _bwd),
+                                    setup_context=setup)
+        eager[name] = _function(f"{prefix}_{name}", launch[name], setup, grads, visible, eager_bwd[kind])
 
-    _rms_norm_op.register_autograd(lambda ctx, dy, _: _rms_grads(ctx, dy, _rms_norm_bwd_op), setup_context=_rms_setup)
-    _add_rms_norm_op.register_autograd(
-        lambda ctx, dy, ds, _: _add_rms_grads(ctx, dy, ds, _rms_norm_bwd_op), setup_context=_add_rms_setup
-    )
-    _layer_norm_op.register_autograd(lambda ctx, dy, _m, _r: _ln_grads(ctx, dy, _ln_bwd_op), setup_context=_ln_setup)
-    _add_layer_norm_op.register_autograd(
-        lambda ctx, dy, ds, _m, _r: _add_ln_grads(ctx, dy, ds, _ln_bwd_op), setup_context=_add_ln_setup
-    )
+    def call(name: str, *inputs):
+        """The op's visible outputs: through its custom op while torch.compile traces, else eagerly."""
+        if torch.compiler.is_compiling():
+            output = ops[name](*inputs)
+            return output[0] if AUTOGRAD[name][2] == 1 else tuple(output[:2])
+        return eager[name].apply(*inputs)
 
-
-    class _RMSNorm(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *inputs):
-            y, _, rstd = L.rms_fwd_launch(*inputs)
-            _rms_setup(ctx, inputs, (y, rstd))
-            return y
-
-        @staticmethod
-        def backward(ctx, dy):
-            return _rms_grads(ctx, dy, _rms_bwd_eager)
-
-
-    class _AddRMSNorm(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, residual, weight, eps, inside, llama, offset, k, residual_in_fp32):
-            y, s, rstd = L.rms_fwd_launch(x, weight, eps, inside, llama, offset, k, residual=residual, residual_in_fp32=residual_in_fp32)
-            _add_rms_setup(ctx, (x, residual, weight, eps, inside, llama, offset, k, residual_in_fp32), (y, s, rstd))
-            return y, s
-
-        @staticmethod
-        def backward(ctx, dy, ds):
-            return _add_rms_grads(ctx, dy, ds, _rms_bwd_eager)
-
-
-    class _LayerNorm(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, weight, bias, eps):
-            y, _, mean, rstd = L.ln_fwd_launch(x, weight, bias, eps)
-            _ln_setup(ctx, (x, weight, bias, eps), (y, mean, rstd))
-            return y
-
-        @staticmethod
-        def backward(ctx, dy):
-            return _ln_grads(ctx, dy, _ln_bwd_eager)
-
-
-    class _AddLayerNorm(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, residual, weight, bias, eps, residual_in_fp32):
-            y, s, mean, rstd = L.ln_fwd_launch(x, weight, bias, eps, residual=residual, residual_in_fp32=residual_in_fp32)
-            _add_ln_setup(ctx, (x, residual, weight, bias, eps, residual_in_fp32), (y, s, mean, rstd))
-            return y, s
-
-        @staticmethod
-        def backward(ctx, dy, ds):
-            return _add_ln_grads(ctx, dy, ds, _ln_bwd_eager)
-
-
-    # ------------------------------------------------------------------- the backend's functions
-
-
-    def _fused(*tensors: Tensor | None) -> bool:
+    def fused(*tensors: Tensor | None) -> bool:
         return all(t is None or t.dtype in fused_dtypes for t in tensors)
 
+    # ------------------------------------------------------------------ the backend's functions
 
     def layer_norm(x, weight=None, bias=None, eps=1e-5):
-        if not _fused(x, weight, bias):
+        if not fused(x, weight, bias):
             return reference.layer_norm(x, weight, bias, eps)
-        if torch.compiler.is_compiling():
-            return _layer_norm_op(x, weight, bias, eps)[0]
-        return _LayerNorm.apply(x, weight, bias, eps)
-
+        return call("layer_norm", x, weight, bias, eps)
 
     def rms_norm(x, weight=None, eps=1e-6, *, eps_mode="inside", cast="llama", offset=0.0, partial=None):
-        if not _fused(x, weight):
+        if not fused(x, weight):
             return reference.rms_norm(x, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset, partial=partial)
-        args = (x, weight, eps, eps_mode == "inside", cast == "llama", offset, reference.partial_size(x.shape[-1], partial))
-        if torch.compiler.is_compiling():
-            return _rms_norm_op(*args)[0]
-        return _RMSNorm.apply(*args)
-
+        k = reference.partial_size(x.shape[-1], partial)
+        return call("rms_norm", x, weight, eps, eps_mode == "inside", cast == "llama", offset, k)
 
     def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, *, residual_in_fp32=False):
-        if not _fused(x, residual, weight, bias):
+        if not fused(x, residual, weight, bias):
             return reference.add_layer_norm(x, residual, weight, bias, eps, residual_in_fp32=residual_in_fp32)
-        if torch.compiler.is_compiling():
-            y, s, _, _ = _add_layer_norm_op(x, residual, weight, bias, eps, residual_in_fp32)
-            return y, s
-        return _AddLayerNorm.apply(x, residual, weight, bias, eps, residual_in_fp32)
-
+        return call("add_layer_norm", x, residual, weight, bias, eps, residual_in_fp32)
 
     def add_rms_norm(
         x, residual, weight=None, eps=1e-6, *, eps_mode="inside", cast="llama", offset=0.0, partial=None,
         residual_in_fp32=False,
     ):
-        if not _fused(x, residual, weight):
+        if not fused(x, residual, weight):
             return reference.add_rms_norm(
                 x, residual, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset, partial=partial,
                 residual_in_fp32=residual_in_fp32,
             )
-        args = (x, residual, weight, eps, eps_mode == "inside", cast == "llama", offset, reference.partial_size(x.shape[-1], partial), residual_in_fp32)
-        if torch.compiler.is_compiling():
-            y, s, _ = _add_rms_norm_op(*args)
-            return y, s
-        return _AddRMSNorm.apply(*args)
-
+        k = reference.partial_size(x.shape[-1], partial)
+        return call("add_rms_norm", x, residual, weight, eps, eps_mode == "inside", cast == "llama", offset, k, residual_in_fp32)
 
     # ``out=`` variants: eager, no autograd, the kernel writes straight into ``out``.
 
-
     def rms_norm_out(x, weight=None, eps=1e-6, *, eps_mode="inside", cast="llama", offset=0.0, partial=None, out):
-        if not (_fused(x, weight) and out.is_contiguous()):
+        if not (fused(x, weight) and out.is_contiguous()):
             return out.copy_(reference.rms_norm(x, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset, partial=partial))
         k = reference.partial_size(x.shape[-1], partial)
         L.rms_fwd_launch(x, weight, eps, eps_mode == "inside", cast == "llama", offset, k, y=out)
         return out
 
-
     def layer_norm_out(x, weight=None, bias=None, eps=1e-5, *, out):
-        if not (_fused(x, weight, bias) and out.is_contiguous()):
+        if not (fused(x, weight, bias) and out.is_contiguous()):
             return out.copy_(reference.layer_norm(x, weight, bias, eps))
         L.ln_fwd_launch(x, weight, bias, eps, y=out)
         return out
