@@ -13,6 +13,8 @@ import pytest
 
 from normlab import claims as C
 from normlab import experiments as E
+from normlab.experiments import lab as lab_module
+from normlab.experiments import precision as precision_module
 from normlab import report
 from normlab.cli import main
 
@@ -236,9 +238,9 @@ def test_second_run_redoes_nothing(finished, monkeypatch):
     def fail(*a, **k):
         raise AssertionError("a finished run was trained again")
 
-    monkeypatch.setattr(E, "train", fail)
-    monkeypatch.setattr(E, "time_steps", fail)
-    monkeypatch.setattr(E, "precision_errors", fail)
+    monkeypatch.setattr(lab_module, "train", fail)
+    monkeypatch.setattr(lab_module, "time_steps", fail)
+    monkeypatch.setattr(precision_module, "precision_errors", fail)
     again = E.run_presets(["all"], E.Settings(out=str(out), size="tiny", data=results["meta"]["data"], quiet=True))
     for name in E.PRESETS:
         assert again["presets"][name]["rows"] == results["presets"][name]["rows"]
@@ -391,6 +393,6 @@ def test_a_cached_run_is_redone_when_its_data_or_code_changed(corpus, env, tmp_p
     redone = run(changed)
     assert redone["run"] != first["run"] and changed.stale == ["run rmsnorm-s0"]
     assert any("no longer matches its data or code" in s for s in said)
-    monkeypatch.setattr(E, "sources_hash", lambda: "another version")
+    monkeypatch.setattr(lab_module, "sources_hash", lambda: "another version")
     newer = E.Lab(settings)
     assert run(newer)["run"] not in (first["run"], redone["run"]) and newer.stale == ["run rmsnorm-s0"]

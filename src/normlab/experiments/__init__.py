@@ -1,0 +1,122 @@
+"""``normlab compare``: presets that test published claims about norms on this machine.
+
+Each preset trains or measures what its claims need and returns a section of results.json: the
+settings, a table, the series its plots draw, and the claims with verdicts computed from the
+numbers by their rules (normlab.claims). Presets:
+
+    norms      RMSNorm matches LayerNorm and is faster; pRMSNorm matches; no norm trains worse
+    warmup     learning-rate sweeps: Post-LN needs warmup, Pre-LN does not; qk-norm bounds the logits
+    gradients  at init Post-LN's gradient grows toward the output, Pre-LN's is flat; depth scaling
+               (Xiong et al.'s model and this decoder side by side)
+    depth      DeepNorm keeps a deep Post-LN model trainable where Pre-LN trains
+    batchnorm  BatchNorm's output depends on batch-mates and padding; small padded batches hurt it
+    precision  fp32 statistics are needed in fp16/bf16
+    speed      kernel GB/s per backend, a normalized GRU's step, and training-step time with
+               normlab's and torch's norms
+
+Every claim carries the conditions of its source's experiment that this run matches and those it
+does not; verdicts come from 95% t intervals over seeds (normlab.claims).
+
+``demo`` runs norms, gradients, batchnorm (without its batch-size trend) and precision at quick
+size; ``all`` runs every preset.
+Sizes: ``full`` (the default: minutes to hours on a CPU, meant for a GPU or a patient machine),
+``quick`` (2 CPU cores: every preset together in about 15 minutes) and ``tiny`` (seconds: the tests).
+
+Everything lives in the output directory: ``runs/<label>-<hash>/`` holds one training run (the
+hash covers its whole config, so a run is reused by any preset, or any later command, that asks
+for the same config), ``jobs/<preset>/`` the measurements that are not training runs, and
+results.json the sections finished so far. Rerunning the same command skips what is finished and
+resumes an interrupted training run from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from normlab import claims as C
+from normlab.experiments.batchnorm import BATCH_SIZES, preset_batchnorm
+from normlab.experiments.depth import preset_depth
+from normlab.experiments.gradients import preset_gradients
+from normlab.experiments.lab import SIZES, Interrupted, Lab, Settings, _write_json
+from normlab.experiments.norms import lm_sizes, preset_norms
+from normlab.experiments.precision import preset_precision
+from normlab.experiments.speed import preset_speed
+from normlab.experiments.warmup import SWEEP, lr_sensitivity, parse_lrs, preset_warmup
+
+# ===================================================================================== presets
+
+PRESETS: dict[str, Callable[[Lab], dict]] = {
+    "norms": preset_norms,
+    "warmup": preset_warmup,
+    "gradients": preset_gradients,
+    "depth": preset_depth,
+    "batchnorm": preset_batchnorm,
+    "precision": preset_precision,
+    "speed": preset_speed,
+}
+GROUPS = {"all": tuple(PRESETS), "demo": ("norms", "gradients", "batchnorm", "precision")}
+# The fields a preset compares: the user cannot override them for it.
+VARIES = {"norms": {"norm", "seed"},
+          "warmup": {"placement", "lr", "min_lr", "warmup", "seed", "qk_norm", "beta2", "grad_clip", "norm", "mlp", "positions"},
+          "gradients": {"placement", "n_layers", "norm", "mlp", "positions", "tie_embeddings", "embed_scale", "init"}, "depth": {"placement", "lr", "min_lr", "warmup", "seed", "norm", "mlp", "positions"},
+          "batchnorm": {"norm", "seed", "batch_size", "batching", "steps"}, "precision": set(), "speed": {"norm", "norm_impl"}}
+
+
+def expand(names: list[str]) -> list[str]:
+    out = []
+    for name in names:
+        if name in GROUPS:
+            out.extend(GROUPS[name])
+        elif name in PRESETS:
+            out.append(name)
+        else:
+            raise ValueError(f"unknown preset {name!r}; choose from {', '.join(list(PRESETS) + list(GROUPS))}")
+    return list(dict.fromkeys(out))
+
+
+def check_overrides(presets: list[str], overrides: dict) -> None:
+    for name in presets:
+        clash = sorted(set(overrides) & VARIES[name])
+        if clash:
+            raise ValueError(f"the {name} preset compares {', '.join(clash)}; it cannot be overridden for it "
+                             f"(run another preset, or train that setting alone with `normlab train`)")
+
+
+def run_presets(names: list[str], settings: Settings, console=None, command: str = "") -> dict:
+    """Run the presets (skipping finished work) and write results.json; returns the results."""
+    presets = expand(names)
+    if "demo" in names:
+        settings = dataclasses.replace(settings, size="tiny" if settings.size == "tiny" else "quick", brief=True)
+    check_overrides(presets, settings.overrides)
+    lab = Lab(settings, console)
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    results = json.loads(path.read_text()) if path.exists() else {"presets": {}}
+    from normlab.env import environment
+
+    for i, name in enumerate(presets, 1):
+        lab.preset, lab.cost, lab.stale = name, 0.0, []
+        lab.say(f"[bold cyan]({i}/{len(presets)}) {name}[/bold cyan]")
+        section = PRESETS[name](lab)
+        section["seconds"] = round(lab.cost, 1)  # to compute it from nothing: cached work counts at its original cost
+        if lab.stale:
+            section["notes"].append(f"Cached results that no longer matched their data or code were computed again: "
+                                    f"{', '.join(lab.stale)}.")
+        section["size"] = lab.size
+        results["presets"][name] = section
+        results["presets"] = {k: results["presets"][k] for k in PRESETS if k in results["presets"]}
+        results["meta"] = {**environment(), "command": command, "size": lab.size, "seeds": settings.seeds,
+                           "data": settings.data or "shakespeare", "data_sha256": lab.data_hash, "overrides": settings.overrides}
+        section["meta"] = results["meta"]  # results.json may merge sections of several commands: each says its own
+        _write_json(path, results)
+    return results
+
+
+recheck = C.recheck
+
+__all__ = ["BATCH_SIZES", "GROUPS", "PRESETS", "SIZES", "SWEEP", "Interrupted", "Lab", "Settings", "check_overrides",
+           "expand", "lm_sizes", "lr_sensitivity", "parse_lrs", "recheck", "run_presets"]

@@ -1,0 +1,79 @@
+"""Preset ``depth``: DeepNorm keeps a deep Post-LN model trainable where Pre-LN trains."""
+
+from __future__ import annotations
+
+from normlab import claims as C
+from normlab.experiments.gradients import XIONG_MODEL
+from normlab.experiments.lab import (
+    WANG22,
+    Lab,
+    _curves,
+    _pick,
+    _round,
+    deep_sizes,
+    stats,
+    trains,
+    unigram_loss,
+)
+from normlab.experiments.norms import DIVERGED
+
+# ======================================================================================= depth
+
+
+DEPTH_CONDITIONS = [
+    "matches (DeepNet): Post-LN, DeepNorm and Pre-LN at the same depth with LayerNorm; DeepNorm's decoder-only "
+    "constants alpha = (2L)^(1/4), beta = (8L)^(-1/4) and its init (xavier, gain beta on v, o and the FFN)",
+    "matches: a Pre-LN baseline that trains at this depth (a precondition: 10% below the unigram loss)",
+    "differs: no warmup at a high learning rate, to stress the placements (DeepNet trains with warmup); a character LM "
+    "of width 32 for a few hundred steps (DeepNet: translation, 100 to 1,000 layers, long training)",
+]
+
+
+def preset_depth(lab: Lab) -> dict:
+    train_fields, model = deep_sizes(lab, 24, 64)
+    model = {**model, **XIONG_MODEL, **lab.pick(dict(d_model=32, n_heads=2), dict(d_model=64, n_heads=4), tiny={"n_layers": 4})}
+    train_fields = {**train_fields, **lab.pick(dict(steps=300, batch_size=8, eval_every=50), {}, tiny={})}
+    lr = 3e-3  # high for a model this deep, with no warmup: the setting DeepNorm is meant to survive
+    seeds = lab.seeds(3, 3)
+    runs, rows, measured = {}, [], {}
+    for placement in ("post", "deepnorm", "pre"):
+        rs = [lab.run(f"{placement}-deep-s{seed}", train_fields, model,
+                      {"placement": placement, "lr": lr, "min_lr": lr / 10, "warmup": 0, "seed": seed}) for seed in seeds]
+        runs[placement] = rs[0]
+        val = stats([r["val_loss"] for r in rs])
+        diverged = sum(r["status"] == "diverged" for r in rs)
+        rows.append({"placement": placement, "seeds": len(rs), "diverged": diverged, "steps": min(r["steps"] for r in rs),
+                     "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2),
+                     "train_loss": _round(stats([r["train_loss"] for r in rs])["mean"])})
+        measured[f"{placement}_val"] = [r["val_loss"] for r in rs]
+        measured[f"{placement}_diverged"] = diverged
+    measured["unigram_loss"] = unigram_loss(lab.dataset.train)
+    layers = lab.model_over.get("n_layers", model["n_layers"])
+    count = "a count of diverged seeds"
+    clearly = C.ours("5% of the loss: DeepNet reports Post-LN failing outright at depth; 5% is well past seed noise")
+    claims = [
+        C.claim("depth.post_fails", f"a deep Post-LN model ({layers} layers, no warmup) diverges or ends at least 5% worse than "
+                "Pre-LN, where Pre-LN trains", WANG22, _pick(measured, "post_val", "pre_val", "post_diverged", "unigram_loss"),
+                C.given(trains("pre_val"), C.any_of(C.at_least("post_diverged", 1, point=count, origin=DIVERGED),
+                                                    C.above("post_val", "pre_val", 0.05, origin=clearly, paired=True))),
+                DEPTH_CONDITIONS),
+        C.claim("depth.deepnorm_trains", "DeepNorm keeps the same Post-LN model trainable: it does not diverge and ends at most "
+                "5% above Pre-LN, where Pre-LN trains", WANG22,
+                _pick(measured, "deepnorm_val", "pre_val", "deepnorm_diverged", "unigram_loss"),
+                C.given(trains("pre_val"), C.all_of(C.at_most("deepnorm_diverged", 0, point=count, origin=DIVERGED),
+                                                    C.at_most("deepnorm_val", "pre_val", 0.05, origin=clearly, paired=True))),
+                DEPTH_CONDITIONS),
+    ]
+    return {
+        "title": f"Depth: Post-LN vs DeepNorm vs Pre-LN at {layers} layers without warmup",
+        "question": "Does DeepNorm keep a deep Post-LN model trainable?",
+        "settings": {"train": {**train_fields, **lab.train_over, "lr": lr, "warmup": 0}, "model": {**model, **lab.model_over},
+                     "seeds": seeds},
+        "columns": ["placement", "seeds", "diverged", "steps", "val_loss", "val_std", "train_loss"],
+        "rows": rows, "claims": claims, "series": {"runs": {k: _curves(r) for k, r in runs.items()}},
+        "notes": [f"{len(seeds)} seeds per placement, cosine schedule without warmup; curves: seed 0. Unigram loss "
+                  f"{measured['unigram_loss']:.3f}: a model that learned only character frequencies."],
+    }
+
+
+# =================================================================================== batchnorm

@@ -1,0 +1,413 @@
+"""The lab's machinery: settings, cached training runs and jobs, statistics and timing,
+shared by every preset."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from normlab import claims as C
+from normlab import data as D
+from normlab import functional as F
+from normlab.model import Decoder, ModelConfig
+from normlab.train import TrainConfig, split_overrides, train
+
+ZHANG19 = "Zhang & Sennrich (2019), Root Mean Square Layer Normalization, NeurIPS"
+XIONG20 = "Xiong et al. (2020), On Layer Normalization in the Transformer Architecture, ICML"
+WANG22 = "Wang et al. (2022), DeepNet: Scaling Transformers to 1,000 Layers"
+SHEN20 = "Shen et al. (2020), PowerNorm: Rethinking Batch Normalization in Transformers, ICML"
+MICIK18 = "Micikevicius et al. (2018), Mixed Precision Training, ICLR"
+WORTSMAN23 = ("Wortsman et al. (2023), Small-scale proxies for large-scale Transformer training instabilities; "
+              "Dehghani et al. (2023), Scaling Vision Transformers to 22 Billion Parameters")
+NORMLAB = "normlab's aim (DESIGN.md): fused kernels faster than the framework's own norms"
+
+NORMS = ("layernorm", "rmsnorm", "prmsnorm", "batchnorm", "none")
+SIZES = ("full", "quick", "tiny")
+PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
+
+
+class Interrupted(Exception):
+    """A training run was stopped by Ctrl-C/SIGTERM; its checkpoint is saved."""
+
+
+@dataclass
+class Settings:
+    out: str = "runs/compare"
+    size: str = "full"  # full, quick or tiny
+    seeds: int | None = None  # None: the preset's default number of seeds
+    data: str | None = None  # None: the default corpus
+    steps: int | None = None  # None: the preset's default
+    overrides: dict = field(default_factory=dict)  # key=value training and model fields for every run
+    quiet: bool = False  # no per-run progress bars
+    brief: bool = False  # the demo: leave out a preset's slowest measurement (its notes say which and how to run it)
+    lrs: tuple[float, ...] | None = None  # the warmup preset's learning-rate sweep; None: the size's default
+
+
+class Lab:
+    """Runs and caches the training runs and measurements of presets in one output directory."""
+
+    def __init__(self, settings: Settings, console=None) -> None:
+        self.s = settings
+        self.out = Path(settings.out)
+        self.console = console
+        self.train_over, self.model_over = split_overrides(settings.overrides)
+        if settings.steps is not None:
+            self.train_over["steps"] = settings.steps
+        if settings.data is not None:
+            self.train_over["data"] = settings.data
+        if settings.seeds is not None and settings.seeds < 1:
+            raise ValueError(f"--seeds must be at least 1, got {settings.seeds}")
+        if settings.size not in SIZES:
+            raise ValueError(f"size must be one of {', '.join(SIZES)}; got {settings.size!r}")
+        self.size = settings.size
+        self.quick = settings.size != "full"
+        self.preset = ""
+        self.cost = 0.0  # seconds the current preset's runs and measurements took to compute (cached ones included)
+        self.stale: list[str] = []  # cached entries of the current preset that no longer matched their data or code
+        self._dataset = None
+
+    # -- sizes and seeds
+    def pick(self, quick, full, tiny=None):
+        """The value for this size (tiny falls back to quick)."""
+        if self.size == "tiny" and tiny is not None:
+            return tiny
+        return quick if self.quick else full
+
+    def seeds(self, quick: int, full: int) -> list[int]:
+        return list(range(self.s.seeds or self.pick(quick, full, tiny=1)))
+
+    def say(self, text: str) -> None:
+        if self.console is not None:
+            self.console.print(text)
+
+    def _keys(self, config) -> tuple[str, str]:
+        """(the cache key, the key of the config alone): the cache key also covers the token data
+        and the sources that decide a result, so a changed corpus or model reruns the work."""
+        config_key = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:10]
+        key = hashlib.sha256(f"{config_key}|{self.data_hash}|{sources_hash()}".encode()).hexdigest()[:10]
+        return key, config_key
+
+    def _note_stale(self, folder: Path, pattern: str, config_key: str, what: str) -> None:
+        """Say so when a cached entry of the same config no longer matches its data or code."""
+        for old in folder.glob(pattern) if folder.exists() else ():
+            meta = old / "cache.json" if old.is_dir() else old
+            try:
+                if json.loads(meta.read_text()).get("config_key") == config_key:
+                    self.stale.append(what)
+                    self.say(f"  [yellow]{what}: the cached result in {old.name} no longer matches its data or code; "
+                             "computing it again[/yellow]")
+                    return
+            except (OSError, ValueError):
+                continue
+
+    @functools.cached_property
+    def data_hash(self) -> str:
+        """sha256 of the token data the runs trained on (train and validation splits)."""
+        h = hashlib.sha256(np.ascontiguousarray(self.dataset.train).tobytes())
+        h.update(np.ascontiguousarray(self.dataset.val).tobytes())
+        return h.hexdigest()[:16]
+
+    @property
+    def dataset(self) -> D.Dataset:
+        if self._dataset is None:
+            t = TrainConfig(**{k: v for k, v in self.train_over.items() if k in ("data", "tokenizer", "bpe_vocab", "val_fraction")})
+            self._dataset = D.prepare(t.data, t.tokenizer, t.bpe_vocab, t.val_fraction)
+        return self._dataset
+
+    def model_config(self, model: dict) -> ModelConfig:
+        """A measurement's model: the preset's fields < the user's overrides (vocabulary from the data)."""
+        fields = {**model, **self.model_over, "vocab_size": self.dataset.tokenizer.vocab_size}
+        return ModelConfig.preset(fields.pop("preset", "small"), **fields)
+
+    # -- training runs
+    def run(self, label: str, train_fields: dict, model_fields: dict, varied: dict) -> dict:
+        """Train (or reuse, or resume) one run: the preset's base fields < the user's overrides <
+        the ``varied`` fields the preset compares. Returns the run's summary and curves."""
+        t_varied = {k: v for k, v in varied.items() if k in _TRAIN_FIELDS}
+        m_varied = {k: v for k, v in varied.items() if k not in _TRAIN_FIELDS}
+        tf = {**train_fields, **self.train_over, **t_varied}
+        mf = {**model_fields, **self.model_over, **m_varied}
+        # stop_at only pauses a run: the same run resumed without it is the same run
+        config = [{k: v for k, v in tf.items() if k != "stop_at"}, mf]
+        key, config_key = self._keys(config)
+        folder = self.out / "runs" / f"{label}-{key}"
+        summary_path = folder / "summary.json"
+        if not folder.exists():
+            self._note_stale(self.out / "runs", f"{label}-*", config_key, f"run {label}")
+        resume = False
+        if summary_path.exists():
+            summary = json.loads(summary_path.read_text())
+            if summary.get("status") in ("completed", "diverged"):
+                self.cost += summary.get("wall_s") or 0.0
+                return _run_result(folder, summary)
+            resume = (folder / "checkpoint.pt").exists()
+        elif (folder / "checkpoint.pt").exists() and (folder / "config.json").exists():
+            resume = True  # killed without a summary: its last checkpoint stands
+        if not resume and folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "cache.json").write_text(json.dumps({"config_key": config_key, "key": key}))
+        self.say(f"  [bold]{self.preset}[/bold] {label}" + (" (resuming)" if resume else ""))
+        tcfg = TrainConfig(**{**tf, "out": str(folder), "quiet": self.s.quiet, "overwrite": not resume})
+        tcfg.validate()
+        summary = train(tcfg, mf, resume=resume, console=self.console)
+        if summary["status"] in ("interrupted", "stopped"):
+            raise Interrupted(f"{label} stopped at step {summary['step']}; its checkpoint is in {folder}")
+        self.cost += summary.get("wall_s") or 0.0
+        return _run_result(folder, summary)
+
+    # -- measurements that are not training runs
+    def job(self, name: str, params: dict, fn: Callable[[], dict]) -> dict:
+        """``fn()``'s result, cached as JSON under jobs/<preset>/ by ``name`` and ``params`` (and,
+        for timings, the machine and thread count)."""
+        if name in TIMING_JOBS:
+            params = {**params, "machine": [bench_machine(), torch.get_num_threads()]}
+        key, config_key = self._keys(params)
+        path = self.out / "jobs" / self.preset / f"{name}-{key}.json"
+        if not path.exists():
+            self._note_stale(path.parent, f"{name}-*.json", config_key, f"{self.preset} {name}")
+        if path.exists():
+            saved = json.loads(path.read_text())
+            if "result" not in saved:  # written before results carried their cost
+                return saved
+            self.cost += saved["seconds"]
+            return saved["result"]
+        self.say(f"  [bold]{self.preset}[/bold] {name}")
+        t0 = time.perf_counter()
+        result = _clean(fn())
+        seconds = time.perf_counter() - t0
+        self.cost += seconds
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"seconds": round(seconds, 2), "result": result, "config_key": config_key}))
+        os.replace(tmp, path)
+        return result
+
+
+_TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
+# The sources whose change changes a result; the lab's own files (presets, claims, report) do not.
+RESULT_SOURCES = ("model.py", "train.py", "data.py", "nn.py", "functional.py", "reference.py", "rnn.py", "kernels")
+
+
+@functools.lru_cache(maxsize=1)
+def sources_hash() -> str:
+    """sha256 of the normlab sources that decide a training run's or a measurement's result."""
+    root = Path(__file__).parents[1]  # src/normlab
+    h = hashlib.sha256()
+    for name in RESULT_SOURCES:
+        for f in sorted((root / name).rglob("*.py")) if (root / name).is_dir() else [root / name]:
+            h.update(f.relative_to(root).as_posix().encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+TIMING_JOBS = ("step_time", "gru_step_time", "kernels", "norm_calls")  # cached per machine and thread count
+
+
+def bench_machine() -> str:
+    from normlab.env import cpu_name
+
+    return f"{cpu_name()} x{os.cpu_count()}"
+
+
+def _run_result(folder: Path, summary: dict) -> dict:
+    """A run's summary plus its curves from metrics.jsonl (validation loss against step and
+    against training time, and the training loss, thinned to at most 200 points)."""
+    val_steps, val_loss, val_time, steps, losses, step_ms = [], [], [], [], [], []
+    elapsed = 0.0
+    with open(folder / "metrics.jsonl") as f:
+        for line in f:
+            r = json.loads(line)
+            if "val_loss" in r:
+                val_steps.append(r["step"])
+                val_loss.append(r["val_loss"])
+                val_time.append(round(elapsed, 3))
+            elif "step_ms" in r:
+                elapsed += r["step_ms"] / 1e3
+                steps.append(r["step"])
+                losses.append(r["loss"])
+                step_ms.append(r["step_ms"])
+    stride = max(1, len(steps) // 200)
+    diverged = summary["status"] == "diverged"
+    return {
+        "run": folder.name, "status": summary["status"], "steps": summary["step"],
+        "val_loss": None if diverged else summary.get("val_loss"), "init_val_loss": summary.get("init_val_loss"),
+        "train_loss": summary.get("loss"), "wall_s": summary.get("wall_s"),
+        "step_ms": statistics.median(step_ms[len(step_ms) // 5:]) if step_ms else None,  # past the first fifth
+        "tokens_per_s": summary.get("tokens_per_s"),
+        "val_curve": {"step": val_steps, "loss": val_loss, "time_s": val_time},
+        "train_curve": {"step": steps[::stride], "loss": losses[::stride]},
+    }
+
+
+def stats(values) -> dict:
+    """mean, std (None with fewer than two values), min and max of the finite values."""
+    v = [float(x) for x in values if x is not None and math.isfinite(x)]
+    if not v:
+        return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
+    return {"mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else None,
+            "min": min(v), "max": max(v), "n": len(v)}
+
+
+def _build(spec) -> torch.nn.Module:
+    """A model from its spec: a ModelConfig (the decoder) or {"gru": {...}} (rnn.GRULM's arguments)."""
+    if isinstance(spec, dict) and "gru" in spec:
+        from normlab.rnn import GRULM
+
+        return GRULM(**spec["gru"])
+    return Decoder(spec)
+
+
+def time_steps(configs: dict, batch: tuple, rounds: int, steps_per_round: int = 2) -> dict:
+    """Median training-step time (forward, backward, AdamW) of each model spec (see _build) in this
+    process, measured round-robin (each round runs every model in a rotated order) so that a
+    drifting machine does not favour one. Returns {label: {"ms": median over rounds, "rounds": [...]}}."""
+    x, y = batch
+    setups = {}
+    for label, cfg in configs.items():
+        torch.manual_seed(0)
+        model = _build(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        setups[label] = (model, opt)
+
+    def step(model, opt):
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for model, opt in setups.values():  # warm-up: compilation, first calls, optimizer state
+        for _ in range(2):
+            step(model, opt)
+    times = {label: [] for label in setups}
+    labels = list(setups)
+    for r in range(rounds):
+        order = labels[r % len(labels):] + labels[: r % len(labels)]
+        for label in order:
+            model, opt = setups[label]
+            t0 = time.perf_counter()
+            for _ in range(steps_per_round):
+                step(model, opt)
+            times[label].append((time.perf_counter() - t0) / steps_per_round * 1e3)
+    return {label: {"ms": statistics.median(ts), "rounds": ts} for label, ts in times.items()}
+
+
+def time_steps_in_processes(configs: dict, batch: tuple, rounds: int, processes: int) -> dict:
+    """:func:`time_steps` in ``processes`` fresh processes, one after another: the spread between
+    processes (where the allocator, the page layout and the machine's state differ) is the noise
+    a step-time claim has to beat, which the rounds of one process understate. Returns {label:
+    {"ms": median of the per-process medians, "samples": one median per process (paired across
+    labels by process), "rounds": every round}}."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    per_process = []
+    for _ in range(processes):
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            per_process.append(pool.submit(time_steps, configs, batch, rounds).result())
+    return {label: {"ms": statistics.median(p[label]["ms"] for p in per_process),
+                    "samples": [p[label]["ms"] for p in per_process],
+                    "rounds": [t for p in per_process for t in p[label]["rounds"]]} for label in configs}
+
+
+def time_norm_calls(d: int, rows: int, rounds: int = 20) -> dict:
+    """Forward + backward time (ms) of one layer_norm and one rms_norm call on a (rows, d) float32
+    tensor, as a model makes them (default backend, weights, through autograd): what the norms
+    cost inside a training step."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, d, generator=gen, requires_grad=True)
+    w, b = torch.ones(d, requires_grad=True), torch.zeros(d, requires_grad=True)
+    dy = torch.randn(rows, d, generator=gen)
+    calls = {"layernorm": lambda: F.layer_norm(x, w, b), "rmsnorm": lambda: F.rms_norm(x, w)}
+    out = {}
+    for name, call in calls.items():
+        for _ in range(3):  # compile and warm
+            call().backward(dy)
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            call().backward(dy)
+            times.append((time.perf_counter() - t0) * 1e3)
+        out[name] = statistics.median(times)
+    return out
+
+
+def _round(x, digits=4):
+    return None if x is None else float(f"{x:.{digits}g}")
+
+
+# ======================================================================================= norms
+
+
+def _pick(measured: dict, *keys) -> dict:
+    """The measured values a claim uses."""
+    return {k: measured.get(k) for k in keys}
+
+
+def _curves(run: dict) -> dict:
+    return {"status": run["status"], "val_curve": run["val_curve"], "train_curve": run["train_curve"]}
+
+
+# ====================================================================================== warmup
+
+
+def deep_sizes(lab: Lab, depth_quick: int, depth_full: int) -> tuple[dict, dict]:
+    train_fields = dict(preset="small", tokenizer="char", ckpt_every=0, schedule="cosine", diverge_factor=3.0)
+    if lab.size == "tiny":
+        train_fields.update(steps=6, batch_size=4, seq_len=16, eval_every=3, eval_batches=2)
+        model = dict(d_model=16, n_layers=3, n_heads=2, max_seq_len=16, init="xavier")
+    elif lab.quick:
+        train_fields.update(steps=200, batch_size=8, seq_len=64, eval_every=50, eval_batches=4)
+        model = dict(d_model=64, n_layers=depth_quick, n_heads=4, max_seq_len=64, init="xavier")
+    else:
+        train_fields.update(steps=1000, batch_size=16, seq_len=128, eval_every=100, eval_batches=10)
+        model = dict(d_model=128, n_layers=depth_full, n_heads=4, max_seq_len=128, init="xavier")
+    return train_fields, model
+
+
+TRAINS = C.ours("10% below the character-frequency (unigram) loss: the model learned more than letter counts")
+
+
+def trains(key: str) -> dict:
+    """The precondition of a claim about training: the loss ends 10% below the unigram loss."""
+    return C.at_most(key, "unigram_loss", -0.1, origin=TRAINS)
+
+
+def unigram_loss(tokens) -> float:
+    """Cross-entropy (nats) of the token frequencies: the loss of a model that learned nothing else."""
+    counts = np.bincount(np.asarray(tokens, dtype=np.int64))
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+# =================================================================================== gradients
+
+
+def _clean(obj):
+    """JSON without NaN/Infinity (not JSON): non-finite numbers become null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(_clean(obj), indent=1, allow_nan=False))
+    os.replace(tmp, path)
