@@ -1,13 +1,22 @@
-"""The README's code runs as written, and its demo tables are the committed demo record's."""
+"""The README's code runs as written, and every figure it quotes comes from a current record."""
 
+import importlib.util
 import json
 import re
 from pathlib import Path
 
-from normlab import report
+from normlab import bench
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+RESULTS = ROOT / "docs" / "results"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "tools" / "readme_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_readme_python_blocks_run():
@@ -17,10 +26,61 @@ def test_readme_python_blocks_run():
         exec(compile(block, str(README), "exec"), {})  # our own README, not data
 
 
-def test_readme_demo_tables_match_the_demo_record():
-    records = sorted((ROOT / "docs" / "results").glob("compare-demo-*/results.json"))
-    assert len(records) == 1, f"one current demo record expected, found {records}"
+def test_readme_generated_blocks_match_the_records():
     text = README.read_text()
-    block = text[text.index(report.README_START) + len(report.README_START): text.index(report.README_END)]
-    expected = report.readme_tables(json.loads(records[0].read_text()))
-    assert block.strip() == expected.strip(), "README demo tables are stale: run python tools/readme_tables.py"
+    for (start, end), expected in _tool().blocks().items():
+        block = text[text.index(start) + len(start): text.index(end)]
+        assert block.strip() == expected.strip(), f"README block {start} is stale: run python tools/readme_tables.py"
+
+
+MACHINE = r"-(xeon|epyc|h100|h200|a100)(-\w+)?$"
+
+
+def test_one_current_record_per_subject_and_machine():
+    # A record is named <subject>-<machine>, updated in place (git keeps its history): a dated or
+    # lettered series, or a second file of one subject and machine, is a superseded record left behind.
+    for path in RESULTS.iterdir():
+        name = re.sub(r"\.(json|md)$", "", path.name)
+        assert re.search(MACHINE, name) and not re.search(r"\d{4}-\d\d-\d\d", name), f"{path.name}: not <subject>-<machine>"
+        pages = [path / "README.md", path / "report.md"] if path.is_dir() else [RESULTS / f"{name}.md"]
+        assert any(p.exists() for p in pages), f"{path.name}: a record needs a page that says what, where and how"
+        text = "".join(p.read_text() for p in pages if p.exists())
+        assert re.search(r"git [0-9a-f]{7}", text) and re.search(r"(?i)command", text), f"{md}: name the commit and command"
+
+
+DURATION = r"\d+ min \d+ s|\d+(?:\.\d+)? (?:minutes|min|s)\b"
+
+
+def test_readme_demo_time_is_stated_once():
+    text = README.read_text()
+    on_demo = [(line, re.findall(DURATION, line)) for line in text.splitlines() if "demo" in line.lower()]
+    on_demo += [(line, re.findall(DURATION, line)) for line in text.splitlines() if line.startswith("It took")]
+    times = {t for _, found in on_demo for t in found}
+    assert len(times) == 1, f"the demo's time should be stated once, found {sorted(times)}"
+    (time,) = times
+    assert text.count(time) == 1, f"{time} appears more than once"
+    assert time in (RESULTS / "compare-demo-xeon-2core" / "README.md").read_text(), f"{time} is not in the demo record"
+
+
+def test_readme_speedups_lie_in_the_records():
+    text = README.read_text()
+    cpu = json.loads(next(RESULTS.glob("cpu-bench-*.json")).read_text())["records"]
+    lo, hi = bench.speedup_range(cpu, "rms_norm")
+    quoted = re.search(r"(\d+)-(\d+)x faster than `F\.rms_norm`", text)
+    assert quoted, "the introduction should quote rms_norm's speedup over F.rms_norm"
+    assert (quoted[1], quoted[2]) == (f"{lo:.0f}", f"{hi:.0f}"), (quoted[0], lo, hi)
+    rows = json.loads(next(RESULTS.glob("hf-speed-*.json")).read_text())["rows"]
+    quoted = re.search(r"(\d\.\d\d)-(\d\.\d\d)x faster patched", text)
+    assert quoted, "the transformers section should quote the patched speedup"
+    speedups = [r["speedup"] for r in rows]
+    assert (float(quoted[1]), float(quoted[2])) == (round(min(speedups), 2), round(max(speedups), 2)), quoted[0]
+
+
+def test_readme_links_stay_inside_the_repository():
+    text = README.read_text()
+    assert "../" not in text, "the README refers to a path outside the repository"
+    for target in re.findall(r"\]\(([^)#]+)", text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path = (ROOT / target).resolve()
+        assert path.is_relative_to(ROOT) and path.exists(), f"broken or outside link: {target}"

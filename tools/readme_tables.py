@@ -1,26 +1,45 @@
-"""Rewrite the README's demo tables from a demo's results.json (default: the committed record),
-so the README quotes what a run measured rather than what somebody typed.
+"""Rewrite the README's generated blocks from the committed records, so the README quotes what a
+run measured rather than what somebody typed: the demo tables (from the demo record's
+results.json) and the speed summary (from the CPU bench record's JSON).
 
-    python tools/readme_tables.py [docs/results/compare-demo-xeon-2core/results.json]
+    python tools/readme_tables.py
 """
 
 import json
-import sys
 from pathlib import Path
 
-from normlab import report
+from normlab import bench, report
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+
+
+def only(pattern: str) -> Path:
+    """The one current record matching ``pattern`` under docs/results."""
+    found = sorted(RESULTS.glob(pattern))
+    if len(found) != 1:
+        raise SystemExit(f"one current record {pattern} expected in docs/results, found {[str(p) for p in found]}")
+    return found[0]
+
+
+def blocks() -> dict[tuple[str, str], str]:
+    """Each generated block's (start marker, end marker) -> its text, from the records."""
+    demo, speed = only("compare-demo-*/results.json"), only("cpu-bench-*.json")
+    return {
+        (report.README_START, report.README_END): report.readme_tables(json.loads(demo.read_text())),
+        (bench.README_START, bench.README_END): bench.readme_summary(json.loads(speed.read_text()),
+                                                                     speed.relative_to(ROOT).as_posix()),
+    }
 
 
 def main() -> None:
-    src = Path(sys.argv[1]) if len(sys.argv) > 1 else next((ROOT / "docs" / "results").glob("compare-demo-*/results.json"))
     readme = ROOT / "README.md"
     text = readme.read_text()
-    start, end = text.index(report.README_START), text.index(report.README_END)
-    tables = report.readme_tables(json.loads(src.read_text()))
-    readme.write_text(text[: start + len(report.README_START)] + "\n" + tables + "\n" + text[end:])
-    print(f"README tables rewritten from {src.relative_to(ROOT) if src.is_relative_to(ROOT) else src}")
+    for (start, end), body in blocks().items():
+        a, b = text.index(start), text.index(end)
+        text = text[: a + len(start)] + "\n" + body + "\n" + text[b:]
+    readme.write_text(text)
+    print("README's generated blocks rewritten from docs/results")
 
 
 if __name__ == "__main__":
