@@ -174,7 +174,7 @@ _prefetch_wide = _make_prefetch(BLOCK // 2)
 _prefetch_narrow = _make_prefetch(EMIT // 2)
 
 
-@njit(inline="always")  # a call per block here made the backward 1.15x-1.5x slower
+@njit(inline="always")  # LLVM left a call per block otherwise (docs/cpu-kernels.md, "Prefetch")
 def _prefetch_pass1(a1, a2, j):
     """Prefetch what block j of pass 1 asks of the rows that follow a1 and a2 (a2 may be None):
     the values from j // 2, so the first half of the next row arrives during this pass 1."""
