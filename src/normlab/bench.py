@@ -45,7 +45,7 @@ ALLOCS = ("alloc", "prealloc")
 # their compute limit, fall behind a copy that runs fast.
 REPEAT = 30
 CASE_SECONDS = 0.5
-PEERS = ("normlab", "reference", "torch", "torch-module", "hf", "compile", "liger", "apex")
+PEERS = ("normlab", "reference", "torch", "torch-module", "hf", "compile", "liger", "apex", "quack")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SHAPES = ("8192x1024", "4096x4096", "1024x16384")
 EPS = 1e-6
@@ -185,6 +185,16 @@ def make_peer(name: str, op: str, d: int, dtype: torch.dtype, device: torch.devi
         if _norm_kind(op) != "rms":
             return "HF's LayerNorm is nn.LayerNorm (see torch-module)"
         norm = lambda s: _hf_llama_rms(s, params[0])  # noqa: E731
+    elif name == "quack":  # Dao-AILab's CuTe-DSL kernels (pip install quack-kernels): an RMSNorm function
+        if _norm_kind(op) != "rms":
+            return "quack has no LayerNorm"
+        if device.type != "cuda":
+            return "quack runs on CUDA only"
+        try:
+            from quack import rmsnorm as quack_rmsnorm
+        except ImportError:
+            return "quack is not installed"
+        norm = lambda s: quack_rmsnorm(s, params[0], EPS)  # noqa: E731
     elif name in FUSED_PEERS:
         label, module_name, rms_cls, ln_cls = FUSED_PEERS[name]
         if device.type != "cuda":

@@ -223,7 +223,7 @@ def cmd_check_model(args: argparse.Namespace, console: Console) -> int:
     else:
         model, what = hf.load_model(args.model), args.model
     r = hf.check_model(model, dtype=args.dtype, batch=args.batch, seq=args.seq, backend=args.backend,
-                       fuse_residual=args.fuse_residual)
+                       fuse_residual=args.fuse_residual, device=args.device)
     console.print(str(r["report"]))
     table = Table(title=f"normlab check-model: {what}, {args.dtype}, batch {args.batch} x seq {args.seq}")
     for col in ("logits diff", "grad diff", "bound", "greedy 20 tokens", "fwd+bwd ms unpatched", "fwd+bwd ms patched", "verdict"):
@@ -322,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--backend", default="auto", help="normlab backend: auto, cpu, reference, triton")
     p.add_argument("--fuse-residual", action="store_true", help="also fuse residual add + norm in Llama-family layers")
+    p.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu or cuda (default: cuda when there is one)")
     p.set_defaults(func=cmd_check_model)
 
     p = sub.add_parser("sample", help="generate text from a trained run")

@@ -324,7 +324,7 @@ def _floor(grads: dict[str, torch.Tensor]) -> float:
 
 
 def check_model(model: nn.Module, *, dtype: str = "fp32", batch: int = 2, seq: int = 32, backend: str = "auto",
-                fuse_residual: bool = False, generate: bool = True, repeat: int = 3) -> dict:
+                fuse_residual: bool = False, generate: bool = True, repeat: int = 3, device: str = "cpu") -> dict:
     """Patched against unpatched: largest relative difference of logits and of every gradient,
     forward+backward time of both, greedy generation (fp32), and whether the differences are
     within the bound (fp32: 1e-5 relative; bf16/fp16: the patched model's error against a float64
@@ -333,9 +333,10 @@ def check_model(model: nn.Module, *, dtype: str = "fp32", batch: int = 2, seq: i
     F.check_choice(dtype, "dtype", ("fp32", "bf16", "fp16"))
     tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     unpatch(model)
-    model = model.to(tdtype).eval()
+    model = model.to(device=device, dtype=tdtype).eval()
     vocab = model.get_input_embeddings().num_embeddings
-    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     truth = None
     if dtype != "fp32":
         truth = _run(copy.deepcopy(model).double(), ids, torch.float64)
@@ -344,8 +345,10 @@ def check_model(model: nn.Module, *, dtype: str = "fp32", batch: int = 2, seq: i
         _run(model, ids, tdtype)  # warm-up: first calls, kernel loading
         times = []
         for _ in range(repeat):
+            sync()
             t0 = time.perf_counter()
             result = _run(model, ids, tdtype)
+            sync()
             times.append(time.perf_counter() - t0)
         return result, statistics.median(times) * 1e3
 
