@@ -45,7 +45,7 @@ def test_one_current_record_per_subject_and_machine():
         pages = [path / "README.md", path / "report.md"] if path.is_dir() else [RESULTS / f"{name}.md"]
         assert any(p.exists() for p in pages), f"{path.name}: a record needs a page that says what, where and how"
         text = "".join(p.read_text() for p in pages if p.exists())
-        assert re.search(r"git [0-9a-f]{7}", text) and re.search(r"(?i)command", text), f"{md}: name the commit and command"
+        assert re.search(r"git [0-9a-f]{7}", text) and re.search(r"(?i)command", text), f"{path.name}: name the commit and command"
 
 
 DURATION = r"\d+ min \d+ s|\d+(?:\.\d+)? (?:minutes|min|s)\b"

@@ -14,7 +14,9 @@ dw/db, summed from per-program fp32 partials in program order, are bitwise repro
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -42,6 +44,80 @@ def _tile_rows(block: int, d: int) -> int:
     return max(1, min(16, 2048 // block)) if block >= d else 1
 
 
+# Floating-point contraction is chosen, not left to Triton's default (which flips in 3.10): off,
+# for both kernels. An fma in g - mean(g) would leave the rounding error of g where the exact
+# answer is 0, and without it the GPU computes what the interpreter tests check, operation for
+# operation. The kernels wait on memory, so the fmas would buy no time.
+OPTIONS = {"enable_fp_fusion": False}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One compiled specialization of a kernel: the element dtype of each pointer argument, the
+    constexprs and the launch options. The launchers launch with it; the compile test compiles
+    every spec the public functions can reach, for real GPUs, from the same functions."""
+
+    kernel: str
+    pointers: tuple  # (argument, torch dtype) pairs
+    constexprs: tuple  # (name, value) pairs
+    num_warps: int
+
+    def options(self) -> dict:
+        # ptxas may cap registers to fit two blocks on an SM and spill to reach it; one block of
+        # the kernel's threads must fit, and spills are what the compile test rules out
+        return {"num_warps": self.num_warps, "maxnreg": min(255, 65536 // (32 * self.num_warps)), **OPTIONS}
+
+
+def fwd_spec(d: int, x: torch.dtype, *, weight: torch.dtype | None, bias: torch.dtype | None, residual: torch.dtype | None,
+             sum_dtype: torch.dtype | None, is_rms: bool, llama: bool, inside: bool) -> Spec:
+    """norm_fwd's specialization for rows of ``d`` features of dtype ``x`` (a missing weight, bias
+    or residual is replaced by x itself, whose pointer it then is)."""
+    block = _block(d)
+    tile = _tile_rows(block, d)
+    pointers = (("X", x), ("R", residual or x), ("W", weight or x), ("B", bias or x), ("Y", x), ("S", sum_dtype or x),
+                ("MEAN", torch.float32 if is_rms else torch.float64), ("RSTD", torch.float32))
+    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, HAS_RES=residual is not None, LLAMA=llama,
+                 INSIDE=inside, OUT_KIND=KIND[x], SUM_KIND=KIND.get(sum_dtype, K.FP32),
+                 BLOCK=block, SINGLE=block >= d, ROWS=tile)
+    return Spec("norm_fwd", pointers, tuple(flags.items()), _warps(block * tile))
+
+
+def bwd_spec(d: int, dy: torch.dtype, x: torch.dtype, *, weight: torch.dtype | None, ds: torch.dtype | None, is_rms: bool,
+             llama: bool, inside: bool, want_db: bool) -> Spec:
+    """norm_bwd's specialization (``x``: what was normalized, the residual sum s in the add
+    variants; a missing weight or ds is replaced by dy)."""
+    block = _block(d)
+    tile = _tile_rows(block, d)
+    pointers = (("DY", dy), ("X", x), ("W", weight or dy), ("MEAN", torch.float32 if is_rms else torch.float64),
+                ("RSTD", torch.float32), ("DS", ds or dy), ("DX", x), ("DW", torch.float32), ("DB", torch.float32))
+    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=want_db, HAS_DS=ds is not None, LLAMA=llama, INSIDE=inside,
+                 IN_KIND=KIND[dy], DX_KIND=KIND[x], BLOCK=block, SINGLE=block >= d, ROWS=tile)
+    return Spec("norm_bwd", pointers, tuple(flags.items()), _warps(block * tile))
+
+
+def reachable_specs(hidden: tuple[int, ...]) -> list[Spec]:
+    """Every specialization the public functions can launch at these hidden sizes: each op,
+    dtype and option (weight, bias, cast order, eps placement, residual_in_fp32, the residual
+    sum's gradient used or not), weights in the input's dtype, through fwd_spec and bwd_spec."""
+    specs = {}
+    for d, x in itertools.product(hidden, FUSED_DTYPES):
+        for is_rms in (True, False):
+            options = itertools.product((x, None), (None,) if is_rms else (x, None), (True, False) if is_rms else (False,),
+                                        (True, False) if is_rms else (True,))
+            for weight, bias, llama, inside in options:
+                for residual, sum_dtype in ((None, None), (x, x), (x, torch.float32)):  # plain, add, add in fp32
+                    kw = dict(is_rms=is_rms, llama=llama, inside=inside)
+                    spec = fwd_spec(d, x, weight=weight, bias=bias, residual=residual, sum_dtype=sum_dtype, **kw)
+                    specs[spec] = None
+                    for ds in ((None, sum_dtype) if residual is not None else (None,)):
+                        specs[bwd_spec(d, x, sum_dtype or x, weight=weight, ds=ds, want_db=not is_rms, **kw)] = None
+    return list(specs)
+
+
+def _dtype(t: Tensor | None) -> torch.dtype | None:
+    return None if t is None else t.dtype
+
+
 def _rows(t: Tensor) -> Tensor:
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
@@ -62,15 +138,14 @@ def _launch_fwd(x, residual, weight, bias, y, s, mean, rstd, eps, offset, k, is_
         return
     r2 = _rows(residual) if residual is not None else x2
     y2, s2 = y.view(n, d), (s.view(n, d) if s is not None else y.view(n, d))
-    block = _block(d)
-    tile = _tile_rows(block, d)
-    K.norm_fwd[(triton.cdiv(n, tile),)](
+    spec = fwd_spec(d, x.dtype, weight=_dtype(weight), bias=_dtype(bias), residual=_dtype(residual), sum_dtype=_dtype(s),
+                    is_rms=is_rms, llama=llama, inside=inside)
+    flags = dict(spec.constexprs)
+    K.norm_fwd[(triton.cdiv(n, flags["ROWS"]),)](
         x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, y2, s2,
         mean if mean is not None else rstd, rstd,
         n, d, k, x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0), float(eps), float(offset),
-        IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, HAS_RES=residual is not None, LLAMA=llama,
-        INSIDE=inside, OUT_KIND=KIND[x.dtype], SUM_KIND=KIND.get(s.dtype, K.FP32) if s is not None else K.FP32,
-        BLOCK=block, SINGLE=block >= d, ROWS=tile, num_warps=_warps(block * tile),
+        **flags, **spec.options(),
     )
 
 
@@ -105,9 +180,10 @@ def _launch_bwd(dy, x, weight, mean, rstd, ds, offset, k, is_rms, llama, inside,
     x2, dy2 = _rows(x), _rows(dy)
     n = x2.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block = _block(d)
-    tile = _tile_rows(block, d)
-    programs = max(1, min(triton.cdiv(n, tile), _programs(x.device)))
+    spec = bwd_spec(d, dy.dtype, x.dtype, weight=_dtype(weight), ds=_dtype(ds), is_rms=is_rms, llama=llama, inside=inside,
+                    want_db=want_db)
+    flags = dict(spec.constexprs)
+    programs = max(1, min(triton.cdiv(n, flags["ROWS"]), _programs(x.device)))
     dw = torch.zeros((programs, d), dtype=torch.float32, device=x.device)
     db = torch.zeros((programs, d), dtype=torch.float32, device=x.device) if want_db else dw
     if n:
@@ -116,9 +192,7 @@ def _launch_bwd(dy, x, weight, mean, rstd, ds, offset, k, is_rms, llama, inside,
         K.norm_bwd[(programs,)](
             dy2, x2, weight if weight is not None else dy2, mean if mean is not None else rstd, rstd.reshape(-1), ds2, dx2,
             dw, db, n, d, k, dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0), float(offset),
-            IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=want_db, HAS_DS=ds is not None, LLAMA=llama, INSIDE=inside,
-            IN_KIND=KIND[dy.dtype], DX_KIND=KIND[x.dtype], BLOCK=block, SINGLE=block >= d, ROWS=tile,
-            num_warps=_warps(block * tile),
+            **flags, **spec.options(),
         )
     # programs in order: deterministic for a given device
     return dx, dw.sum(0), (db.sum(0) if want_db else None)
