@@ -33,3 +33,29 @@ def test_error_text_keeps_its_brackets(capsys):
     # rich reads "[hf]" as markup and drops it: "pip install 'normlab[hf]'" printed as "pip install 'normlab'"
     assert main(["compare", "norms", "--lrs", "1e-3;normlab[hf]", "--out", "unused"]) == 2
     assert "normlab[hf]" in capsys.readouterr().out
+
+
+def test_warmup_compiles_once_and_a_second_run_compiles_nothing(tmp_path):
+    import os
+    import re
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    cmd = [sys.executable, "-m", "normlab", "warmup", "--ops", "rms_norm", "--dtypes", "fp32", "--quiet"]
+    counts = []
+    for _ in range(2):
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        found = re.search(r"compiled (\d+) kernel signatures, (\d+) were cached already; numba's cache now holds (\d+)",
+                          " ".join(out.stdout.split()))
+        assert found, out.stdout
+        counts.append(tuple(map(int, found.groups())))
+    (compiled, cached, held), again = counts
+    assert compiled > 0 and cached == 0 and held == compiled
+    assert again == (0, compiled, compiled)
+    info = subprocess.run([sys.executable, "-m", "normlab", "info"], capture_output=True, text=True, env=env, timeout=600)
+    assert f"{compiled} kernel signatures compiled" in " ".join(info.stdout.split())
+
+
+def test_warmup_names_a_bad_choice(capsys):
+    assert main(["warmup", "--dtypes", "fp64"]) == 2
+    assert "--dtypes takes a comma-separated list from fp32, bf16, fp16; got fp64" in " ".join(capsys.readouterr().out.split())

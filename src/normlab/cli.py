@@ -56,7 +56,40 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
 
         status = cpu.cache_status()
         state = "warm" if status["warm"] else "cold (the first call of each kernel compiles it, then caches it)"
-        console.print(f"numba cache: {state}; {status['dir']}")
+        console.print(f"numba cache: {state}; {cpu.cached_signatures()} kernel signatures compiled in {escape(str(status['dir']))} "
+                      f"(`normlab warmup` compiles them ahead of time)")
+    return 0
+
+
+def cmd_warmup(args: argparse.Namespace, console: Console) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from normlab import kernels
+
+    reason = kernels.unavailable_reason("cpu")
+    if reason is not None:
+        console.print(f"[red]nothing to warm up: the cpu backend is unavailable: {escape(reason)}[/red]")
+        return 2
+    from normlab.kernels import cpu
+
+    ops, dtypes = _csv(args.ops), _csv(args.dtypes)
+    for value, name, choices in ((ops, "--ops", cpu.WARMUP_OPS), (dtypes, "--dtypes", tuple(cpu.WARMUP_DTYPES))):
+        bad = [v for v in value if v not in choices]
+        if bad or not value:
+            console.print(f"[red]{name} takes a comma-separated list from {', '.join(choices)}; got {escape(','.join(value))}[/red]")
+            return 2
+    calls = cpu.warmup_calls(ops, dtypes)
+    before = cpu.compiled_and_loaded()
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, disable=args.quiet) as progress:
+        task = progress.add_task("compiling kernels", total=len(calls))
+        for label, call in calls:
+            progress.update(task, description=label)
+            call()
+            progress.advance(task)
+    compiled, loaded = (a - b for a, b in zip(cpu.compiled_and_loaded(), before))
+    console.print(f"compiled {compiled} kernel signatures, {loaded} were cached already; numba's cache now holds "
+                  f"{cpu.cached_signatures()} in {escape(str(cpu.cache_status()['dir']))}")
     return 0
 
 
@@ -268,6 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write one record per measurement to PATH")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("warmup", help="compile the fused CPU kernels into numba's cache now (for a container build or before a job)",
+                       description="Compile the fused CPU kernels for these ops and dtypes into numba's on-disk cache, so that "
+                                   "the first call of a later process loads them instead of compiling (seconds per kernel).")
+    p.add_argument("--ops", default=",".join(("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm")), help="comma-separated")
+    p.add_argument("--dtypes", default="fp32,bf16,fp16", help="comma-separated, from fp32,bf16,fp16")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_warmup)
 
     p = sub.add_parser("data", help="corpora: `normlab data fetch [shakespeare] [--archive PATH]`")
     p.add_argument("action", choices=["fetch"])

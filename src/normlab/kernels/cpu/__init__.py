@@ -53,5 +53,57 @@ def cache_status() -> dict[str, object]:
     return {"dir": cache_dir, "sources": sources_hash(), "kernels": entries, "warm": all(entries.values())}
 
 
+def cached_signatures() -> int:
+    """How many compiled kernel signatures numba's cache holds for these sources."""
+    folder = cache_status()["dir"]
+    if not folder or not os.path.isdir(folder):
+        return 0
+    names = tuple(f"{k.__module__.rsplit('.', 1)[-1]}.{k.__name__}-" for k in KERNELS)
+    return sum(1 for f in os.listdir(folder) if f.endswith(".nbc") and f.startswith(names))
+
+
+WARMUP_OPS = ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm")
+WARMUP_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def warmup_calls(ops=WARMUP_OPS, dtypes=tuple(WARMUP_DTYPES)) -> list[tuple[str, object]]:
+    """(label, call) pairs that each run one op forward and backward on a tiny input, covering
+    the kernel signatures a model meets: weights in the input's dtype and in fp32, both cast
+    orders, the residual sum in the input's dtype and in fp32, its gradient used or not."""
+    from normlab import functional as F
+
+    calls = []
+    for name in dtypes:
+        dtype = WARMUP_DTYPES[name]
+        for op in ops:
+            for wdtype in dict.fromkeys((dtype, torch.float32)):
+                variants = [{"cast": c} for c in ("llama", "gemma")] if "rms" in op else [{}]
+                if op.startswith("add"):
+                    variants = [{**v, "residual_in_fp32": f} for v in variants for f in (False, True)]
+                for opts in variants:
+                    def call(op=op, dtype=dtype, wdtype=wdtype, opts=opts):
+                        x = torch.randn(4, 512, dtype=dtype, requires_grad=True)
+                        w = torch.ones(512, dtype=wdtype, requires_grad=True)
+                        args = [x] + ([torch.randn(4, 512, dtype=dtype)] if op.startswith("add") else []) + [w]
+                        if "layer" in op:
+                            args.append(torch.zeros(512, dtype=wdtype, requires_grad=True))
+                        out = getattr(F, op)(*args, backend="cpu", **opts)
+                        if isinstance(out, tuple):  # the residual sum's gradient used, then not
+                            (out[0].sum() + out[1].sum()).backward(retain_graph=True)
+                            out[0].sum().backward()
+                        else:
+                            out.sum().backward()
+
+                    calls.append((f"{op} {name} weights {str(wdtype).removeprefix('torch.')} {opts}", call))
+    return calls
+
+
+def compiled_and_loaded() -> tuple[int, int]:
+    """Kernel signatures this process has compiled, and loaded from numba's cache, so far."""
+    stats = [k.stats for k in KERNELS]
+    return sum(sum(s.cache_misses.values()) for s in stats), sum(sum(s.cache_hits.values()) for s in stats)
+
+
 __all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "rms_norm_out", "layer_norm_out",
-           "cache_status", "env_setting", "FUSED_DTYPES", "KERNELS"]
+           "cache_status", "cached_signatures", "compiled_and_loaded", "env_setting", "warmup_calls", "FUSED_DTYPES",
+           "KERNELS"]
