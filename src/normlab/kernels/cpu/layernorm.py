@@ -27,7 +27,8 @@ from numba.extending import overload
 
 from .cache import kernel
 from .codecs import _accumulate, _load, _store
-from .rows import _chunk, _pair_types, _paired, _partial_rows, _recip, _row, _row_pairs, _spans, _sum_partials, _value, _vector_sums
+from .rows import (FLUSH, _chunk, _flush, _pair_types, _paired, _partial_rows, _partial_sums, _recip, _row, _row_pairs, _spans,
+                   _sum_partials, _value, _vector_sums)
 from .simd import (BLOCK, EMIT, _fma, _fma32, _prefetch_pass1, _prefetch_pass2, _row_moments, _store_fence,
                    backward_block, forward_block, grad_sums, pair_order)
 
@@ -194,9 +195,10 @@ def _ov_y_block(y, j, x, w, b, stage, mhi, mlo, rs, nt):
 
 # --------------------------------------------------------------------------------- backward
 # Pass 1 forms sum(g) and sum(g * xhat) and adds the row's dw and db terms to its chunk's float32
-# partial rows; pass 2 writes dx. The partial rows are summed in chunk order at the end. bf16 rows
-# take pass 1 as vectors (grad_sums), read in pair order, and in pairs of rows from PAIR_ROWS_MIN
-# features on (rows.py). ``ds``: the gradient flowing into the residual sum, added to dx, or None.
+# partial rows, flushed to float64 rows every FLUSH rows; pass 2 writes dx. The float64 rows are
+# summed in chunk order at the end. bf16 rows take pass 1 as vectors (grad_sums), read in pair
+# order, and in pairs of rows from PAIR_ROWS_MIN features on (rows.py). ``ds``: the gradient
+# flowing into the residual sum, added to dx, or None.
 
 
 @kernel
@@ -207,6 +209,8 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, nt):
     wp = pair_order(w, span)
     dw_part = _partial_rows(nchunks, d)
     db_part = _partial_rows(nchunks, d)
+    dw_sum = _partial_sums(nchunks, d)
+    db_sum = _partial_sums(nchunks, d)
     pairs = _row_pairs(x, dy, d)
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
@@ -226,10 +230,15 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, nt):
             else:
                 sg, sgx = sg2, sgx2
             _ln_bwd_write(dyr, xr, w, wp, _row(ds, r), dx[r], mu, rs, sg, sgx, stage, nt, ahead)
+            if (r - r0) % FLUSH == FLUSH - 1:
+                _flush(dwc, dw_sum[c])
+                _flush(dbc, db_sum[c])
+        _flush(dwc, dw_sum[c])
+        _flush(dbc, db_sum[c])
         if nt:
             _store_fence()
-    _sum_partials(dw_part, span, dw)
-    _sum_partials(db_part, span, db)
+    _sum_partials(dw_sum, span, dw)
+    _sum_partials(db_sum, span, db)
 
 
 # ------------------------------------------------------------------------- backward, pass 1

@@ -29,8 +29,8 @@ from numba.extending import overload
 
 from .cache import kernel
 from .codecs import _load, _round_like, _store
-from .rows import (_chunk, _is_llama, _pair_types, _paired, _partial_rows, _recip, _row, _row_pairs, _spans,
-                   _sum_partials, _value, _vector_sums)
+from .rows import (FLUSH, _chunk, _flush, _is_llama, _pair_types, _paired, _partial_rows, _partial_sums, _recip, _row,
+                   _row_pairs, _spans, _sum_partials, _value, _vector_sums)
 from .simd import (BLOCK, EMIT, _fma, _fma32, _narrow, _prefetch_pass1, _prefetch_pass2, _row_sumsq,
                    _store_fence, _widen, backward_block, forward_block, grad_sums, pair_order)
 
@@ -159,10 +159,10 @@ def _ov_y_block(y, j, x, w, stage, rs, nt, rnd):
 
 # --------------------------------------------------------------------------------- backward
 # Pass 1 forms sum(g * x) (and sum(x^2) over [:k] when eps is outside the root) and adds the row's
-# dw terms to its chunk's float32 partial row; pass 2 writes dx. The partial rows are summed in
-# chunk order at the end. bf16 rows take pass 1 as vectors (grad_sums), read in pair order, and
-# in pairs of rows from PAIR_ROWS_MIN features on (rows.py). ``ds``: the gradient flowing into
-# the residual sum (add variants), added to dx, or None.
+# dw terms to its chunk's float32 partial row, flushed to a float64 row every FLUSH rows; pass 2
+# writes dx. The float64 rows are summed in chunk order at the end. bf16 rows take pass 1 as
+# vectors (grad_sums), read in pair order, and in pairs of rows from PAIR_ROWS_MIN features on
+# (rows.py). ``ds``: the gradient flowing into the residual sum (add variants), added to dx, or None.
 
 
 @kernel
@@ -172,6 +172,7 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, rnd, stages, nt):
     span = k - k % BLOCK if _paired(x, dy) else 0
     wp = pair_order(w, span)
     dw_part = _partial_rows(nchunks, d)
+    dw_sum = _partial_sums(nchunks, d)
     pairs = _row_pairs(x, dy, k)
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
@@ -193,9 +194,12 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, rnd, stages, nt):
             _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, 0, k, True, stage, nt, ahead)
             if k < d:  # pRMSNorm: the features past the statistic
                 _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, k, d, False, stage, nt, ahead)
+            if (r - r0) % FLUSH == FLUSH - 1:
+                _flush(dwc, dw_sum[c])
+        _flush(dwc, dw_sum[c])
         if nt:
             _store_fence()
-    _sum_partials(dw_part, span, dw)
+    _sum_partials(dw_sum, span, dw)
 
 
 # ------------------------------------------------------------------------- backward, pass 1
