@@ -233,3 +233,12 @@ def test_seq_batch_norm_matches_batchnorm1d_when_mask_is_all_true(gen, training)
     y = R.seq_batch_norm(x, mask, rm, rv, bn.weight, bn.bias, training=training)
     assert torch.allclose(y, expected, atol=1e-5, rtol=1e-5)
     assert torch.allclose(rm, bn.running_mean, atol=1e-6) and torch.allclose(rv, bn.running_var, atol=1e-6)
+
+
+def test_eps_outside_gives_a_finite_gradient_on_all_zero_rows(gen):
+    # autograd of sqrt at 0 multiplies an infinite derivative by 0 (nan); the derivative of
+    # x / (rms + eps) on an all-zero row (padding) is 1 / eps, as the fused kernels compute it
+    x = torch.zeros(3, 16, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 16, generator=gen, dtype=torch.float64)
+    R.rms_norm(x, None, 1e-6, eps_mode="outside").backward(g)
+    assert torch.allclose(x.grad, g / 1e-6, rtol=1e-12)

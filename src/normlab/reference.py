@@ -114,7 +114,10 @@ def rms_norm(
     if eps_mode == "inside":
         rstd = torch.rsqrt(ms + eps)
     else:
-        rstd = 1.0 / (torch.sqrt(ms) + eps)
+        # sqrt's derivative is infinite at 0 and autograd multiplies it by 0 on an all-zero row
+        # (padding): nan. y = x / (rms + eps) has the derivative 1 / eps there, which the clamp
+        # gives (sqrt of the smallest normal: far below any eps, so no value changes).
+        rstd = 1.0 / (torch.sqrt(ms.clamp_min(torch.finfo(sdt).tiny)) + eps)
     xhat = xs * rstd
     if weight is None:
         return xhat.to(out_dtype)
