@@ -117,11 +117,27 @@ def _seeds(mean, spread=0.005):
      {"gru_rmsnorm_step_ms": [101.0, 107.0, 113.0], "gru_layernorm_step_ms": [100.0, 106.0, 112.0]}),
     ("speed.rms_kernel_normlab", {"normlab_rms_norm_total_ms": [0.8, 0.85, 0.9], "normlab_layer_norm_total_ms": [1.0, 1.05, 1.1]},
      {"normlab_rms_norm_total_ms": [1.1, 1.15, 1.2], "normlab_layer_norm_total_ms": [1.0, 1.05, 1.1]}),
+    ("eps.inside_bounded", {"inside_max_gain_sqrt_eps": 1.0}, {"inside_max_gain_sqrt_eps": 1.5}),
+    ("eps.outside_amplifies", {"outside_zero_row_gain_eps": 1.0}, {"outside_zero_row_gain_eps": 1e-3}),
+    ("eps.fused_matches", {"inside_normlab_gain_rel_err": 1e-7, "outside_normlab_gain_rel_err": 1e-7},
+     {"inside_normlab_gain_rel_err": 1e-7, "outside_normlab_gain_rel_err": 0.5}),
 ])
+
 def test_changing_the_numbers_flips_the_verdict(finished, cid, holds, fails):
     c = _claim(finished[1], cid)
     assert C.judge(c["rule"], {**c["measured"], **holds}) == "holds"
     assert C.judge(c["rule"], {**c["measured"], **fails}) == "does not hold"
+
+
+
+def test_eps_claims_hold_exactly_and_the_fused_kernels_agree(finished):
+    # exact math, no training: at any size each claim must hold, and a zero row's gain outside the
+    # root must be 1/eps where inside it is 1/sqrt(eps)
+    section = finished[1]["presets"]["eps"]
+    assert all(c["verdict"] == "holds" for c in section["claims"]), [c["evidence"] for c in section["claims"]]
+    zero = {r["eps"]: r for r in section["rows"] if r["row_rms"] == 0}
+    assert zero["inside"]["gain"] == pytest.approx(1e3) and zero["outside"]["gain"] == pytest.approx(1e6)
+    assert zero["outside"]["gain_normlab_fp32"] == pytest.approx(1e6, rel=1e-4)
 
 
 def test_the_stability_sweep_records_its_settings_and_measures(finished):

@@ -222,6 +222,27 @@ def plot_precision(section: dict, plt) -> dict:
     return {"precision.png": fig}
 
 
+def plot_eps(section: dict, plt) -> dict:
+    series = section["series"]
+    scales, eps = series["scales"], series["eps"]
+    xs = [s if s > 0 else min(x for x in scales if x > 0) / 10 for s in scales]  # zero rows drawn left of the rest
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for i, mode in enumerate(("inside", "outside")):
+        ax.plot(xs, [r["gain"] for r in series["results"][f"{mode}|exact"]], marker="o", color=f"C{i}", label=f"eps {mode} (float64)")
+        ax.plot(xs, [r["gain"] for r in series["results"][f"{mode}|normlab"]], ls="", marker="x", ms=8, color=f"C{i}",
+                label=f"eps {mode} (normlab fp32)")
+    ax.axhline(1 / eps ** 0.5, color="grey", lw=0.8, ls=":", label="1/sqrt(eps)")
+    ax.axhline(1 / eps, color="grey", lw=0.8, ls="--", label="1/eps")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("row RMS (leftmost: all-zero rows)")
+    ax.set_ylabel("largest ||dx|| / ||dy||")
+    ax.set_title(f"RMSNorm's gradient gain, eps = {eps:g}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return {"eps.png": fig}
+
+
 def plot_speed(section: dict, plt) -> dict:
     recs = [r for r in section["series"]["records"] if r["op"] != "copy"]
     groups = sorted({(r["op"], r["pass"], r["dtype"]) for r in recs})
@@ -250,7 +271,7 @@ def plot_speed(section: dict, plt) -> dict:
 
 
 PLOTS = {"norms": plot_norms, "warmup": plot_warmup, "gradients": plot_gradients, "depth": plot_depth,
-         "batchnorm": plot_batchnorm, "precision": plot_precision, "speed": plot_speed}
+         "batchnorm": plot_batchnorm, "precision": plot_precision, "speed": plot_speed, "eps": plot_eps}
 
 
 def render(results: dict, out: str | Path) -> dict[str, Path]:

@@ -13,6 +13,8 @@ numbers by their rules (normlab.claims). Presets:
     precision  fp32 statistics are needed in fp16/bf16
     speed      kernel GB/s per backend, a normalized GRU's step, and training-step time with
                normlab's and torch's norms
+    eps        RMSNorm's eps inside the square root bounds the gradient on all-zero (padding) rows;
+               outside it the gradient there is 1/eps (exact, no training)
 
 Every claim carries the conditions of its source's experiment that this run matches and those it
 does not; verdicts come from 95% t intervals over seeds (normlab.claims).
@@ -39,6 +41,7 @@ from pathlib import Path
 from normlab import claims as C
 from normlab.experiments.batchnorm import BATCH_SIZES, preset_batchnorm
 from normlab.experiments.depth import preset_depth
+from normlab.experiments.eps import preset_eps
 from normlab.experiments.gradients import preset_gradients
 from normlab.experiments.lab import SIZES, Interrupted, Lab, Settings, _write_json
 from normlab.experiments.norms import lm_sizes, preset_norms
@@ -56,13 +59,14 @@ PRESETS: dict[str, Callable[[Lab], dict]] = {
     "batchnorm": preset_batchnorm,
     "precision": preset_precision,
     "speed": preset_speed,
+    "eps": preset_eps,
 }
 GROUPS = {"all": tuple(PRESETS), "demo": ("norms", "gradients", "batchnorm", "precision")}
 # The fields a preset compares: the user cannot override them for it.
 VARIES = {"norms": {"norm", "seed"},
           "warmup": {"placement", "lr", "min_lr", "warmup", "seed", "qk_norm", "beta2", "grad_clip", "norm", "mlp", "positions"},
           "gradients": {"placement", "n_layers", "norm", "mlp", "positions", "tie_embeddings", "embed_scale", "init"}, "depth": {"placement", "lr", "min_lr", "warmup", "seed", "norm", "mlp", "positions"},
-          "batchnorm": {"norm", "seed", "batch_size", "batching", "steps"}, "precision": set(), "speed": {"norm", "norm_impl"}}
+          "batchnorm": {"norm", "seed", "batch_size", "batching", "steps"}, "precision": set(), "speed": {"norm", "norm_impl"}, "eps": set()}
 
 
 def expand(names: list[str]) -> list[str]:
