@@ -115,9 +115,10 @@ def rms_norm(
         rstd = torch.rsqrt(ms + eps)
     else:
         # sqrt's derivative is infinite at 0 and autograd multiplies it by 0 on an all-zero row
-        # (padding): nan. y = x / (rms + eps) has the derivative 1 / eps there, which the clamp
-        # gives (sqrt of the smallest normal: far below any eps, so no value changes).
-        rstd = 1.0 / (torch.sqrt(ms.clamp_min(torch.finfo(sdt).tiny)) + eps)
+        # (padding): nan. y = x / (rms + eps) has the derivative 1 / eps there, which taking the
+        # root only where ms > 0 gives; the values are sqrt's (0 stays 0, so eps = 0 stays nan).
+        rms = torch.where(ms > 0, torch.sqrt(ms.clamp_min(torch.finfo(sdt).tiny)), torch.zeros_like(ms))
+        rstd = 1.0 / (rms + eps)
     xhat = xs * rstd
     if weight is None:
         return xhat.to(out_dtype)
