@@ -7,7 +7,10 @@ import copy
 import html
 import json
 import math
+import shlex
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -412,3 +415,98 @@ def test_a_cached_run_is_redone_when_its_data_or_code_changed(corpus, env, tmp_p
     monkeypatch.setattr(lab_module, "sources_hash", lambda: "another version")
     newer = E.Lab(settings)
     assert run(newer)["run"] not in (first["run"], redone["run"]) and newer.stale == ["run rmsnorm-s0"]
+
+
+# ------------------------------------------------------------------ plan, collect, --jobs
+
+
+def _untimed(results: dict, names) -> dict:
+    """Each preset's rows and claims without what a clock measured (step times, tokens/s)."""
+    def timed(key: str) -> bool:
+        return "ms" in key.split("_") or key.startswith(("tokens_per_s", "step_vs"))
+
+    return {name: {"rows": [{k: v for k, v in row.items() if not timed(k)} for row in results["presets"][name]["rows"]],
+                   "claims": {c["id"]: (c["verdict"], c["measured"]) for c in results["presets"][name]["claims"]
+                              if not any(timed(k) for k in c["measured"])}}
+            for name in names}
+
+
+def test_the_plan_lists_every_run_a_preset_trains(finished, tmp_path):
+    out, results = finished
+    settings = E.Settings(out=str(tmp_path), size="tiny", data=results["meta"]["data"], quiet=True)
+    planned = {p.folder.name for p in E.plan_presets(["all"], settings)}
+    assert planned == {f.name for f in (out / "runs").iterdir()}
+    assert not any(tmp_path.iterdir())  # planning writes nothing
+    assert E.plan_presets(["all"], E.Settings(out=str(out), size="tiny", data=results["meta"]["data"])) == []
+
+
+def test_planned_commands_then_collect_train_nothing_more_and_match_a_direct_run(finished, tmp_path, capsys, monkeypatch):
+    out, results = finished
+    data = results["meta"]["data"]
+    assert main(["compare", "norms", "gradients", "--size", "tiny", "--data", data, "--out", str(tmp_path), "--plan"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    *trains, collect = [shlex.split(line) for line in lines]
+    assert len(trains) == 5 and all(t[:2] == ["normlab", "train"] for t in trains)  # norms: five norms, one seed at tiny
+    assert collect[:2] == ["normlab", "compare"] and collect[-1] == "--collect"
+    for argv in trains:  # what a job array or GNU parallel would do with them
+        subprocess.run([sys.executable, "-m", "normlab", *argv[1:]], check=True, capture_output=True)
+
+    def fail(*a, **k):
+        raise AssertionError("collect trained a run")
+
+    monkeypatch.setattr(lab_module, "train", fail)
+    assert main(collect[1:]) == 0
+    collected = json.loads((tmp_path / "results.json").read_text())
+    assert _untimed(collected, ["norms", "gradients"]) == _untimed(results, ["norms", "gradients"])
+
+
+def test_collect_trains_nothing_and_lists_the_runs_it_still_needs(finished, tmp_path, capsys, monkeypatch):
+    out, results = finished
+
+    def fail(*a, **k):
+        raise AssertionError("collect trained a run")
+
+    monkeypatch.setattr(lab_module, "train", fail)
+    args = ["compare", "norms", "precision", "--size", "tiny", "--data", results["meta"]["data"], "--out", str(tmp_path)]
+    assert main([*args, "--collect"]) == 1
+    text = capsys.readouterr().out
+    assert "5 training run(s) have not finished" in text and "rmsnorm-s0" in text
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert list(written["presets"]) == ["precision"]  # the preset that needs no runs is measured and written
+    assert main([*args, "--plan", "--collect"]) == 2
+
+
+def test_two_jobs_at_once_give_the_verdicts_of_one(finished, tmp_path, capsys):
+    out, results = finished
+    args = ["compare", "norms", "batchnorm", "--size", "tiny", "--data", results["meta"]["data"], "--out", str(tmp_path), "--quiet"]
+    assert main([*args, "--jobs", "2"]) == 0
+    logs = list((tmp_path / "logs").iterdir())
+    assert len(logs) == 11 and all("completed" in log.read_text() for log in logs)
+    two = json.loads((tmp_path / "results.json").read_text())
+    verdicts = {name: {c["id"]: c["verdict"] for c in results["presets"][name]["claims"]} for name in ("norms", "batchnorm")}
+    assert {name: {c["id"]: c["verdict"] for c in two["presets"][name]["claims"]} for name in verdicts} == verdicts
+    # one thread each instead of two: the losses agree to float32 rounding, not bit for bit
+    for name in ("norms", "batchnorm"):
+        for a, b in zip(two["presets"][name]["rows"], results["presets"][name]["rows"]):
+            assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-3)
+
+
+def test_a_job_that_fails_is_reported_with_its_log(tmp_path):
+    from normlab.experiments import sweep
+
+    bad = E.Pending("broken", tmp_path / "runs" / "broken", ["normlab", "train", "--quiet", "steps=0", f"out={tmp_path}/x"])
+    good = E.Pending("fine", tmp_path / "runs" / "fine", ["normlab", "--version"])
+    failed = sweep.execute([bad, good], 2, tmp_path / "logs")
+    assert [run.label for run, _ in failed] == ["broken"]
+    assert "steps must be at least 1" in failed[0][1].read_text()
+    env = sweep.job_env(1, 2, gpus=4)
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["OMP_NUM_THREADS"] == str(max(1, sweep.cpus() // 2))
+
+
+def test_a_preset_must_ask_for_its_runs_before_its_measurements(corpus, env, tmp_path):
+    lab = E.Lab(E.Settings(out=str(tmp_path), size="tiny", data=str(corpus), quiet=True))
+    lab.begin("norms")
+    lab.job("something", {"x": 1}, lambda: {"y": 2})
+    fields, model = E.lm_sizes(lab)
+    with pytest.raises(RuntimeError, match="after a measurement"):
+        lab.run("rmsnorm-s0", fields, model, {"norm": "rmsnorm", "seed": 0})

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import platform
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -197,25 +198,45 @@ def cmd_sample(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_compare(args: argparse.Namespace, console: Console) -> int:
-    from rich.table import Table
-
     from normlab import experiments, report
 
     names = [a for a in args.items if "=" not in a]
     overrides = _pairs([a for a in args.items if "=" in a])
     if not names:
         raise ValueError(f"name a preset: {', '.join(list(experiments.PRESETS) + list(experiments.GROUPS))}")
+    if sum((args.plan, args.collect, args.jobs > 1)) > 1:
+        raise ValueError("--plan, --collect and --jobs N are alternatives: plan the runs, collect them, or train them here N at a time")
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
     settings = experiments.Settings(out=args.out, size="quick" if args.quick else args.size, seeds=args.seeds, data=args.data, steps=args.steps,
                                     overrides=overrides, quiet=args.quiet, lrs=experiments.parse_lrs(args.lrs))
-    flags = [f"--{k} {v}" for k, v in (("seeds", args.seeds), ("data", args.data), ("steps", args.steps), ("lrs", args.lrs),
-                                       ("out", args.out))
-             if v is not None] + (["--quick"] if args.quick else []) + ([f"--size {args.size}"] if args.size != "full" else [])
-    command = " ".join(["normlab compare", *args.items, *flags])
-    if settings.size == "full" and "demo" not in names and not _cuda():
+    command = _compare_argv(args)
+    if args.plan:
+        return _plan(args, settings, command)
+    if settings.size == "full" and "demo" not in names and not _cuda() and not args.collect:
         console.print("[yellow]note:[/yellow] full sizes on a CPU take hours; --quick fits 2 cores in minutes "
                       "(finished runs are kept either way: stop with Ctrl-C and rerun to resume)")
     try:
+        if args.jobs > 1:
+            from normlab.experiments import sweep
+
+            pending = experiments.plan_presets(names, settings)
+            failed = sweep.execute(pending, args.jobs, Path(args.out) / "logs", console, args.quiet)
+            for run, log in failed:
+                console.print(f"[red]failed:[/red] {run.label}: see {log}")
+            settings.mode = "collect"
+        elif args.collect:
+            settings.mode = "collect"
         results = experiments.run_presets(names, settings, console, command=command)
+    except experiments.RunsMissing as err:
+        console.print(f"[yellow]{len(err.pending)} training run(s) have not finished[/yellow] (nothing was trained: "
+                      "--collect only measures and writes what has finished):")
+        for run in err.pending:
+            console.print(f"  {run.label}  ({run.folder})")
+        console.print(f"Train them with the command lines of `{command} --plan`, or run `{command}` to train them here.")
+        if err.results["presets"]:
+            report.render(err.results, args.out)
+        return 1
     except experiments.Interrupted as err:
         console.print(f"[yellow]interrupted:[/yellow] {escape(str(err))}. Finished runs are kept: run the same command again to resume.")
         return 130
@@ -223,19 +244,48 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[yellow]interrupted.[/yellow] Finished runs and measurements are kept in {args.out}: "
                       "run the same command again to resume.")
         return 130
-    paths = report.render(results, args.out)
+    _print_verdicts(results, experiments.expand(names), report.render(results, args.out), args.out, console)
+    return 0
+
+
+def _compare_argv(args: argparse.Namespace) -> str:
+    """The compare command as typed, normalized (quoted for a shell), without --plan/--collect/--jobs."""
+    import shlex
+
+    flags = [x for k, v in (("seeds", args.seeds), ("data", args.data), ("steps", args.steps), ("lrs", args.lrs), ("out", args.out))
+             if v is not None for x in (f"--{k}", str(v))]
+    flags += (["--quick"] if args.quick else []) + (["--size", args.size] if args.size != "full" else [])
+    return shlex.join(["normlab", "compare", *args.items, *flags])
+
+
+def _plan(args: argparse.Namespace, settings, command: str) -> int:
+    """--plan: the `normlab train` lines on stdout (one run each, for a job array or GNU parallel),
+    then the line that collects; what they are goes to stderr."""
+    from normlab import experiments
+
+    notes = Console(stderr=True)
+    pending = experiments.plan_presets([a for a in args.items if "=" not in a], settings)
+    for run in pending:
+        print(run.command)
+    print(f"{command} --collect")
+    notes.print(f"{len(pending)} training run(s) to train (one `normlab train` line each), then the line that collects "
+                f"the results into {args.out}: measurements, verdicts and the report.")
+    return 0
+
+
+def _print_verdicts(results: dict, done: list[str], paths: dict, out: str, console: Console) -> None:
+    from rich.table import Table
+
     table = Table(title="claims (verdicts computed from the numbers by each claim's rule)")
     for col in ("preset", "claim", "verdict"):
         table.add_column(col)
     colours = {"holds": "green", "does not hold": "red", "inconclusive": "yellow"}
-    done = experiments.expand(names)
     for name, section in results["presets"].items():
         if name in done:
             for c in section["claims"]:
                 table.add_row(name, c["claim"], f"[{colours[c['verdict']]}]{c['verdict']}[/]")
     console.print(table)
-    console.print(f"report: {paths['html']} (and report.md, results.json, plots) in {args.out}")
-    return 0
+    console.print(f"report: {paths['html']} (and report.md, results.json, plots) in {out}")
 
 
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
@@ -345,6 +395,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lrs", help="the warmup preset's learning-rate sweep, comma-separated (default: 1e-4 to 3e-2, 6 points)")
     p.add_argument("--out", default="runs/compare", help="output directory (default: runs/compare); rerun to resume")
     p.add_argument("--quiet", action="store_true", help="no per-run progress bars")
+    p.add_argument("--plan", action="store_true",
+                   help="train nothing: print one `normlab train` line per unfinished run (for Slurm or GNU parallel), "
+                        "then the line that collects")
+    p.add_argument("--collect", action="store_true",
+                   help="train nothing: measure and report once every run has finished, else list the missing runs")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="train N runs at a time here, each its own process (threads split evenly; one GPU each)")
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("report", help="redraw the plots and report of a compare directory from its results.json")

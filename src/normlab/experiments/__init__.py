@@ -29,6 +29,11 @@ hash covers its whole config, so a run is reused by any preset, or any later com
 for the same config), ``jobs/<preset>/`` the measurements that are not training runs, and
 results.json the sections finished so far. Rerunning the same command skips what is finished and
 resumes an interrupted training run from its checkpoint.
+
+The training runs can also run elsewhere: ``--plan`` prints one ``normlab train`` command line
+per unfinished run (for a Slurm job array or GNU parallel) and the ``--collect`` line that then
+measures and reports without training; ``--jobs N`` trains N runs at a time on this machine. A
+preset therefore asks for all its training runs before its first measurement.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from normlab.experiments.batchnorm import BATCH_SIZES, preset_batchnorm
 from normlab.experiments.depth import preset_depth
 from normlab.experiments.eps import preset_eps
 from normlab.experiments.gradients import preset_gradients
-from normlab.experiments.lab import SIZES, Interrupted, Lab, Settings, _write_json
+from normlab.experiments.lab import SIZES, Interrupted, Lab, Pending, RunsPending, Settings, _write_json
 from normlab.experiments.norms import lm_sizes, preset_norms
 from normlab.experiments.precision import preset_precision
 from normlab.experiments.speed import preset_speed
@@ -89,12 +94,33 @@ def check_overrides(presets: list[str], overrides: dict) -> None:
                              f"(run another preset, or train that setting alone with `normlab train`)")
 
 
-def run_presets(names: list[str], settings: Settings, console=None, command: str = "") -> dict:
-    """Run the presets (skipping finished work) and write results.json; returns the results."""
+def _prepare(names: list[str], settings: Settings) -> tuple[list[str], Settings]:
     presets = expand(names)
     if "demo" in names:
         settings = dataclasses.replace(settings, size="tiny" if settings.size == "tiny" else "quick", brief=True)
     check_overrides(presets, settings.overrides)
+    return presets, settings
+
+
+def plan_presets(names: list[str], settings: Settings, console=None) -> list[Pending]:
+    """The training runs the presets need that have not finished, each with the `normlab train`
+    command that trains it: nothing is trained or measured (the measurements wait for the runs)."""
+    presets, settings = _prepare(names, settings)
+    lab = Lab(dataclasses.replace(settings, mode="plan"), console)
+    for name in presets:
+        lab.begin(name)
+        try:
+            PRESETS[name](lab)
+        except RunsPending:
+            pass
+    return list(lab.pending.values())
+
+
+def run_presets(names: list[str], settings: Settings, console=None, command: str = "") -> dict:
+    """Run the presets (skipping finished work) and write results.json; returns the results. With
+    ``settings.mode == "collect"`` nothing is trained: the presets whose runs have all finished are
+    measured and written, and RunsMissing then lists the runs the others still need."""
+    presets, settings = _prepare(names, settings)
     lab = Lab(settings, console)
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -103,9 +129,14 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
     from normlab.env import environment
 
     for i, name in enumerate(presets, 1):
-        lab.preset, lab.cost, lab.stale = name, 0.0, []
+        lab.begin(name)
         lab.say(f"[bold cyan]({i}/{len(presets)}) {name}[/bold cyan]")
-        section = PRESETS[name](lab)
+        try:
+            section = PRESETS[name](lab)
+        except RunsPending:
+            continue
+        if lab.waiting:  # computed from runs that have not finished: not a result
+            continue
         section["seconds"] = round(lab.cost, 1)  # to compute it from nothing: cached work counts at its original cost
         if lab.stale:
             section["notes"].append(f"Cached results that no longer matched their data or code were computed again: "
@@ -117,10 +148,21 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
                            "data": settings.data or "shakespeare", "data_sha256": lab.data_hash, "overrides": settings.overrides}
         section["meta"] = results["meta"]  # results.json may merge sections of several commands: each says its own
         _write_json(path, results)
+    if lab.pending:
+        raise RunsMissing(list(lab.pending.values()), results)
     return results
+
+
+class RunsMissing(Exception):
+    """``collect`` found training runs that have not finished (``.pending``); ``.results`` holds
+    the sections it could write."""
+
+    def __init__(self, pending: list[Pending], results: dict) -> None:
+        super().__init__(f"{len(pending)} training run(s) have not finished")
+        self.pending, self.results = pending, results
 
 
 recheck = C.recheck
 
-__all__ = ["BATCH_SIZES", "GROUPS", "PRESETS", "SIZES", "SWEEP", "Interrupted", "Lab", "Settings", "check_overrides",
-           "expand", "lm_sizes", "lr_sensitivity", "parse_lrs", "recheck", "run_presets"]
+__all__ = ["BATCH_SIZES", "GROUPS", "PRESETS", "SIZES", "SWEEP", "Interrupted", "Lab", "Pending", "RunsMissing", "Settings",
+           "check_overrides", "expand", "lm_sizes", "lr_sensitivity", "parse_lrs", "plan_presets", "recheck", "run_presets"]

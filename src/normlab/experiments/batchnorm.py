@@ -87,7 +87,18 @@ def preset_batchnorm(lab: Lab) -> dict:
     runs = train_norms(lab, norms, seeds)
     train_fields, _ = lm_sizes(lab)
     tf = {**train_fields, **lab.train_over}
-    effects = {}
+    # the batch-size trend, on padded variable-length sequences (left out of the demo: 1.5 minutes on 2 cores)
+    trend_train, trend_model, sequences = trend_sizes(lab)
+    trend_seeds = lab.seeds(3, 3)
+    trend_runs = {}  # (norm, batch size) -> (fields, one run per seed)
+    for norm in ("batchnorm", "layernorm") if not lab.s.brief else ():
+        for bs in BATCH_SIZES:
+            steps = max(1, sequences // bs)
+            fields = {**trend_train, "batch_size": bs, "steps": steps, "warmup": max(1, steps // 10),
+                      "eval_every": max(1, steps // 4)}
+            trend_runs[norm, bs] = fields, [lab.run(f"pad-{norm}-b{bs}-s{seed}", fields, trend_model, {"norm": norm, "seed": seed})
+                                            for seed in trend_seeds]
+    effects = {}  # the measurements, once every run is asked for (--plan lists runs up to the first one)
     for norm in norms:
         effects[norm] = [lab.job(f"effects-{norm}", {"run": r["run"], "bs": tf["batch_size"], "T": tf["seq_len"]},
                                  lambda r=r: batch_effects(lab.out / "runs" / r["run"], lab.dataset.val, tf["batch_size"],
@@ -101,27 +112,19 @@ def preset_batchnorm(lab: Lab) -> dict:
         rows.append({"norm": norm, "batch_size": tf["batch_size"], "batching": "windows", "mates_change": _round(mates, 3),
                      "padding_change": _round(pad, 3), "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2)})
         measured.update({f"{norm}_mates_change": mates, f"{norm}_padding_change": pad})
-    # the batch-size trend, on padded variable-length sequences (left out of the demo: 1.5 minutes on 2 cores)
-    trend_train, trend_model, sequences = trend_sizes(lab)
-    trend_seeds = lab.seeds(3, 3)
     trend = {}
-    for norm in ("batchnorm", "layernorm") if not lab.s.brief else ():
-        for bs in BATCH_SIZES:
-            steps = max(1, sequences // bs)
-            fields = {**trend_train, "batch_size": bs, "steps": steps, "warmup": max(1, steps // 10),
-                      "eval_every": max(1, steps // 4)}
-            rs = [lab.run(f"pad-{norm}-b{bs}-s{seed}", fields, trend_model, {"norm": norm, "seed": seed}) for seed in trend_seeds]
-            losses = [lab.job(f"trainmode-{r['run']}", {"run": r["run"]},
-                              lambda r=r, fields=fields: train_eval_losses(
-                                  lab.out / "runs" / r["run"], {**fields, **lab.train_over}, lab.dataset, lab.pick(8, 20, tiny=2)))
-                      for r in rs]
-            gaps = [abs(x["train_mode_loss"] - x["eval_loss"]) / x["eval_loss"] for x in losses]
-            trend[norm, bs] = {"val": [r["val_loss"] for r in rs], "gap": gaps}
-            val = stats(trend[norm, bs]["val"])
-            rows.append({"norm": norm, "batch_size": bs, "batching": "paragraphs", "val_loss": _round(val["mean"]),
-                         "val_std": _round(val["std"], 2), "eval_loss": _round(statistics.fmean(x["eval_loss"] for x in losses)),
-                         "train_mode_loss": _round(statistics.fmean(x["train_mode_loss"] for x in losses)),
-                         "train_eval_gap": _round(statistics.fmean(gaps), 3)})
+    for (norm, bs), (fields, rs) in trend_runs.items():
+        losses = [lab.job(f"trainmode-{r['run']}", {"run": r["run"]},
+                          lambda r=r, fields=fields: train_eval_losses(
+                              lab.out / "runs" / r["run"], {**fields, **lab.train_over}, lab.dataset, lab.pick(8, 20, tiny=2)))
+                  for r in rs]
+        gaps = [abs(x["train_mode_loss"] - x["eval_loss"]) / x["eval_loss"] for x in losses]
+        trend[norm, bs] = {"val": [r["val_loss"] for r in rs], "gap": gaps}
+        val = stats(trend[norm, bs]["val"])
+        rows.append({"norm": norm, "batch_size": bs, "batching": "paragraphs", "val_loss": _round(val["mean"]),
+                     "val_std": _round(val["std"], 2), "eval_loss": _round(statistics.fmean(x["eval_loss"] for x in losses)),
+                     "train_mode_loss": _round(statistics.fmean(x["train_mode_loss"] for x in losses)),
+                     "train_eval_gap": _round(statistics.fmean(gaps), 3)})
     small, large = BATCH_SIZES[0], BATCH_SIZES[-1]
     for bs in (small, large) if trend else ():
         measured[f"batchnorm_gap_b{bs}"] = trend["batchnorm", bs]["gap"]

@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import shutil
 import statistics
 import time
@@ -43,6 +44,28 @@ class Interrupted(Exception):
     """A training run was stopped by Ctrl-C/SIGTERM; its checkpoint is saved."""
 
 
+class RunsPending(Exception):
+    """Raised at a preset's first measurement when it is being planned, or collected with
+    training runs still unfinished: the measurements wait for the runs."""
+
+
+MODES = ("run", "plan", "collect")
+
+
+@dataclass
+class Pending:
+    """A training run a preset needs that has not finished: its folder and the `normlab train`
+    command that trains it there."""
+
+    label: str
+    folder: Path
+    argv: list[str]
+
+    @property
+    def command(self) -> str:
+        return shlex.join(self.argv)
+
+
 @dataclass
 class Settings:
     out: str = "runs/compare"
@@ -54,6 +77,9 @@ class Settings:
     quiet: bool = False  # no per-run progress bars
     brief: bool = False  # the demo: leave out a preset's slowest measurement (its notes say which and how to run it)
     lrs: tuple[float, ...] | None = None  # the warmup preset's learning-rate sweep; None: the size's default
+    # "run": train what is missing; "plan": train and measure nothing, list the runs to train;
+    # "collect": train nothing, measure and write results once every run has finished
+    mode: str = "run"
 
 
 class Lab:
@@ -72,12 +98,20 @@ class Lab:
             raise ValueError(f"--seeds must be at least 1, got {settings.seeds}")
         if settings.size not in SIZES:
             raise ValueError(f"size must be one of {', '.join(SIZES)}; got {settings.size!r}")
+        if settings.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}; got {settings.mode!r}")
         self.size = settings.size
         self.quick = settings.size != "full"
         self.preset = ""
         self.cost = 0.0  # seconds the current preset's runs and measurements took to compute (cached ones included)
         self.stale: list[str] = []  # cached entries of the current preset that no longer matched their data or code
+        self.pending: dict[Path, Pending] = {}  # plan and collect: the unfinished runs, by folder
+        self._measured = False  # the current preset has asked for a measurement (its runs come first)
+        self.waiting = False  # plan and collect: the current preset needs a run that has not finished
         self._dataset = None
+
+    def begin(self, preset: str) -> None:
+        self.preset, self.cost, self.stale, self._measured, self.waiting = preset, 0.0, [], False, False
 
     # -- sizes and seeds
     def pick(self, quick, full, tiny=None):
@@ -136,6 +170,9 @@ class Lab:
     def run(self, label: str, train_fields: dict, model_fields: dict, varied: dict) -> dict:
         """Train (or reuse, or resume) one run: the preset's base fields < the user's overrides <
         the ``varied`` fields the preset compares. Returns the run's summary and curves."""
+        if self._measured:  # --plan lists a preset's runs up to its first measurement
+            raise RuntimeError(f"the {self.preset} preset asks for run {label} after a measurement: ask for every "
+                               "training run first, so that --plan can list them")
         t_varied = {k: v for k, v in varied.items() if k in _TRAIN_FIELDS}
         m_varied = {k: v for k, v in varied.items() if k not in _TRAIN_FIELDS}
         tf = {**train_fields, **self.train_over, **t_varied}
@@ -152,10 +189,16 @@ class Lab:
             summary = json.loads(summary_path.read_text())
             if summary.get("status") in ("completed", "diverged"):
                 self.cost += summary.get("wall_s") or 0.0
+                if not (folder / "cache.json").exists():  # trained by a planned `normlab train`
+                    (folder / "cache.json").write_text(json.dumps({"config_key": config_key, "key": key}))
                 return _run_result(folder, summary)
             resume = (folder / "checkpoint.pt").exists()
         elif (folder / "checkpoint.pt").exists() and (folder / "config.json").exists():
             resume = True  # killed without a summary: its last checkpoint stands
+        if self.s.mode != "run":
+            self.pending.setdefault(folder, Pending(label, folder, _train_argv(folder, tf, mf, resume)))
+            self.waiting = True
+            return _pending_result(folder)
         if not resume and folder.exists():
             shutil.rmtree(folder)
         folder.mkdir(parents=True, exist_ok=True)
@@ -173,6 +216,9 @@ class Lab:
     def job(self, name: str, params: dict, fn: Callable[[], dict]) -> dict:
         """``fn()``'s result, cached as JSON under jobs/<preset>/ by ``name`` and ``params`` (and,
         for timings, the machine and thread count)."""
+        self._measured = True
+        if self.s.mode == "plan" or self.waiting:
+            raise RunsPending(self.preset)
         if name in TIMING_JOBS:
             params = {**params, "machine": [bench_machine(), torch.get_num_threads()]}
         key, config_key = self._keys(params)
@@ -221,6 +267,31 @@ def bench_machine() -> str:
     from normlab.env import cpu_name
 
     return f"{cpu_name()} x{os.cpu_count()}"
+
+
+def _train_argv(folder: Path, tf: dict, mf: dict, resume: bool) -> list[str]:
+    """The `normlab train` command line that trains (or resumes) this run into its folder; checked
+    to parse back to the same config, so that the run it trains is the one the lab asked for."""
+    if resume:
+        return ["normlab", "train", "--quiet", "--resume", str(folder)]
+
+    def text(v) -> str:
+        return "none" if v is None else str(v).lower() if isinstance(v, bool) else repr(v) if isinstance(v, float) else str(v)
+
+    pairs = {**{k: text(v) for k, v in {**tf, **mf}.items()}, "out": str(folder), "overwrite": "true"}
+    from normlab.train import resolve
+
+    tcfg, m = resolve(None, pairs)
+    if dataclasses.asdict(tcfg) != {**dataclasses.asdict(TrainConfig(**tf)), "out": str(folder), "overwrite": True} or m != mf:
+        raise ValueError(f"the run in {folder} cannot be written as a `normlab train` command line: {pairs}")
+    return ["normlab", "train", "--quiet", *(f"{k}={v}" for k, v in pairs.items())]
+
+
+def _pending_result(folder: Path) -> dict:
+    """What a preset sees of a run not trained yet (plan and collect): no losses, empty curves."""
+    return {"run": folder.name, "status": "pending", "steps": 0, "val_loss": None, "init_val_loss": None,
+            "train_loss": None, "wall_s": None, "step_ms": None, "tokens_per_s": None,
+            "val_curve": {"step": [], "loss": [], "time_s": []}, "train_curve": {"step": [], "loss": []}}
 
 
 def _run_result(folder: Path, summary: dict) -> dict:
