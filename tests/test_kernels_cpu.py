@@ -812,3 +812,19 @@ def test_weight_gradients_stay_accurate_over_many_rows(gen, op):
         scale = truth.abs().max()
         err_ref, err_ours = ((ref - truth).abs().max() / scale).item(), ((ours - truth).abs().max() / scale).item()
         assert err_ours <= 2 * err_ref + torch.finfo(torch.float32).eps, (err_ours, err_ref)
+
+
+_BIG = np.ones(2_000_000)  # a large global array: numba will not cache code that embeds it
+
+
+def test_a_kernel_numba_cannot_cache_warns_and_runs():
+    from numba.core.errors import NumbaWarning
+
+    from normlab.kernels.cpu import cache
+
+    def uses_a_big_global(x):
+        return x[0] + _BIG[0]
+
+    kernel = cache.kernel(uses_a_big_global)
+    with pytest.warns(NumbaWarning, match="Cannot cache"):
+        assert kernel(np.full(3, 2.0)) == 3.0

@@ -39,9 +39,9 @@ class _SourcesLocator(caching._CacheLocator):
     """Where numba would cache the function (NUMBA_CACHE_DIR, the package's __pycache__ or the
     user-wide cache, in numba's order), one directory down: ``normlab-<sources_hash()>``."""
 
-    def __init__(self, base: caching._CacheLocator, lineno: int) -> None:
+    def __init__(self, base: caching._CacheLocator, py_file: str, lineno: int) -> None:
         self._path = os.path.join(base.get_cache_path(), "normlab-" + sources_hash())
-        self._lineno = lineno
+        self._py_file, self._lineno = py_file, lineno  # numba names them when it cannot cache a function
 
     def get_cache_path(self) -> str:
         return self._path
@@ -58,7 +58,7 @@ class _SourcesLocator(caching._CacheLocator):
             base = base_class.from_function(py_func, py_file)
             if base is None:
                 continue
-            locator = cls(base, py_func.__code__.co_firstlineno)
+            locator = cls(base, py_file, py_func.__code__.co_firstlineno)
             try:
                 locator.ensure_cache_path()
             except OSError:
@@ -80,3 +80,4 @@ def kernel(fn):
     dispatcher = njit(parallel=True, fastmath=FASTMATH, nogil=True)(fn)
     dispatcher._cache = _Cache(fn)  # what Dispatcher.enable_caching does, with this locator
     return dispatcher
+
