@@ -124,6 +124,29 @@ def _seeds(mean, spread=0.005):
     ("eps.outside_amplifies", {"outside_zero_row_gain_eps": 1.0}, {"outside_zero_row_gain_eps": 1e-3}),
     ("eps.fused_matches", {"inside_normlab_gain_rel_err": 1e-7, "outside_normlab_gain_rel_err": 1e-7},
      {"inside_normlab_gain_rel_err": 1e-7, "outside_normlab_gain_rel_err": 0.5}),
+    ("invariance.layernorm_exact", {"layernorm_invariant_max_change": 1e-15}, {"layernorm_invariant_max_change": 0.5}),
+    ("invariance.rmsnorm_scale", {"rmsnorm_invariant_max_change": 1e-15}, {"rmsnorm_invariant_max_change": 0.5}),
+    ("invariance.rmsnorm_not_recentering", {"rmsnorm_recentering_min_change": 0.5}, {"rmsnorm_recentering_min_change": 1e-14}),
+    ("invariance.layernorm_shift_trained", {"layernorm_shift_val": _seeds(2.0), "layernorm_val": _seeds(2.001)},
+     {"layernorm_shift_val": _seeds(2.5), "layernorm_val": _seeds(2.0)}),
+    ("invariance.rmsnorm_shift_trained", {"rmsnorm_shift_val": _seeds(2.3), "rmsnorm_val": _seeds(2.0)},
+     {"rmsnorm_shift_val": _seeds(1.9), "rmsnorm_val": _seeds(2.0)}),
+    ("final_norm.loss", {"nofinal_base_val": _seeds(2.2), "final_base_val": _seeds(2.0), "unigram_loss": 3.4},
+     {"nofinal_base_val": _seeds(1.9), "final_base_val": _seeds(2.0), "unigram_loss": 3.4}),
+    ("final_norm.head_grows", {"nofinal_base_head_growth": _seeds(5.0, 0.1)}, {"nofinal_base_head_growth": _seeds(0.8, 0.01)}),
+    ("final_norm.head_bounded", {"final_base_head_growth": _seeds(1.0, 0.01), "nofinal_base_head_growth": _seeds(5.0, 0.1)},
+     {"final_base_head_growth": _seeds(5.0, 0.1), "nofinal_base_head_growth": _seeds(1.0, 0.01)}),
+    ("final_norm.high_lr", {"nofinal_high_val": [None] * 3, "final_high_val": _seeds(2.0), "nofinal_high_diverged": 3,
+                            "unigram_loss": 3.4},
+     {"nofinal_high_val": _seeds(1.9), "final_high_val": _seeds(2.0), "nofinal_high_diverged": 0, "unigram_loss": 3.4}),
+    ("shallow.post_better", {"post_shallow_val": _seeds(1.9), "pre_shallow_val": _seeds(2.0), "unigram_loss": 3.4},
+     {"post_shallow_val": _seeds(2.1), "pre_shallow_val": _seeds(2.0), "unigram_loss": 3.4}),
+    ("shallow.pre_deep", {"post_deep_val": [None] * 3, "pre_deep_val": _seeds(2.0), "post_deep_diverged": 3, "unigram_loss": 3.4},
+     {"post_deep_val": _seeds(1.9), "pre_deep_val": _seeds(2.0), "post_deep_diverged": 0, "unigram_loss": 3.4}),
+    ("sandwich.stream_growth", {"sandwich_stream_growth": _seeds(1.2, 0.01), "pre_stream_growth": _seeds(3.0, 0.1)},
+     {"sandwich_stream_growth": _seeds(3.0, 0.1), "pre_stream_growth": _seeds(1.2, 0.01)}),
+    ("sandwich.quality", {"sandwich_val": _seeds(2.0), "pre_val": _seeds(2.01), "unigram_loss": 3.4},
+     {"sandwich_val": _seeds(2.5), "pre_val": _seeds(2.0), "unigram_loss": 3.4}),
 ])
 
 def test_changing_the_numbers_flips_the_verdict(finished, cid, holds, fails):
@@ -510,3 +533,34 @@ def test_a_preset_must_ask_for_its_runs_before_its_measurements(corpus, env, tmp
     fields, model = E.lm_sizes(lab)
     with pytest.raises(RuntimeError, match="after a measurement"):
         lab.run("rmsnorm-s0", fields, model, {"norm": "rmsnorm", "seed": 0})
+
+
+
+def test_the_invariances_are_exact_where_the_theory_says(finished):
+    section = finished[1]["presets"]["invariance"]
+    exact, invariant = section["series"]["exact"], section["series"]["invariant"]
+    for norm in ("layernorm", "rmsnorm"):
+        for where in ("op", "model"):
+            for name, change in exact[norm][where].items():
+                assert (change < 1e-12) if name in invariant[norm] else (change > 1e-2), (norm, where, name, change)
+    shifted = {r["transform"]: r["val_loss"] for r in section["rows"] if r["where"] == "training" and r["norm"] == "layernorm"}
+    assert len(shifted) == 2  # trained without and with shift noise
+
+
+def test_final_norm_records_what_the_lm_head_reads(finished):
+    section = finished[1]["presets"]["final-norm"]
+    for key, curves in section["series"]["head_rms"].items():
+        for c in curves:
+            assert c["step"][0] == 0 and len(c["step"]) >= 2 and all(v > 0 for v in c["rms"]), key
+    with_norm = [r for r in section["rows"] if r["final_norm"] and r["head_rms_end"] is not None]
+    assert with_norm and all(0.1 < r["head_rms_end"] < 10 for r in with_norm)  # a norm's output: RMS near its weights'
+
+
+def test_sandwich_measures_the_stream_after_every_layer(finished):
+    section = finished[1]["presets"]["sandwich"]
+    layers = section["settings"]["model"]["n_layers"]
+    for placement, per_seed in section["series"]["stream_rms"].items():
+        assert all(len(v) == layers and all(x > 0 for x in v) for v in per_seed), placement
+    # the Pre-LN runs are the norms preset's RMSNorm runs
+    norms_runs = {c["val_curve"]["loss"][-1] for c in finished[1]["presets"]["norms"]["series"]["runs"]["rmsnorm"]}
+    assert {c["val_curve"]["loss"][-1] for c in section["series"]["runs"]["pre"]} <= norms_runs

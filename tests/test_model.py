@@ -218,6 +218,34 @@ def test_diagnostics_do_not_change_the_forward(gen):
     assert all(math.isnan(r) for r in m.activation_rms())
 
 
+def test_the_lm_heads_input_rms_is_recorded(gen):
+    for final in (True, False):
+        m = model(gen, n_layers=2, final_norm=final)
+        m.record_activations(True)
+        hidden = []
+        hook = m.head.register_forward_pre_hook(lambda mod, args: hidden.append(args[0].detach()))
+        m(tokens(gen))
+        hook.remove()
+        assert m.head_input_rms() == pytest.approx(hidden[0].pow(2).mean().sqrt().item(), rel=1e-6)
+        if not final:  # without a final norm the head reads the last block's output
+            assert m.head_input_rms() == pytest.approx(m.activation_rms()[-1], rel=1e-6)
+
+
+@pytest.mark.parametrize("norm, invariant", [("layernorm", True), ("rmsnorm", False)])
+def test_shift_noise_moves_only_what_is_not_invariant_to_it(gen, norm, invariant):
+    m = model(gen, n_layers=2, norm=norm, placement="pre").double()
+    idx = tokens(gen)
+    clean, _ = m(idx)
+    noisy_model = model(gen, n_layers=2, norm=norm, placement="pre", norm_shift_noise=1.0).double()
+    noisy_model.load_state_dict(m.state_dict())  # a plain attribute: the same keys
+    torch.manual_seed(3)
+    noisy, _ = noisy_model(idx)
+    change = ((noisy - clean).norm() / clean.norm()).item()
+    assert (change < 1e-10) if invariant else (change > 1e-2), change
+    noisy_model.eval()  # training only
+    assert torch.equal(noisy_model(idx)[0], m.eval()(idx)[0])
+
+
 def test_parameter_counts_of_the_presets():
     for name in ("tiny", "small", "medium"):
         cfg = ModelConfig.preset(name)
@@ -316,6 +344,7 @@ def test_the_original_transformers_embedding_has_unit_scale(gen):
     ({"deepnorm_alpha": -2.0}, r"deepnorm_alpha must be a finite number > 0 or None"),
     ({"d_ff": 2.5}, r"d_ff must be a positive int or None, got 2.5"),
     ({"dropout": "0.1"}, r"dropout must be a number in \[0, 1\), got '0.1'"),
+    ({"norm_shift_noise": -0.5}, r"norm_shift_noise must be a finite number >= 0 \(0: none\), got -0.5"),
 ])
 def test_more_config_errors_name_the_field(kw, message):
     with pytest.raises(ValueError, match=message):

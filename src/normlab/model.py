@@ -68,6 +68,7 @@ class ModelConfig:
     norm_partial: float | None = None  # pRMSNorm's p; None: 0.0625 for prmsnorm (only prmsnorm takes it)
     norm_eps_mode: str = "inside"  # RMSNorm: eps inside or outside the square root
     norm_weightless: bool = False  # norms without a learned scale (and bias)
+    norm_shift_noise: float = 0.0  # in training, add N(0, this^2), one draw per row, to every norm's input (invariance preset)
     placement: str = "pre"  # post, pre, sandwich or deepnorm
     final_norm: bool | None = None  # a norm before the LM head; None: the placement's default
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3, OLMo 2)
@@ -125,6 +126,9 @@ class ModelConfig:
                 raise ValueError(f"{name} must be a finite number > 0 or None (None: DeepNet's value), got {value!r}")
         if self.norm_eps < 0 or not math.isfinite(self.norm_eps):
             raise ValueError(f"norm_eps must be a finite number >= 0, got {self.norm_eps}")
+        if isinstance(self.norm_shift_noise, bool) or not isinstance(self.norm_shift_noise, (int, float)) \
+                or not (math.isfinite(self.norm_shift_noise) and self.norm_shift_noise >= 0):
+            raise ValueError(f"norm_shift_noise must be a finite number >= 0 (0: none), got {self.norm_shift_noise!r}")
         choice("norm_impl", ("normlab", "torch"))
         choice("init", INITS)
         if self.norm_impl == "torch" and self.norm not in ("layernorm", "rmsnorm"):
@@ -294,13 +298,22 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm_impl == "torch":
         affine = not cfg.norm_weightless
         if cfg.norm == "layernorm":
-            return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, elementwise_affine=affine)
-        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps, elementwise_affine=affine)
-    return build_norm(cfg.norm, cfg.d_model, **cfg.norm_options())
+            norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, elementwise_affine=affine)
+        else:
+            norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps, elementwise_affine=affine)
+    else:
+        norm = build_norm(cfg.norm, cfg.d_model, **cfg.norm_options())
+    if cfg.norm_shift_noise:
+        norm.shift_noise = cfg.norm_shift_noise  # a plain attribute: state_dict keys stay
+    return norm
 
 
 def _norm(module: nn.Module, x: Tensor, mask: Tensor | None) -> Tensor:
-    """Call a norm; only sequence BatchNorm takes the padding mask."""
+    """Call a norm; only sequence BatchNorm takes the padding mask. In training, a norm with a
+    ``shift_noise`` gets its input shifted by a random constant per row (re-centering noise)."""
+    noise = getattr(module, "shift_noise", 0.0)
+    if noise and module.training:
+        x = x + noise * torch.randn(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)
     if isinstance(module, SequenceBatchNorm):
         return module(x, mask)
     return module(x)
@@ -358,6 +371,7 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.final_norm = make_norm(cfg) if cfg.has_final_norm else None
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head_rms: Tensor | None = None  # diagnostics: see record_activations
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
@@ -437,6 +451,8 @@ class Decoder(nn.Module):
             x = block(x, cos, sin, mask, attn_mask, caches[i] if caches is not None else None)
         if self.final_norm is not None:
             x = _norm(self.final_norm, x, mask)
+        if self.blocks[0].record_rms:
+            self.head_rms = x.detach().float().pow(2).mean().sqrt()
         logits = self.head(x)
         loss = None
         if targets is not None:
@@ -495,10 +511,17 @@ class Decoder(nn.Module):
         return n
 
     def record_activations(self, enabled: bool = True) -> None:
-        """Keep each block's output RMS (the residual stream) on the next forwards."""
+        """Keep each block's output RMS (the residual stream), and that of the LM head's input,
+        on the next forwards."""
         for block in self.blocks:
             block.record_rms = enabled
             block.rms = None
+        self.head_rms = None
+
+    def head_input_rms(self) -> float:
+        """RMS of what the LM head read in the last forward (the final norm's output, or without
+        one the residual stream itself; see :meth:`record_activations`)."""
+        return float(self.head_rms) if getattr(self, "head_rms", None) is not None else float("nan")
 
     def record_attention_logits(self, enabled: bool = True) -> None:
         """Keep each layer's largest attention logit (q.k / sqrt(head_dim)) on the next forwards."""

@@ -270,8 +270,117 @@ def plot_speed(section: dict, plt) -> dict:
     return {"speed.png": fig}
 
 
+def plot_invariance(section: dict, plt) -> dict:
+    exact, invariant = section["series"]["exact"], section["series"]["invariant"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1.6, 1]})
+    ax = axes[0]
+    labels = [(where, name) for where in ("op", "model") for name in exact["layernorm"][where]]
+    floor = 1e-17
+    for j, norm in enumerate(exact):
+        vals = [max(exact[norm][where][name], floor) for where, name in labels]
+        bars = ax.bar([i + (j - 0.5) * 0.38 for i in range(len(labels))], vals, width=0.38, label=norm,
+                      color=NORM_COLOURS.get(norm))
+        for bar, (_, name) in zip(bars, labels):
+            if name not in invariant[norm]:
+                bar.set_hatch("//")
+    ax.set_yscale("log")
+    ax.set_ylim(floor / 2, 10)
+    ax.set_xticks(range(len(labels)), [f"{name.replace('_', ' ')}\n({where})" for where, name in labels], fontsize=8)
+    ax.set_ylabel("relative change of the output (float64)")
+    ax.set_title("exact: hatched = not invariant in theory", fontsize=10)
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    for key, curves in section["series"]["runs"].items():
+        norm, noise = key.split("|")
+        xs, mean, _, _ = _mean_curve(curves, "step")
+        if xs:
+            ax.plot(xs, mean, color=NORM_COLOURS.get(norm), ls="-" if noise == "0" else "--",
+                    label=f"{norm}" + ("" if noise == "0" else f", shift noise {noise}"))
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (mean over seeds)")
+    ax.set_title("training with re-centering noise in every norm's input", fontsize=10)
+    ax.legend(fontsize=8)
+    _trim_y(ax, {"rows": [r for r in section["rows"] if r.get("val_loss") is not None]})
+    fig.suptitle("Invariance to re-centering and re-scaling: LayerNorm vs RMSNorm")
+    fig.tight_layout()
+    return {"invariance.png": fig}
+
+
+def plot_final_norm(section: dict, plt) -> dict:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for key, curves in section["series"]["head_rms"].items():
+        final, which = key.split("|")
+        style = dict(color="C0" if final == "True" else "C3", ls="-" if which == "base" else "--")
+        label = f"{'with' if final == 'True' else 'without'} final norm, {which} lr"
+        for i, c in enumerate(curves):
+            if c["step"]:
+                axes[0].plot(c["step"], c["rms"], label=label if i == 0 else None, alpha=0.8, **style)
+        xs, mean, _, _ = _mean_curve(section["series"]["runs"][key], "step")
+        if xs:
+            axes[1].plot(xs, mean, label=label, **style)
+    axes[0].set_yscale("log")
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel("RMS of the LM head's input")
+    axes[0].set_title("what the LM head reads (each seed)", fontsize=10)
+    axes[0].legend(fontsize=8)
+    axes[1].set_xlabel("step")
+    axes[1].set_ylabel("validation loss (mean over finished seeds)")
+    axes[1].set_title("loss", fontsize=10)
+    axes[1].legend(fontsize=8)
+    _trim_y(axes[1], section)
+    fig.suptitle("Pre-LN with and without the final norm")
+    fig.tight_layout()
+    return {"final_norm.png": fig}
+
+
+def plot_shallow(section: dict, plt) -> dict:
+    depths = section["settings"]["depths"]
+    fig, axes = plt.subplots(1, len(depths), figsize=(5.5 * len(depths), 4), sharey=True)
+    for ax, depth in zip(axes, depths):
+        for p in ("post", "pre"):
+            curves = section["series"]["runs"][f"{p}|{depth}"]
+            xs, mean, lo, hi = _mean_curve(curves, "step")
+            diverged = sum(c["status"] == "diverged" for c in curves)
+            if xs:
+                ax.plot(xs, mean, color=PLACEMENT_COLOURS[p], label=p + (f" ({diverged} diverged)" if diverged else ""))
+                ax.fill_between(xs, lo, hi, color=PLACEMENT_COLOURS[p], alpha=0.2)
+        ax.set_title(f"{depth} layers", fontsize=10)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("validation loss (mean over seeds, band: min-max)")
+    _trim_y(axes[0], section)
+    fig.suptitle("Post-LN vs Pre-LN, shallow and deep")
+    fig.tight_layout()
+    return {"shallow.png": fig}
+
+
+def plot_sandwich(section: dict, plt) -> dict:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for p, per_seed in section["series"]["stream_rms"].items():
+        for i, layers in enumerate(per_seed):
+            axes[0].plot(range(1, len(layers) + 1), layers, marker="o", color=PLACEMENT_COLOURS.get(p),
+                         label=p if i == 0 else None, alpha=0.8)
+        xs, mean, lo, hi = _mean_curve(section["series"]["runs"][p], "step")
+        if xs:
+            axes[1].plot(xs, mean, color=PLACEMENT_COLOURS.get(p), label=p)
+            axes[1].fill_between(xs, lo, hi, color=PLACEMENT_COLOURS.get(p), alpha=0.2)
+    axes[0].set_xlabel("layer")
+    axes[0].set_ylabel("residual stream RMS after the layer")
+    axes[0].set_yscale("log")
+    axes[0].set_title("after training (each seed)", fontsize=10)
+    axes[0].legend(fontsize=8)
+    axes[1].set_xlabel("step")
+    axes[1].set_ylabel("validation loss")
+    axes[1].legend(fontsize=8)
+    _trim_y(axes[1], section)
+    fig.suptitle("Sandwich norms vs Pre-LN")
+    fig.tight_layout()
+    return {"sandwich.png": fig}
+
+
 PLOTS = {"norms": plot_norms, "warmup": plot_warmup, "gradients": plot_gradients, "depth": plot_depth,
-         "batchnorm": plot_batchnorm, "precision": plot_precision, "speed": plot_speed, "eps": plot_eps}
+         "batchnorm": plot_batchnorm, "precision": plot_precision, "speed": plot_speed, "eps": plot_eps,
+         "invariance": plot_invariance, "final-norm": plot_final_norm, "shallow": plot_shallow, "sandwich": plot_sandwich}
 
 
 def render(results: dict, out: str | Path) -> dict[str, Path]:

@@ -379,6 +379,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
             if diag:
                 record["layer_grad_norms"] = model.grad_norms()
                 record["activation_rms"] = model.activation_rms()
+                record["head_input_rms"] = model.head_input_rms()
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)

@@ -15,6 +15,11 @@ numbers by their rules (normlab.claims). Presets:
                normlab's and torch's norms
     eps        RMSNorm's eps inside the square root bounds the gradient on all-zero (padding) rows;
                outside it the gradient there is 1/eps (exact, no training)
+    invariance LayerNorm is invariant to re-centering and re-scaling, RMSNorm to re-scaling only
+               (exact, on the op and a model), and shift noise in training costs only RMSNorm
+    final-norm Pre-LN needs its final norm: loss, the LM head's input RMS, a high learning rate
+    shallow    Post-LN beats Pre-LN when shallow; Pre-LN wins when deep
+    sandwich   norms on each branch's output bound the residual stream at Pre-LN's quality
 
 Every claim carries the conditions of its source's experiment that this run matches and those it
 does not; verdicts come from 95% t intervals over seeds (normlab.claims).
@@ -47,10 +52,14 @@ from normlab import claims as C
 from normlab.experiments.batchnorm import BATCH_SIZES, preset_batchnorm
 from normlab.experiments.depth import preset_depth
 from normlab.experiments.eps import preset_eps
+from normlab.experiments.final_norm import preset_final_norm
 from normlab.experiments.gradients import preset_gradients
+from normlab.experiments.invariance import preset_invariance
 from normlab.experiments.lab import SIZES, Interrupted, Lab, Pending, RunsPending, Settings, _write_json
 from normlab.experiments.norms import lm_sizes, preset_norms
 from normlab.experiments.precision import preset_precision
+from normlab.experiments.sandwich import preset_sandwich
+from normlab.experiments.shallow import preset_shallow
 from normlab.experiments.speed import preset_speed
 from normlab.experiments.warmup import SWEEP, lr_sensitivity, parse_lrs, preset_warmup
 
@@ -65,13 +74,21 @@ PRESETS: dict[str, Callable[[Lab], dict]] = {
     "precision": preset_precision,
     "speed": preset_speed,
     "eps": preset_eps,
+    "invariance": preset_invariance,
+    "final-norm": preset_final_norm,
+    "shallow": preset_shallow,
+    "sandwich": preset_sandwich,
 }
 GROUPS = {"all": tuple(PRESETS), "demo": ("norms", "gradients", "batchnorm", "precision")}
 # The fields a preset compares: the user cannot override them for it.
 VARIES = {"norms": {"norm", "seed"},
           "warmup": {"placement", "lr", "min_lr", "warmup", "seed", "qk_norm", "beta2", "grad_clip", "norm", "mlp", "positions"},
           "gradients": {"placement", "n_layers", "norm", "mlp", "positions", "tie_embeddings", "embed_scale", "init"}, "depth": {"placement", "lr", "min_lr", "warmup", "seed", "norm", "mlp", "positions"},
-          "batchnorm": {"norm", "seed", "batch_size", "batching", "steps"}, "precision": set(), "speed": {"norm", "norm_impl"}, "eps": set()}
+          "batchnorm": {"norm", "seed", "batch_size", "batching", "steps"}, "precision": set(), "speed": {"norm", "norm_impl"}, "eps": set(),
+          "invariance": {"norm", "seed", "norm_shift_noise", "placement", "norm_eps", "backend"},
+          "final-norm": {"final_norm", "lr", "min_lr", "seed", "placement", "norm"},
+          "shallow": {"placement", "n_layers", "lr", "min_lr", "warmup", "seed"},
+          "sandwich": {"placement", "norm", "seed"}}
 
 
 def expand(names: list[str]) -> list[str]:
