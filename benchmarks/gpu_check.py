@@ -38,12 +38,14 @@ from normlab import functional as F
 from normlab.env import environment
 from normlab.testing import assert_close
 
-OPS = ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm")
+OPS = ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "dyt")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PEERS = ("normlab", "torch", "torch-module", "liger", "quack")
 
 
 def _call(op, x, r, w, b, backend):
+    if op == "dyt":  # r stands in for nothing; alpha is fixed (its gradient is checked on CPU)
+        return (F.dyt(x, torch.full((1,), 0.5, device=x.device, dtype=torch.float32), w, b, backend=backend),)
     if op == "rms_norm":
         return (F.rms_norm(x, w, backend=backend),)
     if op == "layer_norm":
@@ -134,7 +136,7 @@ def run_bench(dev: str, dry: bool, quick: bool) -> tuple[list[dict], list[str]]:
         "16384x1024", "4096x4096", "1024x16384", "256x65536", "64x262144")
     repeat = 3 if dry else 20
     with kernels.use_backend("triton"):  # normlab's own cases on the triton backend, also on CPU
-        records, notes = bench.run_bench(ops=("rms_norm", "layer_norm", "add_rms_norm"), backends=PEERS,
+        records, notes = bench.run_bench(ops=("rms_norm", "layer_norm", "add_rms_norm", "dyt"), backends=PEERS,
                                          dtypes=("bf16", "fp32"), shapes=shapes, passes=("fwd", "bwd"),
                                          allocs=("prealloc", "alloc"), repeat=repeat, device=dev, case_seconds=0.5)
         if dry:

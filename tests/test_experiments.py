@@ -147,6 +147,14 @@ def _seeds(mean, spread=0.005):
      {"sandwich_stream_growth": _seeds(3.0, 0.1), "pre_stream_growth": _seeds(1.2, 0.01)}),
     ("sandwich.quality", {"sandwich_val": _seeds(2.0), "pre_val": _seeds(2.01), "unigram_loss": 3.4},
      {"sandwich_val": _seeds(2.5), "pre_val": _seeds(2.0), "unigram_loss": 3.4}),
+    ("dyt.parity", {"dyt0.5_large_val": _seeds(2.0), "rmsnorm_large_val": _seeds(2.01)},
+     {"dyt0.5_large_val": _seeds(2.5), "rmsnorm_large_val": _seeds(2.0)}),
+    ("dyt.alpha0_sensitive", {"dyt_worst_alpha0_large_val": _seeds(2.3), "dyt_best_alpha0_large_val": _seeds(2.0)},
+     {"dyt_worst_alpha0_large_val": _seeds(1.9), "dyt_best_alpha0_large_val": _seeds(2.0)}),
+    ("dyt.regime_flips", {"dyt0.5_small_val": _seeds(2.8), "rmsnorm_small_val": _seeds(3.0), "dyt0.5_large_val": _seeds(2.2),
+                          "rmsnorm_large_val": _seeds(2.0)},
+     {"dyt0.5_small_val": _seeds(3.2), "rmsnorm_small_val": _seeds(3.0), "dyt0.5_large_val": _seeds(2.2),
+      "rmsnorm_large_val": _seeds(2.0)}),
 ])
 
 def test_changing_the_numbers_flips_the_verdict(finished, cid, holds, fails):
@@ -564,3 +572,16 @@ def test_sandwich_measures_the_stream_after_every_layer(finished):
     # the Pre-LN runs are the norms preset's RMSNorm runs
     norms_runs = {c["val_curve"]["loss"][-1] for c in finished[1]["presets"]["norms"]["series"]["runs"]["rmsnorm"]}
     assert {c["val_curve"]["loss"][-1] for c in section["series"]["runs"]["pre"]} <= norms_runs
+
+
+
+def test_dyt_compares_budgets_ten_times_apart_and_measures_saturation(finished):
+    section = finished[1]["presets"]["dyt"]
+    budgets = section["settings"]["budgets"]
+    assert budgets["large"] == 10 * budgets["small"]
+    settings = {r["setting"] for r in section["rows"]}
+    assert settings == {"rmsnorm", "layernorm", "dyt0.2", "dyt0.5", "dyt1"}
+    for key, shares in section["series"]["saturated"].items():
+        assert key.startswith("dyt") and all(0.0 <= s <= 1.0 for s in shares), key
+    steps = {k: [c["val_curve"]["step"][-1] for c in curves] for k, curves in section["series"]["runs"].items()}
+    assert all(v == [budgets[k.split("|")[1]]] * len(v) for k, v in steps.items())

@@ -5,7 +5,7 @@ import torch
 
 import normlab
 from normlab import functional as F
-from normlab.nn import LayerNorm, RMSNorm, SequenceBatchNorm, build_norm
+from normlab.nn import DyT, LayerNorm, RMSNorm, SequenceBatchNorm, build_norm
 
 
 def test_layer_norm_state_dict_moves_both_ways_with_torch(gen):
@@ -99,7 +99,8 @@ def test_sequence_batch_norm_padding_does_not_matter_but_batch_mates_do(gen):
 
 @pytest.mark.parametrize(
     "kind, cls",
-    [("layernorm", LayerNorm), ("rmsnorm", RMSNorm), ("prmsnorm", RMSNorm), ("batchnorm", SequenceBatchNorm), ("none", torch.nn.Identity)],
+    [("layernorm", LayerNorm), ("rmsnorm", RMSNorm), ("prmsnorm", RMSNorm), ("batchnorm", SequenceBatchNorm), ("dyt", DyT),
+     ("none", torch.nn.Identity)],
 )
 def test_build_norm_kinds(kind, cls):
     m = build_norm(kind, 64)
@@ -122,7 +123,7 @@ def test_build_norm_options():
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda: build_norm("groupnorm", 8), r"kind must be one of 'layernorm', 'rmsnorm', 'prmsnorm', 'batchnorm', 'none'; got 'groupnorm'"),
+        (lambda: build_norm("groupnorm", 8), r"kind must be one of 'layernorm', 'rmsnorm', 'prmsnorm', 'batchnorm', 'dyt', 'none'; got 'groupnorm'"),
         (lambda: build_norm("rmsnorm", 8, partial=0.5), r"partial is an option of kind='prmsnorm'"),
         (lambda: build_norm("layernorm", 8, cast="gemma"), r"unknown option\(s\) cast for norm kind 'layernorm'; valid options: "),
         (lambda: build_norm("none", 8, eps=1e-5), r"unknown option\(s\) eps for norm kind 'none'"),

@@ -52,7 +52,7 @@ def test_the_grid_holds_every_spec_the_launchers_launch(monkeypatch):
     # reachable_specs enumerates the public options by hand: a call that launches a spec outside
     # it (a new option, a new dtype path) would go uncompiled, so record what the launchers ask for
     launched = set()
-    for name in ("fwd_spec", "bwd_spec"):
+    for name in ("fwd_spec", "bwd_spec", "dyt_spec"):
         real = getattr(T, name)
 
         def record(*args, _real=real, **kwargs):
@@ -72,6 +72,9 @@ def test_the_grid_holds_every_spec_the_launchers_launch(monkeypatch):
         F.rms_norm(x, None, backend="triton").sum().backward()
         y, s = F.add_rms_norm(x, torch.randn(3, d, dtype=dtype), backend="triton")
         y.sum().backward()  # the sum's gradient unused: no ds
+        alpha = torch.tensor([0.5], requires_grad=True)
+        for affine in (torch.ones(d, dtype=dtype, requires_grad=True), None):
+            F.dyt(x, alpha, affine, affine, backend="triton").sum().backward()
     assert launched, "the launchers did not go through fwd_spec / bwd_spec"
     missing = launched - set(T.reachable_specs((d,)))
     assert not missing, f"launched but not in reachable_specs: {sorted(map(str, missing))[:3]}"

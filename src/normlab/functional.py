@@ -15,7 +15,7 @@ from torch import Tensor
 
 from normlab import kernels, reference
 
-__all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "seq_batch_norm"]
+__all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "seq_batch_norm", "dyt"]
 
 CASTS = ("llama", "gemma")
 EPS_MODES = ("inside", "outside")
@@ -262,6 +262,29 @@ def add_rms_norm(
         x, residual, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset, partial=partial,
         residual_in_fp32=bool(residual_in_fp32),
     )
+
+
+def dyt(
+    x: Tensor,
+    alpha: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> Tensor:
+    """DyT, the norm-free replacement of a norm (Zhu et al. 2025): weight * tanh(alpha * x) + bias.
+
+    ``alpha``: a one-element tensor (the learned scalar); ``weight`` and ``bias`` optional, (d,).
+    The output has x's dtype. See :func:`normlab.reference.dyt`.
+    """
+    check_x(x)
+    if not isinstance(alpha, Tensor) or alpha.numel() != 1 or not alpha.is_floating_point():
+        got = f"a tensor of shape {_shape(alpha)}, dtype {alpha.dtype}" if isinstance(alpha, Tensor) else type(alpha).__name__
+        raise ValueError(f"alpha must be a floating-point tensor of one element (DyT's learned scalar), got {got}")
+    _check_device(alpha, "alpha", x)
+    _check_param(weight, "weight", x)
+    _check_param(bias, "bias", x)
+    return _backend(backend, x).dyt(x, alpha, weight, bias)
 
 
 def seq_batch_norm(

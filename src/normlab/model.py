@@ -62,12 +62,13 @@ class ModelConfig:
     embed_scale: bool = False  # token embeddings ~ N(0, 1/d) times sqrt(d) (the original Transformer)
     rope_theta: float = 10000.0  # rotary base
     tie_embeddings: bool = True  # the LM head shares the embedding matrix
-    norm: str = "rmsnorm"  # layernorm, rmsnorm, prmsnorm, batchnorm or none
+    norm: str = "rmsnorm"  # layernorm, rmsnorm, prmsnorm, batchnorm, dyt (not a norm: its replacement) or none
     norm_eps: float = 1e-5  # epsilon of every norm
     norm_cast: str = "llama"  # RMSNorm cast order: "llama" or "gemma"
     norm_partial: float | None = None  # pRMSNorm's p; None: 0.0625 for prmsnorm (only prmsnorm takes it)
     norm_eps_mode: str = "inside"  # RMSNorm: eps inside or outside the square root
     norm_weightless: bool = False  # norms without a learned scale (and bias)
+    dyt_alpha0: float = 0.5  # norm="dyt": the initial alpha of every DyT (Zhu et al. 2025's default)
     norm_shift_noise: float = 0.0  # in training, add N(0, this^2), one draw per row, to every norm's input (invariance preset)
     placement: str = "pre"  # post, pre, sandwich or deepnorm
     final_norm: bool | None = None  # a norm before the LM head; None: the placement's default
@@ -126,6 +127,9 @@ class ModelConfig:
                 raise ValueError(f"{name} must be a finite number > 0 or None (None: DeepNet's value), got {value!r}")
         if self.norm_eps < 0 or not math.isfinite(self.norm_eps):
             raise ValueError(f"norm_eps must be a finite number >= 0, got {self.norm_eps}")
+        if isinstance(self.dyt_alpha0, bool) or not isinstance(self.dyt_alpha0, (int, float)) \
+                or not (math.isfinite(self.dyt_alpha0) and self.dyt_alpha0 > 0):
+            raise ValueError(f"dyt_alpha0 must be a finite number > 0 (DyT's initial alpha), got {self.dyt_alpha0!r}")
         if isinstance(self.norm_shift_noise, bool) or not isinstance(self.norm_shift_noise, (int, float)) \
                 or not (math.isfinite(self.norm_shift_noise) and self.norm_shift_noise >= 0):
             raise ValueError(f"norm_shift_noise must be a finite number >= 0 (0: none), got {self.norm_shift_noise!r}")
@@ -167,12 +171,12 @@ class ModelConfig:
         return (8 * self.n_layers) ** -0.25 if self.deepnorm_beta is None else self.deepnorm_beta
 
     def norm_options(self) -> dict:
-        opts: dict = {"eps": self.norm_eps}
+        opts: dict = {"eps": self.norm_eps} if self.norm != "dyt" else {"alpha0": self.dyt_alpha0}
         if self.norm in ("rmsnorm", "prmsnorm"):
             opts.update(cast=self.norm_cast, eps_mode=self.norm_eps_mode)
             if self.norm == "prmsnorm" and self.norm_partial is not None:
                 opts["partial"] = self.norm_partial
-        if self.norm in ("layernorm", "rmsnorm", "prmsnorm") and self.backend is not None:
+        if self.norm in ("layernorm", "rmsnorm", "prmsnorm", "dyt") and self.backend is not None:
             opts["backend"] = self.backend
         if self.norm_weightless:
             opts["weightless"] = True

@@ -14,9 +14,9 @@ from torch import Tensor, nn
 from normlab import functional as F
 from normlab.kernels import check_name
 
-__all__ = ["LayerNorm", "RMSNorm", "SequenceBatchNorm", "build_norm", "NORM_KINDS"]
+__all__ = ["LayerNorm", "RMSNorm", "SequenceBatchNorm", "DyT", "build_norm", "NORM_KINDS"]
 
-NORM_KINDS = ("layernorm", "rmsnorm", "prmsnorm", "batchnorm", "none")
+NORM_KINDS = ("layernorm", "rmsnorm", "prmsnorm", "batchnorm", "dyt", "none")
 
 # pRMSNorm's p in Zhang & Sennrich's experiments.
 DEFAULT_PARTIAL = 0.0625
@@ -177,6 +177,44 @@ class SequenceBatchNorm(nn.Module):
         )
 
 
+class DyT(nn.Module):
+    """DyT (Zhu et al. 2025): weight * tanh(alpha * x) + bias over the last dimension, in place of a norm.
+
+    Parameters as in the paper's module: ``alpha`` (1,), initialized to ``alpha0`` (0.5 by
+    default; their language models tune it), ``weight`` (ones) and ``bias`` (zeros), each (dim,).
+    ``elementwise_affine=False`` drops weight and bias.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        alpha0: float = 0.5,
+        *,
+        elementwise_affine: bool = True,
+        backend: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.dim = _check_dim(dim)
+        if isinstance(alpha0, bool) or not isinstance(alpha0, (int, float)) or not (0 < alpha0 < float("inf")):
+            raise ValueError(f"alpha0 must be a finite number > 0 (DyT's initial alpha), got {alpha0!r}")
+        self.alpha0 = float(alpha0)
+        self.elementwise_affine = bool(elementwise_affine)
+        self.backend = _check_backend(backend)
+        kw = {"device": device, "dtype": dtype}
+        self.alpha = nn.Parameter(torch.full((1,), self.alpha0, **kw))
+        self.weight = nn.Parameter(torch.ones(dim, **kw)) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.zeros(dim, **kw)) if elementwise_affine else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.dyt(x, self.alpha, self.weight, self.bias, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        s = f"{self.dim}, alpha0={self.alpha0:g}, elementwise_affine={self.elementwise_affine}"
+        return s + (f", backend={self.backend!r}" if self.backend else "")
+
+
 def build_norm(kind: str, dim: int, **options) -> nn.Module:
     """The norm a model asks for by name.
 
@@ -195,6 +233,7 @@ def build_norm(kind: str, dim: int, **options) -> nn.Module:
         "rmsnorm": {"eps", "elementwise_affine", "cast", "offset", "eps_mode", "backend", "device", "dtype"},
         "prmsnorm": {"eps", "elementwise_affine", "cast", "offset", "eps_mode", "partial", "backend", "device", "dtype"},
         "batchnorm": {"eps", "momentum", "affine", "track_running_stats", "device", "dtype"},
+        "dyt": {"alpha0", "elementwise_affine", "backend", "device", "dtype"},
         "none": set(),
     }[kind]
     unknown = sorted(set(options) - allowed)
@@ -212,5 +251,7 @@ def build_norm(kind: str, dim: int, **options) -> nn.Module:
         return RMSNorm(dim, **options)
     if kind == "batchnorm":
         return SequenceBatchNorm(dim, **options)
+    if kind == "dyt":
+        return DyT(dim, **options)
     _check_dim(dim)
     return nn.Identity()

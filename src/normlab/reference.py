@@ -24,6 +24,7 @@ __all__ = [
     "add_layer_norm",
     "add_rms_norm",
     "seq_batch_norm",
+    "dyt",
     "partial_size",
     "stat_dtype",
 ]
@@ -237,3 +238,16 @@ def seq_batch_norm(
     if bias is not None:
         y = y + bias.to(sdt)
     return y.reshape(x.shape).to(x.dtype)
+
+
+def dyt(x: Tensor, alpha: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, *, upcast: bool = True) -> Tensor:
+    """DyT (Zhu et al. 2025, "Transformers without Normalization"): weight * tanh(alpha * x) + bias,
+    elementwise, with one learned scalar ``alpha`` (shape (1,) or ()). No statistics: computed in
+    float32 (float64 for float64 input) and cast to x's dtype."""
+    dt = stat_dtype(x.dtype, upcast)
+    y = torch.tanh(alpha.to(dt) * x.to(dt))
+    if weight is not None:
+        y = y * weight.to(dt)
+    if bias is not None:
+        y = y + bias.to(dt)
+    return y.to(x.dtype)

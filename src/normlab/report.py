@@ -378,9 +378,43 @@ def plot_sandwich(section: dict, plt) -> dict:
     return {"sandwich.png": fig}
 
 
+def plot_dyt(section: dict, plt) -> dict:
+    budgets = list(section["settings"]["budgets"])
+    runs = section["series"]["runs"]
+    fig, axes = plt.subplots(1, len(budgets) + 1, figsize=(5 * (len(budgets) + 1), 4))
+    settings = list(dict.fromkeys(k.split("|")[0] for k in runs))
+    colours = {**NORM_COLOURS, **{s: f"C{4 + i}" for i, s in enumerate(x for x in settings if x.startswith("dyt"))}}
+    for ax, budget in zip(axes, budgets):
+        for setting in settings:
+            xs, mean, lo, hi = _mean_curve(runs[f"{setting}|{budget}"], "step")
+            if xs:
+                ax.plot(xs, mean, color=colours.get(setting), label=setting)
+                ax.fill_between(xs, lo, hi, color=colours.get(setting), alpha=0.15)
+        ax.set_title(f"{budget} budget ({section['settings']['tokens'][budget]:,} tokens)", fontsize=10)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+        _trim_y(ax, {"rows": [r for r in section["rows"] if r["budget"] == budget]})
+    axes[0].set_ylabel("validation loss (mean over seeds)")
+    ax = axes[-1]
+    width = 0.8 / len(budgets)
+    dyts = [s for s in settings if s.startswith("dyt")]
+    for j, budget in enumerate(budgets):
+        shares = [section["series"]["saturated"].get(f"{s}|{budget}") or [0.0] for s in dyts]
+        ax.bar([i + (j - (len(budgets) - 1) / 2) * width for i in range(len(dyts))], [sum(v) / len(v) for v in shares],
+               width=width, label=f"{budget} budget")
+    ax.set_xticks(range(len(dyts)), dyts)
+    ax.set_ylabel("share of DyT inputs with |alpha x| > 2")
+    ax.set_title("saturation after training", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.suptitle("DyT against RMSNorm and LayerNorm")
+    fig.tight_layout()
+    return {"dyt.png": fig}
+
+
 PLOTS = {"norms": plot_norms, "warmup": plot_warmup, "gradients": plot_gradients, "depth": plot_depth,
          "batchnorm": plot_batchnorm, "precision": plot_precision, "speed": plot_speed, "eps": plot_eps,
-         "invariance": plot_invariance, "final-norm": plot_final_norm, "shallow": plot_shallow, "sandwich": plot_sandwich}
+         "invariance": plot_invariance, "final-norm": plot_final_norm, "shallow": plot_shallow, "sandwich": plot_sandwich,
+         "dyt": plot_dyt}
 
 
 def render(results: dict, out: str | Path) -> dict[str, Path]:

@@ -20,6 +20,8 @@ numbers by their rules (normlab.claims). Presets:
     final-norm Pre-LN needs its final norm: loss, the LM head's input RMS, a high learning rate
     shallow    Post-LN beats Pre-LN when shallow; Pre-LN wins when deep
     sandwich   norms on each branch's output bound the residual stream at Pre-LN's quality
+    dyt        DyT (no norm: tanh(alpha x)) matches RMSNorm, depends on alpha0, and helps or hurts
+               with the token budget
 
 Every claim carries the conditions of its source's experiment that this run matches and those it
 does not; verdicts come from 95% t intervals over seeds (normlab.claims).
@@ -51,6 +53,7 @@ from pathlib import Path
 from normlab import claims as C
 from normlab.experiments.batchnorm import BATCH_SIZES, preset_batchnorm
 from normlab.experiments.depth import preset_depth
+from normlab.experiments.dyt import preset_dyt
 from normlab.experiments.eps import preset_eps
 from normlab.experiments.final_norm import preset_final_norm
 from normlab.experiments.gradients import preset_gradients
@@ -78,6 +81,7 @@ PRESETS: dict[str, Callable[[Lab], dict]] = {
     "final-norm": preset_final_norm,
     "shallow": preset_shallow,
     "sandwich": preset_sandwich,
+    "dyt": preset_dyt,
 }
 GROUPS = {"all": tuple(PRESETS), "demo": ("norms", "gradients", "batchnorm", "precision")}
 # The fields a preset compares: the user cannot override them for it.
@@ -88,7 +92,8 @@ VARIES = {"norms": {"norm", "seed"},
           "invariance": {"norm", "seed", "norm_shift_noise", "placement", "norm_eps", "backend"},
           "final-norm": {"final_norm", "lr", "min_lr", "seed", "placement", "norm"},
           "shallow": {"placement", "n_layers", "lr", "min_lr", "warmup", "seed"},
-          "sandwich": {"placement", "norm", "seed"}}
+          "sandwich": {"placement", "norm", "seed"},
+          "dyt": {"norm", "dyt_alpha0", "seed", "steps", "warmup", "eval_every", "placement"}}
 
 
 def expand(names: list[str]) -> list[str]:

@@ -15,6 +15,9 @@ A backend's launchers (``L``) allocate outputs and run its kernels:
 - ``ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp32=False)``
   -> (y, s or None, mean (``mean_dtype``), rstd float32)
 - ``ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None)`` -> (dx, dw, db)
+- ``dyt_fwd_launch(x, alpha, weight, bias)`` -> y, and ``dyt_bwd_launch(dy, x, alpha, weight, bias)``
+  -> (dx, dalpha float32 in alpha's shape, dw float32, db float32); a backend without them runs
+  DyT through the reference
 
 dw and db are float32, or with ``grad_dtypes`` (the weight's and the bias's dtypes) may come in
 those already: the cpu kernels round their sums as they store them, which saves conversions
@@ -101,6 +104,13 @@ OPS = (
        "(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, Tensor? ds) -> (Tensor, Tensor, Tensor)",
        lambda L, *inputs: L.ln_bwd_launch(*inputs),
        lambda mean_dtype, dy, x, *_: (_like(x), _per_feature(x), _per_feature(x))),
+    Op("dyt", "(Tensor x, Tensor alpha, Tensor? weight, Tensor? bias) -> Tensor",
+       lambda L, *inputs: L.dyt_fwd_launch(*inputs),
+       lambda mean_dtype, x, *_: _like(x)),
+    Op("dyt_backward", "(Tensor dy, Tensor x, Tensor alpha, Tensor? weight, Tensor? bias) -> (Tensor, Tensor, Tensor, Tensor)",
+       lambda L, *inputs: L.dyt_bwd_launch(*inputs),
+       lambda mean_dtype, dy, x, alpha, *_: (_like(x), alpha.new_empty(alpha.shape, dtype=torch.float32), _per_feature(x),
+                                             _per_feature(x))),
 )
 
 
@@ -170,12 +180,26 @@ def _add_ln_grads(ctx, dy, ds, bwd):
     return dx, dres, _grad_like(dw, weight, need[2]), _grad_like(db, bias, need[3]), None, None
 
 
-# forward op -> (setup, gradients, how many outputs users see, which backward)
+def _dyt_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)  # x, alpha, weight, bias: the backward recomputes tanh(alpha x)
+
+
+def _dyt_grads(ctx, dy, bwd):
+    x, alpha, weight, bias = ctx.saved_tensors
+    dx, dalpha, dw, db = bwd(dy, x, alpha, weight, bias)
+    need = ctx.needs_input_grad
+    return (_grad_like(dx, x, need[0]), _grad_like(dalpha, alpha, need[1]), _grad_like(dw, weight, need[2]),
+            _grad_like(db, bias, need[3]))
+
+
+# forward op -> (setup, gradients, how many outputs users see (0: the op returns one tensor),
+# which backward)
 AUTOGRAD = {
     "rms_norm": (_rms_setup, _rms_grads, 1, "rms"),
     "add_rms_norm": (_add_rms_setup, _add_rms_grads, 2, "rms"),
     "layer_norm": (_ln_setup, _ln_grads, 1, "ln"),
     "add_layer_norm": (_add_ln_setup, _add_ln_grads, 2, "ln"),
+    "dyt": (_dyt_setup, _dyt_grads, 0, "dyt"),
 }
 
 
@@ -187,7 +211,7 @@ def _function(name: str, forward: Callable, setup: Callable, grads: Callable, vi
     def fwd(ctx, *inputs):
         output = forward(*inputs)
         setup(ctx, inputs, output)
-        return output[0] if visible == 1 else tuple(output[:visible])
+        return output if visible == 0 else output[0] if visible == 1 else tuple(output[:visible])
 
     def backward(ctx, *grads_out):
         return grads(ctx, *grads_out, bwd)
@@ -219,11 +243,11 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
     def ln_bwd_eager(dy, x, weight, bias, mean, rstd, ds):
         return L.ln_bwd_launch(dy, x, weight, mean, rstd, ds, grad_dtypes=(_grad_dtype(weight), _grad_dtype(bias)))
 
-    traced_bwd = {"rms": ops["rms_norm_backward"], "ln": ln_bwd_op}
-    eager_bwd = {"rms": rms_bwd_eager, "ln": ln_bwd_eager}
+    traced_bwd = {"rms": ops["rms_norm_backward"], "ln": ln_bwd_op, "dyt": ops["dyt_backward"]}
+    eager_bwd = {"rms": rms_bwd_eager, "ln": ln_bwd_eager, "dyt": lambda *inputs: L.dyt_bwd_launch(*inputs)}
     eager = {}
     for name, (setup, grads, visible, kind) in AUTOGRAD.items():
-        ops[name].register_autograd(lambda ctx, *g, _grads=grads, _n=visible, _bwd=traced_bwd[kind]: _grads(ctx, *g[:_n], _bwd),
+        ops[name].register_autograd(lambda ctx, *g, _grads=grads, _n=visible, _bwd=traced_bwd[kind]: _grads(ctx, *g[:max(_n, 1)], _bwd),
                                     setup_context=setup)
         eager[name] = _function(f"{prefix}_{name}", launch[name], setup, grads, visible, eager_bwd[kind])
 
@@ -231,7 +255,8 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
         """The op's visible outputs: through its custom op while torch.compile traces, else eagerly."""
         if torch.compiler.is_compiling():
             output = ops[name](*inputs)
-            return output[0] if AUTOGRAD[name][2] == 1 else tuple(output[:2])
+            visible = AUTOGRAD[name][2]
+            return output if visible == 0 else output[0] if visible == 1 else tuple(output[:2])
         return eager[name].apply(*inputs)
 
     def fused(*tensors: Tensor | None) -> bool:
@@ -282,5 +307,10 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
         L.ln_fwd_launch(x, weight, bias, eps, y=out)
         return out
 
+    def dyt(x, alpha, weight=None, bias=None):
+        if not (hasattr(L, "dyt_fwd_launch") and fused(x, weight, bias)):
+            return reference.dyt(x, alpha, weight, bias)
+        return call("dyt", x, alpha, weight, bias)
+
     return SimpleNamespace(layer_norm=layer_norm, rms_norm=rms_norm, add_layer_norm=add_layer_norm, add_rms_norm=add_rms_norm,
-                           rms_norm_out=rms_norm_out, layer_norm_out=layer_norm_out)
+                           rms_norm_out=rms_norm_out, layer_norm_out=layer_norm_out, dyt=dyt)

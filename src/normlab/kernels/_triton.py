@@ -308,3 +308,75 @@ def norm_bwd(
                 if HAS_B:
                     db = tl.load(DB + part_row + cols, mask=mask, other=0.0)
                     tl.store(DB + part_row + cols, db + dy, mask=mask)
+
+
+# ------------------------------------------------------------------------------------- DyT
+# y = w * tanh(a x) + b, elementwise (a: one learned scalar). tanh as in the cpu kernel
+# (kernels/cpu/dynamic_tanh.py): an odd polynomial below |z| = 0.625, else 1 - s with
+# s = 2e / (1 + e), e = exp(-2|z|); the backward's 1 - t^2 is s (2 - s) there, without cancellation.
+
+
+@triton.jit
+def _dyt_tanh(z):
+    """(tanh z, sech^2 z) in fp32."""
+    a = tl.minimum(tl.abs(z), 9.0)
+    z2 = z * z
+    p = ((((-5.70498872745e-3 * z2 + 2.06390887954e-2) * z2 - 5.37397155531e-2) * z2 + 1.33314422036e-1) * z2
+         - 3.33332819422e-1)
+    small = p * z2 * z + z
+    e = tl.exp(-2.0 * a)
+    s = tl.where(a >= 9.0, 0.0, 2.0 * e / (1.0 + e))
+    big = tl.where(z < 0, s - 1.0, 1.0 - s)
+    near = tl.abs(z) < 0.625
+    t = tl.where(near, small, big)
+    sech2 = tl.where(near, 1.0 - t * t, s * (2.0 - s))
+    return tl.where(z == z, t, z), tl.where(z == z, sech2, z)  # tl.minimum drops a NaN: keep it
+
+
+@triton.jit
+def dyt_fwd(X, ALPHA, W, B, Y, n_rows, n_cols, stride_x, stride_y,
+            HAS_W: tl.constexpr, HAS_B: tl.constexpr, OUT_KIND: tl.constexpr, BLOCK: tl.constexpr):
+    """One block of one row: program (row, column block)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    a = tl.load(ALPHA).to(tl.float32)
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    y, _ = _dyt_tanh(a * x)
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_B:
+        y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, _round(y, OUT_KIND).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def dyt_bwd(DY, X, ALPHA, W, DX, DA, DW, DB, n_rows, n_cols, stride_dy, stride_x, stride_dx,
+            HAS_W: tl.constexpr, DX_KIND: tl.constexpr, BLOCK: tl.constexpr):
+    """dx for rows pid, pid + P, ...; this program's partial sums of da (DA[pid]), dw and db
+    (DW[pid], DB[pid]), column block by column block, kept in registers over the rows."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    zero64 = pid.to(tl.int64) * 0
+    part_row = pid.to(tl.int64) * n_cols
+    a = tl.load(ALPHA).to(tl.float32)
+    acc_da = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) if HAS_W else 1.0
+        acc_dw = tl.zeros([BLOCK], dtype=tl.float32)
+        acc_db = tl.zeros([BLOCK], dtype=tl.float32)
+        for row in range(pid, n_rows, n_prog):
+            row64 = zero64 + row
+            dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            t, sech2 = _dyt_tanh(a * x)
+            u = dy * w * sech2
+            tl.store(DX + row64 * stride_dx + cols, _round(a * u, DX_KIND).to(DX.dtype.element_ty), mask=mask)
+            acc_da += tl.where(mask, u * x, 0.0)
+            acc_dw += dy * t
+            acc_db += dy
+        tl.store(DW + part_row + cols, acc_dw, mask=mask)
+        tl.store(DB + part_row + cols, acc_db, mask=mask)
+    tl.store(DA + pid, tl.sum(acc_da, axis=0))

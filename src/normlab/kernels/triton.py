@@ -95,6 +95,19 @@ def bwd_spec(d: int, dy: torch.dtype, x: torch.dtype, *, weight: torch.dtype | N
     return Spec("norm_bwd", pointers, tuple(flags.items()), _warps(block * tile))
 
 
+def dyt_spec(kernel: str, d: int, x: torch.dtype, *, weight: torch.dtype | None, bias: torch.dtype | None) -> Spec:
+    """dyt_fwd's or dyt_bwd's specialization (a missing weight or bias is replaced by x)."""
+    block = _block(d)
+    if kernel == "dyt_fwd":
+        pointers = (("X", x), ("ALPHA", torch.float32), ("W", weight or x), ("B", bias or x), ("Y", x))
+        flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, OUT_KIND=KIND[x], BLOCK=block)
+    else:
+        pointers = (("DY", x), ("X", x), ("ALPHA", torch.float32), ("W", weight or x), ("DX", x), ("DA", torch.float32),
+                    ("DW", torch.float32), ("DB", torch.float32))
+        flags = dict(HAS_W=weight is not None, DX_KIND=KIND[x], BLOCK=block)
+    return Spec(kernel, pointers, tuple(flags.items()), _warps(block))
+
+
 def reachable_specs(hidden: tuple[int, ...]) -> list[Spec]:
     """Every specialization the public functions can launch at these hidden sizes: each op,
     dtype and option (weight, bias, cast order, eps placement, residual_in_fp32, the residual
@@ -111,6 +124,9 @@ def reachable_specs(hidden: tuple[int, ...]) -> list[Spec]:
                     specs[spec] = None
                     for ds in ((None, sum_dtype) if residual is not None else (None,)):
                         specs[bwd_spec(d, x, sum_dtype or x, weight=weight, ds=ds, want_db=not is_rms, **kw)] = None
+        for weight, bias in itertools.product((x, None), (x, None)):  # DyT; alpha is read as fp32
+            for kernel in ("dyt_fwd", "dyt_bwd"):
+                specs[dyt_spec(kernel, d, x, weight=weight, bias=bias)] = None
     return list(specs)
 
 
@@ -210,9 +226,48 @@ def ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None):
     return _launch_bwd(dy, x, weight, mean.reshape(-1), rstd, ds, 0.0, x.shape[-1], False, False, True, True)
 
 
+def dyt_fwd_launch(x, alpha, weight, bias):
+    """Returns y in x's dtype."""
+    d = x.shape[-1]
+    x2 = _rows(x)
+    n = x2.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if n:
+        y2 = y.view(n, d)
+        spec = dyt_spec("dyt_fwd", d, x.dtype, weight=_dtype(weight), bias=_dtype(bias))
+        flags = dict(spec.constexprs)
+        K.dyt_fwd[(n, triton.cdiv(d, flags["BLOCK"]))](
+            x2, alpha.float(), weight if weight is not None else x2, bias if bias is not None else x2, y2, n, d,
+            x2.stride(0), y2.stride(0), **flags, **spec.options(),
+        )
+    return y
+
+
+def dyt_bwd_launch(dy, x, alpha, weight, bias):
+    """Returns (dx in x's dtype, dalpha float32 in alpha's shape, dw and db float32 (d,)), the
+    sums over a fixed number of programs added in program order (deterministic for a device)."""
+    d = x.shape[-1]
+    x2, dy2 = _rows(x), _rows(dy)
+    n = x2.shape[0]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    programs = max(1, min(n, _programs(x.device)))
+    da = torch.zeros(programs, dtype=torch.float32, device=x.device)
+    dw = torch.zeros((programs, d), dtype=torch.float32, device=x.device)
+    db = torch.zeros((programs, d), dtype=torch.float32, device=x.device)
+    if n:
+        dx2 = dx.view(n, d)
+        spec = dyt_spec("dyt_bwd", d, x.dtype, weight=_dtype(weight), bias=_dtype(bias))
+        K.dyt_bwd[(programs,)](
+            dy2, x2, alpha.float(), weight if weight is not None else dy2, dx2, da, dw, db, n, d,
+            dy2.stride(0), x2.stride(0), dx2.stride(0), **dict(spec.constexprs), **spec.options(),
+        )
+    return dx, da.sum().reshape(alpha.shape), dw.sum(0), db.sum(0)
+
+
 # ------------------------------------------------------- custom ops, autograd, public functions
 
 _api = _glue.build("triton", ("cuda", "cpu"), sys.modules[__name__], FUSED_DTYPES, torch.float64)
 layer_norm, rms_norm = _api.layer_norm, _api.rms_norm
 add_layer_norm, add_rms_norm = _api.add_layer_norm, _api.add_rms_norm
 rms_norm_out, layer_norm_out = _api.rms_norm_out, _api.layer_norm_out
+dyt = _api.dyt

@@ -1,7 +1,7 @@
 """The ``cpu`` backend: fused numba kernels behind torch.library custom ops.
 
-Read in this order: ``rmsnorm.py`` and ``layernorm.py`` (each op's formula, forward and
-backward kernels, top to bottom), ``rows.py`` (what every kernel does per row and chunk),
+Read in this order: ``rmsnorm.py``, ``layernorm.py`` and ``dynamic_tanh.py`` (each op's formula, forward
+and backward kernels, top to bottom), ``rows.py`` (what every kernel does per row and chunk),
 ``simd.py`` and ``codecs.py`` (the vector code and the bf16/fp16 conversions), ``launch.py``
 (from tensors to a kernel call) and ``memory.py`` (output buffers, streaming). ``cache.py``
 keys numba's on-disk cache by the hash of all the kernel sources. docs/cpu-kernels.md says what
@@ -27,6 +27,7 @@ from normlab.kernels import _glue
 
 from . import launch
 from .cache import sources_hash
+from .dynamic_tanh import dyt_bwd, dyt_fwd
 from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
 from .memory import env_setting
 from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
@@ -37,8 +38,9 @@ _api = _glue.build("cpu", "cpu", launch, FUSED_DTYPES, torch.float64)
 layer_norm, rms_norm = _api.layer_norm, _api.rms_norm
 add_layer_norm, add_rms_norm = _api.add_layer_norm, _api.add_rms_norm
 rms_norm_out, layer_norm_out = _api.rms_norm_out, _api.layer_norm_out
+dyt = _api.dyt
 
-KERNELS = (rms_fwd, add_rms_fwd, ln_fwd, add_ln_fwd, rms_bwd, ln_bwd)
+KERNELS = (rms_fwd, add_rms_fwd, ln_fwd, add_ln_fwd, rms_bwd, ln_bwd, dyt_fwd, dyt_bwd)
 
 
 def cache_status() -> dict[str, object]:

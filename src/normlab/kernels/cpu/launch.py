@@ -20,6 +20,7 @@ from torch import Tensor
 
 from normlab.kernels._glue import _sum_dtype
 
+from .dynamic_tanh import dyt_bwd, dyt_fwd
 from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
 from .memory import STREAM_MIN_BYTES, _as_numpy, _rows, _zero_stages, empty
 from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
@@ -189,4 +190,30 @@ def ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None):
     return dx, dw, db
 
 
+def dyt_fwd_launch(x, alpha, weight, bias):
+    """Returns y in x's dtype."""
+    shape, d = x.shape, x.shape[-1]
+    x2 = _rows(x)
+    n = x2.shape[0]
+    y = empty(shape, x.dtype)
+    w, b = _ln_weights(weight, bias, d)
+    if n:
+        dyt_fwd(_as_numpy(x2), float(alpha.float()), w, b, _as_numpy(y.view(n, d)), nchunks(n))
+    return y
 
+
+def dyt_bwd_launch(dy, x, alpha, weight, bias):
+    """Returns (dx in x's dtype, dalpha float32 in alpha's shape, dw (d,) float32, db (d,) float32)."""
+    shape, d = x.shape, x.shape[-1]
+    x2, dy2 = _rows(x), _rows(dy)
+    n = x2.shape[0]
+    dx = empty(shape, x.dtype)
+    chunks = nchunks(n) if n else 1
+    da, dw, db = np.zeros(chunks), np.zeros((chunks, d)), np.zeros((chunks, d))
+    if n:
+        w = _f32_vector(weight, d, 1.0)
+        dyt_bwd(_as_numpy(dy2), _as_numpy(x2), float(alpha.float()), w, _as_numpy(dx.view(n, d)), da, dw, db, chunks)
+    # the chunks' float64 sums, added in chunk order (deterministic for a thread count)
+    total = functools.reduce(np.add, dw[1:], dw[0].copy()), functools.reduce(np.add, db[1:], db[0].copy())
+    dalpha = torch.tensor(sum(da.tolist()), dtype=torch.float32).reshape(alpha.shape)
+    return dx, dalpha, torch.from_numpy(total[0].astype(np.float32)), torch.from_numpy(total[1].astype(np.float32))

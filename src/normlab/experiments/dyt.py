@@ -1,0 +1,130 @@
+"""Preset ``dyt``: norm-free Transformers with DyT (Zhu et al. 2025) against RMSNorm and LayerNorm.
+
+DyT(x) = weight * tanh(alpha * x) + bias replaces every norm, with one learned alpha per layer
+started at alpha0. Zhu et al. report that it matches LayerNorm and RMSNorm "mostly without
+hyperparameter tuning" (their language models tune alpha0); later work reports that it helps
+when data is scarce relative to the model and hurts when data is plentiful, through saturation
+(|alpha x| > 2). Three alpha0, two token budgets ten times apart, every seed paired.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from normlab import claims as C
+from normlab import data as D
+from normlab.experiments.lab import Lab, _curves, _pick, _round, stats
+from normlab.experiments.norms import COMPARABLE, WORSE, lm_sizes
+from normlab.nn import DyT
+from normlab.train import load_run
+
+ZHU25 = "Zhu, Chen, He, LeCun & Liu (2025), Transformers without Normalization, CVPR"
+REGIME26 = ("When Does Removing LayerNorm Help? Activation Bounding as a Regime-Dependent Implicit Regularizer "
+            "(arXiv 2604.23434, 2026): DyT 27% better at 1M tokens, 19% worse at 118M (64M parameters)")
+ALPHA0S = (0.2, 0.5, 1.0)  # the paper's default 0.5, and a factor 2.5 and 2 either side
+DEFAULT_ALPHA0 = 0.5
+BUDGET_FACTOR = 10
+SATURATED = 2.0  # |alpha x| above this: tanh is within 4% of +-1 (the regime study's threshold)
+
+
+@torch.no_grad()
+def saturation(folder, val_tokens, batch_size: int, seq_len: int) -> float:
+    """The share of DyT inputs with |alpha x| > 2, over every DyT of a trained run, on 2 fixed batches."""
+    model, _ = load_run(folder)
+    model.eval()
+    counts = [0, 0]
+
+    def hook(module, args):
+        z = (module.alpha.float() * args[0].float()).abs()
+        counts[0] += int((z > SATURATED).sum())
+        counts[1] += z.numel()
+
+    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, DyT)]
+    gen = D.Batches(val_tokens, batch_size, seq_len, seed=606)
+    for _ in range(2):
+        model(gen.next()[0])
+    for h in handles:
+        h.remove()
+    return counts[0] / max(1, counts[1])
+
+
+def settings_of(norm: str, alpha0: float | None) -> str:
+    return norm if alpha0 is None else f"dyt{alpha0:g}"
+
+
+def preset_dyt(lab: Lab) -> dict:
+    train_fields, model = lm_sizes(lab)
+    model = {**model, "placement": "pre"}
+    small = max(2, {**train_fields, **lab.train_over}["steps"] // 4)
+    budgets = {"small": small, "large": small * BUDGET_FACTOR}
+    seeds = lab.seeds(3, 3)
+    cells = [("rmsnorm", None), ("layernorm", None)] + [("dyt", a) for a in ALPHA0S]
+    runs = {}
+    for budget, steps in budgets.items():
+        fields = {**train_fields, "steps": steps, "warmup": max(1, steps // 10), "eval_every": max(1, steps // 4)}
+        for norm, alpha0 in cells:
+            varied = {"norm": norm, **({"dyt_alpha0": alpha0} if alpha0 is not None else {})}
+            runs[settings_of(norm, alpha0), budget] = [
+                lab.run(f"{settings_of(norm, alpha0)}-{steps}steps-s{seed}", fields, model, {**varied, "seed": seed})
+                for seed in seeds]
+    tf = {**train_fields, **lab.train_over}
+    saturated = {key: [lab.job(f"saturation-{r['run']}", {"run": r["run"], "B": tf["batch_size"], "T": tf["seq_len"]},
+                               lambda r=r: saturation(lab.out / "runs" / r["run"], lab.dataset.val, tf["batch_size"], tf["seq_len"]))
+                       for r in rs]
+                 for key, rs in runs.items() if key[0].startswith("dyt")}
+    rows, measured = [], {}
+    tokens = {b: steps * tf["batch_size"] * tf["seq_len"] for b, steps in budgets.items()}
+    for (setting, budget), rs in runs.items():
+        measured[f"{setting}_{budget}_val"] = [r["val_loss"] for r in rs]
+        val = stats(measured[f"{setting}_{budget}_val"])
+        sat = saturated.get((setting, budget))
+        rows.append({"setting": setting, "budget": budget, "tokens": tokens[budget], "seeds": len(rs),
+                     "diverged": sum(r["status"] == "diverged" for r in rs), "val_loss": _round(val["mean"]),
+                     "val_std": _round(val["std"], 2), "saturated": _round(statistics.fmean(sat), 3) if sat else None})
+    means = {a: stats(measured[f"dyt{a:g}_large_val"])["mean"] for a in ALPHA0S}
+    finite = {a: m for a, m in means.items() if m is not None}
+    best = min(finite, key=finite.get) if finite else ALPHA0S[0]
+    worst = max(finite, key=finite.get) if finite else ALPHA0S[-1]
+    measured["dyt_best_alpha0_large_val"] = measured[f"dyt{best:g}_large_val"]
+    measured["dyt_worst_alpha0_large_val"] = measured[f"dyt{worst:g}_large_val"]
+    default = f"dyt{DEFAULT_ALPHA0:g}"
+    conditions = [
+        "matches: every norm of a Pre-LN decoder (both per block and the final one) replaced by DyT with a learned "
+        "scalar alpha per layer and per-feature weight and bias, alpha0 = 0.5 the paper's default; RMSNorm and "
+        "LayerNorm in the same model as the baselines; the same data, steps and seeds",
+        f"differs: a 4-layer character LM on Shakespeare for {budgets['small']} and {budgets['large']} steps "
+        f"({tokens['small']:,} and {tokens['large']:,} tokens; the paper: LLaMA 7B-70B on 200B tokens, with alpha0 "
+        "tuned per model)",
+    ]
+    regime = [conditions[0], f"matches: two token budgets {BUDGET_FACTOR}x apart on the same model (the study: 1M to "
+              "118M tokens at 64M parameters); differs: a far smaller model and budget, and a step budget of fresh "
+              "windows rather than a fixed dataset repeated"]
+    claims = [
+        C.claim("dyt.parity", f"at the default alpha0 = {DEFAULT_ALPHA0:g}, DyT ends within 2% of RMSNorm (larger "
+                "budget)", ZHU25, _pick(measured, f"{default}_large_val", "rmsnorm_large_val"),
+                C.within(f"{default}_large_val", "rmsnorm_large_val", 0.02, origin=COMPARABLE, paired=True), conditions),
+        C.claim("dyt.alpha0_sensitive", f"DyT depends on alpha0: of {', '.join(f'{a:g}' for a in ALPHA0S)}, the worst "
+                "ends at least 2% above the best (larger budget; best and worst chosen by their mean)", ZHU25,
+                _pick(measured, "dyt_worst_alpha0_large_val", "dyt_best_alpha0_large_val"),
+                C.above("dyt_worst_alpha0_large_val", "dyt_best_alpha0_large_val", 0.02, origin=WORSE, paired=True),
+                conditions + [f"the best alpha0 here was {best:g} and the worst {worst:g}"]),
+        C.claim("dyt.regime_flips", f"DyT's effect against RMSNorm changes sign with the token budget: lower loss at the "
+                f"small budget, higher at {BUDGET_FACTOR}x it", REGIME26,
+                _pick(measured, f"{default}_small_val", "rmsnorm_small_val", f"{default}_large_val", "rmsnorm_large_val"),
+                C.all_of(C.below(f"{default}_small_val", "rmsnorm_small_val", paired=True),
+                         C.above(f"{default}_large_val", "rmsnorm_large_val", paired=True)), regime),
+    ]
+    return {
+        "title": "DyT: Transformers without normalization",
+        "question": "Does DyT match RMSNorm, how much does alpha0 matter, and does its effect depend on the data budget?",
+        "settings": {"train": {**train_fields, **lab.train_over}, "model": {**model, **lab.model_over}, "budgets": budgets,
+                     "tokens": tokens, "alpha0s": list(ALPHA0S), "seeds": seeds},
+        "columns": ["setting", "budget", "tokens", "seeds", "diverged", "val_loss", "val_std", "saturated"],
+        "rows": rows, "claims": claims,
+        "series": {"runs": {f"{s}|{b}": [_curves(r) for r in rs] for (s, b), rs in runs.items()},
+                   "saturated": {f"{s}|{b}": v for (s, b), v in saturated.items()}},
+        "notes": [f"{len(seeds)} seeds per setting and budget; warmup a tenth of the steps, then cosine. saturated: the "
+                  f"share of DyT inputs with |alpha x| > {SATURATED:g} after training (two validation batches, every DyT)."],
+    }

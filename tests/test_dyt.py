@@ -1,0 +1,198 @@
+"""DyT (Zhu et al. 2025), weight * tanh(alpha * x) + bias: every backend against the float64
+reference, outputs and the gradients of x, alpha, weight and bias, on odd sizes, zeros, large
+(saturating) values, non-finite rows and non-contiguous inputs; deterministic gradients; the
+module, build_norm, the model and torch.compile."""
+
+import importlib
+
+import pytest
+import torch
+
+from normlab import functional as F
+from normlab import reference
+from normlab.model import Decoder, ModelConfig
+from normlab.nn import DyT, build_norm
+from normlab.testing import assert_close
+
+pytest.importorskip("numba", reason="the cpu backend needs numba")
+K = importlib.import_module("normlab.kernels.cpu.dynamic_tanh")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _leaves(gen, shape, dtype, *, scale=1.0, affine=True, alpha=0.7):
+    d = shape[-1]
+    leaves = {"x": (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype),
+              "alpha": torch.tensor([alpha], dtype=torch.float32)}
+    if affine:
+        leaves["weight"] = (1 + 0.5 * torch.randn(d, generator=gen, dtype=torch.float64)).to(dtype)
+        leaves["bias"] = (0.5 * torch.randn(d, generator=gen, dtype=torch.float64)).to(dtype)
+    return leaves
+
+
+def _run(leaves, backend, dy, convert=None):
+    leaves = {k: (convert(v) if convert else v.clone()).requires_grad_() for k, v in leaves.items()}
+    y = F.dyt(leaves["x"], leaves["alpha"], leaves.get("weight"), leaves.get("bias"), backend=backend)
+    grads = torch.autograd.grad(y, list(leaves.values()), dy.to(y.dtype))
+    return y, dict(zip(leaves, grads))
+
+
+def check(gen, shape, dtype, backend="cpu", leaves=None, **kw):
+    leaves = leaves or _leaves(gen, shape, dtype, **kw)
+    dy = torch.randn(leaves["x"].shape, generator=gen, dtype=torch.float64).to(dtype)
+    fast, fast_g = _run(leaves, backend, dy)
+    lowp, lowp_g = _run(leaves, "reference", dy)
+    truth, truth_g = _run(leaves, "reference", dy, convert=lambda t: t.double())
+    assert fast.dtype == dtype and fast.shape == leaves["x"].shape
+    assert_close(fast, truth, lowp=lowp, dtype=dtype, name="dyt output")
+    # dalpha sums u * x over every element, with cancellation: floating point bounds its error
+    # relative to the sum of the terms' sizes, not to the (much smaller) sum itself
+    x64, a64 = leaves["x"].double(), leaves["alpha"].double()
+    w64 = leaves["weight"].double() if "weight" in leaves else 1.0
+    terms = (dy.double() * w64 * (1 - torch.tanh(a64 * x64) ** 2) * x64).abs().sum().reshape(1)
+    for name in fast_g:
+        rule = "row" if name == "x" else "tensor"
+        assert_close(fast_g[name], truth_g[name], lowp=lowp_g[name], dtype=leaves[name].dtype, name=f"dyt d{name}", rule=rule,
+                     magnitude=terms if name == "alpha" else None)
+    return fast, fast_g
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1, 3, 123, 3000, 65537])
+def test_matches_float64_at_odd_sizes(gen, dtype, d):
+    check(gen, (5, d) if d < 60000 else (2, d), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale, alpha", [(1e-6, 0.5), (30.0, 0.5), (1e4, 2.0), (1.0, 1e-3)])
+def test_tiny_and_saturating_inputs(gen, dtype, scale, alpha):
+    leaves = _leaves(gen, (6, 257), dtype, scale=scale, alpha=alpha)
+    y, g = check(gen, None, dtype, leaves=leaves)
+    saturated = (alpha * leaves["x"].double()).abs() >= 9  # tanh is +-1 there, so nothing flows to x
+    assert torch.all(g["x"][saturated] == 0)
+    assert saturated.float().mean() > (0.9 if scale * alpha >= 1e3 else -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_rows_weightless_and_affine(gen, dtype):
+    leaves = _leaves(gen, (4, 130), dtype)
+    leaves["x"][1] = 0
+    check(gen, None, dtype, leaves=leaves)
+    check(gen, (4, 130), dtype, affine=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_finite_rows_stay_in_their_row(gen, dtype):
+    x = torch.randn(5, 200, generator=gen).to(dtype)
+    x[1, 7], x[3, 0] = float("nan"), float("inf")
+    alpha, w, b = torch.tensor([0.5]), torch.ones(200, dtype=dtype), torch.zeros(200, dtype=dtype)
+    y = F.dyt(x.requires_grad_(), alpha, w, b, backend="cpu")
+    ref = reference.dyt(x.detach(), alpha, w, b)
+    assert torch.isnan(y[1, 7]) and y[3, 0] == 1  # tanh(inf) = 1
+    finite = torch.ones(5, 200, dtype=torch.bool)
+    finite[1, 7] = False
+    assert torch.equal(torch.isfinite(y), finite)
+    assert torch.allclose(y[finite].float(), ref[finite].float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-6)
+    (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert torch.isnan(dx[1, 7]) and torch.isfinite(dx[[0, 2, 4]]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_contiguous_inputs(gen, dtype):
+    big = torch.randn(6, 300, generator=gen).to(dtype)
+    leaves = _leaves(gen, (6, 150), dtype)
+    leaves["x"] = big[:, ::2]
+    assert not leaves["x"].is_contiguous()
+    check(gen, None, dtype, leaves=leaves)
+
+
+@pytest.mark.parametrize("backend, shape", [("cpu", (257, 1000)), ("triton", (9, 40))])
+def test_gradients_are_deterministic(gen, backend, shape):
+    leaves = _leaves(gen, shape, torch.float32)
+    dy = torch.randn(*shape, generator=gen)
+    first = _run(leaves, backend, dy)[1]
+    for _ in range(3):
+        again = _run(leaves, backend, dy)[1]
+        assert all(torch.equal(first[k], again[k]) for k in first)
+
+
+def test_the_rational_tanh_is_within_a_few_ulp():
+    z = torch.cat([torch.linspace(-12, 12, 200_001), torch.logspace(-8, 1.2, 20_000), -torch.logspace(-8, 1.2, 20_000)])
+    x = z.float().reshape(1, -1).numpy()
+    y = x.copy()
+    one = torch.ones(x.shape[1]).numpy()
+    K.dyt_fwd(x, 1.0, one, 0 * one, y, 1)
+    exact = torch.tanh(z.double().float().double())
+    ulp = torch.from_numpy(__import__("numpy").spacing(exact.abs().float().numpy())).double()
+    err = (torch.from_numpy(y[0]).double() - exact).abs() / ulp
+    assert err.max() <= 2, err.max()
+    assert torch.all(torch.from_numpy(y[0])[z.abs() >= 9].abs() == 1)
+
+
+def test_float64_gradcheck():
+    x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    params = (torch.tensor([0.6], dtype=torch.float64, requires_grad=True), torch.randn(7, dtype=torch.float64, requires_grad=True),
+              torch.randn(7, dtype=torch.float64, requires_grad=True))
+    assert torch.autograd.gradcheck(lambda *a: F.dyt(*a, backend="cpu"), (x, *params))
+
+
+def test_the_module_and_build_norm():
+    m = build_norm("dyt", 64, alpha0=0.2)
+    assert isinstance(m, DyT) and m.alpha.shape == (1,) and m.alpha.item() == pytest.approx(0.2)
+    assert sorted(n for n, _ in m.named_parameters()) == ["alpha", "bias", "weight"]  # the paper's module's names
+    x = torch.randn(2, 3, 64)
+    assert torch.allclose(m(x), reference.dyt(x, m.alpha, m.weight, m.bias))
+    assert build_norm("dyt", 8, weightless=True).weight is None
+    with pytest.raises(ValueError, match="alpha0 must be a finite number > 0"):
+        DyT(8, alpha0=0.0)
+    with pytest.raises(ValueError, match="unknown option\\(s\\) eps for norm kind 'dyt'"):
+        build_norm("dyt", 8, eps=1e-5)
+    with pytest.raises(ValueError, match="alpha must be a floating-point tensor of one element"):
+        F.dyt(x, torch.ones(2))
+
+
+def test_compiled_dyt_matches_eager(gen):
+    m = DyT(96, alpha0=0.8, backend="cpu")
+    x = torch.randn(4, 96, generator=gen, requires_grad=True)
+    eager = m(x)
+    (g_eager,) = torch.autograd.grad(eager.sum(), m.alpha)
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    out = compiled(x)
+    (g_compiled,) = torch.autograd.grad(out.sum(), m.alpha)
+    assert torch.equal(out, eager) and torch.equal(g_compiled, g_eager)
+
+
+def test_a_dyt_model_has_no_norm_and_trains(gen):
+    cfg = ModelConfig.preset("tiny", norm="dyt", dyt_alpha0=0.3)
+    torch.manual_seed(0)
+    model = Decoder(cfg)
+    dyts = [m for m in model.modules() if isinstance(m, DyT)]
+    assert dyts and all(m.alpha.item() == pytest.approx(0.3) for m in dyts)
+    with pytest.raises(ValueError, match="dyt_alpha0 must be a finite number > 0"):
+        ModelConfig.preset("tiny", norm="dyt", dyt_alpha0=-1.0)
+
+
+# ---------------------------------------------------------------- the Triton kernels (interpreter)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1, 3, 123, 3000])
+def test_triton_matches_float64(gen, dtype, d):
+    pytest.importorskip("triton")
+    check(gen, (3, d), dtype, backend="triton")
+
+
+def test_triton_edge_cases(gen, monkeypatch):
+    T = pytest.importorskip("normlab.kernels.triton")
+    for dtype in (torch.float32, torch.bfloat16):
+        check(gen, (4, 33), dtype, backend="triton", scale=1e4, alpha=2.0)  # saturated
+        check(gen, (4, 33), dtype, backend="triton", affine=False)
+        leaves = _leaves(gen, (4, 33), dtype)
+        leaves["x"] = torch.randn(4, 66, generator=gen).to(dtype)[:, ::2]  # non-contiguous
+        check(gen, None, dtype, backend="triton", leaves=leaves)
+    monkeypatch.setattr(T, "MAX_BLOCK", 16)  # 100 columns: 7 column blocks, the last one partial
+    check(gen, (5, 100), torch.float32, backend="triton")
+    x = torch.randn(3, 20, generator=gen)
+    x[1, 3] = float("nan")
+    y = F.dyt(x, torch.tensor([0.5]), backend="triton")
+    assert torch.isnan(y[1, 3]) and torch.isfinite(y[[0, 2]]).all() and torch.isfinite(y[1, :3]).all()
