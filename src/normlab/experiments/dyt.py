@@ -57,7 +57,7 @@ def settings_of(norm: str, alpha0: float | None) -> str:
 def preset_dyt(lab: Lab) -> dict:
     train_fields, model = lm_sizes(lab)
     model = {**model, "placement": "pre"}
-    small = max(2, {**train_fields, **lab.train_over}["steps"] // 4)
+    small = max(2, {**train_fields, **lab.train_over}["steps"] // 8)  # quick: 25 and 250 steps
     budgets = {"small": small, "large": small * BUDGET_FACTOR}
     seeds = lab.seeds(3, 3)
     cells = [("rmsnorm", None), ("layernorm", None)] + [("dyt", a) for a in ALPHA0S]
