@@ -40,7 +40,7 @@ def test_warmup_compiles_once_and_a_second_run_compiles_nothing(tmp_path):
     import re
 
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
-    cmd = [sys.executable, "-m", "normlab", "warmup", "--ops", "rms_norm", "--dtypes", "fp32", "--quiet"]
+    cmd = [sys.executable, "-m", "normlab", "warmup", "--ops", "rms_norm,dyt", "--dtypes", "fp32", "--quiet"]
     counts = []
     for _ in range(2):
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)

@@ -117,5 +117,7 @@ def test_gpu_check_dry_run_writes_what_a_gpu_run_writes(tmp_path):
     assert [s["name"] for s in summary["sections"]] == ["correctness", "bench", "copy", "check-model"]
     assert summary["dry_run"] and summary["failures"] == []
     checks = json.loads((out / "correctness.json").read_text())["checks"]
-    assert len(checks) == 4 * 3 * 2 + 2 and all(c["ok"] for c in checks)
+    ops = ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "dyt")
+    assert len(checks) == len(ops) * 3 * 2 + 2 and all(c["ok"] for c in checks)  # ops x dtypes x sizes, 2 more
+    assert {c["op"] for c in checks} == set(ops)
     assert "## Failures" in (out / "summary.md").read_text()

@@ -64,7 +64,7 @@ def cached_signatures() -> int:
     return sum(1 for f in os.listdir(folder) if f.endswith(".nbc") and f.startswith(names))
 
 
-WARMUP_OPS = ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm")
+WARMUP_OPS = ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "dyt")
 WARMUP_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -77,7 +77,13 @@ def warmup_calls(ops=WARMUP_OPS, dtypes=tuple(WARMUP_DTYPES)) -> list[tuple[str,
     calls = []
     for name in dtypes:
         dtype = WARMUP_DTYPES[name]
-        for op in ops:
+        if "dyt" in ops:
+            def dyt_call(dtype=dtype):
+                x = torch.randn(4, 512, dtype=dtype, requires_grad=True)
+                w, b = torch.ones(512, dtype=dtype, requires_grad=True), torch.zeros(512, dtype=dtype, requires_grad=True)
+                F.dyt(x, torch.full((1,), 0.5, requires_grad=True), w, b, backend="cpu").sum().backward()
+            calls.append((f"dyt {name}", dyt_call))
+        for op in (o for o in ops if o != "dyt"):
             for wdtype in dict.fromkeys((dtype, torch.float32)):
                 variants = [{"cast": c} for c in ("llama", "gemma")] if "rms" in op else [{}]
                 if op.startswith("add"):
