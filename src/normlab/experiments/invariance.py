@@ -103,17 +103,16 @@ def preset_invariance(lab: Lab) -> dict:
                     lambda: {norm: {"op": op_changes(norm, d, rows, seed=41),
                                     "model": model_changes(lab.model_config({**exact_model, "norm": norm}), batch, seed=42)}
                              for norm in KINDS})
+    columns = ["norm", "where", "transform", "relative_change", "invariant_in_theory", "val_loss", "val_std"]
     table, measured = [], {}
     for norm in KINDS:
-        for where, names in (("op", OP_TRANSFORMS), ("model", MODEL_TRANSFORMS)):
-            for name in names:
-                table.append({"norm": norm, "where": where, "transform": name, "relative_change": _round(exact[norm][where][name], 3),
-                              "invariant_in_theory": name in INVARIANT[norm]})
-        same = [exact[norm][w][n] for w, names in (("op", OP_TRANSFORMS), ("model", MODEL_TRANSFORMS)) for n in names
-                if n in INVARIANT[norm]]
-        moved = [exact[norm][w][n] for w, names in (("op", OP_TRANSFORMS), ("model", MODEL_TRANSFORMS)) for n in names
-                 if n not in INVARIANT[norm]]
-        measured[f"{norm}_invariant_max_change"] = max(same)
+        changes = {(where, name): exact[norm][where][name]
+                   for where, names in (("op", OP_TRANSFORMS), ("model", MODEL_TRANSFORMS)) for name in names}
+        for (where, name), change in changes.items():
+            table.append({"norm": norm, "where": where, "transform": name, "relative_change": _round(change, 3),
+                          "invariant_in_theory": name in INVARIANT[norm]})
+        measured[f"{norm}_invariant_max_change"] = max(c for (_, n), c in changes.items() if n in INVARIANT[norm])
+        moved = [c for (_, n), c in changes.items() if n not in INVARIANT[norm]]
         if moved:
             measured[f"{norm}_recentering_min_change"] = min(moved)
         for noise in (0.0, SHIFT_NOISE):
@@ -168,9 +167,8 @@ def preset_invariance(lab: Lab) -> dict:
                                "model": {**exact_model, **lab.model_over}},
                      "train": {**train_fields, **lab.train_over}, "model": {**model, **lab.model_over, "placement": "pre"},
                      "shift_noise": SHIFT_NOISE, "seeds": seeds},
-        "columns": ["norm", "where", "transform", "relative_change", "invariant_in_theory", "val_loss", "val_std"],
-        "rows": [{c: r.get(c) for c in ("norm", "where", "transform", "relative_change", "invariant_in_theory", "val_loss",
-                                        "val_std")} for r in table],
+        "columns": columns,
+        "rows": [{c: r.get(c) for c in columns} for r in table],
         "claims": claims,
         "series": {"exact": exact, "invariant": {k: sorted(v) for k, v in INVARIANT.items()},
                    "runs": {f"{norm}|{noise:g}": [_curves(r) for r in runs[norm, noise]] for norm, noise in runs}},

@@ -307,8 +307,10 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
         L.ln_fwd_launch(x, weight, bias, eps, y=out)
         return out
 
+    has_dyt = hasattr(L, "dyt_fwd_launch")
+
     def dyt(x, alpha, weight=None, bias=None):
-        if not (hasattr(L, "dyt_fwd_launch") and fused(x, weight, bias)):
+        if not (has_dyt and fused(x, weight, bias)):
             return reference.dyt(x, alpha, weight, bias)
         return call("dyt", x, alpha, weight, bias)
 

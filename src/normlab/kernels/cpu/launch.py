@@ -214,6 +214,5 @@ def dyt_bwd_launch(dy, x, alpha, weight, bias):
         w = _f32_vector(weight, d, 1.0)
         dyt_bwd(_as_numpy(dy2), _as_numpy(x2), float(alpha.float()), w, _as_numpy(dx.view(n, d)), da, dw, db, chunks)
     # the chunks' float64 sums, added in chunk order (deterministic for a thread count)
-    total = functools.reduce(np.add, dw[1:], dw[0].copy()), functools.reduce(np.add, db[1:], db[0].copy())
-    dalpha = torch.tensor(sum(da.tolist()), dtype=torch.float32).reshape(alpha.shape)
-    return dx, dalpha, torch.from_numpy(total[0].astype(np.float32)), torch.from_numpy(total[1].astype(np.float32))
+    dalpha = torch.tensor(da.sum(), dtype=torch.float32).reshape(alpha.shape)
+    return dx, dalpha, torch.from_numpy(dw.sum(0).astype(np.float32)), torch.from_numpy(db.sum(0).astype(np.float32))
