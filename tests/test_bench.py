@@ -109,3 +109,21 @@ def test_cpu_ab_tool_compares_two_source_trees():
     line = re.search(r"rms\s+64x256: x copy A ([\d.]+)\s+B ([\d.]+);\s+B speedup ([\d.]+) \(range", done.stdout)
     assert line, done.stdout
     assert all(float(v) > 0 for v in line.groups())
+
+
+def test_dyt_ceiling_tool_runs_the_kernels_it_measures():
+    # tools/dyt_ceiling.py calls DyT's vector blocks and launchers by their signatures: it must
+    # keep up with them. One small shape: a row of the table per dtype and pass, every time > 0.
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "tools" / "dyt_ceiling.py"), "--shape", "256x1024", "--threads", "1"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = re.findall(r"^(fp32|bf16)\s+(fwd|bwd)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$",
+                      done.stdout, re.MULTILINE)
+    assert sorted((r[0], r[1]) for r in rows) == sorted((d, p) for d in ("fp32", "bf16") for p in ("fwd", "bwd")), done.stdout
+    assert all(float(v) > 0 for r in rows for v in r[2:])

@@ -198,7 +198,7 @@ def dyt_fwd_launch(x, alpha, weight, bias):
     y = empty(shape, x.dtype)
     w, b = _ln_weights(weight, bias, d)
     if n:
-        dyt_fwd(_as_numpy(x2), float(alpha.float()), w, b, _as_numpy(y.view(n, d)), nchunks(n))
+        dyt_fwd(_as_numpy(x2), float(alpha.float()), w, b, _as_numpy(y.view(n, d)), *_stages(y, n))
     return y
 
 
@@ -208,11 +208,12 @@ def dyt_bwd_launch(dy, x, alpha, weight, bias):
     x2, dy2 = _rows(x), _rows(dy)
     n = x2.shape[0]
     dx = empty(shape, x.dtype)
-    chunks = nchunks(n) if n else 1
+    stages, stream = _stages(dx, n)
+    chunks = stages.shape[0]
     da, dw, db = np.zeros(chunks), np.zeros((chunks, d)), np.zeros((chunks, d))
     if n:
         w = _f32_vector(weight, d, 1.0)
-        dyt_bwd(_as_numpy(dy2), _as_numpy(x2), float(alpha.float()), w, _as_numpy(dx.view(n, d)), da, dw, db, chunks)
+        dyt_bwd(_as_numpy(dy2), _as_numpy(x2), float(alpha.float()), w, _as_numpy(dx.view(n, d)), da, dw, db, stages, stream)
     # the chunks' float64 sums, added in chunk order (deterministic for a thread count)
     dalpha = torch.tensor(da.sum(), dtype=torch.float32).reshape(alpha.shape)
     return dx, dalpha, torch.from_numpy(dw.sum(0).astype(np.float32)), torch.from_numpy(db.sum(0).astype(np.float32))
