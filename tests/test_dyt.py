@@ -230,3 +230,27 @@ def test_both_forms_of_two_to_the_n_are_exact():
     forms = [make(False)] + ([make(True)] if K.AVX512 else [])
     for form in forms:
         assert np.array_equal(np.array(form(ns)), np.ldexp(np.float32(1), ns.astype(int)).astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_streaming_stores_give_the_same_bits(gen, dtype, monkeypatch):
+    # Outputs past half the last-level cache are written with non-temporal stores (16-bit ones
+    # two vectors to a line, from a shared staging row's zeros): the values must be the plain
+    # path's, bit for bit, at rows that start off a 64-byte boundary (d = 1000), and the staging
+    # rows must stay zero. dalpha's terms are grouped by the blocks, which start at the first
+    # aligned element when streaming: the same sum, rounded in another order.
+    launch = importlib.import_module("normlab.kernels.cpu.launch")
+    memory = importlib.import_module("normlab.kernels.cpu.memory")
+    leaves = _leaves(gen, (37, 1000), dtype)
+    dy = torch.randn(37, 1000, generator=gen).to(dtype)
+    runs = []
+    for min_bytes in (1 << 62, 0):
+        monkeypatch.setattr(launch, "STREAM_MIN_BYTES", min_bytes)
+        runs.append(_run(leaves, "cpu", dy))
+    (plain, plain_g), (streamed, streamed_g) = runs
+    assert torch.equal(plain, streamed)
+    assert all(torch.equal(plain_g[k], streamed_g[k]) for k in plain_g if k != "alpha")
+    x64, w64 = leaves["x"].double(), leaves["weight"].double()
+    terms = (dy.double() * w64 * (1 - torch.tanh(leaves["alpha"].double() * x64) ** 2) * x64).abs().sum()
+    assert (plain_g["alpha"].double() - streamed_g["alpha"].double()).abs() <= 1e-6 * terms
+    assert not memory._zero_stages(launch.nchunks(37)).any()

@@ -12,10 +12,12 @@ Backward, with t = tanh(a * x) and u = dy * w * (1 - t^2):
     dw = sum over rows of dy * t,     db = sum over rows of dy
 
 Each row is read once and written once, like a copy, but tanh costs some 30 vector operations
-per 16 values, so the loops are compute-bound: they run as 16-lane vectors written out in LLVM IR
-(simd.py's blocks), and the scalar heads and tails run the same IR on a vector's first lane, so
-every element gets the same bits wherever it falls in its row. The sums are float64, one set per chunk
-of rows, added in chunk order by the launcher: the same inputs and thread count give the same bits.
+per 16 values, so the loops are compute-bound: they run as 16-lane vectors written out in LLVM
+IR (simd.py's blocks), and the scalar heads and tails run the same IR on a vector's first lane,
+so every element gets the same bits wherever it falls in its row. The sums are float64, one set
+per chunk of rows, added in chunk order by the launcher: the same inputs and thread count give
+the same bits. (da's terms are summed by output block, and with streaming stores the blocks
+start at the first 64-byte boundary: a streamed call rounds da's sum in another order.)
 """
 
 from __future__ import annotations
