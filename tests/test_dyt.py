@@ -118,6 +118,53 @@ def test_gradients_are_deterministic(gen, backend, shape):
         assert all(torch.equal(first[k], again[k]) for k in first)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_pair_is_bitwise_two_single_rows(gen, dtype):
+    # Wide rows go through the backward two at a time (_make_grad_blocks, rows=2): dx, the
+    # partial rows and each row's dalpha sum must be the very bits of two one-row passes.
+    from numba import njit
+
+    one, two = K._GRAD_BLOCKS[1], K._GRAD_BLOCKS[2]
+
+    @njit
+    def single(dx, dx2, n, dy, x, dy2, x2, w, dwc, dbc, stage, a):
+        return one(dx, 0, n, dy, x, w, dwc, dbc, stage, a, False), one(dx2, 0, n, dy2, x2, w, dwc, dbc, stage, a, False)
+
+    @njit
+    def pair(dx, dx2, n, dy, x, dy2, x2, w, dwc, dbc, stage, a):
+        return two(dx, 0, n, dy, x, w, dwc, dbc, stage, a, False, dx2, dy2, x2)
+
+    memory = importlib.import_module("normlab.kernels.cpu.memory")
+    d, n = 5 * 64 + 9, 5 * 64
+    rows = [memory._as_numpy((torch.randn(d, generator=gen) * 2).to(dtype)) for _ in range(4)]
+    w = torch.randn(d, generator=gen).numpy()
+    start = torch.randn(2, d, generator=gen).numpy()  # partial rows that already hold sums
+    stage = np.zeros(STAGE_WIDTH, np.float32)
+    results = []
+    for run in (single, pair):
+        part, dx = start.copy(), [np.zeros_like(rows[0]) for _ in range(2)]
+        sums = run(dx[0], dx[1], n, *rows, w, part[0], part[1], stage, np.float32(0.7))
+        results.append((np.array(sums), part, np.stack(dx)))
+    for a, b in zip(*results):
+        assert a.tobytes() == b.tobytes()
+    assert not np.array_equal(results[0][1][:, :n], start[:, :n])  # the terms were added
+    assert np.array_equal(results[0][1][:, n:], start[:, n:]) and not results[0][2][:, n:].any()  # and nothing past n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_rows_get_their_own_bits_in_pairs(gen, dtype):
+    # From DYT_PAIRS_MIN_* values a row, rows go in pairs (a chunk's odd row alone): gradients
+    # against float64, and each row's dx bitwise what it gets alone (the single-row path).
+    d = max(K.DYT_PAIRS_MIN_16, K.DYT_PAIRS_MIN_32) + 37
+    leaves = _leaves(gen, (7, d), dtype)
+    check(gen, None, dtype, leaves=leaves)
+    dy = torch.randn(7, d, generator=gen).to(dtype)
+    together = _run(leaves, "cpu", dy)[1]
+    for r in (0, 3, 6):
+        alone = _run({k: (v[r : r + 1] if k == "x" else v) for k, v in leaves.items()}, "cpu", dy[r : r + 1])[1]
+        assert torch.equal(together["x"][r : r + 1], alone["x"]), r
+
+
 def test_tanh_and_its_derivative_against_float64():
     """The kernels' tanh within 2.1 ulp, and the backward's 1 - t^2 = 4h (1 - h) within 3e-7
     relative, on every z from 1e-8 to saturation (the 16-lane blocks and the scalar tail)."""
@@ -233,16 +280,18 @@ def test_both_forms_of_two_to_the_n_are_exact():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_streaming_stores_give_the_same_bits(gen, dtype, monkeypatch):
+@pytest.mark.parametrize("d", [1000, 2048])
+def test_streaming_stores_give_the_same_bits(gen, dtype, d, monkeypatch):
     # Outputs past half the last-level cache are written with non-temporal stores (16-bit ones
     # two vectors to a line, from a shared staging row's zeros): the values must be the plain
-    # path's, bit for bit, at rows that start off a 64-byte boundary (d = 1000), and the staging
-    # rows must stay zero. dalpha's terms are grouped by the blocks, which start at the first
-    # aligned element when streaming: the same sum, rounded in another order.
+    # path's, bit for bit, at rows that start off a 64-byte boundary (d = 1000) and at rows that
+    # go in pairs (d = 2048), and the staging rows must stay zero. dalpha's terms are grouped by
+    # the blocks, which start at the first aligned element when streaming: the same sum, rounded
+    # in another order.
     launch = importlib.import_module("normlab.kernels.cpu.launch")
     memory = importlib.import_module("normlab.kernels.cpu.memory")
-    leaves = _leaves(gen, (37, 1000), dtype)
-    dy = torch.randn(37, 1000, generator=gen).to(dtype)
+    leaves = _leaves(gen, (37, d), dtype)
+    dy = torch.randn(37, d, generator=gen).to(dtype)
     runs = []
     for min_bytes in (1 << 62, 0):
         monkeypatch.setattr(launch, "STREAM_MIN_BYTES", min_bytes)

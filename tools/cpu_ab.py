@@ -13,8 +13,8 @@ copy and B's speedup over A as the median of the per-round ratios with their ran
 rotate over as many sets as ``normlab bench`` uses, so they do not stay in the cache between calls.
 Even so, an A/A run moves by about 5%: trust a change when its whole range sits on one side.
 
-Ops: rms / ln (forward into a preallocated output), rmsb / lnb (backward; its fraction of copy
-counts the three tensors it moves). Example, the working tree against the last commit::
+Ops: rms / ln / dyt (forward into a preallocated output), rmsb / lnb / dytb (backward; its
+fraction of copy counts the three tensors it moves). Example, the working tree against the last commit::
 
     git worktree add /tmp/old HEAD
     python tools/cpu_ab.py /tmp/old/src src --ops ln
@@ -43,7 +43,7 @@ from normlab.kernels.cpu import memory  # noqa: E402
 
 
 def load(src: str, name: str):
-    """The kernels (rms_fwd, ln_fwd, rms_bwd, ln_bwd) of the tree whose sources are in ``src``."""
+    """The kernels (rms_fwd, ln_fwd, rms_bwd, ln_bwd, and DyT's where the tree has them) of the tree whose sources are in ``src``."""
     package = Path(src) / "normlab" / "kernels" / "cpu"
     if not package.is_dir():  # before the kernels became a package: one module, _numba.py
         spec = importlib.util.spec_from_file_location(name, package.parent / "_numba.py")
@@ -55,7 +55,11 @@ def load(src: str, name: str):
     parent.__path__ = [str(package)]
     sys.modules[name] = parent
     rms, ln = (importlib.import_module(f"{name}.{op}") for op in ("rmsnorm", "layernorm"))
-    return types.SimpleNamespace(rms_fwd=rms.rms_fwd, ln_fwd=ln.ln_fwd, rms_bwd=rms.rms_bwd, ln_bwd=ln.ln_bwd)
+    kernels = types.SimpleNamespace(rms_fwd=rms.rms_fwd, ln_fwd=ln.ln_fwd, rms_bwd=rms.rms_bwd, ln_bwd=ln.ln_bwd)
+    if (package / "dynamic_tanh.py").is_file():
+        dyt = importlib.import_module(f"{name}.dynamic_tanh")
+        kernels.dyt_fwd, kernels.dyt_bwd = dyt.dyt_fwd, dyt.dyt_bwd
+    return kernels
 
 
 def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False):
@@ -67,6 +71,8 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False):
     stages, nt = C._stages(torch.empty(n, d, dtype=dtype), n)
     rstd, mean, rnd = np.empty(n, np.float32), np.empty(n, np.float64), C._rnd(dtype, llama)
     dw, db = np.zeros(d, np.float32), np.zeros(d, np.float32)
+    chunks = stages.shape[0]
+    da_sum, dw_sum, db_sum = np.zeros(chunks), np.zeros((chunks, d)), np.zeros((chunks, d))
     if op == "rmsb":  # the statistics the backward reads
         K.rms_fwd(sets[0][0], w, y, rstd, 1e-6, True, d, rnd, stages, nt)
     if op == "lnb":
@@ -76,6 +82,8 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False):
         "ln": lambda x, dy: K.ln_fwd(x, w, b, y, mean, rstd, 1e-5, stages, nt),
         "rmsb": lambda x, dy: K.rms_bwd(dy, x, w, rstd, None, y, dw, 1e-6, True, d, rnd, stages, nt),
         "lnb": lambda x, dy: K.ln_bwd(dy, x, w, mean, rstd, None, y, dw, db, stages, nt),
+        "dyt": lambda x, dy: K.dyt_fwd(x, 0.5, w, b, y, stages, nt),
+        "dytb": lambda x, dy: K.dyt_bwd(dy, x, 0.5, w, y, da_sum, dw_sum, db_sum, stages, nt),
     }
     call, turn = calls[op], [0]
 

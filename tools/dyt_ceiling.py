@@ -28,21 +28,21 @@ from normlab.kernels.cpu.simd import EMIT, STAGE_WIDTH  # noqa: E402
 
 ROW = 4096  # 8-16 KiB a row, with its outputs and partial rows well inside L1
 REPS = 5000
-_FWD_BLOCK, _BWD_BLOCKS = K._Y_BLOCK[False], K._GRAD_BLOCKS[False]  # plain stores, as below the streaming size
+_FWD_BLOCK, _BWD_BLOCKS = K._y_block, K._GRAD_BLOCKS[1]  # plain stores, as below the streaming size
 
 
 @njit
 def _forward(y, x, w, b, stage, a, reps):
     for _ in range(reps):
         for j in range(0, x.shape[0], EMIT):
-            _FWD_BLOCK(y, np.uint64(j), x, w, b, stage, a, a, a)
+            _FWD_BLOCK(y, np.uint64(j), x, w, b, stage, a, a, a, False)
 
 
 @njit
 def _backward(dx, dy, x, w, dwc, dbc, stage, a, reps):
     total = 0.0
     for _ in range(reps):
-        total += _BWD_BLOCKS(dx, 0, x.shape[0], dy, x, w, dwc, dbc, stage, a)
+        total += _BWD_BLOCKS(dx, 0, x.shape[0], dy, x, w, dwc, dbc, stage, a, False)
     return total
 
 

@@ -130,25 +130,7 @@ def _y_scalar(typingctx, x, w, b, a):
     return f(f, f, f, f), codegen
 
 
-_Y_BLOCK = {nt: forward_block(lambda builder, x, w, b, mhi, mlo, a: _y(builder, x, w(), b(), a), False, nt) for nt in (False, True)}
-
-
-def _y_block(y, j, x, w, b, stage, a, nt):  # pragma: no cover - replaced by the overload below
-    """The output block y[j:j + EMIT] (simd.forward_block)."""
-    raise NotImplementedError
-
-
-@overload(_y_block)
-def _ov_y_block(y, j, x, w, b, stage, a, nt):
-    plain, streamed = _Y_BLOCK[False], _Y_BLOCK[True]
-
-    def block(y, j, x, w, b, stage, a, nt):
-        if nt:
-            streamed(y, np.uint64(j), x, w, b, stage, a, a, a)
-        else:
-            plain(y, np.uint64(j), x, w, b, stage, a, a, a)
-
-    return block
+_y_block = forward_block(lambda builder, x, w, b, mhi, mlo, a: _y(builder, x, w(), b(), a), False, None)
 
 
 # Each block prefetches the same block of the next row: with the hardware prefetcher alone the
@@ -171,7 +153,7 @@ def dyt_fwd(x, a, w, b, y, stages, nt):
                 _store(yr, i, _y_scalar(_load(xr, i), _load(w, i), _load(b, i), a32))
             for j in range(head, body, EMIT):
                 _prefetch_next_row(xr, j)
-                _y_block(yr, j, xr, w, b, stage, a32, nt)
+                _y_block(yr, np.uint64(j), xr, w, b, stage, a32, a32, a32, nt)
             for i in range(body, d):
                 _store(yr, i, _y_scalar(_load(xr, i), _load(w, i), _load(b, i), a32))
         if nt:
@@ -182,7 +164,11 @@ def dyt_fwd(x, a, w, b, y, stages, nt):
 # One pass: each element's dx is stored, its dw and db terms go to the chunk's float32 partial
 # rows (added to its float64 rows dw_sum, db_sum: (nchunks, d) every FLUSH rows, as in the norms'
 # backward, rows.py), and its da term to float32 lanes that each block of EMIT adds to float64
-# lanes; da_sum (nchunks,) takes each chunk's da.
+# lanes; da_sum (nchunks,) takes each chunk's da. Rows from these widths go two at a time, so
+# each partial-row value (and w) is loaded and stored once per two rows; below them pairs were
+# slower (docs/cpu-kernels.md, "DyT").
+DYT_PAIRS_MIN_16 = 512  # bf16 and fp16 rows
+DYT_PAIRS_MIN_32 = 2048  # float32 rows
 
 
 def _grad(builder, g, x, w, a):
@@ -219,60 +205,78 @@ def _grad_element(dyr, xr, w, dxr, dwc, dbc, a, i):
     return np.float64(ux)
 
 
-def _make_grad_blocks(nt, hw=HW_BF16):
-    """An intrinsic (dx, j0, j1, dy, x, w, dwc, dbc, stage, a) -> float64: the elements [j0, j1)
-    of a row (j1 - j0 a multiple of EMIT) as _grad_element does each one, 16 at a time; returns
-    the sum of their da terms (float32 within a block of EMIT, float64 lanes across blocks)."""
+def _make_grad_blocks(rows=1, hw=HW_BF16):
+    """An intrinsic (dx, j0, j1, dy, x, w, dwc, dbc, stage, a, nt) -> float64: the elements
+    [j0, j1) of a row (j1 - j0 a multiple of EMIT) as _grad_element does each one, 16 at a time;
+    returns the sum of their da terms (float32 within a block of EMIT, float64 lanes across
+    blocks). ``nt``: dx's blocks are streamed (a run-time branch per block: the arithmetic is
+    emitted once, which halves the compile time of two specialized copies).
 
-    def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a):
-        def codegen(context, builder, signature, args):
-            f32 = ir.VectorType(ir.FloatType(), _LANES)
-            i64 = ir.IntType(64)
-            arrays = {k: context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 3, 4, 5, 6, 7, 8)}
-            zero = builder.gep(arrays.pop(8), [ir.Constant(i64, _ZERO)])
-            av = _f32x16(builder, args[9])
-            totals = _f64_totals(builder, 1)
-            count = builder.udiv(builder.sub(args[2], args[1]), ir.Constant(i64, EMIT))
-            with cgutils.for_range(builder, count) as loop:
-                at = builder.add(args[1], builder.mul(loop.index, ir.Constant(i64, EMIT)))
-                dxb, dyb, xb, wb, dwb, dbb = (builder.gep(arrays[k], [at]) for k in (0, 3, 4, 5, 6, 7))
-                for k in (3, 4):
-                    _prefetch_ahead(context, builder, signature.args[k], args[k], at, EMIT)
-                values, terms = [], []
-                for v in range(EMIT // _LANES):
-                    g = _load_row(builder, dyb, v, dy.dtype)
-                    dxv, ux, t = _grad(builder, g, _load_row(builder, xb, v, x.dtype), _load_f32(builder, wb, v), av)
-                    values.append(dxv)
-                    terms.append(ux)
-                    for base, new in ((dwb, lambda old: _fma(builder, g, t, old)), (dbb, lambda old: builder.fadd(old, g))):
-                        ptr = builder.bitcast(builder.gep(base, [ir.Constant(i64, v * _LANES)]), f32.as_pointer())
-                        builder.store(new(builder.load(ptr, align=4)), ptr, align=4)
-                _store_block(builder, dx.dtype, dxb, wb, values, False, nt, hw, zero)
-                _add_blocks(builder, [terms], totals)
-            return _totals(builder, totals)[0]
+    ``rows=2``: (dx, j0, j1, dy, x, w, dwc, dbc, stage, a, nt, dx2, dy2, x2) -> (float64,
+    float64), the same for two rows at once, which loads and stores each partial-row value once
+    for both. The second row's terms reach dwc and dbc after the first's, as two calls would add
+    them, and each row's da sum is its own: the bits do not change."""
 
-        return types.float64(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage, types.float32), codegen
+    def codegen(context, builder, signature, args):
+        f32 = ir.VectorType(ir.FloatType(), _LANES)
+        i64 = ir.IntType(64)
+        rows_in = [(0, 3, 4), (11, 12, 13)][:rows]  # each row's (dx, dy, x) arguments
+        data = {k: context.make_array(signature.args[k])(context, builder, args[k]).data for k in (5, 6, 7, 8, *sum(rows_in, ()))}
+        zero = builder.gep(data[8], [ir.Constant(i64, _ZERO)])
+        av = _f32x16(builder, args[9])
+        totals = _f64_totals(builder, rows)
+        count = builder.udiv(builder.sub(args[2], args[1]), ir.Constant(i64, EMIT))
+        with cgutils.for_range(builder, count) as loop:
+            at = builder.add(args[1], builder.mul(loop.index, ir.Constant(i64, EMIT)))
+            wb, dwb, dbb = (builder.gep(data[k], [at]) for k in (5, 6, 7))
+            for row in rows_in:
+                for k in row[1:]:
+                    _prefetch_ahead(context, builder, signature.args[k], args[k], at, EMIT, rows)
+            values, terms = [[] for _ in rows_in], [[] for _ in rows_in]
+            for v in range(EMIT // _LANES):
+                w = _load_f32(builder, wb, v)
+                dwp, dbp = (builder.bitcast(builder.gep(base, [ir.Constant(i64, v * _LANES)]), f32.as_pointer()) for base in (dwb, dbb))
+                dw, db = builder.load(dwp, align=4), builder.load(dbp, align=4)
+                for r, (kdx, kdy, kx) in enumerate(rows_in):
+                    g = _load_row(builder, builder.gep(data[kdy], [at]), v, signature.args[kdy].dtype)
+                    x = _load_row(builder, builder.gep(data[kx], [at]), v, signature.args[kx].dtype)
+                    dxv, ux, t = _grad(builder, g, x, w, av)
+                    values[r].append(dxv)
+                    terms[r].append(ux)
+                    dw, db = _fma(builder, g, t, dw), builder.fadd(db, g)
+                builder.store(dw, dwp, align=4)
+                builder.store(db, dbp, align=4)
+            with builder.if_else(args[10]) as (streamed, plain):
+                for nt, branch in ((True, streamed), (False, plain)):
+                    with branch:
+                        for r, (kdx, _, _) in enumerate(rows_in):
+                            base = builder.gep(data[kdx], [at])
+                            _store_block(builder, signature.args[kdx].dtype, base, wb, values[r], False, nt, hw, zero)
+            _add_blocks(builder, terms, totals)
+        sums = _totals(builder, totals)
+        return sums[0] if rows == 1 else context.make_tuple(builder, signature.return_type, sums)
+
+    f, b = types.float32, types.boolean
+    if rows == 1:
+        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, nt):
+            return types.float64(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage, f, b), codegen
+    else:
+        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, nt, dx2, dy2, x2):
+            return types.UniTuple(types.float64, 2)(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage, f, b, dx2, dy2, x2), codegen
 
     return intrinsic(blocks)
 
 
-_GRAD_BLOCKS = {nt: _make_grad_blocks(nt) for nt in (False, True)}
+_GRAD_BLOCKS = {rows: _make_grad_blocks(rows) for rows in (1, 2)}
+_grad_blocks, _grad_blocks_pair = _GRAD_BLOCKS[1], _GRAD_BLOCKS[2]
 
 
-def _grad_blocks(dx, j0, j1, dy, x, w, dwc, dbc, stage, a, nt):  # pragma: no cover - replaced by the overload below
-    raise NotImplementedError
-
-
-@overload(_grad_blocks)
-def _ov_grad_blocks(dx, j0, j1, dy, x, w, dwc, dbc, stage, a, nt):
-    plain, streamed = _GRAD_BLOCKS[False], _GRAD_BLOCKS[True]
-
-    def run(dx, j0, j1, dy, x, w, dwc, dbc, stage, a, nt):
-        if nt:
-            return streamed(dx, j0, j1, dy, x, w, dwc, dbc, stage, a)
-        return plain(dx, j0, j1, dy, x, w, dwc, dbc, stage, a)
-
-    return run
+@njit(inline="always")
+def _grad_edges(dyr, xr, w, dxr, dwc, dbc, a, i0, i1, da):
+    """The elements [i0, i1) of a row one at a time (a row's head or tail); da plus their terms."""
+    for i in range(i0, i1):
+        da += _grad_element(dyr, xr, w, dxr, dwc, dbc, a, i)
+    return da
 
 
 @kernel
@@ -282,18 +286,30 @@ def dyt_bwd(dy, x, a, w, dx, da_sum, dw_sum, db_sum, stages, nt):
     nchunks = stages.shape[0]
     dw_part = _partial_rows(nchunks, d)
     db_part = _partial_rows(nchunks, d)
+    pairs = d >= (DYT_PAIRS_MIN_16 if x.itemsize == 2 else DYT_PAIRS_MIN_32)
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         dwc, dbc, stage = dw_part[c], db_part[c], stages[c]
+        paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
         da = 0.0
         for r in range(r0, r1):
             dyr, xr, dxr = dy[r], x[r], dx[r]
             head, body = _spans(dxr, 0, d, nt)
-            for i in range(head):
-                da += _grad_element(dyr, xr, w, dxr, dwc, dbc, a32, i)
-            da += _grad_blocks(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, nt)
-            for i in range(body, d):
-                da += _grad_element(dyr, xr, w, dxr, dwc, dbc, a32, i)
+            partner = r + 1 if (r - r0) % 2 == 0 else r - 1
+            in_pair = r < paired_to and _spans(dx[partner], 0, d, nt) == (head, body)  # (streamed rows: alike)
+            if not in_pair:
+                da = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, 0, head, da)
+                da += _grad_blocks(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, nt)
+                da = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, body, d, da)
+            elif partner > r:  # this row and the next, in the order two single rows go (same bits)
+                dyr2, xr2, dxr2 = dy[partner], x[partner], dx[partner]
+                da = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, 0, head, da)
+                da1, da2 = _grad_blocks_pair(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, nt, dxr2, dyr2, xr2)
+                da += da1
+                da = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, body, d, da)
+                da = _grad_edges(dyr2, xr2, w, dxr2, dwc, dbc, a32, 0, head, da)
+                da += da2
+                da = _grad_edges(dyr2, xr2, w, dxr2, dwc, dbc, a32, body, d, da)
             if (r - r0) % FLUSH == FLUSH - 1:
                 _flush(dwc, dw_sum[c])
                 _flush(dbc, db_sum[c])

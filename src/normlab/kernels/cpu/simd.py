@@ -263,11 +263,11 @@ def forward_block(math, llama, nt, hw=HW_BF16):
     block y[j:j + EMIT]. ``math(builder, x, w, b, mhi, mlo, rstd)`` gives one 16-lane vector of
     outputs from one of x; ``w`` and ``b`` are functions that load the matching weights, so a
     form that does not use them loads nothing. ``llama``: the weight multiply happens as the
-    block is stored (see _store_block), not in ``math``."""
+    block is stored (see _store_block), not in ``math``. ``nt=None``: a last argument says
+    whether to stream, a run-time branch that emits ``math`` once (for math that is costly to
+    compile twice, such as DyT's tanh)."""
 
-    def block(typingctx, y, j, x, w, b, stage, mhi, mlo, rs):
-        kind, xkind = y.dtype, x.dtype
-
+    def codegen_for(kind, xkind):
         def codegen(context, builder, signature, args):
             y_data, x_data, w_data, b_data, stage_data = (
                 context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 2, 3, 4, 5)
@@ -281,10 +281,25 @@ def forward_block(math, llama, nt, hw=HW_BF16):
                 values.append(math(builder, t, lambda v=v: _load_f32(builder, wbase, v),
                                    lambda v=v: _load_f32(builder, bbase, v), mhi, mlo, rs))
             zero = builder.gep(stage_data, [ir.Constant(ir.IntType(64), _ZERO)])
-            _store_block(builder, kind, builder.gep(y_data, [at]), wbase, values, llama, nt, hw, zero)
+            ybase = builder.gep(y_data, [at])
+            if nt is not None:
+                _store_block(builder, kind, ybase, wbase, values, llama, nt, hw, zero)
+                return context.get_dummy_value()
+            with builder.if_else(args[9]) as (streamed, plain):
+                for flag, branch in ((True, streamed), (False, plain)):
+                    with branch:
+                        _store_block(builder, kind, ybase, wbase, values, llama, flag, hw, zero)
             return context.get_dummy_value()
 
-        return types.void(y, types.uint64, x, w, b, stage, types.float32, types.float32, types.float32), codegen
+        return codegen
+
+    f = types.float32
+    if nt is None:
+        def block(typingctx, y, j, x, w, b, stage, mhi, mlo, rs, stream):
+            return types.void(y, types.uint64, x, w, b, stage, f, f, f, types.boolean), codegen_for(y.dtype, x.dtype)
+    else:
+        def block(typingctx, y, j, x, w, b, stage, mhi, mlo, rs):
+            return types.void(y, types.uint64, x, w, b, stage, f, f, f), codegen_for(y.dtype, x.dtype)
 
     return intrinsic(block)
 
