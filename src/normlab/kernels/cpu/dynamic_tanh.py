@@ -28,7 +28,7 @@ from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 from .cache import kernel
 from .codecs import _LANES, _load, _store
