@@ -101,14 +101,15 @@ def test_cpu_ab_tool_compares_two_source_trees():
     root = Path(__file__).resolve().parents[1]
     src = str(root / "src")
     done = subprocess.run(
-        [sys.executable, str(root / "tools" / "cpu_ab.py"), src, src, "--ops", "rms",
+        [sys.executable, str(root / "tools" / "cpu_ab.py"), src, src, "--ops", "rms,dytb",
          "--shapes", "64x256", "--dtype", "fp32", "--threads", "1", "--rounds", "2"],
         capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    line = re.search(r"rms\s+64x256: x copy A ([\d.]+)\s+B ([\d.]+);\s+B speedup ([\d.]+) \(range", done.stdout)
-    assert line, done.stdout
-    assert all(float(v) > 0 for v in line.groups())
+    for op in ("rms", "dytb"):
+        line = re.search(op + r"\s+64x256: x copy A ([\d.]+)\s+B ([\d.]+);\s+B speedup ([\d.]+) \(range", done.stdout)
+        assert line, done.stdout
+        assert all(float(v) > 0 for v in line.groups())
 
 
 def test_dyt_ceiling_tool_runs_the_kernels_it_measures():
