@@ -310,6 +310,7 @@ def dyt_bwd(dy, x, a, w, dx, da_sum, dw_sum, db_sum, stages, nt):
                 da = _grad_edges(dyr2, xr2, w, dxr2, dwc, dbc, a32, 0, head, da)
                 da += da2
                 da = _grad_edges(dyr2, xr2, w, dxr2, dwc, dbc, a32, body, d, da)
+            # (else: the second row of a pair, done with the first)
             if (r - r0) % FLUSH == FLUSH - 1:
                 _flush(dwc, dw_sum[c])
                 _flush(dbc, db_sum[c])

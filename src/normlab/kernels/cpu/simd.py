@@ -267,39 +267,37 @@ def forward_block(math, llama, nt, hw=HW_BF16):
     whether to stream, a run-time branch that emits ``math`` once (for math that is costly to
     compile twice, such as DyT's tanh)."""
 
-    def codegen_for(kind, xkind):
-        def codegen(context, builder, signature, args):
-            y_data, x_data, w_data, b_data, stage_data = (
-                context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 2, 3, 4, 5)
-            )
-            at = args[1]
-            xbase, wbase, bbase = (builder.gep(data, [at]) for data in (x_data, w_data, b_data))
-            mhi, mlo, rs = (_f32x16(builder, args[k]) for k in (6, 7, 8))
-            values = []
-            for v in range(EMIT // _LANES):
-                t = _load_row(builder, xbase, v, xkind)
-                values.append(math(builder, t, lambda v=v: _load_f32(builder, wbase, v),
-                                   lambda v=v: _load_f32(builder, bbase, v), mhi, mlo, rs))
-            zero = builder.gep(stage_data, [ir.Constant(ir.IntType(64), _ZERO)])
-            ybase = builder.gep(y_data, [at])
-            if nt is not None:
-                _store_block(builder, kind, ybase, wbase, values, llama, nt, hw, zero)
-                return context.get_dummy_value()
-            with builder.if_else(args[9]) as (streamed, plain):
-                for flag, branch in ((True, streamed), (False, plain)):
-                    with branch:
-                        _store_block(builder, kind, ybase, wbase, values, llama, flag, hw, zero)
+    def codegen(context, builder, signature, args):
+        kind, xkind = signature.args[0].dtype, signature.args[2].dtype
+        y_data, x_data, w_data, b_data, stage_data = (
+            context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 2, 3, 4, 5)
+        )
+        at = args[1]
+        xbase, wbase, bbase = (builder.gep(data, [at]) for data in (x_data, w_data, b_data))
+        mhi, mlo, rs = (_f32x16(builder, args[k]) for k in (6, 7, 8))
+        values = []
+        for v in range(EMIT // _LANES):
+            t = _load_row(builder, xbase, v, xkind)
+            values.append(math(builder, t, lambda v=v: _load_f32(builder, wbase, v),
+                               lambda v=v: _load_f32(builder, bbase, v), mhi, mlo, rs))
+        zero = builder.gep(stage_data, [ir.Constant(ir.IntType(64), _ZERO)])
+        ybase = builder.gep(y_data, [at])
+        if nt is not None:
+            _store_block(builder, kind, ybase, wbase, values, llama, nt, hw, zero)
             return context.get_dummy_value()
-
-        return codegen
+        with builder.if_else(args[9]) as (streamed, plain):
+            for flag, branch in ((True, streamed), (False, plain)):
+                with branch:
+                    _store_block(builder, kind, ybase, wbase, values, llama, flag, hw, zero)
+        return context.get_dummy_value()
 
     f = types.float32
     if nt is None:
         def block(typingctx, y, j, x, w, b, stage, mhi, mlo, rs, stream):
-            return types.void(y, types.uint64, x, w, b, stage, f, f, f, types.boolean), codegen_for(y.dtype, x.dtype)
+            return types.void(y, types.uint64, x, w, b, stage, f, f, f, types.boolean), codegen
     else:
         def block(typingctx, y, j, x, w, b, stage, mhi, mlo, rs):
-            return types.void(y, types.uint64, x, w, b, stage, f, f, f), codegen_for(y.dtype, x.dtype)
+            return types.void(y, types.uint64, x, w, b, stage, f, f, f), codegen
 
     return intrinsic(block)
 
