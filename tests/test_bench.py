@@ -114,14 +114,15 @@ def test_cpu_ab_tool_compares_two_source_trees():
 
 def test_dyt_ceiling_tool_runs_the_kernels_it_measures():
     # tools/dyt_ceiling.py calls DyT's vector blocks and launchers by their signatures: it must
-    # keep up with them. One small shape: a row of the table per dtype and pass, every time > 0.
+    # keep up with them. One shape, as large as DYT_TABLE_MIN so that bf16 goes through the
+    # tables: a row of the table per dtype and pass, every time > 0.
     import re
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, str(root / "tools" / "dyt_ceiling.py"), "--shape", "256x1024", "--threads", "1"],
+    done = subprocess.run([sys.executable, str(root / "tools" / "dyt_ceiling.py"), "--shape", "1024x1024", "--threads", "1"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = re.findall(r"^(fp32|bf16)\s+(fwd|bwd)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$",

@@ -20,6 +20,13 @@ K = importlib.import_module("normlab.kernels.cpu.dynamic_tanh")
 STAGE_WIDTH = importlib.import_module("normlab.kernels.cpu.simd").STAGE_WIDTH
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# 16-bit inputs from DYT_TABLE_MIN elements gather tanh from a table (AVX-512 only): the
+# adversarial tests run each 16-bit dtype both ways, the table forced on at any size
+PATHS = [(torch.float32, False)] + [(dtype, tables) for dtype in DTYPES[1:] for tables in (False, True)]
+
+
+def use_tables(monkeypatch, on):
+    monkeypatch.setattr(K, "DYT_TABLE_MIN", 0 if on else 1 << 62)
 
 
 def _leaves(gen, shape, dtype, *, scale=1.0, affine=True, alpha=0.7):
@@ -59,15 +66,17 @@ def check(gen, shape, dtype, backend="cpu", leaves=None, **kw):
     return fast, fast_g
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype, tables", PATHS)
 @pytest.mark.parametrize("d", [1, 3, 123, 3000, 65537])
-def test_matches_float64_at_odd_sizes(gen, dtype, d):
+def test_matches_float64_at_odd_sizes(gen, dtype, tables, d, monkeypatch):
+    use_tables(monkeypatch, tables)
     check(gen, (5, d) if d < 60000 else (2, d), dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype, tables", PATHS)
 @pytest.mark.parametrize("scale, alpha", [(1e-6, 0.5), (30.0, 0.5), (1e4, 2.0), (1.0, 1e-3)])
-def test_tiny_and_saturating_inputs(gen, dtype, scale, alpha):
+def test_tiny_and_saturating_inputs(gen, dtype, tables, scale, alpha, monkeypatch):
+    use_tables(monkeypatch, tables)
     leaves = _leaves(gen, (6, 257), dtype, scale=scale, alpha=alpha)
     y, g = check(gen, None, dtype, leaves=leaves)
     saturated = (alpha * leaves["x"].double()).abs() >= 10  # tanh is +-1 there, so nothing flows to x
@@ -75,16 +84,18 @@ def test_tiny_and_saturating_inputs(gen, dtype, scale, alpha):
     assert saturated.float().mean() > (0.9 if scale * alpha >= 1e3 else -1)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_zero_rows_weightless_and_affine(gen, dtype):
+@pytest.mark.parametrize("dtype, tables", PATHS)
+def test_zero_rows_weightless_and_affine(gen, dtype, tables, monkeypatch):
+    use_tables(monkeypatch, tables)
     leaves = _leaves(gen, (4, 130), dtype)
     leaves["x"][1] = 0
     check(gen, None, dtype, leaves=leaves)
     check(gen, (4, 130), dtype, affine=False)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_non_finite_rows_stay_in_their_row(gen, dtype):
+@pytest.mark.parametrize("dtype, tables", PATHS)
+def test_non_finite_rows_stay_in_their_row(gen, dtype, tables, monkeypatch):
+    use_tables(monkeypatch, tables)
     x = torch.randn(5, 200, generator=gen).to(dtype)
     x[1, 7], x[3, 0] = float("nan"), float("inf")
     alpha, w, b = torch.tensor([0.5]), torch.ones(200, dtype=dtype), torch.zeros(200, dtype=dtype)
@@ -99,8 +110,9 @@ def test_non_finite_rows_stay_in_their_row(gen, dtype):
     assert torch.isnan(dx[1, 7]) and torch.isfinite(dx[[0, 2, 4]]).all()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_non_contiguous_inputs(gen, dtype):
+@pytest.mark.parametrize("dtype, tables", PATHS)
+def test_non_contiguous_inputs(gen, dtype, tables, monkeypatch):
+    use_tables(monkeypatch, tables)
     big = torch.randn(6, 300, generator=gen).to(dtype)
     leaves = _leaves(gen, (6, 150), dtype)
     leaves["x"] = big[:, ::2]
@@ -118,8 +130,8 @@ def test_gradients_are_deterministic(gen, backend, shape):
         assert all(torch.equal(first[k], again[k]) for k in first)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_pair_is_bitwise_two_single_rows(gen, dtype):
+@pytest.mark.parametrize("dtype, tables", [(torch.float32, False), (torch.bfloat16, False)] + [(torch.bfloat16, True)] * K.AVX512)
+def test_a_row_pair_is_bitwise_two_single_rows(gen, dtype, tables):
     # Wide rows go through the backward two at a time (_make_grad_blocks, rows=2): dx, the
     # partial rows and each row's dalpha sum must be the very bits of two one-row passes.
     from numba import njit
@@ -127,12 +139,13 @@ def test_a_row_pair_is_bitwise_two_single_rows(gen, dtype):
     one, two = K._GRAD_BLOCKS[1], K._GRAD_BLOCKS[2]
 
     @njit
-    def single(dx, dx2, n, dy, x, dy2, x2, w, dwc, dbc, stage, a):
-        return one(dx, 0, n, dy, x, w, dwc, dbc, stage, a, False), one(dx2, 0, n, dy2, x2, w, dwc, dbc, stage, a, False)
+    def single(dx, dx2, n, dy, x, dy2, x2, w, dwc, dbc, stage, a, table, use):
+        return (one(dx, 0, n, dy, x, w, dwc, dbc, stage, a, False, table, use),
+                one(dx2, 0, n, dy2, x2, w, dwc, dbc, stage, a, False, table, use))
 
     @njit
-    def pair(dx, dx2, n, dy, x, dy2, x2, w, dwc, dbc, stage, a):
-        return two(dx, 0, n, dy, x, w, dwc, dbc, stage, a, False, dx2, dy2, x2)
+    def pair(dx, dx2, n, dy, x, dy2, x2, w, dwc, dbc, stage, a, table, use):
+        return two(dx, 0, n, dy, x, w, dwc, dbc, stage, a, False, table, use, dx2, dy2, x2)
 
     memory = importlib.import_module("normlab.kernels.cpu.memory")
     d, n = 5 * 64 + 9, 5 * 64
@@ -140,15 +153,29 @@ def test_a_row_pair_is_bitwise_two_single_rows(gen, dtype):
     w = torch.randn(d, generator=gen).numpy()
     start = torch.randn(2, d, generator=gen).numpy()  # partial rows that already hold sums
     stage = np.zeros(STAGE_WIDTH, np.float32)
+    table = _filled_table(rows[1], 0.7, grad=True) if tables else np.empty(0, np.float32)
     results = []
     for run in (single, pair):
         part, dx = start.copy(), [np.zeros_like(rows[0]) for _ in range(2)]
-        sums = run(dx[0], dx[1], n, *rows, w, part[0], part[1], stage, np.float32(0.7))
+        sums = run(dx[0], dx[1], n, *rows, w, part[0], part[1], stage, np.float32(0.7), table, tables)
         results.append((np.array(sums), part, np.stack(dx)))
     for a, b in zip(*results):
         assert a.tobytes() == b.tobytes()
     assert not np.array_equal(results[0][1][:, :n], start[:, :n])  # the terms were added
     assert np.array_equal(results[0][1][:, n:], start[:, n:]) and not results[0][2][:, n:].any()  # and nothing past n
+
+
+def _filled_table(x, a, grad):
+    """A table for x's dtype as the kernels fill it (a one-row call fills it)."""
+    assert K.AVX512, "tables are AVX-512's: no test asks for one without it"
+    table = np.empty((2 if grad else 1) * K.TABLE_SIZE, np.float32)
+    row, stages = x[None, :64].copy(), np.zeros((1, STAGE_WIDTH), np.float32)
+    w = np.ones(64, np.float32)
+    if grad:
+        K.dyt_bwd(row, row, a, w, row.copy(), np.zeros(1), np.zeros((1, 64)), np.zeros((1, 64)), stages, False, table)
+    else:
+        K.dyt_fwd(row, a, w, 0 * w, row.copy(), stages, False, table)
+    return table
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -173,8 +200,9 @@ def test_tanh_and_its_derivative_against_float64():
     y, dx = x.copy(), x.copy()
     one = np.ones(x.shape[1], np.float32)
     stages = np.zeros((1, STAGE_WIDTH), np.float32)
-    K.dyt_fwd(x, 1.0, one, 0 * one, y, stages, False)
-    K.dyt_bwd(np.ones_like(x), x, 1.0, one, dx, np.zeros(1), np.zeros((1, x.shape[1])), np.zeros((1, x.shape[1])), stages, False)
+    none = np.empty(0, np.float32)  # (float32: no table)
+    K.dyt_fwd(x, 1.0, one, 0 * one, y, stages, False, none)
+    K.dyt_bwd(np.ones_like(x), x, 1.0, one, dx, np.zeros(1), np.zeros((1, x.shape[1])), np.zeros((1, x.shape[1])), stages, False, none)
     z64 = z.float().double()
     exact = torch.tanh(z64)
     ulp = torch.from_numpy(np.spacing(exact.abs().float().numpy())).double()
@@ -303,3 +331,37 @@ def test_streaming_stores_give_the_same_bits(gen, dtype, d, monkeypatch):
     terms = (dy.double() * w64 * (1 - torch.tanh(leaves["alpha"].double() * x64) ** 2) * x64).abs().sum()
     assert (plain_g["alpha"].double() - streamed_g["alpha"].double()).abs() <= 1e-6 * terms
     assert not memory._zero_stages(launch.nchunks(37)).any()
+
+
+@pytest.mark.skipif(not K.AVX512, reason="the tables' gathers are AVX-512's; elsewhere 16-bit inputs compute tanh")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d, stream", [(1024, False), (300, False), (2048, True)])
+def test_tables_give_the_bits_of_computing(gen, dtype, d, stream, monkeypatch):
+    # A 16-bit input's tanh gathered from a table of all 65536 patterns (filled by the blocks'
+    # own IR) must give the computed path's bits: every pattern (nan, inf, subnormals), then
+    # finite values into saturation; rows in pairs (d = 1024, 2048), single with scalar heads
+    # and tails (d = 300), and streamed (whose blocks start off the row's start).
+    launch = importlib.import_module("normlab.kernels.cpu.launch")
+    monkeypatch.setattr(launch, "STREAM_MIN_BYTES", 0 if stream else 1 << 62)
+    sizes = []
+    spy = lambda x, grad: sizes.append(K.table_for(x, grad).size) or np.empty(sizes[-1], np.float32)  # noqa: E731
+    monkeypatch.setattr(launch, "table_for", spy)
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int16).view(dtype)
+    inputs = [every[torch.randperm(every.numel(), generator=gen)][: every.numel() // d * d].reshape(-1, d),
+              (torch.randn(96, d, generator=gen) * 8).to(dtype)]
+    for x in inputs:
+        leaves = {"x": x, "alpha": torch.tensor([0.7]), "weight": torch.randn(d, generator=gen).to(dtype),
+                  "bias": torch.randn(d, generator=gen).to(dtype)}
+        dy = torch.randn(x.shape, generator=gen).to(dtype)
+        runs = []
+        for on in (False, True):
+            use_tables(monkeypatch, on)
+            sizes.clear()
+            runs.append(_run(leaves, "cpu", dy))
+            assert sizes == ([K.TABLE_SIZE, 2 * K.TABLE_SIZE] if on else [0, 0])  # the kernels were given the tables
+        (y, g), (ty, tg) = runs
+        assert torch.equal(y.view(torch.int16), ty.view(torch.int16))
+        for k in g:
+            assert g[k].view(torch.int32 if g[k].dtype == torch.float32 else torch.int16).equal(
+                tg[k].view(torch.int32 if tg[k].dtype == torch.float32 else torch.int16)), k
+    assert torch.isfinite(g["alpha"]) and torch.isfinite(g["weight"]).all()  # the finite input's sums are compared too

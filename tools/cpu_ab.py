@@ -59,6 +59,9 @@ def load(src: str, name: str):
     if (package / "dynamic_tanh.py").is_file():
         dyt = importlib.import_module(f"{name}.dynamic_tanh")
         kernels.dyt_fwd, kernels.dyt_bwd = dyt.dyt_fwd, dyt.dyt_bwd
+        # the table argument, made per call as the launcher makes it (trees before tables: none)
+        table_for = getattr(dyt, "table_for", None)
+        kernels.dyt_table = (lambda x, grad: (table_for(x, grad),)) if table_for else (lambda x, grad: ())
     return kernels
 
 
@@ -82,8 +85,8 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False):
         "ln": lambda x, dy: K.ln_fwd(x, w, b, y, mean, rstd, 1e-5, stages, nt),
         "rmsb": lambda x, dy: K.rms_bwd(dy, x, w, rstd, None, y, dw, 1e-6, True, d, rnd, stages, nt),
         "lnb": lambda x, dy: K.ln_bwd(dy, x, w, mean, rstd, None, y, dw, db, stages, nt),
-        "dyt": lambda x, dy: K.dyt_fwd(x, 0.5, w, b, y, stages, nt),
-        "dytb": lambda x, dy: K.dyt_bwd(dy, x, 0.5, w, y, da_sum, dw_sum, db_sum, stages, nt),
+        "dyt": lambda x, dy: K.dyt_fwd(x, 0.5, w, b, y, stages, nt, *K.dyt_table(x, False)),
+        "dytb": lambda x, dy: K.dyt_bwd(dy, x, 0.5, w, y, da_sum, dw_sum, db_sum, stages, nt, *K.dyt_table(x, True)),
     }
     call, turn = calls[op], [0]
 

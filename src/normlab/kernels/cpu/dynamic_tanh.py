@@ -12,12 +12,15 @@ Backward, with t = tanh(a * x) and u = dy * w * (1 - t^2):
     dw = sum over rows of dy * t,     db = sum over rows of dy
 
 Each row is read once and written once, like a copy, but tanh costs some 30 vector operations
-per 16 values, so the loops are compute-bound: they run as 16-lane vectors written out in LLVM
+per 16 values, so the loops are compute-bound (float32 here, and 16-bit dtypes without tables): they run as 16-lane vectors written out in LLVM
 IR (simd.py's blocks), and the scalar heads and tails run the same IR on a vector's first lane,
-so every element gets the same bits wherever it falls in its row. The sums are float64, one set
-per chunk of rows, added in chunk order by the launcher: the same inputs and thread count give
-the same bits. (da's terms are summed by output block, and with streaming stores the blocks
-start at the first 64-byte boundary: a streamed call rounds da's sum in another order.)
+so every element gets the same bits wherever it falls in its row. A 16-bit x is one of only
+65536 values: from DYT_TABLE_MIN elements the kernels first tabulate tanh for every one of them
+(the same IR, so the same bits) and then gather from the table ("tables" below). The sums are
+float64, one set per chunk of rows, added in chunk order by the launcher: the same inputs and
+thread count give the same bits. (da's terms are summed by output block, and with streaming
+stores the blocks start at the first 64-byte boundary: a streamed call rounds da's sum in
+another order.)
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .cache import kernel
-from .codecs import _LANES, _load, _store
+from .codecs import _LANES, _load, _store, _widen
 from .rows import FLUSH, _chunk, _flush, _partial_rows, _spans
 from .simd import (_ZERO, EMIT, HW_BF16, X86, _add_blocks, _f32x16, _f64_totals, _fma, _fma32, _load_f32, _load_row,
-                   _make_prefetch, _prefetch_ahead, _store_block, _store_fence, _totals, forward_block)
+                   _prefetch_ahead, _store_block, _store_fence, _totals)
 
 # ------------------------------------------------------------------------------------- tanh
 # With e = exp(-2|z|) and m = e - 1 = expm1(-2|z|):
@@ -100,6 +103,23 @@ def _exps(builder, z):
     return _fma(builder, p, q, builder.fsub(p, _c(1.0))), _fma(builder, p, q, p), a
 
 
+def _tanh(builder, z):
+    """The forward's tanh z, for 16 lanes."""
+    m, e, _ = _exps(builder, z)
+    return _llvm(builder, "copysign", builder.fdiv(m, builder.fadd(e, _c(1.0))), z)
+
+
+def _tanh_grad(builder, z):
+    """The backward's (t, s) for 16 lanes: t = tanh z and s = (1 - t^2) / 4 = h (1 - h), 0 from
+    the cap on. t is m times 1 / (1 + e), the division that h needs (the forward divides m
+    itself: up to an ulp apart)."""
+    m, e, cap = _exps(builder, z)
+    rden = builder.fdiv(_c(1.0), builder.fadd(e, _c(1.0)))  # (an estimate and a Newton step: no faster)
+    t = _llvm(builder, "copysign", builder.fmul(m, rden), z)
+    h = builder.select(builder.fcmp_ordered(">=", cap, _c(_CAP)), _c(0.0), builder.fmul(e, rden))
+    return t, _fma(builder, builder.fneg(h), h, h)  # h (1 - h) = h - h^2
+
+
 def _lane0(context, builder, signature, args, body):
     """A scalar intrinsic's codegen from a 16-lane one: the scalars splatted, ``body`` on the
     vectors, lane 0 of each result. The same instructions give the same bits as the blocks."""
@@ -110,15 +130,137 @@ def _lane0(context, builder, signature, args, body):
     return context.make_tuple(builder, signature.return_type, lanes)
 
 
+# ----------------------------------------------------------------------------------- tables
+# A bf16 or fp16 x is one of 65536 bit patterns, so tanh(a x) is one of 65536 values. From
+# DYT_TABLE_MIN elements, a call first fills a table with them, for every pattern (nan, inf and
+# subnormal ones included), by the blocks' own IR: the table holds the bits the blocks would
+# compute. The blocks then gather from it, one vgatherdps in place of some 30 operations, and the
+# bf16 kernels stop being bound by the vector ports (docs/cpu-kernels.md, "DyT"). The forward's
+# table holds t; the backward's holds (t, s) pairs, one 8-byte gather per value. Filling costs
+# about as much as 65536 elements of compute, split over the chunks; below DYT_TABLE_MIN the
+# blocks compute tanh as float32 rows do. x86 with AVX-512 only: the gathers are AVX-512's.
+DYT_TABLE_MIN = 1 << 20
+TABLE_SIZE = 1 << 16
+
+
+def table_for(x, grad: bool) -> np.ndarray:
+    """The table a call on x (a (rows, d) numpy array) fills: empty where the blocks compute."""
+    use = AVX512 and x.itemsize == 2 and x.size >= DYT_TABLE_MIN
+    return np.empty((2 if grad else 1) * TABLE_SIZE if use else 0, np.float32)
+
+
+def _tabled(kind):
+    """Whether blocks on x of this numba dtype emit the gathers (the run-time flag picks)."""
+    return AVX512 and kind != types.float32
+
+
+def _gather_dps(builder, table, idx):
+    """table[idx] for 16 lanes (float32 entries, idx an <16 x i32> of patterns)."""
+    i8p, mask = ir.IntType(8).as_pointer(), ir.VectorType(ir.IntType(1), _LANES)
+    fnty = ir.FunctionType(_F32, [_F32, i8p, _I32, mask, ir.IntType(32)])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.mask.gather.dps.512")
+    return builder.call(fn, [_c(0.0), builder.bitcast(table, i8p), idx, ir.Constant(mask, [1] * _LANES), ir.Constant(ir.IntType(32), 4)])
+
+
+def _gather_pairs(builder, table, idx):
+    """(t, s) for 16 lanes from a table of (t, s) pairs: two gathers of eight 8-byte entries."""
+    i8p, f64x8, i32x8 = ir.IntType(8).as_pointer(), ir.VectorType(ir.DoubleType(), 8), ir.VectorType(ir.IntType(32), 8)
+    mask = ir.VectorType(ir.IntType(1), 8)
+    fnty = ir.FunctionType(f64x8, [f64x8, i8p, i32x8, mask, ir.IntType(32)])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.mask.gather.dpd.512")
+    halves = []
+    for h in range(2):
+        part = builder.shuffle_vector(idx, idx, ir.Constant(i32x8, list(range(8 * h, 8 * h + 8))))
+        pairs = builder.call(fn, [ir.Constant(f64x8, [0.0] * 8), builder.bitcast(table, i8p), part,
+                                  ir.Constant(mask, [1] * 8), ir.Constant(ir.IntType(32), 8)])
+        halves.append(builder.bitcast(pairs, _F32))
+    return tuple(builder.shuffle_vector(*halves, ir.Constant(_I32, list(range(k, 32, 2)))) for k in (0, 1))
+
+
+def _patterns(builder, base, v, kind):
+    """Vector v of a 16-bit row's bit patterns, as table indices (<16 x i32>)."""
+    ty = ir.VectorType(ir.IntType(16), _LANES)
+    ptr = builder.gep(base, [ir.Constant(ir.IntType(64), v * _LANES)])
+    return builder.zext(builder.load(builder.bitcast(ptr, ty.as_pointer()), align=2), _I32)
+
+
+def _x_of(builder, idx, kind):
+    """The float32 value of 16 bit patterns (the inverse of _patterns)."""
+    return _widen(builder, builder.trunc(idx, ir.VectorType(ir.IntType(16), _LANES)), kind)
+
+
+def _either(builder, flag, then, otherwise):
+    """then() if the run-time boolean ``flag`` else otherwise(): each a list of 16-lane vectors."""
+    with builder.if_else(flag) as (yes, no):
+        with yes:
+            a, a_block = then(), builder.block
+        with no:
+            b, b_block = otherwise(), builder.block
+    out = []
+    for u, v in zip(a, b):
+        phi = builder.phi(u.type)
+        phi.add_incoming(u, a_block)
+        phi.add_incoming(v, b_block)
+        out.append(phi)
+    return out
+
+
+def _splat_i32(builder, scalar):
+    """An i32 scalar splatted to 16 lanes."""
+    v = builder.insert_element(ir.Constant(_I32, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(v, v, ir.Constant(_I32, [0] * _LANES))
+
+
+def _make_fill(grad):
+    """An intrinsic (table, j, x, a) that fills the table's entries for the patterns [j, j + EMIT)
+    (x only gives the dtype): t, or with ``grad`` interleaved (t, s) pairs."""
+
+    def codegen(context, builder, signature, args):
+        kind = signature.args[2].dtype
+        if not _tabled(kind):  # (float32 x: never called, no table)
+            return context.get_dummy_value()
+        table = context.make_array(signature.args[0])(context, builder, args[0]).data
+        av = _f32x16(builder, args[3])
+        first = builder.trunc(args[1], ir.IntType(32))
+        for v in range(EMIT // _LANES):
+            idx = builder.add(_splat_i32(builder, builder.add(first, ir.Constant(ir.IntType(32), v * _LANES))),
+                              ir.Constant(_I32, list(range(_LANES))))
+            z = builder.fmul(av, _x_of(builder, idx, kind))
+            if grad:
+                t, s = _tanh_grad(builder, z)
+                lines = [builder.shuffle_vector(t, s, ir.Constant(_I32, [k // 2 + 16 * (k % 2) + 8 * h for k in range(16)]))
+                         for h in range(2)]
+                at = builder.mul(builder.add(args[1], ir.Constant(ir.IntType(64), v * _LANES)), ir.Constant(ir.IntType(64), 2))
+            else:
+                lines, at = [_tanh(builder, z)], builder.add(args[1], ir.Constant(ir.IntType(64), v * _LANES))
+            for k, line in enumerate(lines):
+                ptr = builder.gep(table, [builder.add(at, ir.Constant(ir.IntType(64), k * _LANES))])
+                builder.store(line, builder.bitcast(ptr, _F32.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    def fill(typingctx, table, j, x, a):
+        return types.void(table, types.int64, x, types.float32), codegen
+
+    return intrinsic(fill)
+
+
+_fill_t, _fill_ts = _make_fill(False), _make_fill(True)
+
+
+@njit(inline="always")
+def _fill_table(fill, table, x, a, c, nchunks):
+    """Chunk c's share of the table's patterns."""
+    b0, b1 = _chunk(c, nchunks, TABLE_SIZE // EMIT)
+    for k in range(b0, b1):
+        fill(table, k * EMIT, x, a)
+
+
 # ---------------------------------------------------------------------------------- forward
 
 
 def _y(builder, x, w, b, a):
     """16 outputs: w * tanh(a x) + b."""
-    z = builder.fmul(a, x)
-    m, e, _ = _exps(builder, z)
-    t = _llvm(builder, "copysign", builder.fdiv(m, builder.fadd(e, _c(1.0))), z)
-    return _fma(builder, w, t, b)
+    return _fma(builder, w, _tanh(builder, builder.fmul(a, x)), b)
 
 
 @intrinsic
@@ -130,19 +272,51 @@ def _y_scalar(typingctx, x, w, b, a):
     return f(f, f, f, f), codegen
 
 
-_y_block = forward_block(lambda builder, x, w, b, mhi, mlo, a: _y(builder, x, w(), b(), a), False, None)
+@intrinsic
+def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, nt, table, use):
+    """The outputs [j0, j1) of a row (j1 - j0 a multiple of EMIT), EMIT at a time: t computed, or
+    gathered from ``table`` where ``use``. ``nt``: streamed (both run-time branches per block).
+    Each block prefetches the same block of the next row: with the hardware prefetcher alone
+    the compute waited on memory (docs/cpu-kernels.md, "DyT"). The backward's blocks do the same."""
 
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        ykind, xkind = signature.args[0].dtype, signature.args[3].dtype
+        yd, xd, wd, bd, sd, td = (context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 3, 4, 5, 6, 9))
+        zero = builder.gep(sd, [ir.Constant(i64, _ZERO)])
+        av = _f32x16(builder, args[7])
+        count = builder.udiv(builder.sub(args[2], args[1]), ir.Constant(i64, EMIT))
+        with cgutils.for_range(builder, count) as loop:
+            at = builder.add(args[1], builder.mul(loop.index, ir.Constant(i64, EMIT)))
+            _prefetch_ahead(context, builder, signature.args[3], args[3], at, EMIT)
+            xb, wb, bb = (builder.gep(data, [at]) for data in (xd, wd, bd))
+            blocks = range(EMIT // _LANES)
+            ws, bs = [_load_f32(builder, wb, v) for v in blocks], [_load_f32(builder, bb, v) for v in blocks]
+            if _tabled(xkind):
+                idx = [_patterns(builder, xb, v, xkind) for v in blocks]
+                ts = _either(builder, args[10], lambda: [_gather_dps(builder, td, i) for i in idx],
+                             lambda: [_tanh(builder, builder.fmul(av, _x_of(builder, i, xkind))) for i in idx])
+                values = [_fma(builder, ws[v], ts[v], bs[v]) for v in blocks]
+            else:
+                values = [_y(builder, _load_row(builder, xb, v, xkind), ws[v], bs[v], av) for v in blocks]
+            with builder.if_else(args[8]) as (streamed, plain):
+                for flag, branch in ((True, streamed), (False, plain)):
+                    with branch:
+                        _store_block(builder, ykind, builder.gep(yd, [at]), wb, values, False, flag, HW_BF16, zero)
+        return context.get_dummy_value()
 
-# Each block prefetches the same block of the next row: with the hardware prefetcher alone the
-# compute waited on memory (docs/cpu-kernels.md, "DyT"). The backward's blocks do the same.
-_prefetch_next_row = _make_prefetch(EMIT)
+    return types.void(y, types.int64, types.int64, x, w, b, stage, types.float32, types.boolean, table, types.boolean), codegen
 
 
 @kernel
-def dyt_fwd(x, a, w, b, y, stages, nt):
+def dyt_fwd(x, a, w, b, y, stages, nt, table):
     n, d = x.shape
     a32 = np.float32(a)
     nchunks = stages.shape[0]
+    use = table.shape[0] > 0
+    if use:
+        for c in prange(nchunks):
+            _fill_table(_fill_t, table, x, a32, c, nchunks)
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         stage = stages[c]
@@ -151,9 +325,7 @@ def dyt_fwd(x, a, w, b, y, stages, nt):
             head, body = _spans(yr, 0, d, nt)
             for i in range(head):
                 _store(yr, i, _y_scalar(_load(xr, i), _load(w, i), _load(b, i), a32))
-            for j in range(head, body, EMIT):
-                _prefetch_next_row(xr, j)
-                _y_block(yr, np.uint64(j), xr, w, b, stage, a32, a32, a32, nt)
+            _y_blocks(yr, head, body, xr, w, b, stage, a32, nt, table, use)
             for i in range(body, d):
                 _store(yr, i, _y_scalar(_load(xr, i), _load(w, i), _load(b, i), a32))
         if nt:
@@ -171,16 +343,11 @@ DYT_PAIRS_MIN_16 = 512  # bf16 and fp16 rows
 DYT_PAIRS_MIN_32 = 2048  # float32 rows
 
 
-def _grad(builder, g, x, w, a):
-    """(dx, v * x, t) for 16 elements, v = u / 4 = g * w * h * (1 - h): the da term comes as a
-    quarter (the kernel multiplies the sums by 4, exactly). t, which only dw uses, is m times
-    1 / (1 + e), the division that h needs (the forward divides m itself: up to an ulp apart)."""
-    z = builder.fmul(a, x)
-    m, e, cap = _exps(builder, z)
-    rden = builder.fdiv(_c(1.0), builder.fadd(e, _c(1.0)))  # (an estimate and a Newton step: no faster)
-    t = _llvm(builder, "copysign", builder.fmul(m, rden), z)
-    h = builder.select(builder.fcmp_ordered(">=", cap, _c(_CAP)), _c(0.0), builder.fmul(e, rden))
-    v = builder.fmul(builder.fmul(g, w), _fma(builder, builder.fneg(h), h, h))  # h (1 - h) = h - h^2
+def _grad(builder, g, x, w, a, ts=None):
+    """(dx, v * x, t) for 16 elements, v = u / 4 = g * w * s: the da term comes as a quarter (the
+    kernel multiplies the sums by 4, exactly). ``ts``: (t, s) from a table, else computed."""
+    t, s = ts or _tanh_grad(builder, builder.fmul(a, x))
+    v = builder.fmul(builder.fmul(g, w), s)
     return builder.fmul(builder.fmul(a, _c(4.0)), v), builder.fmul(v, x), t
 
 
@@ -206,41 +373,51 @@ def _grad_element(dyr, xr, w, dxr, dwc, dbc, a, i):
 
 
 def _make_grad_blocks(rows=1, hw=HW_BF16):
-    """An intrinsic (dx, j0, j1, dy, x, w, dwc, dbc, stage, a, nt) -> float64: the elements
-    [j0, j1) of a row (j1 - j0 a multiple of EMIT) as _grad_element does each one, 16 at a time;
-    returns the sum of their da terms (float32 within a block of EMIT, float64 lanes across
-    blocks). ``nt``: dx's blocks are streamed (a run-time branch per block: the arithmetic is
-    emitted once, which halves the compile time of two specialized copies).
+    """An intrinsic (dx, j0, j1, dy, x, w, dwc, dbc, stage, a, nt, table, use) -> float64: the
+    elements [j0, j1) of a row (j1 - j0 a multiple of EMIT) as _grad_element does each one, 16
+    at a time; returns the sum of their da terms (float32 within a block of EMIT, float64 lanes
+    across blocks). ``nt``: dx's blocks are streamed; ``use``: (t, s) come from ``table`` (both
+    run-time branches per block: the arithmetic is emitted once, which halves the compile time
+    of two specialized copies).
 
-    ``rows=2``: (dx, j0, j1, dy, x, w, dwc, dbc, stage, a, nt, dx2, dy2, x2) -> (float64,
-    float64), the same for two rows at once, which loads and stores each partial-row value once
-    for both. The second row's terms reach dwc and dbc after the first's, as two calls would add
-    them, and each row's da sum is its own: the bits do not change."""
+    ``rows=2``: (..., use, dx2, dy2, x2) -> (float64, float64), the same for two rows at once,
+    which loads and stores each partial-row value once for both. The second row's terms reach
+    dwc and dbc after the first's, as two calls would add them, and each row's da sum is its
+    own: the bits do not change."""
 
     def codegen(context, builder, signature, args):
         f32 = ir.VectorType(ir.FloatType(), _LANES)
         i64 = ir.IntType(64)
-        rows_in = [(0, 3, 4), (11, 12, 13)][:rows]  # each row's (dx, dy, x) arguments
-        data = {k: context.make_array(signature.args[k])(context, builder, args[k]).data for k in (5, 6, 7, 8, *sum(rows_in, ()))}
+        rows_in = [(0, 3, 4), (13, 14, 15)][:rows]  # each row's (dx, dy, x) arguments
+        data = {k: context.make_array(signature.args[k])(context, builder, args[k]).data for k in (5, 6, 7, 8, 11, *sum(rows_in, ()))}
         zero = builder.gep(data[8], [ir.Constant(i64, _ZERO)])
         av = _f32x16(builder, args[9])
         totals = _f64_totals(builder, rows)
         count = builder.udiv(builder.sub(args[2], args[1]), ir.Constant(i64, EMIT))
+        xkind = signature.args[4].dtype
+        blocks = range(EMIT // _LANES)
         with cgutils.for_range(builder, count) as loop:
             at = builder.add(args[1], builder.mul(loop.index, ir.Constant(i64, EMIT)))
             wb, dwb, dbb = (builder.gep(data[k], [at]) for k in (5, 6, 7))
             for row in rows_in:
                 for k in row[1:]:
                     _prefetch_ahead(context, builder, signature.args[k], args[k], at, EMIT, rows)
+            xs, tabled = {}, {}  # (row, v) -> x, and (t, s) where the blocks may gather
+            if _tabled(xkind):
+                idx = {(r, v): _patterns(builder, builder.gep(data[kx], [at]), v, xkind) for r, (_, _, kx) in enumerate(rows_in) for v in blocks}
+                xs = {key: _x_of(builder, i, xkind) for key, i in idx.items()}
+                flat = _either(builder, args[12], lambda: [u for i in idx.values() for u in _gather_pairs(builder, data[11], i)],
+                               lambda: [u for x in xs.values() for u in _tanh_grad(builder, builder.fmul(av, x))])
+                tabled = {key: (flat[2 * k], flat[2 * k + 1]) for k, key in enumerate(idx)}
             values, terms = [[] for _ in rows_in], [[] for _ in rows_in]
-            for v in range(EMIT // _LANES):
+            for v in blocks:
                 w = _load_f32(builder, wb, v)
                 dwp, dbp = (builder.bitcast(builder.gep(base, [ir.Constant(i64, v * _LANES)]), f32.as_pointer()) for base in (dwb, dbb))
                 dw, db = builder.load(dwp, align=4), builder.load(dbp, align=4)
                 for r, (kdx, kdy, kx) in enumerate(rows_in):
                     g = _load_row(builder, builder.gep(data[kdy], [at]), v, signature.args[kdy].dtype)
-                    x = _load_row(builder, builder.gep(data[kx], [at]), v, signature.args[kx].dtype)
-                    dxv, ux, t = _grad(builder, g, x, w, av)
+                    x = xs[r, v] if xs else _load_row(builder, builder.gep(data[kx], [at]), v, xkind)
+                    dxv, ux, t = _grad(builder, g, x, w, av, tabled.get((r, v)))
                     values[r].append(dxv)
                     terms[r].append(ux)
                     dw, db = _fma(builder, g, t, dw), builder.fadd(db, g)
@@ -258,11 +435,12 @@ def _make_grad_blocks(rows=1, hw=HW_BF16):
 
     f, b = types.float32, types.boolean
     if rows == 1:
-        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, nt):
-            return types.float64(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage, f, b), codegen
+        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, nt, table, use):
+            return types.float64(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage, f, b, table, b), codegen
     else:
-        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, nt, dx2, dy2, x2):
-            return types.UniTuple(types.float64, 2)(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage, f, b, dx2, dy2, x2), codegen
+        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, nt, table, use, dx2, dy2, x2):
+            return (types.UniTuple(types.float64, 2)(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage, f, b, table, b, dx2, dy2, x2),
+                    codegen)
 
     return intrinsic(blocks)
 
@@ -280,13 +458,17 @@ def _grad_edges(dyr, xr, w, dxr, dwc, dbc, a, i0, i1, da):
 
 
 @kernel
-def dyt_bwd(dy, x, a, w, dx, da_sum, dw_sum, db_sum, stages, nt):
+def dyt_bwd(dy, x, a, w, dx, da_sum, dw_sum, db_sum, stages, nt, table):
     n, d = x.shape
     a32 = np.float32(a)
     nchunks = stages.shape[0]
     dw_part = _partial_rows(nchunks, d)
     db_part = _partial_rows(nchunks, d)
     pairs = d >= (DYT_PAIRS_MIN_16 if x.itemsize == 2 else DYT_PAIRS_MIN_32)
+    use = table.shape[0] > 0
+    if use:
+        for c in prange(nchunks):
+            _fill_table(_fill_ts, table, x, a32, c, nchunks)
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         dwc, dbc, stage = dw_part[c], db_part[c], stages[c]
@@ -299,12 +481,13 @@ def dyt_bwd(dy, x, a, w, dx, da_sum, dw_sum, db_sum, stages, nt):
             in_pair = r < paired_to and _spans(dx[partner], 0, d, nt) == (head, body)  # (streamed rows: alike)
             if not in_pair:
                 da = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, 0, head, da)
-                da += _grad_blocks(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, nt)
+                da += _grad_blocks(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, nt, table, use)
                 da = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, body, d, da)
             elif partner > r:  # this row and the next, in the order two single rows go (same bits)
                 dyr2, xr2, dxr2 = dy[partner], x[partner], dx[partner]
                 da = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, 0, head, da)
-                da1, da2 = _grad_blocks_pair(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, nt, dxr2, dyr2, xr2)
+                da1, da2 = _grad_blocks_pair(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, nt, table, use,
+                                               dxr2, dyr2, xr2)
                 da += da1
                 da = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, body, d, da)
                 da = _grad_edges(dyr2, xr2, w, dxr2, dwc, dbc, a32, 0, head, da)

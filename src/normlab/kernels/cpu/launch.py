@@ -20,7 +20,7 @@ from torch import Tensor
 
 from normlab.kernels._glue import _sum_dtype
 
-from .dynamic_tanh import dyt_bwd, dyt_fwd
+from .dynamic_tanh import dyt_bwd, dyt_fwd, table_for
 from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
 from .memory import STREAM_MIN_BYTES, _as_numpy, _rows, _zero_stages, empty
 from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
@@ -198,7 +198,8 @@ def dyt_fwd_launch(x, alpha, weight, bias):
     y = empty(shape, x.dtype)
     w, b = _ln_weights(weight, bias, d)
     if n:
-        dyt_fwd(_as_numpy(x2), float(alpha.float()), w, b, _as_numpy(y.view(n, d)), *_stages(y, n))
+        xn = _as_numpy(x2)
+        dyt_fwd(xn, float(alpha.float()), w, b, _as_numpy(y.view(n, d)), *_stages(y, n), table_for(xn, grad=False))
     return y
 
 
@@ -213,7 +214,8 @@ def dyt_bwd_launch(dy, x, alpha, weight, bias):
     da, dw, db = np.zeros(chunks), np.zeros((chunks, d)), np.zeros((chunks, d))
     if n:
         w = _f32_vector(weight, d, 1.0)
-        dyt_bwd(_as_numpy(dy2), _as_numpy(x2), float(alpha.float()), w, _as_numpy(dx.view(n, d)), da, dw, db, stages, stream)
+        xn = _as_numpy(x2)
+        dyt_bwd(_as_numpy(dy2), xn, float(alpha.float()), w, _as_numpy(dx.view(n, d)), da, dw, db, stages, stream, table_for(xn, grad=True))
     # the chunks' float64 sums, added in chunk order (deterministic for a thread count)
     dalpha = torch.tensor(da.sum(), dtype=torch.float32).reshape(alpha.shape)
     return dx, dalpha, torch.from_numpy(dw.sum(0).astype(np.float32)), torch.from_numpy(db.sum(0).astype(np.float32))

@@ -263,9 +263,7 @@ def forward_block(math, llama, nt, hw=HW_BF16):
     block y[j:j + EMIT]. ``math(builder, x, w, b, mhi, mlo, rstd)`` gives one 16-lane vector of
     outputs from one of x; ``w`` and ``b`` are functions that load the matching weights, so a
     form that does not use them loads nothing. ``llama``: the weight multiply happens as the
-    block is stored (see _store_block), not in ``math``. ``nt=None``: a last argument says
-    whether to stream, a run-time branch that emits ``math`` once (for math that is costly to
-    compile twice, such as DyT's tanh)."""
+    block is stored (see _store_block), not in ``math``."""
 
     def codegen(context, builder, signature, args):
         kind, xkind = signature.args[0].dtype, signature.args[2].dtype
@@ -281,23 +279,12 @@ def forward_block(math, llama, nt, hw=HW_BF16):
             values.append(math(builder, t, lambda v=v: _load_f32(builder, wbase, v),
                                lambda v=v: _load_f32(builder, bbase, v), mhi, mlo, rs))
         zero = builder.gep(stage_data, [ir.Constant(ir.IntType(64), _ZERO)])
-        ybase = builder.gep(y_data, [at])
-        if nt is not None:
-            _store_block(builder, kind, ybase, wbase, values, llama, nt, hw, zero)
-            return context.get_dummy_value()
-        with builder.if_else(args[9]) as (streamed, plain):
-            for flag, branch in ((True, streamed), (False, plain)):
-                with branch:
-                    _store_block(builder, kind, ybase, wbase, values, llama, flag, hw, zero)
+        _store_block(builder, kind, builder.gep(y_data, [at]), wbase, values, llama, nt, hw, zero)
         return context.get_dummy_value()
 
-    f = types.float32
-    if nt is None:
-        def block(typingctx, y, j, x, w, b, stage, mhi, mlo, rs, stream):
-            return types.void(y, types.uint64, x, w, b, stage, f, f, f, types.boolean), codegen
-    else:
-        def block(typingctx, y, j, x, w, b, stage, mhi, mlo, rs):
-            return types.void(y, types.uint64, x, w, b, stage, f, f, f), codegen
+    def block(typingctx, y, j, x, w, b, stage, mhi, mlo, rs):
+        f = types.float32
+        return types.void(y, types.uint64, x, w, b, stage, f, f, f), codegen
 
     return intrinsic(block)
 
