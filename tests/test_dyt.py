@@ -20,7 +20,7 @@ K = importlib.import_module("normlab.kernels.cpu.dynamic_tanh")
 STAGE_WIDTH = importlib.import_module("normlab.kernels.cpu.simd").STAGE_WIDTH
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# 16-bit inputs from DYT_TABLE_MIN elements gather tanh from a table (AVX-512 only): the
+# 16-bit inputs from DYT_TABLE_MIN elements gather tanh from a table (K.TABLES): the
 # adversarial tests run each 16-bit dtype both ways, the table forced on at any size
 PATHS = [(torch.float32, False)] + [(dtype, tables) for dtype in DTYPES[1:] for tables in (False, True)]
 
@@ -130,7 +130,7 @@ def test_gradients_are_deterministic(gen, backend, shape):
         assert all(torch.equal(first[k], again[k]) for k in first)
 
 
-@pytest.mark.parametrize("dtype, tables", [(torch.float32, False), (torch.bfloat16, False)] + [(torch.bfloat16, True)] * K.AVX512)
+@pytest.mark.parametrize("dtype, tables", [(torch.float32, False), (torch.bfloat16, False)] + [(torch.bfloat16, True)] * K.TABLES)
 def test_a_row_pair_is_bitwise_two_single_rows(gen, dtype, tables):
     # Wide rows go through the backward two at a time (_make_grad_blocks, rows=2): dx, the
     # partial rows and each row's dalpha sum must be the very bits of two one-row passes.
@@ -167,7 +167,7 @@ def test_a_row_pair_is_bitwise_two_single_rows(gen, dtype, tables):
 
 def _filled_table(x, a, grad):
     """A table for x's dtype as the kernels fill it (a one-row call fills it)."""
-    assert K.AVX512, "tables are AVX-512's: no test asks for one without it"
+    assert K.TABLES, "no test asks for a table where the kernels would not use one"
     table = np.empty((2 if grad else 1) * K.TABLE_SIZE, np.float32)
     row, stages = x[None, :64].copy(), np.zeros((1, STAGE_WIDTH), np.float32)
     w = np.ones(64, np.float32)
@@ -333,7 +333,7 @@ def test_streaming_stores_give_the_same_bits(gen, dtype, d, monkeypatch):
     assert not memory._zero_stages(launch.nchunks(37)).any()
 
 
-@pytest.mark.skipif(not K.AVX512, reason="the tables' gathers are AVX-512's; elsewhere 16-bit inputs compute tanh")
+@pytest.mark.skipif(not K.TABLES, reason="no tables here (no AVX-512, or slow gathers): 16-bit inputs compute tanh")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d, stream", [(1024, False), (300, False), (2048, True)])
 def test_tables_give_the_bits_of_computing(gen, dtype, d, stream, monkeypatch):
@@ -365,3 +365,12 @@ def test_tables_give_the_bits_of_computing(gen, dtype, d, stream, monkeypatch):
             assert g[k].view(torch.int32 if g[k].dtype == torch.float32 else torch.int16).equal(
                 tg[k].view(torch.int32 if tg[k].dtype == torch.float32 else torch.int16)), k
     assert torch.isfinite(g["alpha"]) and torch.isfinite(g["weight"]).all()  # the finite input's sums are compared too
+
+
+def test_tables_only_where_gathers_are_fast(tmp_path):
+    # Linux's report of the Gather Data Sampling mitigation, which makes gathers slow: no tables
+    status = tmp_path / "gather_data_sampling"
+    for text, fast in (("Mitigation: Microcode\n", False), ("Not affected\n", True), ("Vulnerable\n", True)):
+        status.write_text(text)
+        assert K.gathers_are_fast(str(status)) is fast, text
+    assert K.gathers_are_fast(str(tmp_path / "absent")) is True

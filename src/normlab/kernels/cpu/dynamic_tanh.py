@@ -138,20 +138,36 @@ def _lane0(context, builder, signature, args, body):
 # bf16 kernels stop being bound by the vector ports (docs/cpu-kernels.md, "DyT"). The forward's
 # table holds t; the backward's holds (t, s) pairs, one 8-byte gather per value. Filling costs
 # about as much as 65536 elements of compute, split over the chunks; below DYT_TABLE_MIN the
-# blocks compute tanh as float32 rows do. x86 with AVX-512 only: the gathers are AVX-512's.
+# blocks compute tanh as float32 rows do. x86 with AVX-512 only (the gathers are AVX-512's), and
+# not where the microcode mitigation of Gather Data Sampling ("Downfall") makes gathers several
+# times slower: there the gathers would cost more than the tanh (measured only on an unaffected CPU).
 DYT_TABLE_MIN = 1 << 20
 TABLE_SIZE = 1 << 16
+GDS_STATUS = "/sys/devices/system/cpu/vulnerabilities/gather_data_sampling"
+
+
+def gathers_are_fast(status: str = GDS_STATUS) -> bool:
+    """False where Linux reports the GDS mitigation in force; True otherwise (also where it
+    does not say)."""
+    try:
+        with open(status) as f:
+            return not f.read().startswith("Mitigation")
+    except OSError:
+        return True
+
+
+TABLES = AVX512 and gathers_are_fast()
 
 
 def table_for(x, grad: bool) -> np.ndarray:
     """The table a call on x (a (rows, d) numpy array) fills: empty where the blocks compute."""
-    use = AVX512 and x.itemsize == 2 and x.size >= DYT_TABLE_MIN
+    use = TABLES and x.itemsize == 2 and x.size >= DYT_TABLE_MIN
     return np.empty((2 if grad else 1) * TABLE_SIZE if use else 0, np.float32)
 
 
 def _tabled(kind):
     """Whether blocks on x of this numba dtype emit the gathers (the run-time flag picks)."""
-    return AVX512 and kind != types.float32
+    return TABLES and kind != types.float32
 
 
 def _gather_dps(builder, table, idx):
