@@ -792,6 +792,18 @@ def test_the_first_kernel_call_leaves_torchs_thread_count_and_gradients_alone(ho
     assert out.stdout.split() == ["1", "True"], out.stdout + out.stderr[-500:]
 
 
+def test_a_chunks_dw_and_db_partial_rows_sit_half_a_page_apart():
+    # layer_norm's and DyT's backward load one partial row just after storing the other at the
+    # same index: at the same address modulo 4 KiB the CPU stalls the load (4K aliasing), which
+    # cost them 1.2-1.7x on two threads. Each chunk's two rows start 2 KiB apart modulo 4 KiB.
+    for nchunks in (1, 2, 3):
+        for d in (1, 100, 1024, 1025, 4096, 5000):
+            parts = rows._partial_row_pairs(nchunks, d)
+            assert parts.shape[0] == 2 * nchunks and parts.shape[1] >= d and not parts.any()
+            for c in range(nchunks):
+                assert (parts[2 * c + 1].ctypes.data - parts[2 * c].ctypes.data) % 4096 == 2048, (nchunks, d, c)
+
+
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
 def test_weight_gradients_stay_accurate_over_many_rows(gen, op):
     # A float32 sum over all of a chunk's rows lost accuracy with their count: at 16384 rows dw was

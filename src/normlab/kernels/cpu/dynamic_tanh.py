@@ -35,7 +35,7 @@ from numba.extending import intrinsic
 
 from .cache import kernel
 from .codecs import _LANES, _load, _store, _widen
-from .rows import FLUSH, _chunk, _flush, _partial_rows, _spans
+from .rows import FLUSH, _chunk, _flush, _partial_row_pairs, _spans
 from .simd import (_ZERO, EMIT, HW_BF16, X86, _add_blocks, _f32x16, _f64_totals, _fma, _fma32, _load_f32, _load_row,
                    _prefetch_ahead, _store_block, _store_fence, _totals)
 
@@ -478,8 +478,7 @@ def dyt_bwd(dy, x, a, w, dx, da_sum, dw_sum, db_sum, stages, nt, table):
     n, d = x.shape
     a32 = np.float32(a)
     nchunks = stages.shape[0]
-    dw_part = _partial_rows(nchunks, d)
-    db_part = _partial_rows(nchunks, d)
+    parts = _partial_row_pairs(nchunks, d)
     pairs = d >= (DYT_PAIRS_MIN_16 if x.itemsize == 2 else DYT_PAIRS_MIN_32)
     use = table.shape[0] > 0
     if use:
@@ -487,7 +486,7 @@ def dyt_bwd(dy, x, a, w, dx, da_sum, dw_sum, db_sum, stages, nt, table):
             _fill_table(_fill_ts, table, x, a32, c, nchunks)
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
-        dwc, dbc, stage = dw_part[c], db_part[c], stages[c]
+        dwc, dbc, stage = parts[2 * c], parts[2 * c + 1], stages[c]
         paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
         da = 0.0
         for r in range(r0, r1):

@@ -27,7 +27,7 @@ from numba.extending import overload
 
 from .cache import kernel
 from .codecs import _accumulate, _load, _store
-from .rows import (FLUSH, _chunk, _flush, _pair_types, _paired, _partial_rows, _partial_sums, _recip, _row, _row_pairs, _spans,
+from .rows import (FLUSH, _chunk, _flush, _pair_types, _paired, _partial_row_pairs, _partial_sums, _recip, _row, _row_pairs, _spans,
                    _sum_partials, _value, _vector_sums)
 from .simd import (BLOCK, EMIT, _fma, _fma32, _prefetch_pass1, _prefetch_pass2, _row_moments, _store_fence,
                    backward_block, forward_block, grad_sums, pair_order)
@@ -207,15 +207,13 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, nt):
     nchunks = stages.shape[0]
     span = d - d % BLOCK if _paired(x, dy) else 0
     wp = pair_order(w, span)
-    dw_part = _partial_rows(nchunks, d)
-    db_part = _partial_rows(nchunks, d)
+    parts = _partial_row_pairs(nchunks, d)
     dw_sum = _partial_sums(nchunks, d)
     db_sum = _partial_sums(nchunks, d)
     pairs = _row_pairs(x, dy, d)
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
-        dwc = dw_part[c]
-        dbc = db_part[c]
+        dwc, dbc = parts[2 * c], parts[2 * c + 1]
         stage = stages[c]
         paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
         sg2, sgx2 = 0.0, 0.0
