@@ -146,9 +146,9 @@ def _partial_rows(nchunks, d):
 def _partial_row_pairs(nchunks, d):
     """Zeroed float32 rows, two per chunk (rows 2c and 2c + 1: dw's and db's), each starting half
     a 4 KiB page from its partner. A loop that updates both at the same index loads one just
-    after it stored the other, and where the two sit at the same address modulo 4 KiB the CPU
-    takes the load for a reload of the store and holds it ("4K aliasing": two separately
-    allocated rows did, and DyT's backward ran 1.2-1.3x slower on two threads)."""
+    after it stored the other, and where the two sit at the same address modulo 4 KiB (as two
+    allocations of one size do) the CPU holds the load as a possible reload of the store: "4K
+    aliasing" (docs/cpu-kernels.md, "The backward's weight gradients")."""
     stride = (d + 1023) // 1024 * 1024 + 512
     return np.zeros((2 * nchunks, stride), np.float32)
 
