@@ -129,3 +129,27 @@ def test_dyt_ceiling_tool_runs_the_kernels_it_measures():
                       done.stdout, re.MULTILINE)
     assert sorted((r[0], r[1]) for r in rows) == sorted((d, p) for d in ("fp32", "bf16") for p in ("fwd", "bwd")), done.stdout
     assert all(float(v) > 0 for r in rows for v in r[2:])
+
+
+def test_dyt_ulp_tool_sweeps_and_reports_the_bound():
+    # tools/dyt_ulp.py backs the "1.95 ulp over every float32" line of docs/cpu-kernels.md:
+    # every 1000th float here. Its counts must add up to the values swept, the worst error lie
+    # within the bound, and every saturated value be exactly 1; a bad --step is refused by name.
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "dyt_ulp.py"
+    done = subprocess.run([sys.executable, str(tool), "--step", "1000"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    worst, total = re.search(r"^worst ([\d.]+) ulp at z = \S+; ([\d,]+) values$", done.stdout, re.MULTILINE).groups()
+    counts = [int(n.replace(",", "")) for n in re.findall(r"^  \[\S+, \S+\) ulp: ([\d,]+)$", done.stdout, re.MULTILINE)]
+    expected = len(range(1, int(np.float32(10.5).view(np.int32)), 1000))
+    assert int(total.replace(",", "")) == sum(counts) == expected, done.stdout
+    assert 0 < float(worst) <= 2.0, done.stdout
+    assert done.stdout.rstrip().endswith("came out other than 1: 0"), done.stdout
+    bad = subprocess.run([sys.executable, str(tool), "--step", "0"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "--step must be a whole number >= 1" in bad.stderr

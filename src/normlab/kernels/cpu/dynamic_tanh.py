@@ -46,20 +46,27 @@ from .simd import (_ZERO, EMIT, HW_BF16, X86, _add_blocks, _f32x16, _f64_totals,
 #     1 - tanh^2 z = 4 h (1 - h),   h = e / (1 + e)       (no cancellation near +-1)
 #
 # m keeps small z accurate (1 - e would cancel), and the denominator comes from e rather than
-# from 2 + m, so m's rounding is not doubled near saturation. Both come from one exponential:
-# -2|z| = n ln2 + r with |r| <= ln2 / 2, q = expm1(r) = r + r^2 P(r) (P fitted on [-0.35, 0.35]),
-# and with p = 2^n, m = p q + (p - 1) and e = p q + p, one fma each. tanh is within 2.1 ulp
-# (float32's own: about 1) and 4h (1 - h) within 3e-7 of sech^2 (tests/test_dyt.py). |z| is
-# capped at 10 to keep the reduction finite: t rounds to +-1 from |z| = 9.01 on, and the
-# backward sets h to 0 from 10, so nothing flows back through a saturated element (and nothing
-# subnormal is made). The IR works on 16-lane vectors with no fast-math flags; a scalar is a
-# vector's first lane. Every operation counts: these loops run at the limit of the vector ports
+# from 2 + m, so m's rounding is not doubled. Both come from one exponential, reduced as
+# -|z| = n ln2 / 2 + r with |r| <= ln2 / 4: exp(-2|z|) = 2^n e^(2r), q = expm1(2r) / 2 =
+# r + r^2 P(r) (below), and with p = 2^n, m = 2p q + (p - 1), e = 2p q + p and
+# 1 + e = 2p q + (p + 1), one fma each. Halving the reduction saves doubling z, and
+# fma(|z|, -2 log2 e, 1.5 * 2^23) - 1.5 * 2^23 rounds in two operations where rint takes two and
+# a multiply. tanh is within 1.95 ulp over every float32 (float32's own: about 1;
+# tools/dyt_ulp.py) and 4h (1 - h) within 3e-7 of sech^2 (tests/test_dyt.py). |z| is capped at
+# 10 to keep the reduction finite: t rounds to +-1 from |z| = 9.01 on, and the backward sets h
+# to 0 from 10, so nothing flows back through a saturated element (and nothing subnormal is
+# made). The IR works on 16-lane vectors with no fast-math flags; a scalar is a vector's first
+# lane. Every operation counts: these loops run at the limit of the vector ports
 # (docs/cpu-kernels.md, "DyT").
 
 _CAP = 10.0
-_EXPM1_POLY = (1.3857560697942972e-3, 8.367335423827171e-3, 4.16676327586174e-2, 0.16666537523269653, 0.4999999701976776)
-_LOG2E = 1.44269504088896341
-_LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 = HI + LO, n * HI exact for the n here
+# expm1(s) = s + s^2 P0(s), P0 fitted on [-0.35, 0.35] (highest degree first); with s = 2r,
+# expm1(2r) / 2 = r + r^2 P(r) for P(r) = 2 P0(2r): each coefficient times a power of 2, exactly.
+_EXPM1_P0 = (1.3857560697942972e-3, 8.367335423827171e-3, 4.16676327586174e-2, 0.16666537523269653, 0.4999999701976776)
+_EXPM1_POLY = tuple(c * 2.0 ** (len(_EXPM1_P0) - i) for i, c in enumerate(_EXPM1_P0))
+_TWO_LOG2E = 2 * 1.44269504088896341
+_ROUND = 1.5 * 2.0**23  # x + _ROUND - _ROUND rounds x to a whole number (|x| < 2^22)
+_LN2_HI, _LN2_LO = 0.693359375 / 2, -2.12194440e-4 / 2  # (ln 2) / 2 = HI + LO, n * HI exact for the n here
 _F32 = ir.VectorType(ir.FloatType(), _LANES)
 _I32 = ir.VectorType(ir.IntType(32), _LANES)
 AVX512 = X86 and numba.config.CPU_NAME is None and bool(llvm.get_host_cpu_features().get("avx512f", False))
@@ -71,52 +78,57 @@ def _c(value, ty=_F32):
 
 
 def _llvm(builder, name, *args):
-    """The LLVM intrinsic ``name`` (fabs, rint, copysign) on float32 vectors."""
+    """The LLVM intrinsic ``name`` (fabs, copysign) on float32 vectors."""
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * len(args)), f"llvm.{name}.v16f32")
     return builder.call(fn, list(args))
 
 
-def _pow2(builder, n, scalef=AVX512):
-    """2^n for n a whole number in [-29, 0] or nan (then nan, or with the float32 bits, any
-    value: tanh's nan comes through q anyway). ``scalef``: AVX-512's vscalefps, one operation."""
+def _pow2(builder, n, scale=1, scalef=AVX512):
+    """scale * 2^n (scale 1 or 2) for n a whole number in [-29, 0] or nan (then nan, or with the
+    float32 bits, any value: tanh's nan comes through q anyway). ``scalef``: AVX-512's vscalefps,
+    one operation."""
     if scalef:
         ty = ir.FunctionType(_F32, [_F32, _F32, _F32, ir.IntType(16), ir.IntType(32)])
         fn = cgutils.get_or_insert_function(builder.module, ty, "llvm.x86.avx512.mask.scalef.ps.512")
-        return builder.call(fn, [_c(1.0), n, _c(0.0), ir.Constant(ir.IntType(16), -1), ir.Constant(ir.IntType(32), 4)])
+        return builder.call(fn, [_c(scale), n, _c(0.0), ir.Constant(ir.IntType(16), -1), ir.Constant(ir.IntType(32), 4)])
     n = builder.select(builder.fcmp_ordered("ord", n, n), n, _c(0.0))  # fptosi of a nan would be poison
-    return builder.bitcast(builder.shl(builder.add(builder.fptosi(n, _I32), _c(127, _I32)), _c(23, _I32)), _F32)
+    bias = 127 + scale.bit_length() - 1
+    return builder.bitcast(builder.shl(builder.add(builder.fptosi(n, _I32), _c(bias, _I32)), _c(23, _I32)), _F32)
 
 
 def _exps(builder, z):
-    """(m, e, a) for 16 lanes: m = expm1(-2a), e = exp(-2a), a = min(|z|, 10). A nan stays nan."""
+    """(q, n, u) for 16 lanes: u = min(|z|, 10), -u = n ln2 / 2 + r, q = expm1(2r) / 2, so
+    exp(-2u) = 2^n (2q + 1). A nan stays nan."""
     az = _llvm(builder, "fabs", z)
-    a = builder.select(builder.fcmp_ordered("<", _c(_CAP), az), _c(_CAP), az)  # min(10, |z|), nan kept
-    x = builder.fmul(a, _c(-2.0))
-    n = _llvm(builder, "rint", builder.fmul(x, _c(_LOG2E)))
-    r = _fma(builder, n, _c(-_LN2_HI), x)
+    u = builder.select(builder.fcmp_ordered("<", _c(_CAP), az), _c(_CAP), az)  # min(10, |z|), nan kept
+    n = builder.fsub(_fma(builder, u, _c(-_TWO_LOG2E), _c(_ROUND)), _c(_ROUND))
+    r = _fma(builder, n, _c(-_LN2_HI), builder.fneg(u))
     r = _fma(builder, n, _c(-_LN2_LO), r)
     poly = _c(_EXPM1_POLY[0])
     for coef in _EXPM1_POLY[1:]:
         poly = _fma(builder, poly, r, _c(coef))
-    q = _fma(builder, builder.fmul(r, r), poly, r)  # expm1(r)
-    p = _pow2(builder, n)
-    return _fma(builder, p, q, builder.fsub(p, _c(1.0))), _fma(builder, p, q, p), a
+    return _fma(builder, builder.fmul(r, r), poly, r), n, u
 
 
 def _tanh(builder, z):
     """The forward's tanh z, for 16 lanes."""
-    m, e, _ = _exps(builder, z)
-    return _llvm(builder, "copysign", builder.fdiv(m, builder.fadd(e, _c(1.0))), z)
+    q, n, _ = _exps(builder, z)
+    p2 = _pow2(builder, n, 2)
+    m = _fma(builder, p2, q, _fma(builder, p2, _c(0.5), _c(-1.0)))  # 2p q + (p - 1)
+    den = _fma(builder, p2, q, _fma(builder, p2, _c(0.5), _c(1.0)))  # 2p q + (p + 1) = 1 + e, one rounding
+    return _llvm(builder, "copysign", builder.fdiv(m, den), z)
 
 
 def _tanh_grad(builder, z):
     """The backward's (t, s) for 16 lanes: t = tanh z and s = (1 - t^2) / 4 = h (1 - h), 0 from
     the cap on. t is m times 1 / (1 + e), the division that h needs (the forward divides m
     itself: up to an ulp apart)."""
-    m, e, cap = _exps(builder, z)
+    q, n, u = _exps(builder, z)
+    p, p2 = _pow2(builder, n), _pow2(builder, n, 2)
+    m, e = _fma(builder, p2, q, builder.fsub(p, _c(1.0))), _fma(builder, p2, q, p)
     rden = builder.fdiv(_c(1.0), builder.fadd(e, _c(1.0)))  # (an estimate and a Newton step: no faster)
     t = _llvm(builder, "copysign", builder.fmul(m, rden), z)
-    h = builder.select(builder.fcmp_ordered(">=", cap, _c(_CAP)), _c(0.0), builder.fmul(e, rden))
+    h = builder.select(builder.fcmp_ordered(">=", u, _c(_CAP)), _c(0.0), builder.fmul(e, rden))
     return t, _fma(builder, builder.fneg(h), h, h)  # h (1 - h) = h - h^2
 
 
