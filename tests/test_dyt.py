@@ -130,7 +130,7 @@ def test_gradients_are_deterministic(gen, backend, shape):
         assert all(torch.equal(first[k], again[k]) for k in first)
 
 
-@pytest.mark.parametrize("dtype, tables", [(torch.float32, False), (torch.bfloat16, False)] + [(torch.bfloat16, True)] * K.TABLES)
+@pytest.mark.parametrize("dtype, tables", [path for path in PATHS if K.TABLES or not path[1]])
 def test_a_row_pair_is_bitwise_two_single_rows(gen, dtype, tables):
     # Wide rows go through the backward two at a time (_make_grad_blocks, rows=2): dx, the
     # partial rows and each row's dalpha sum must be the very bits of two one-row passes.
