@@ -132,9 +132,10 @@ def test_dyt_ceiling_tool_runs_the_kernels_it_measures():
 
 
 def test_dyt_ulp_tool_sweeps_and_reports_the_bound():
-    # tools/dyt_ulp.py backs the "1.95 ulp over every float32" line of docs/cpu-kernels.md:
-    # every 1000th float here. Its counts must add up to the values swept, the worst error lie
-    # within the bound, and every saturated value be exactly 1; a bad --step is refused by name.
+    # tools/dyt_ulp.py backs docs/cpu-kernels.md's accuracy lines (1.95 ulp, 2.5e-7 relative over
+    # every float32): every 1000th float here. Its counts must add up to the values swept, the
+    # worst errors lie within the bounds, every saturated value be exactly 1 and its gradient 0;
+    # a bad --step is refused by name.
     import re
     import subprocess
     import sys
@@ -150,6 +151,8 @@ def test_dyt_ulp_tool_sweeps_and_reports_the_bound():
     expected = len(range(1, int(np.float32(10.5).view(np.int32)), 1000))
     assert int(total.replace(",", "")) == sum(counts) == expected, done.stdout
     assert 0 < float(worst) <= 2.0, done.stdout
-    assert done.stdout.rstrip().endswith("came out other than 1: 0"), done.stdout
+    assert "came out other than 1: 0\n" in done.stdout, done.stdout
+    rel = re.search(r"^backward: 1 - tanh\^2 worst (\S+) relative at z = \S+; from the cap on, dx not 0: 0$", done.stdout, re.MULTILINE)
+    assert rel and 0 < float(rel.group(1)) <= 3e-7, done.stdout
     bad = subprocess.run([sys.executable, str(tool), "--step", "0"], capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "--step must be a whole number >= 1" in bad.stderr

@@ -52,7 +52,7 @@ from .simd import (_ZERO, EMIT, HW_BF16, X86, _add_blocks, _f32x16, _f64_totals,
 # 1 + e = 2p q + (p + 1), one fma each. Halving the reduction saves doubling z, and
 # fma(|z|, -2 log2 e, 1.5 * 2^23) - 1.5 * 2^23 rounds in two operations where rint takes two and
 # a multiply. tanh is within 1.95 ulp over every float32 (float32's own: about 1;
-# tools/dyt_ulp.py) and 4h (1 - h) within 3e-7 of sech^2 (tests/test_dyt.py). |z| is capped at
+# tools/dyt_ulp.py), and 4h (1 - h) within 2.5e-7 of sech^2 (same tool). |z| is capped at
 # 10 to keep the reduction finite: t rounds to +-1 from |z| = 9.01 on, and the backward sets h
 # to 0 from 10, so nothing flows back through a saturated element (and nothing subnormal is
 # made). The IR works on 16-lane vectors with no fast-math flags; a scalar is a vector's first
