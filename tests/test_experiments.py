@@ -580,8 +580,19 @@ def test_dyt_compares_budgets_ten_times_apart_and_measures_saturation(finished):
     budgets = section["settings"]["budgets"]
     assert budgets["large"] == 10 * budgets["small"]
     settings = {r["setting"] for r in section["rows"]}
-    assert settings == {"rmsnorm", "layernorm", "dyt0.2", "dyt0.5", "dyt1"}
+    assert settings == {"rmsnorm", "layernorm", "dyt0.2", "dyt0.5", "dyt1", "dyt0.5-nogain"}
     for key, shares in section["series"]["saturated"].items():
         assert key.startswith("dyt") and all(0.0 <= s <= 1.0 for s in shares), key
     steps = {k: [c["val_curve"]["step"][-1] for c in curves] for k, curves in section["series"]["runs"].items()}
     assert all(v == [budgets[k.split("|")[1]]] * len(v) for k, v in steps.items())
+    # the DyT runs start the embedding gain where the paper's 7B does; the baselines and the
+    # no-gain setting have none (read from each run's saved config)
+    out = finished[0]
+    gains = {}
+    for config in (out / "runs").glob("*/config.json"):
+        name = config.parent.name
+        if name.startswith(("dyt", "rmsnorm-", "layernorm-")) and "steps-s" in name:
+            setting = name.split("-")[0] + ("-nogain" if "-nogain-" in name else "")
+            gains.setdefault(setting, set()).add(json.loads(config.read_text())["model"].get("embed_gain"))
+    assert gains["dyt0.5"] == gains["dyt0.2"] == gains["dyt1"] == {section["settings"]["dyt_embed_gain"]} == {64.0}
+    assert gains["dyt0.5-nogain"] == gains["rmsnorm"] == gains["layernorm"] == {None}

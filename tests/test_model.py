@@ -337,7 +337,31 @@ def test_the_original_transformers_embedding_has_unit_scale(gen):
     assert m.head.weight is not m.embed.weight and m.pos_table.shape == (m.cfg.max_seq_len, 64)
 
 
+def test_the_embedding_gain_is_a_learned_scalar_started_where_asked(gen):
+    # DyT's Llama (Zhu et al.): token embeddings times a learned scalar. The logits must be
+    # those of the same weights with the gain folded into the embedding's lookup, the gain
+    # must get a gradient, and AdamW must not decay it.
+    from normlab.train import TrainConfig, make_optimizer
+
+    m = model(gen, d_model=64, n_heads=2, norm="dyt", embed_gain=5.0, tie_embeddings=False)
+    assert m.embed_gain.shape == () and m.embed_gain.item() == 5.0
+    idx = torch.randint(0, m.cfg.vocab_size, (2, 9), generator=gen)
+    logits, loss = m(idx, idx)
+    plain = model(gen, d_model=64, n_heads=2, norm="dyt", tie_embeddings=False)
+    plain.load_state_dict({k: v for k, v in m.state_dict().items() if k != "embed_gain"})
+    with torch.no_grad():
+        plain.embed.weight.mul_(5.0)
+    assert torch.allclose(plain(idx)[0], logits, atol=1e-5)
+    loss.backward()
+    assert m.embed_gain.grad is not None and m.embed_gain.grad.abs().item() > 0
+    groups = make_optimizer(m, TrainConfig()).param_groups
+    assert any(g["weight_decay"] == 0 and any(p is m.embed_gain for p in g["params"]) for g in groups)
+    assert model(gen, d_model=64, n_heads=2).embed_gain is None
+
+
 @pytest.mark.parametrize("kw, message", [
+    ({"embed_gain": 0.0}, r"embed_gain must be a finite number > 0 or None \(None: no gain\), got 0.0"),
+    ({"embed_gain": 8.0, "embed_scale": True}, r"embed_gain and embed_scale both scale the token embeddings; set one"),
     ({"n_kv_heads": 0}, r"n_kv_heads must be a positive int or None"),
     ({"rope_theta": -1.0}, r"rope_theta must be a finite number > 0, got -1.0"),
     ({"init_std": float("nan")}, r"init_std must be a finite number > 0, got nan"),

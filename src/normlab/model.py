@@ -22,7 +22,9 @@ gradients are flat across layers at initialization).
 The original Transformer's pieces are fields too, so the lab can build the model of Xiong et al.
 (2020) from the same code: ``mlp="relu"``, ``positions="learned"`` or ``"sinusoidal"`` (added to
 the token embedding, instead of rotary), ``embed_scale=True`` (token embeddings ~ N(0, 1/d),
-multiplied by sqrt(d)) and ``tie_embeddings=False``.
+multiplied by sqrt(d)) and ``tie_embeddings=False``. ``embed_gain=g`` is a piece of the Llama of
+Zhu et al. (2025) with DyT: the token embeddings times a learned scalar started at g (theirs:
+sqrt(d), 64 at 7B, so that the first DyT sees values of about unit scale; a norm does not need it).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class ModelConfig:
     mlp: str = "swiglu"  # "swiglu" (Llama), "gelu" (GPT-2) or "relu" (the original Transformer)
     positions: str = "rope"  # "rope" (Llama), or absolute positions added to the embedding: "learned", "sinusoidal"
     embed_scale: bool = False  # token embeddings ~ N(0, 1/d) times sqrt(d) (the original Transformer)
+    embed_gain: float | None = None  # token embeddings times a learned scalar started here (Zhu et al.'s Llama with DyT: sqrt(d))
     rope_theta: float = 10000.0  # rotary base
     tie_embeddings: bool = True  # the LM head shares the embedding matrix
     norm: str = "rmsnorm"  # layernorm, rmsnorm, prmsnorm, batchnorm, dyt (not a norm: its replacement) or none
@@ -125,6 +128,12 @@ class ModelConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not (math.isfinite(value) and value > 0)):
                 raise ValueError(f"{name} must be a finite number > 0 or None (None: DeepNet's value), got {value!r}")
+        if self.embed_gain is not None:
+            if isinstance(self.embed_gain, bool) or not isinstance(self.embed_gain, (int, float)) \
+                    or not (math.isfinite(self.embed_gain) and self.embed_gain > 0):
+                raise ValueError(f"embed_gain must be a finite number > 0 or None (None: no gain), got {self.embed_gain!r}")
+            if self.embed_scale:
+                raise ValueError("embed_gain and embed_scale both scale the token embeddings; set one of them")
         if self.norm_eps < 0 or not math.isfinite(self.norm_eps):
             raise ValueError(f"norm_eps must be a finite number >= 0, got {self.norm_eps}")
         if isinstance(self.dyt_alpha0, bool) or not isinstance(self.dyt_alpha0, (int, float)) \
@@ -368,6 +377,7 @@ class Decoder(nn.Module):
         cfg.validate()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed_gain = nn.Parameter(torch.empty(())) if cfg.embed_gain is not None else None
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.positions == "learned" else None
         if cfg.positions == "sinusoidal":
             self.register_buffer("pos_table", sinusoid_table(cfg.max_seq_len, cfg.d_model), persistent=False)
@@ -391,6 +401,8 @@ class Decoder(nn.Module):
         for module in self.modules():  # norms keep their own init (scale 1, bias 0)
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, 0.0, cfg.init_std)
+        if self.embed_gain is not None:
+            self.embed_gain.fill_(cfg.embed_gain)
         if cfg.embed_scale:  # times sqrt(d) in forward: unit variance on the residual stream
             nn.init.normal_(self.embed.weight, 0.0, cfg.d_model**-0.5)
         for block in self.blocks:
@@ -446,6 +458,8 @@ class Decoder(nn.Module):
         x = self.embed(idx)
         if self.cfg.embed_scale:
             x = x * math.sqrt(self.cfg.d_model)
+        elif self.embed_gain is not None:
+            x = x * self.embed_gain
         if self.pos_embed is not None:
             x = x + self.pos_embed.weight[past : past + T]
         elif self.cfg.positions == "sinusoidal":

@@ -5,6 +5,12 @@ started at alpha0. Zhu et al. report that it matches LayerNorm and RMSNorm "most
 hyperparameter tuning" (their language models tune alpha0); later work reports that it helps
 when data is scarce relative to the model and hurts when data is plentiful, through saturation
 (|alpha x| > 2). Three alpha0, two token budgets ten times apart, every seed paired.
+
+DyT is not scale-invariant, so what it sees matters. The paper's Llama code multiplies the token
+embeddings (std 0.02) by a learned scalar started at sqrt(d): 64 at 7B, so that the first DyT sees
+values of RMS 1.28. The DyT runs here do the same with the gain started at 64 (sqrt(d) of this
+width would give 0.2); one more setting, at the default alpha0 without the gain, shows what
+happens without it. The baselines are the paper's: RMSNorm and LayerNorm without the gain.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ ALPHA0S = (0.2, 0.5, 1.0)  # the paper's default 0.5, and a factor 2.5 and 2 eit
 DEFAULT_ALPHA0 = 0.5
 BUDGET_FACTOR = 10
 SATURATED = 2.0  # |alpha x| above this: tanh is within 4% of +-1 (the regime study's threshold)
+EMBED_GAIN = 64.0  # the paper's Llama 7B starts its embedding gain at sqrt(4096): embedding RMS 0.02 x 64 = 1.28
 
 
 @torch.no_grad()
@@ -50,8 +57,8 @@ def saturation(folder, val_tokens, batch_size: int, seq_len: int) -> float:
     return counts[0] / max(1, counts[1])
 
 
-def settings_of(norm: str, alpha0: float | None) -> str:
-    return norm if alpha0 is None else f"dyt{alpha0:g}"
+def settings_of(norm: str, alpha0: float | None, gain: bool = True) -> str:
+    return norm if alpha0 is None else f"dyt{alpha0:g}" + ("" if gain else "-nogain")
 
 
 def preset_dyt(lab: Lab) -> dict:
@@ -60,15 +67,17 @@ def preset_dyt(lab: Lab) -> dict:
     small = max(2, {**train_fields, **lab.train_over}["steps"] // 8)  # quick: 25 and 250 steps
     budgets = {"small": small, "large": small * BUDGET_FACTOR}
     seeds = lab.seeds(3, 3)
-    cells = [("rmsnorm", None), ("layernorm", None)] + [("dyt", a) for a in ALPHA0S]
+    cells = [("rmsnorm", None, False), ("layernorm", None, False)] + [("dyt", a, True) for a in ALPHA0S]
+    cells.append(("dyt", DEFAULT_ALPHA0, False))
     runs = {}
     for budget, steps in budgets.items():
         fields = {**train_fields, "steps": steps, "warmup": max(1, steps // 10), "eval_every": max(1, steps // 4)}
-        for norm, alpha0 in cells:
-            varied = {"norm": norm, **({"dyt_alpha0": alpha0} if alpha0 is not None else {})}
-            runs[settings_of(norm, alpha0), budget] = [
-                lab.run(f"{settings_of(norm, alpha0)}-{steps}steps-s{seed}", fields, model, {**varied, "seed": seed})
-                for seed in seeds]
+        for norm, alpha0, gain in cells:
+            varied = {"norm": norm, **({"dyt_alpha0": alpha0} if alpha0 is not None else {}),
+                      **({"embed_gain": EMBED_GAIN} if gain else {})}
+            setting = settings_of(norm, alpha0, gain or alpha0 is None)
+            runs[setting, budget] = [lab.run(f"{setting}-{steps}steps-s{seed}", fields, model, {**varied, "seed": seed})
+                                     for seed in seeds]
     tf = {**train_fields, **lab.train_over}
     saturated = {key: [lab.job(f"saturation-{r['run']}", {"run": r["run"], "B": tf["batch_size"], "T": tf["seq_len"]},
                                lambda r=r: saturation(lab.out / "runs" / r["run"], lab.dataset.val, tf["batch_size"], tf["seq_len"]))
@@ -92,11 +101,14 @@ def preset_dyt(lab: Lab) -> dict:
     default = f"dyt{DEFAULT_ALPHA0:g}"
     conditions = [
         "matches: every norm of a Pre-LN decoder (both per block and the final one) replaced by DyT with a learned "
-        "scalar alpha per layer and per-feature weight and bias, alpha0 = 0.5 the paper's default; RMSNorm and "
-        "LayerNorm in the same model as the baselines; the same data, steps and seeds",
+        "scalar alpha per layer and per-feature weight, alpha0 = 0.5 the paper's default; the token embeddings times "
+        f"a learned scalar as in the paper's Llama code, started at {EMBED_GAIN:g} (its 7B's sqrt(d)) so that the "
+        "first DyT sees the paper's scale (RMS 1.28; sqrt(d) of this width would give 0.2); RMSNorm and LayerNorm in "
+        "the same model without that scalar, as the paper's baselines; the same data, steps and seeds",
         f"differs: a 4-layer character LM on Shakespeare for {budgets['small']} and {budgets['large']} steps "
         f"({tokens['small']:,} and {tokens['large']:,} tokens; the paper: LLaMA 7B-70B on 200B tokens, with alpha0 "
-        "tuned per model)",
+        "tuned per model and per position, at 7B 0.8 before attention and 0.2 before the MLP and at the end); "
+        "DyT here also has a per-feature bias, the paper's Llama DyT does not",
     ]
     regime = [conditions[0], f"matches: two token budgets {BUDGET_FACTOR}x apart on the same model (the study: 1M to "
               "118M tokens at 64M parameters); differs: a far smaller model and budget, and a step budget of fresh "
@@ -120,11 +132,13 @@ def preset_dyt(lab: Lab) -> dict:
         "title": "DyT: Transformers without normalization",
         "question": "Does DyT match RMSNorm, how much does alpha0 matter, and does its effect depend on the data budget?",
         "settings": {"train": {**train_fields, **lab.train_over}, "model": {**model, **lab.model_over}, "budgets": budgets,
-                     "tokens": tokens, "alpha0s": list(ALPHA0S), "seeds": seeds},
+                     "tokens": tokens, "alpha0s": list(ALPHA0S), "dyt_embed_gain": EMBED_GAIN, "seeds": seeds},
         "columns": ["setting", "budget", "tokens", "seeds", "diverged", "val_loss", "val_std", "saturated"],
         "rows": rows, "claims": claims,
         "series": {"runs": {f"{s}|{b}": [_curves(r) for r in rs] for (s, b), rs in runs.items()},
                    "saturated": {f"{s}|{b}": v for (s, b), v in saturated.items()}},
         "notes": [f"{len(seeds)} seeds per setting and budget; warmup a tenth of the steps, then cosine. saturated: the "
-                  f"share of DyT inputs with |alpha x| > {SATURATED:g} after training (two validation batches, every DyT)."],
+                  f"share of DyT inputs with |alpha x| > {SATURATED:g} after training (two validation batches, every DyT). "
+                  f"The dyt settings start the embedding gain at {EMBED_GAIN:g}; {settings_of('dyt', DEFAULT_ALPHA0, False)} "
+                  "is DyT without it (embeddings of RMS 0.02 into the first DyT)."],
     }
