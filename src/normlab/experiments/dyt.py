@@ -58,6 +58,7 @@ def saturation(folder, val_tokens, batch_size: int, seq_len: int) -> float:
 
 
 def settings_of(norm: str, alpha0: float | None, gain: bool = True) -> str:
+    """A row's name: the norm for a baseline, dyt and alpha0 for DyT (-nogain: no embedding gain)."""
     return norm if alpha0 is None else f"dyt{alpha0:g}" + ("" if gain else "-nogain")
 
 
@@ -75,7 +76,7 @@ def preset_dyt(lab: Lab) -> dict:
         for norm, alpha0, gain in cells:
             varied = {"norm": norm, **({"dyt_alpha0": alpha0} if alpha0 is not None else {}),
                       **({"embed_gain": EMBED_GAIN} if gain else {})}
-            setting = settings_of(norm, alpha0, gain or alpha0 is None)
+            setting = settings_of(norm, alpha0, gain)
             runs[setting, budget] = [lab.run(f"{setting}-{steps}steps-s{seed}", fields, model, {**varied, "seed": seed})
                                      for seed in seeds]
     tf = {**train_fields, **lab.train_over}
