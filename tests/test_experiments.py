@@ -514,8 +514,13 @@ def test_two_jobs_at_once_give_the_verdicts_of_one(finished, tmp_path, capsys):
     logs = list((tmp_path / "logs").iterdir())
     assert len(logs) == 11 and all("completed" in log.read_text() for log in logs)
     two = json.loads((tmp_path / "results.json").read_text())
-    verdicts = {name: {c["id"]: c["verdict"] for c in results["presets"][name]["claims"]} for name in ("norms", "batchnorm")}
-    assert {name: {c["id"]: c["verdict"] for c in two["presets"][name]["claims"]} for name in verdicts} == verdicts
+    # the verdicts of what was trained; a clock's (the speed claim's) can differ between any two runs
+
+    def verdicts(res):
+        return {name: {cid: verdict for cid, (verdict, _) in section["claims"].items()}
+                for name, section in _untimed(res, ("norms", "batchnorm")).items()}
+
+    assert verdicts(two) == verdicts(results) and "norms.rms_quality" in verdicts(results)["norms"]
     # one thread each instead of two: the losses agree to float32 rounding, not bit for bit
     for name in ("norms", "batchnorm"):
         for a, b in zip(two["presets"][name]["rows"], results["presets"][name]["rows"]):
