@@ -205,7 +205,7 @@ def _gather_pairs(builder, table, idx):
     return tuple(builder.shuffle_vector(*halves, ir.Constant(_I32, list(range(k, 32, 2)))) for k in (0, 1))
 
 
-def _patterns(builder, base, v, kind):
+def _patterns(builder, base, v):
     """Vector v of a 16-bit row's bit patterns, as table indices (<16 x i32>)."""
     ty = ir.VectorType(ir.IntType(16), _LANES)
     ptr = builder.gep(base, [ir.Constant(ir.IntType(64), v * _LANES)])
@@ -321,7 +321,7 @@ def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, nt, table, use):
             blocks = range(EMIT // _LANES)
             ws, bs = [_load_f32(builder, wb, v) for v in blocks], [_load_f32(builder, bb, v) for v in blocks]
             if _tabled(xkind):
-                idx = [_patterns(builder, xb, v, xkind) for v in blocks]
+                idx = [_patterns(builder, xb, v) for v in blocks]
                 ts = _either(builder, args[10], lambda: [_gather_dps(builder, td, i) for i in idx],
                              lambda: [_tanh(builder, builder.fmul(av, _x_of(builder, i, xkind))) for i in idx])
                 values = [_fma(builder, ws[v], ts[v], bs[v]) for v in blocks]
@@ -432,7 +432,7 @@ def _make_grad_blocks(rows=1, hw=HW_BF16):
                     _prefetch_ahead(context, builder, signature.args[k], args[k], at, EMIT, rows)
             xs, tabled = {}, {}  # (row, v) -> x, and (t, s) where the blocks may gather
             if _tabled(xkind):
-                idx = {(r, v): _patterns(builder, builder.gep(data[kx], [at]), v, xkind) for r, (_, _, kx) in enumerate(rows_in) for v in blocks}
+                idx = {(r, v): _patterns(builder, builder.gep(data[kx], [at]), v) for r, (_, _, kx) in enumerate(rows_in) for v in blocks}
                 xs = {key: _x_of(builder, i, xkind) for key, i in idx.items()}
                 flat = _either(builder, args[12], lambda: [u for i in idx.values() for u in _gather_pairs(builder, data[11], i)],
                                lambda: [u for x in xs.values() for u in _tanh_grad(builder, builder.fmul(av, x))])
