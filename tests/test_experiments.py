@@ -580,24 +580,48 @@ def test_sandwich_measures_the_stream_after_every_layer(finished):
 
 
 
-def test_dyt_compares_budgets_ten_times_apart_and_measures_saturation(finished):
+def test_dyt_compares_a_small_repeated_set_with_the_whole_split_and_measures_saturation(finished):
     section = finished[1]["presets"]["dyt"]
-    budgets = section["settings"]["budgets"]
-    assert budgets["large"] == 10 * budgets["small"]
+    budgets, passes, train = section["settings"]["budgets"], section["settings"]["passes"], section["settings"]["train"]
+    assert budgets["large"] >= 10 * budgets["small"]
     settings = {r["setting"] for r in section["rows"]}
     assert settings == {"rmsnorm", "layernorm", "dyt0.2", "dyt0.5", "dyt1", "dyt0.5-nogain"}
     for key, shares in section["series"]["saturated"].items():
         assert key.startswith("dyt") and all(0.0 <= s <= 1.0 for s in shares), key
-    steps = {k: [c["val_curve"]["step"][-1] for c in curves] for k, curves in section["series"]["runs"].items()}
-    assert all(v == [budgets[k.split("|")[1]]] * len(v) for k, v in steps.items())
-    # the DyT runs start the embedding gain where the paper's 7B does; the baselines and the
-    # no-gain setting have none (read from each run's saved config)
+    # both budgets train the same steps; what differs is the data they draw from
+    steps = {c["val_curve"]["step"][-1] for curves in section["series"]["runs"].values() for c in curves}
+    assert steps == {train["steps"]}
+    for budget, n in budgets.items():
+        assert passes[budget] == pytest.approx(train["steps"] * train["batch_size"] * train["seq_len"] / n)
+    # read from each run's saved config: the small budget's runs train on the split's first
+    # budgets["small"] tokens, the large budget's on all of it; the DyT runs start the embedding
+    # gain where the paper's 7B does, the baselines and the no-gain setting have none
     out = finished[0]
-    gains = {}
+    gains, data = {}, {}
     for config in (out / "runs").glob("*/config.json"):
         name = config.parent.name
-        if name.startswith(("dyt", "rmsnorm-", "layernorm-")) and "steps-s" in name:
+        if name.startswith(("dyt", "rmsnorm-", "layernorm-")) and "steps" in name:
+            saved = json.loads(config.read_text())
             setting = name.split("-")[0] + ("-nogain" if "-nogain-" in name else "")
-            gains.setdefault(setting, set()).add(json.loads(config.read_text())["model"].get("embed_gain"))
+            gains.setdefault(setting, set()).add(saved["model"].get("embed_gain"))
+            data.setdefault("small" if "tokens-s" in name else "large", set()).add(saved["train"].get("train_tokens", 0))
+    assert data == {"small": {budgets["small"]}, "large": {0}}
     assert gains["dyt0.5"] == gains["dyt0.2"] == gains["dyt1"] == {section["settings"]["dyt_embed_gain"]} == {64.0}
     assert gains["dyt0.5-nogain"] == gains["rmsnorm"] == gains["layernorm"] == {None}
+
+
+def test_dyt_small_budget_is_a_set_gone_over_as_often_as_the_study_s(tmp_path):
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from normlab.experiments import dyt
+
+    lab = SimpleNamespace(dataset=SimpleNamespace(train=np.zeros(20_000, np.int32)))
+    budgets = dyt.data_budgets(lab, 250, 16, 64)  # the quick size
+    assert budgets == {"small": 250 * 16 * 64 // dyt.SMALL_PASSES, "large": 20_000} and budgets["small"] == 1560
+    assert dyt.data_budgets(lab, 20, 4, 16)["small"] == 4 * 17  # at least a few windows, however few the steps
+    lab.dataset.train = np.zeros(15_599, np.int32)
+    with pytest.raises(ValueError, match=r"small training set of 1,560 tokens .* at least 10x that \(15,600 tokens\); "
+                                         r"this data's split has 15,599"):
+        dyt.data_budgets(lab, 250, 16, 64)

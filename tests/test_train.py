@@ -215,11 +215,34 @@ def test_a_killed_run_resumes_with_every_step_logged_once(corpus, tmp_path):
 @pytest.mark.parametrize("key, value, message", [
     ("min_lr", "-1e-4", "min_lr must be a number >= 0"), ("eval_every", "-1", "eval_every must be an int >= 0"),
     ("diverge_factor", "1.0", "diverge_factor must be a number > 1"), ("seq_len", "0", "seq_len must be a positive int"),
-    ("grad_clip", "nan", "grad_clip must be a number >= 0"),
+    ("grad_clip", "nan", "grad_clip must be a number >= 0"), ("train_tokens", "-5", "train_tokens must be an int >= 0"),
 ])
 def test_training_fields_are_checked(key, value, message):
     with pytest.raises(ValueError, match=message):
         T.resolve(None, {key: value})
+
+
+def test_train_tokens_draws_every_window_from_the_first_tokens(corpus, tmp_path, monkeypatch):
+    from normlab import data as D
+
+    dataset = D.prepare(str(corpus), "char")
+    assert T.train_split(dataset, 0) is dataset.train
+    small = T.train_split(dataset, 300)
+    assert len(small) == 300 and (small == dataset.train[:300]).all()
+    text = "".join(map(chr, small + 1000))  # windows found in the first 300 tokens, as text
+    gen = D.Batches(small, 8, 32, seed=0)
+    for _ in range(20):
+        for row in gen.next()[0].tolist():
+            assert "".join(chr(t + 1000) for t in row) in text
+    with pytest.raises(ValueError, match=f"train_tokens must be at most the training split's {len(dataset.train):,} tokens"):
+        T.train_split(dataset, len(dataset.train) + 1)
+    seen = []  # a run hands the batches the first train_tokens tokens, and records the field
+    real = T.make_batches
+    monkeypatch.setattr(T, "make_batches", lambda tokens, *a, **k: seen.append(tokens) or real(tokens, *a, **k))
+    tcfg, m = tiny(corpus, tmp_path / "run", steps=3, train_tokens=300)
+    assert T.train(tcfg, m)["status"] == "completed"
+    assert [len(t) for t in seen] == [300, len(dataset.val)] and (seen[0] == dataset.train[:300]).all()  # (then validation's)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["train_tokens"] == 300
 
 
 def test_train_refuses_a_folder_that_holds_a_run_unless_told_to_overwrite(corpus, tmp_path):

@@ -385,7 +385,8 @@ def plot_dyt(section: dict, plt) -> dict:
             if xs:
                 ax.plot(xs, mean, color=colours.get(setting), label=setting)
                 ax.fill_between(xs, lo, hi, color=colours.get(setting), alpha=0.15)
-        ax.set_title(f"{budget} budget ({section['settings']['tokens'][budget]:,} tokens)", fontsize=10)
+        tokens, passes = section["settings"]["budgets"][budget], section["settings"]["passes"][budget]
+        ax.set_title(f"{budget} data: {tokens:,} tokens, {passes:.3g} passes", fontsize=10)
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
         _trim_y(ax, {"rows": [r for r in section["rows"] if r["budget"] == budget]})
@@ -396,10 +397,10 @@ def plot_dyt(section: dict, plt) -> dict:
     for j, budget in enumerate(budgets):
         shares = [section["series"]["saturated"].get(f"{s}|{budget}") or [0.0] for s in dyts]
         ax.bar([i + (j - (len(budgets) - 1) / 2) * width for i in range(len(dyts))], [sum(v) / len(v) for v in shares],
-               width=width, label=f"{budget} budget")
+               width=width, label=f"{budget} data")
     ax.set_xticks(range(len(dyts)), dyts)
     ax.set_ylabel("share of DyT inputs with |alpha x| > 2")
-    ax.set_title("saturation after training", fontsize=10)
+    ax.set_title("saturation after training (on training data)", fontsize=10)
     ax.legend(fontsize=8)
     fig.suptitle("DyT against RMSNorm and LayerNorm")
     fig.tight_layout()

@@ -43,6 +43,7 @@ class TrainConfig:
     tokenizer: str = "char"  # char, byte or bpe
     bpe_vocab: int = 1024  # vocabulary size when tokenizer=bpe
     val_fraction: float = 0.1  # share of documents held out for validation
+    train_tokens: int = 0  # train on the first N tokens of the training split only, a fixed set the steps repeat (0: all)
     preset: str = "small"  # model preset; model fields (d_model=..., norm=...) override it
     steps: int = 1000  # optimizer steps
     batch_size: int = 16  # sequences per micro-batch, all ranks together (a step: batch_size * grad_accum)
@@ -88,7 +89,8 @@ class TrainConfig:
                   "diag_every": (self.diag_every >= 0, "an int >= 0 (0: never)"),
                   "diverge_factor": (self.diverge_factor > 1, "a number > 1 (a multiple of the first loss)"),
                   "seq_len": (self.seq_len is None or self.seq_len >= 1, "a positive int or None (None: max_seq_len)"),
-                  "grad_clip": (self.grad_clip >= 0, "a number >= 0 (0: no clipping)")}
+                  "grad_clip": (self.grad_clip >= 0, "a number >= 0 (0: no clipping)"),
+                  "train_tokens": (self.train_tokens >= 0, "an int >= 0 (0: the whole training split)")}
         for name, (ok, expected) in checks.items():
             value = getattr(self, name)
             if not ok or (isinstance(value, float) and not math.isfinite(value)):
@@ -287,7 +289,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
     model = Decoder(mcfg).to(device)
     opt = make_optimizer(model, tcfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, tcfg) / tcfg.lr)
-    batches = make_batches(dataset.train, tcfg, seq_len, tcfg.seed, dataset.tokenizer, rank, world)
+    batches = make_batches(train_split(dataset, tcfg.train_tokens), tcfg, seq_len, tcfg.seed, dataset.tokenizer, rank, world)
     val_batches = _fixed_batches(dataset.val, tcfg, seq_len, dataset.tokenizer)
     start = 0
     first_loss = None  # the divergence test compares with it (restored on resume)
@@ -449,6 +451,16 @@ def truncate_metrics(path: Path, step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
+
+
+def train_split(dataset, train_tokens: int):
+    """The training tokens a run draws from: the split, or its first ``train_tokens`` (a small
+    dataset that the steps go over again and again, the data-scarce regime)."""
+    if not train_tokens:
+        return dataset.train
+    if train_tokens > len(dataset.train):
+        raise ValueError(f"train_tokens must be at most the training split's {len(dataset.train):,} tokens, got {train_tokens:,}")
+    return dataset.train[:train_tokens]
 
 
 def make_batches(tokens, tcfg: TrainConfig, seq_len: int, seed: int, tokenizer, rank: int = 0, world: int = 1):

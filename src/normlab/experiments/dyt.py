@@ -4,7 +4,9 @@ DyT(x) = weight * tanh(alpha * x) + bias replaces every norm, with one learned a
 started at alpha0. Zhu et al. report that it matches LayerNorm and RMSNorm "mostly without
 hyperparameter tuning" (their language models tune alpha0); later work reports that it helps
 when data is scarce relative to the model and hurts when data is plentiful, through saturation
-(|alpha x| > 2). Three alpha0, two token budgets ten times apart, every seed paired.
+(|alpha x| > 2). Three alpha0, every seed paired, and two data budgets at the same steps: a
+small set that the steps go over 164 times, as the study's 1M tokens were, and the whole
+corpus, never repeated.
 
 DyT is not scale-invariant, so what it sees matters. The paper's Llama code multiplies the token
 embeddings (std 0.02) by a learned scalar started at sqrt(d): 64 at 7B, so that the first DyT sees
@@ -24,21 +26,25 @@ from normlab import data as D
 from normlab.experiments.lab import Lab, _curves, _pick, _round, stats
 from normlab.experiments.norms import COMPARABLE, WORSE, lm_sizes
 from normlab.nn import DyT
-from normlab.train import load_run
+from normlab.train import load_run, train_split
 
 ZHU25 = "Zhu, Chen, He, LeCun & Liu (2025), Transformers without Normalization, CVPR"
 REGIME26 = ("When Does Removing LayerNorm Help? Activation Bounding as a Regime-Dependent Implicit Regularizer "
             "(arXiv 2604.23434, 2026): DyT 27% better at 1M tokens, 19% worse at 118M (64M parameters)")
 ALPHA0S = (0.2, 0.5, 1.0)  # the paper's default 0.5, and a factor 2.5 and 2 either side
 DEFAULT_ALPHA0 = 0.5
-BUDGET_FACTOR = 10
+BUDGET_FACTOR = 10  # the large dataset is at least this many times the small one
+# The study trained 5000 steps of 64 x 512 tokens on its small set of 1M tokens: 164 passes
+# over it, where a model memorizes. The small budget here is a set the steps go over as often.
+SMALL_PASSES = 164
 SATURATED = 2.0  # |alpha x| above this: tanh is within 4% of +-1 (the regime study's threshold)
 EMBED_GAIN = 64.0  # the paper's Llama 7B starts its embedding gain at sqrt(4096): embedding RMS 0.02 x 64 = 1.28
 
 
 @torch.no_grad()
-def saturation(folder, val_tokens, batch_size: int, seq_len: int) -> float:
-    """The share of DyT inputs with |alpha x| > 2, over every DyT of a trained run, on 2 fixed batches."""
+def saturation(folder, tokens, batch_size: int, seq_len: int) -> float:
+    """The share of DyT inputs with |alpha x| > 2, over every DyT of a trained run, on 2 fixed
+    batches of ``tokens`` (the run's training tokens, where the regime study counted)."""
     model, _ = load_run(folder)
     model.eval()
     counts = [0, 0]
@@ -49,7 +55,7 @@ def saturation(folder, val_tokens, batch_size: int, seq_len: int) -> float:
         counts[1] += z.numel()
 
     handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, DyT)]
-    gen = D.Batches(val_tokens, batch_size, seq_len, seed=606)
+    gen = D.Batches(tokens, batch_size, seq_len, seed=606)
     for _ in range(2):
         model(gen.next()[0])
     for h in handles:
@@ -62,35 +68,52 @@ def settings_of(norm: str, alpha0: float | None, gain: bool = True) -> str:
     return norm if alpha0 is None else f"dyt{alpha0:g}" + ("" if gain else "-nogain")
 
 
+def data_budgets(lab: Lab, steps: int, batch_size: int, seq_len: int) -> dict:
+    """{"small": tokens, "large": tokens}: a training set gone over SMALL_PASSES times in
+    ``steps``, and the whole training split (at least BUDGET_FACTOR times larger)."""
+    small = max(4 * (seq_len + 1), steps * batch_size * seq_len // SMALL_PASSES)
+    whole = len(lab.dataset.train)
+    if whole < BUDGET_FACTOR * small:
+        raise ValueError(f"the dyt preset compares a small training set of {small:,} tokens with the whole training "
+                         f"split, which must hold at least {BUDGET_FACTOR}x that ({BUDGET_FACTOR * small:,} tokens); "
+                         f"this data's split has {whole:,}: use more text or fewer steps")
+    return {"small": small, "large": whole}
+
+
 def preset_dyt(lab: Lab) -> dict:
     train_fields, model = lm_sizes(lab)
     model = {**model, "placement": "pre"}
-    small = max(2, {**train_fields, **lab.train_over}["steps"] // 8)  # quick: 25 and 250 steps
-    budgets = {"small": small, "large": small * BUDGET_FACTOR}
+    tf = {**train_fields, **lab.train_over}
+    steps = lab.train_over.get("steps") or max(2, train_fields["steps"] // 8) * 10  # quick: 250
+    budgets = data_budgets(lab, steps, tf["batch_size"], tf["seq_len"])
+    passes = {b: steps * tf["batch_size"] * tf["seq_len"] / n for b, n in budgets.items()}
     seeds = lab.seeds(3, 3)
     cells = [("rmsnorm", None, False), ("layernorm", None, False)] + [("dyt", a, True) for a in ALPHA0S]
     cells.append(("dyt", DEFAULT_ALPHA0, False))
+    fields = {**train_fields, "steps": steps, "warmup": max(1, steps // 10), "eval_every": max(1, steps // 4)}
     runs = {}
-    for budget, steps in budgets.items():
-        fields = {**train_fields, "steps": steps, "warmup": max(1, steps // 10), "eval_every": max(1, steps // 4)}
+    for budget, n in budgets.items():
+        data = {"train_tokens": n} if budget == "small" else {}  # large: the whole split, no field (the runs other presets' keys know)
+        tag = f"-{n}tokens" if budget == "small" else ""
         for norm, alpha0, gain in cells:
             varied = {"norm": norm, **({"dyt_alpha0": alpha0} if alpha0 is not None else {}),
-                      **({"embed_gain": EMBED_GAIN} if gain else {})}
+                      **({"embed_gain": EMBED_GAIN} if gain else {}), **data}
             setting = settings_of(norm, alpha0, gain)
-            runs[setting, budget] = [lab.run(f"{setting}-{steps}steps-s{seed}", fields, model, {**varied, "seed": seed})
+            runs[setting, budget] = [lab.run(f"{setting}-{steps}steps{tag}-s{seed}", fields, model, {**varied, "seed": seed})
                                      for seed in seeds]
-    tf = {**train_fields, **lab.train_over}
-    saturated = {key: [lab.job(f"saturation-{r['run']}", {"run": r["run"], "B": tf["batch_size"], "T": tf["seq_len"]},
-                               lambda r=r: saturation(lab.out / "runs" / r["run"], lab.dataset.val, tf["batch_size"], tf["seq_len"]))
-                       for r in rs]
-                 for key, rs in runs.items() if key[0].startswith("dyt")}
+    def saturated_in(run: dict, budget: str) -> float:
+        data = train_split(lab.dataset, budgets[budget] if budget == "small" else 0)
+        return lab.job(f"saturation-{run['run']}", {"run": run["run"], "B": tf["batch_size"], "T": tf["seq_len"], "on": "train"},
+                       lambda: saturation(lab.out / "runs" / run["run"], data, tf["batch_size"], tf["seq_len"]))
+
+    saturated = {(setting, budget): [saturated_in(r, budget) for r in rs]
+                 for (setting, budget), rs in runs.items() if setting.startswith("dyt")}
     rows, measured = [], {}
-    tokens = {b: steps * tf["batch_size"] * tf["seq_len"] for b, steps in budgets.items()}
     for (setting, budget), rs in runs.items():
         measured[f"{setting}_{budget}_val"] = [r["val_loss"] for r in rs]
         val = stats(measured[f"{setting}_{budget}_val"])
         sat = saturated.get((setting, budget))
-        rows.append({"setting": setting, "budget": budget, "tokens": tokens[budget], "seeds": len(rs),
+        rows.append({"setting": setting, "budget": budget, "tokens": budgets[budget], "passes": _round(passes[budget], 3), "seeds": len(rs),
                      "diverged": sum(r["status"] == "diverged" for r in rs), "val_loss": _round(val["mean"]),
                      "val_std": _round(val["std"], 2), "saturated": _round(statistics.fmean(sat), 3) if sat else None})
     means = {a: stats(measured[f"dyt{a:g}_large_val"])["mean"] for a in ALPHA0S}
@@ -106,14 +129,19 @@ def preset_dyt(lab: Lab) -> dict:
         f"a learned scalar as in the paper's Llama code, started at {EMBED_GAIN:g} (its 7B's sqrt(d)) so that the "
         "first DyT sees the paper's scale (RMS 1.28; sqrt(d) of this width would give 0.2); RMSNorm and LayerNorm in "
         "the same model without that scalar, as the paper's baselines; the same data, steps and seeds",
-        f"differs: a 4-layer character LM on Shakespeare for {budgets['small']} and {budgets['large']} steps "
-        f"({tokens['small']:,} and {tokens['large']:,} tokens; the paper: LLaMA 7B-70B on 200B tokens, with alpha0 "
+        f"differs: a {model['n_layers']}-layer character LM on Shakespeare for {steps} steps over the whole corpus "
+        f"({passes['large']:.2g} passes; the paper: LLaMA 7B-70B on 200B tokens, with alpha0 "
         "tuned per model and per position, at 7B 0.8 before attention and 0.2 before the MLP and at the end); "
         "DyT here also has a per-feature bias, the paper's Llama DyT does not",
     ]
-    regime = [conditions[0], f"matches: two token budgets {BUDGET_FACTOR}x apart on the same model (the study: 1M to "
-              "118M tokens at 64M parameters); differs: a far smaller model and budget, and a step budget of fresh "
-              "windows rather than a fixed dataset repeated"]
+    regime = [conditions[0],
+              f"matches: the same {steps} steps on a small training set ({budgets['small']:,} tokens, the first of the "
+              f"split) gone over {passes['small']:.0f} times, as the study's 1M tokens were (5000 steps of 64 x 512), "
+              f"and on the whole split ({budgets['large']:,} tokens, {passes['large']:.2g} passes: data not repeated, "
+              "as at the study's 118M, 1.4 passes); validation on the same held-out documents",
+              f"differs: a far smaller model and run (a character LM on Shakespeare, {steps} steps of "
+              f"{tf['batch_size'] * tf['seq_len']:,} tokens; the study: GPT-2 from 64M parameters on WikiText, 5000 "
+              "steps of 32,768 tokens)"]
     claims = [
         C.claim("dyt.parity", f"at the default alpha0 = {DEFAULT_ALPHA0:g}, DyT ends within 2% of RMSNorm (larger "
                 "budget)", ZHU25, _pick(measured, f"{default}_large_val", "rmsnorm_large_val"),
@@ -123,8 +151,8 @@ def preset_dyt(lab: Lab) -> dict:
                 _pick(measured, "dyt_worst_alpha0_large_val", "dyt_best_alpha0_large_val"),
                 C.above("dyt_worst_alpha0_large_val", "dyt_best_alpha0_large_val", 0.02, origin=WORSE, paired=True),
                 conditions + [f"the best alpha0 here was {best:g} and the worst {worst:g}"]),
-        C.claim("dyt.regime_flips", f"DyT's effect against RMSNorm changes sign with the token budget: lower loss at the "
-                f"small budget, higher at {BUDGET_FACTOR}x it", REGIME26,
+        C.claim("dyt.regime_flips", "DyT's effect against RMSNorm changes sign with the data: lower loss on a small "
+                f"training set gone over {passes['small']:.0f} times, higher on the whole corpus in the same steps", REGIME26,
                 _pick(measured, f"{default}_small_val", "rmsnorm_small_val", f"{default}_large_val", "rmsnorm_large_val"),
                 C.all_of(C.below(f"{default}_small_val", "rmsnorm_small_val", paired=True),
                          C.above(f"{default}_large_val", "rmsnorm_large_val", paired=True)), regime),
@@ -132,14 +160,16 @@ def preset_dyt(lab: Lab) -> dict:
     return {
         "title": "DyT: Transformers without normalization",
         "question": "Does DyT match RMSNorm, how much does alpha0 matter, and does its effect depend on the data budget?",
-        "settings": {"train": {**train_fields, **lab.train_over}, "model": {**model, **lab.model_over}, "budgets": budgets,
-                     "tokens": tokens, "alpha0s": list(ALPHA0S), "dyt_embed_gain": EMBED_GAIN, "seeds": seeds},
-        "columns": ["setting", "budget", "tokens", "seeds", "diverged", "val_loss", "val_std", "saturated"],
+        "settings": {"train": {**fields, **lab.train_over}, "model": {**model, **lab.model_over}, "budgets": budgets,
+                     "passes": passes, "alpha0s": list(ALPHA0S), "dyt_embed_gain": EMBED_GAIN, "seeds": seeds},
+        "columns": ["setting", "budget", "tokens", "passes", "seeds", "diverged", "val_loss", "val_std", "saturated"],
         "rows": rows, "claims": claims,
         "series": {"runs": {f"{s}|{b}": [_curves(r) for r in rs] for (s, b), rs in runs.items()},
                    "saturated": {f"{s}|{b}": v for (s, b), v in saturated.items()}},
-        "notes": [f"{len(seeds)} seeds per setting and budget; warmup a tenth of the steps, then cosine. saturated: the "
-                  f"share of DyT inputs with |alpha x| > {SATURATED:g} after training (two validation batches, every DyT). "
+        "notes": [f"{len(seeds)} seeds per setting and budget, {steps} steps each; budget: the training tokens the "
+                  "steps draw windows from (small: the split's first tokens, large: the whole split), passes: how often "
+                  "the steps go over them. Warmup a tenth of the steps, then cosine. saturated: the "
+                  f"share of DyT inputs with |alpha x| > {SATURATED:g} after training (two batches of the run's own training tokens, every DyT, as the study counted). "
                   f"The dyt settings start the embedding gain at {EMBED_GAIN:g}; {settings_of('dyt', DEFAULT_ALPHA0, False)} "
                   "is DyT without it (embeddings of RMS 0.02 into the first DyT)."],
     }
