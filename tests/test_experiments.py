@@ -151,10 +151,10 @@ def _seeds(mean, spread=0.005):
      {"dyt0.5_large_val": _seeds(2.5), "rmsnorm_large_val": _seeds(2.0)}),
     ("dyt.alpha0_sensitive", {"dyt_worst_alpha0_large_val": _seeds(2.3), "dyt_best_alpha0_large_val": _seeds(2.0)},
      {"dyt_worst_alpha0_large_val": _seeds(1.9), "dyt_best_alpha0_large_val": _seeds(2.0)}),
-    ("dyt.regime_flips", {"dyt0.5_small_val": _seeds(2.8), "rmsnorm_small_val": _seeds(3.0), "dyt0.5_large_val": _seeds(2.2),
-                          "rmsnorm_large_val": _seeds(2.0)},
-     {"dyt0.5_small_val": _seeds(3.2), "rmsnorm_small_val": _seeds(3.0), "dyt0.5_large_val": _seeds(2.2),
-      "rmsnorm_large_val": _seeds(2.0)}),
+    ("dyt.regime_flips", {"dyt0.5_small_val": _seeds(2.8), "layernorm_small_val": _seeds(3.0), "dyt0.5_large_val": _seeds(2.2),
+                          "layernorm_large_val": _seeds(2.0)},
+     {"dyt0.5_small_val": _seeds(3.2), "layernorm_small_val": _seeds(3.0), "dyt0.5_large_val": _seeds(2.2),
+      "layernorm_large_val": _seeds(2.0)}),
 ])
 
 def test_changing_the_numbers_flips_the_verdict(finished, cid, holds, fails):
