@@ -184,7 +184,9 @@ def test_every_norm_and_placement_trains(gen, norm, placement):
         assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
         opt.step()
         losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.05, losses
+    # the best of the last five steps: at this learning rate a step can spike (prmsnorm-sandwich's
+    # last loss did on about 1 seed in 100); a model that does not train never gets below its first
+    assert min(losses[-5:]) < losses[0] - 0.05, losses
 
 
 def test_compiled_model_matches_eager(gen):
