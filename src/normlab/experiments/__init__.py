@@ -20,8 +20,8 @@ numbers by their rules (normlab.claims). Presets:
     final-norm Pre-LN needs its final norm: loss, the LM head's input RMS, a high learning rate
     shallow    Post-LN beats Pre-LN when shallow; Pre-LN wins when deep
     sandwich   norms on each branch's output bound the residual stream at Pre-LN's quality
-    dyt        DyT (no norm: tanh(alpha x)) matches RMSNorm, depends on alpha0, and helps or hurts
-               with the token budget
+    dyt        DyT (no norm: tanh(alpha x)) matches RMSNorm, depends on alpha0, and helps on a small
+               training set repeated but hurts on plentiful data
 
 Every claim carries the conditions of its source's experiment that this run matches and those it
 does not; verdicts come from 95% t intervals over seeds (normlab.claims).
