@@ -93,7 +93,7 @@ def preset_dyt(lab: Lab) -> dict:
     fields = {**train_fields, "steps": steps, "warmup": max(1, steps // 10), "eval_every": max(1, steps // 4)}
     runs = {}
     for budget, n in budgets.items():
-        data = {"train_tokens": n} if budget == "small" else {}  # large: the whole split, no field (the runs other presets' keys know)
+        data = {"train_tokens": n} if budget == "small" else {}  # large: the whole split, as the runs before it
         tag = f"-{n}tokens" if budget == "small" else ""
         for norm, alpha0, gain in cells:
             varied = {"norm": norm, **({"dyt_alpha0": alpha0} if alpha0 is not None else {}),
@@ -101,6 +101,7 @@ def preset_dyt(lab: Lab) -> dict:
             setting = settings_of(norm, alpha0, gain)
             runs[setting, budget] = [lab.run(f"{setting}-{steps}steps{tag}-s{seed}", fields, model, {**varied, "seed": seed})
                                      for seed in seeds]
+
     def saturated_in(run: dict, budget: str) -> float:
         data = train_split(lab.dataset, budgets[budget] if budget == "small" else 0)
         return lab.job(f"saturation-{run['run']}", {"run": run["run"], "B": tf["batch_size"], "T": tf["seq_len"], "on": "train"},
@@ -113,7 +114,8 @@ def preset_dyt(lab: Lab) -> dict:
         measured[f"{setting}_{budget}_val"] = [r["val_loss"] for r in rs]
         val = stats(measured[f"{setting}_{budget}_val"])
         sat = saturated.get((setting, budget))
-        rows.append({"setting": setting, "budget": budget, "tokens": budgets[budget], "passes": _round(passes[budget], 3), "seeds": len(rs),
+        rows.append({"setting": setting, "budget": budget, "tokens": budgets[budget], "passes": _round(passes[budget], 3),
+                     "seeds": len(rs),
                      "diverged": sum(r["status"] == "diverged" for r in rs), "val_loss": _round(val["mean"]),
                      "val_std": _round(val["std"], 2), "saturated": _round(statistics.fmean(sat), 3) if sat else None})
     means = {a: stats(measured[f"dyt{a:g}_large_val"])["mean"] for a in ALPHA0S}
@@ -171,7 +173,8 @@ def preset_dyt(lab: Lab) -> dict:
         "notes": [f"{len(seeds)} seeds per setting and budget, {steps} steps each; budget: the training tokens the "
                   "steps draw windows from (small: the split's first tokens, large: the whole split), passes: how often "
                   "the steps go over them. Warmup a tenth of the steps, then cosine. saturated: the "
-                  f"share of DyT inputs with |alpha x| > {SATURATED:g} after training (two batches of the run's own training tokens, every DyT, as the study counted). "
+                  f"share of DyT inputs with |alpha x| > {SATURATED:g} after training (two batches of the run's own "
+                  "training tokens, every DyT, as the study counted). "
                   f"The dyt settings start the embedding gain at {EMBED_GAIN:g}; {settings_of('dyt', DEFAULT_ALPHA0, False)} "
                   "is DyT without it (embeddings of RMS 0.02 into the first DyT)."],
     }
