@@ -90,6 +90,15 @@ class ModelConfig:
         def choice(name, valid):
             check_choice(getattr(self, name), name, valid)
 
+        def number(name, zero_ok=False, note="", none_ok=False):
+            """The field a finite real > 0 (>= 0 with ``zero_ok``), or None with ``none_ok``."""
+            value = getattr(self, name)
+            if value is None and none_ok:
+                return
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not (value >= 0 if zero_ok else value > 0):
+                raise ValueError(f"{name} must be a finite number {'>=' if zero_ok else '>'} 0{note}, got {value!r}")
+
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -119,29 +128,17 @@ class ModelConfig:
                 raise ValueError(f"norm_partial must be in (0, 1], got {self.norm_partial}")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
-        for name in ("rope_theta", "init_std"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        for name in ("deepnorm_alpha", "deepnorm_beta"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not (math.isfinite(value) and value > 0)):
-                raise ValueError(f"{name} must be a finite number > 0 or None (None: DeepNet's value), got {value!r}")
-        if self.embed_gain is not None:
-            if isinstance(self.embed_gain, bool) or not isinstance(self.embed_gain, (int, float)) \
-                    or not (math.isfinite(self.embed_gain) and self.embed_gain > 0):
-                raise ValueError(f"embed_gain must be a finite number > 0 or None (None: no gain), got {self.embed_gain!r}")
-            if self.embed_scale:
-                raise ValueError("embed_gain and embed_scale both scale the token embeddings; set one of them")
+        number("rope_theta")
+        number("init_std")
+        number("deepnorm_alpha", note=" or None (None: DeepNet's value)", none_ok=True)
+        number("deepnorm_beta", note=" or None (None: DeepNet's value)", none_ok=True)
+        number("embed_gain", note=" or None (None: no gain)", none_ok=True)
+        if self.embed_gain is not None and self.embed_scale:
+            raise ValueError("embed_gain and embed_scale both scale the token embeddings; set one of them")
         if self.norm_eps < 0 or not math.isfinite(self.norm_eps):
             raise ValueError(f"norm_eps must be a finite number >= 0, got {self.norm_eps}")
-        if isinstance(self.dyt_alpha0, bool) or not isinstance(self.dyt_alpha0, (int, float)) \
-                or not (math.isfinite(self.dyt_alpha0) and self.dyt_alpha0 > 0):
-            raise ValueError(f"dyt_alpha0 must be a finite number > 0 (DyT's initial alpha), got {self.dyt_alpha0!r}")
-        if isinstance(self.norm_shift_noise, bool) or not isinstance(self.norm_shift_noise, (int, float)) \
-                or not (math.isfinite(self.norm_shift_noise) and self.norm_shift_noise >= 0):
-            raise ValueError(f"norm_shift_noise must be a finite number >= 0 (0: none), got {self.norm_shift_noise!r}")
+        number("dyt_alpha0", note=" (DyT's initial alpha)")
+        number("norm_shift_noise", zero_ok=True, note=" (0: none)")
         choice("norm_impl", ("normlab", "torch"))
         choice("init", INITS)
         if self.norm_impl == "torch" and self.norm not in ("layernorm", "rmsnorm"):
