@@ -93,7 +93,8 @@ def check(gen, op, shape, dtype, opts=None, backend="cpu", leaves=None, **leaf_k
     mag = _grad_terms(op, leaves, opts, grads[0])
     for name in fast_g:
         if name in ("weight", "bias"):
-            assert_close(fast_g[name], truth_g[name], lowp=lowp_g[name], dtype=leaves[name].dtype, name=f"{op} d{name}", rule="tensor")
+            assert_close(fast_g[name], truth_g[name], lowp=lowp_g[name], dtype=leaves[name].dtype, name=f"{op} d{name}",
+                         rule="tensor", magnitude=_param_grad_terms(op, leaves, opts, grads[0], name))
         else:
             assert_close(fast_g[name], truth_g[name], lowp=lowp_g[name], dtype=leaves[name].dtype, name=f"{op} d{name}",
                          rule="row", magnitude=mag)
@@ -112,20 +113,36 @@ def _output_terms(op, leaves, lowp):
     return (x.abs() + x.mean(-1, keepdim=True).abs()) * rstd * w
 
 
-def _grad_terms(op, leaves, opts, dy):
-    """|rstd * dy * w|: the size of the terms a norm's input gradient is a difference of (see
-    normlab.testing.assert_close's ``magnitude``)."""
+def _normalized(op, leaves, opts):
+    """xhat and rstd in float64, of the sum for the add ops."""
     x = leaves["x"].double()
     if op.startswith("add"):
         x = x + leaves["residual"].double()
     if "layer" in op:
-        var = (x - x.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True)
-        rstd = torch.rsqrt(var + 1e-5)
+        x = x - x.mean(-1, keepdim=True)
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
     else:
         k = reference.partial_size(x.shape[-1], opts.get("partial"))
         rstd = torch.rsqrt(x[..., :k].pow(2).mean(-1, keepdim=True) + 1e-6)
+    return x * rstd, rstd
+
+
+def _grad_terms(op, leaves, opts, dy):
+    """|rstd * dy * w|: the size of the terms a norm's input gradient is a difference of (see
+    normlab.testing.assert_close's ``magnitude``)."""
+    rstd = _normalized(op, leaves, opts)[1]
     w = leaves["weight"].double() + opts.get("offset", 0.0) if "weight" in leaves else 1.0
     return (rstd * dy.double() * w).abs()
+
+
+def _param_grad_terms(op, leaves, opts, dy, name):
+    """The sum over rows of |dy * xhat| (|dy| for the bias): the size of the terms a weight
+    gradient adds up. The llama cast rounds xhat to the input's dtype before the weight sees it,
+    so each term carries up to half a rounding step of its own size, and where the terms cancel
+    the float64 truth can sit that far from a correct kernel."""
+    dy = dy.double()
+    terms = dy if name == "bias" else dy * _normalized(op, leaves, opts)[0]
+    return terms.abs().reshape(-1, terms.shape[-1]).sum(0)
 
 
 def _add_truth(op, leaves, opts, grads, s_lowp):
@@ -155,6 +172,26 @@ OPS = ["rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm"]
 @pytest.mark.parametrize("op", OPS)
 def test_every_op_dtype_and_size(gen, op, dtype, d):
     check(gen, op, (7, d), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d", [3, 123])
+@pytest.mark.parametrize("op", ["rms_norm", "add_layer_norm"])
+def test_the_weight_gradient_bound_catches_a_dropped_row(gen, op, d, dtype, monkeypatch):
+    # The bound grows with the sum of the terms' sizes; a kernel that leaves out one row of them
+    # must still fail it.
+    run = _run
+
+    def dropping_the_last_row(op, leaves, opts, backend, grads, convert=None):
+        outs, g = run(op, leaves, opts, backend, grads, convert)
+        if backend == "cpu":
+            last = (grads[0].double() * _normalized(op, leaves, opts)[0])[-1]
+            g["weight"] = (g["weight"].double() - last).to(g["weight"].dtype)
+        return outs, g
+
+    monkeypatch.setitem(globals(), "_run", dropping_the_last_row)  # check looks _run up in this module
+    with pytest.raises(AssertionError, match="dweight"):
+        check(gen, op, (7, d), dtype)
 
 
 @pytest.mark.parametrize("op", OPS)
