@@ -577,6 +577,15 @@ def test_sandwich_measures_the_stream_after_every_layer(finished):
     # the Pre-LN runs are the norms preset's RMSNorm runs
     norms_runs = {c["val_curve"]["loss"][-1] for c in finished[1]["presets"]["norms"]["series"]["runs"]["rmsnorm"]}
     assert {c["val_curve"]["loss"][-1] for c in section["series"]["runs"]["pre"]} <= norms_runs
+    # before training: Pre-LN's stream is its small initial embeddings plus small branch outputs,
+    # a sandwich's first layer already adds normalized branch outputs
+    init = section["series"]["stream_rms_at_init"]
+    assert all(len(v) == layers for per_seed in init.values() for v in per_seed)
+    assert min(v[0] for v in init["sandwich"]) > 10 * max(v[0] for v in init["pre"])
+    assert all(t != i for p in init for t, i in zip(section["series"]["stream_rms"][p], init[p]))
+    for row in section["rows"]:
+        ratios = [v[-1] / v[0] for v in init[row["placement"]]]
+        assert row["growth_at_init"] == pytest.approx(sum(ratios) / len(ratios), rel=5e-3)  # rows keep 3 digits
 
 
 

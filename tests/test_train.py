@@ -1,6 +1,7 @@
 """The training loop on a tiny corpus made here: loss falls, exact resume, divergence, SIGINT,
 two-process DDP (gloo) against one process, config resolution and checkpoint errors."""
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from normlab import data as D
 from normlab import train as T
 from normlab.cli import main
 
@@ -63,6 +65,21 @@ def test_resume_continues_exactly(corpus, tmp_path):
     assert losses(tmp_path / "split") == losses(tmp_path / "straight")  # fp32 on CPU: bitwise
     straight = json.loads((tmp_path / "straight" / "summary.json").read_text())
     assert summary["init_val_loss"] == straight["init_val_loss"] is not None  # the loss at init survives the resume
+
+
+def test_initial_model_is_the_run_before_its_first_step(corpus, tmp_path):
+    tcfg, m = tiny(corpus, tmp_path / "run", steps=5)
+    summary = T.train(tcfg, m)
+    dataset = D.prepare(tcfg.data, tcfg.tokenizer, tcfg.bpe_vocab, tcfg.val_fraction)
+    batches = T._fixed_batches(dataset.val, tcfg, tcfg.seq_len, dataset.tokenizer)
+    state = torch.random.get_rng_state()
+    start = T.initial_model(tmp_path / "run")
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random state is left alone
+    assert T.evaluate(start, batches, "cpu", contextlib.nullcontext()) == summary["init_val_loss"]  # fp32 on CPU: bitwise
+    trained = T.load_run(tmp_path / "run")[0]
+    assert not torch.equal(trained.state_dict()["embed.weight"], start.state_dict()["embed.weight"])
+    with pytest.raises(FileNotFoundError, match="not a run directory"):
+        T.initial_model(tmp_path)
 
 
 def test_a_huge_learning_rate_ends_as_diverged_with_a_usable_checkpoint(corpus, tmp_path):

@@ -355,6 +355,9 @@ def plot_sandwich(section: dict, plt) -> dict:
         for i, layers in enumerate(per_seed):
             axes[0].plot(range(1, len(layers) + 1), layers, marker="o", color=PLACEMENT_COLOURS.get(p),
                          label=p if i == 0 else None, alpha=0.8)
+        for i, layers in enumerate(section["series"].get("stream_rms_at_init", {}).get(p, [])):
+            axes[0].plot(range(1, len(layers) + 1), layers, ls="--", marker=".", color=PLACEMENT_COLOURS.get(p),
+                         label=f"{p}, before training" if i == 0 else None, alpha=0.6)
         xs, mean, lo, hi = _mean_curve(section["series"]["runs"][p], "step")
         if xs:
             axes[1].plot(xs, mean, color=PLACEMENT_COLOURS.get(p), label=p)
@@ -362,7 +365,7 @@ def plot_sandwich(section: dict, plt) -> dict:
     axes[0].set_xlabel("layer")
     axes[0].set_ylabel("residual stream RMS after the layer")
     axes[0].set_yscale("log")
-    axes[0].set_title("after training (each seed)", fontsize=10)
+    axes[0].set_title("after training and before it (dashed), each seed", fontsize=10)
     axes[0].legend(fontsize=8)
     axes[1].set_xlabel("step")
     axes[1].set_ylabel("validation loss")

@@ -285,8 +285,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
     seq_len = tcfg.seq_len or mcfg.max_seq_len
     if seq_len > mcfg.max_seq_len:
         raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
-    torch.manual_seed(tcfg.seed)
-    model = Decoder(mcfg).to(device)
+    model = _initialized(mcfg, tcfg.seed).to(device)
     opt = make_optimizer(model, tcfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, tcfg) / tcfg.lr)
     batches = make_batches(train_split(dataset, tcfg.train_tokens), tcfg, seq_len, tcfg.seed, dataset.tokenizer, rank, world)
@@ -505,16 +504,31 @@ def _progress(tcfg: TrainConfig, start: int, console):
 # ---------------------------------------------------------------------------------- sample
 
 
-def load_run(run: str | Path) -> tuple[Decoder, D.Tokenizer]:
-    run = Path(run)
+def _initialized(mcfg: ModelConfig, seed: int) -> Decoder:
+    torch.manual_seed(seed)
+    return Decoder(mcfg)
+
+
+def _saved_config(run: Path) -> dict:
     if not (run / "config.json").exists():
         raise FileNotFoundError(f"{run} is not a run directory (no config.json)")
-    saved = json.loads((run / "config.json").read_text())
+    return json.loads((run / "config.json").read_text())
+
+
+def load_run(run: str | Path) -> tuple[Decoder, D.Tokenizer]:
+    run = Path(run)
+    saved = _saved_config(run)
     tok = D.load_tokenizer(run / "tokenizer.json")
-    mcfg = ModelConfig(**saved["model_resolved"])
-    model = Decoder(mcfg)
+    model = Decoder(ModelConfig(**saved["model_resolved"]))
     model.load_state_dict(load_checkpoint(run / "checkpoint.pt")["model"])
     return model.eval(), tok
+
+
+def initial_model(run: str | Path) -> Decoder:
+    """The run's model as it was before its first step: the same config and seed, untrained."""
+    saved = _saved_config(Path(run))
+    with torch.random.fork_rng(devices=[]):  # leaves the caller's random state alone
+        return _initialized(ModelConfig(**saved["model_resolved"]), saved["train"]["seed"]).eval()
 
 
 def sample(run: str | Path, prompt: str, tokens: int = 200, temperature: float = 0.8, top_k: int | None = 50, seed: int = 0) -> str:

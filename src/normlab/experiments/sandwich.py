@@ -3,7 +3,8 @@ LayerNorm; Gemma 2's and OLMo 2's post-branch norms) against Pre-LN.
 
 Pre-LN adds each branch's raw output to the residual stream, so the stream's scale can grow from
 layer to layer; the sandwich normalizes what each branch adds. Measured after training: the
-residual stream's RMS after each layer on fixed validation batches, and the final loss.
+residual stream's RMS after each layer on fixed validation batches, and the final loss. The same
+RMS of each run's untrained model shows how much of the growth the placement has before training.
 """
 
 from __future__ import annotations
@@ -14,17 +15,17 @@ from normlab import claims as C
 from normlab import data as D
 from normlab.experiments.lab import Lab, _curves, _pick, _round, stats, trains, unigram_loss
 from normlab.experiments.norms import COMPARABLE, lm_sizes
-from normlab.train import load_run
+from normlab.train import initial_model, load_run
 
 SANDWICH = ("Ding et al. (2021), CogView (sandwich LayerNorm); Gemma Team (2024), Gemma 2; "
             "OLMo Team (2024), 2 OLMo 2 Furious (a norm on each branch's output)")
 
 
 @torch.no_grad()
-def stream_rms(folder, val_tokens, batch_size: int, seq_len: int) -> list[float]:
-    """The residual stream's RMS after each layer of a trained run, averaged over 4 fixed batches."""
-    model, _ = load_run(folder)
-    model.eval()
+def stream_rms(folder, val_tokens, batch_size: int, seq_len: int, trained: bool = True) -> list[float]:
+    """The residual stream's RMS after each layer of a run (trained, or as it was before its first
+    step), averaged over 4 fixed batches."""
+    model = load_run(folder)[0] if trained else initial_model(folder)
     gen = D.Batches(val_tokens, batch_size, seq_len, seed=505)
     total = None
     for _ in range(4):
@@ -44,26 +45,35 @@ def preset_sandwich(lab: Lab) -> dict:
                                 {**model, "placement": placement}, {"norm": "rmsnorm", "seed": seed}) for seed in seeds]
             for placement in ("pre", "sandwich")}
     tf = {**train_fields, **lab.train_over}
-    by_layer = {p: [lab.job(f"stream-rms-{r['run']}", {"run": r["run"], "B": tf["batch_size"], "T": tf["seq_len"]},
-                            lambda r=r: stream_rms(lab.out / "runs" / r["run"], lab.dataset.val, tf["batch_size"], tf["seq_len"]))
-                    for r in rs] for p, rs in runs.items()}
+
+    def measure(r, trained):
+        return lab.job(f"stream-rms-{r['run']}" if trained else f"stream-rms-init-{r['run']}",
+                       {"run": r["run"], "B": tf["batch_size"], "T": tf["seq_len"]},
+                       lambda: stream_rms(lab.out / "runs" / r["run"], lab.dataset.val, tf["batch_size"], tf["seq_len"], trained))
+
+    by_layer = {p: [measure(r, True) for r in rs] for p, rs in runs.items()}
+    at_init = {p: [measure(r, False) for r in rs] for p, rs in runs.items()}
     rows, measured = [], {"unigram_loss": unigram_loss(lab.dataset.train)}
     for p, rs in runs.items():
         layers = by_layer[p]
         measured[f"{p}_val"] = [r["val_loss"] for r in rs]
         measured[f"{p}_max_stream_rms"] = [max(ls) for ls in layers]
         measured[f"{p}_stream_growth"] = [ls[-1] / ls[0] for ls in layers]
+        measured[f"{p}_stream_growth_at_init"] = [ls[-1] / ls[0] for ls in at_init[p]]
         val = stats(measured[f"{p}_val"])
         rows.append({"placement": p, "seeds": len(rs), "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2),
                      "stream_rms_first": _round(stats([ls[0] for ls in layers])["mean"], 3),
                      "stream_rms_last": _round(stats([ls[-1] for ls in layers])["mean"], 3),
-                     "stream_growth": _round(stats(measured[f"{p}_stream_growth"])["mean"], 3)})
+                     "stream_growth": _round(stats(measured[f"{p}_stream_growth"])["mean"], 3),
+                     "growth_at_init": _round(stats(measured[f"{p}_stream_growth_at_init"])["mean"], 3)})
     conditions = [
         "matches: the same RMSNorm decoder with a norm on each branch's input (Pre-LN) or on its input and output "
         "(sandwich, as Gemma 2 and OLMo 2 place them), and a final norm in both",
         "matches: the residual stream's RMS after each layer, measured after training on fixed validation batches",
         "differs: 4 layers on Shakespeare characters for a few hundred steps (CogView: 48 layers, and the growth it "
         "reports appears over long training)",
+        "differs: in so short a run much of the growth is there before training (growth_at_init): a sandwich adds "
+        "normalized branch outputs from the first step, Pre-LN the outputs of its small initial weights",
     ]
     claims = [
         C.claim("sandwich.stream_growth", "with sandwich norms the residual stream grows less from the first layer to the "
@@ -79,9 +89,12 @@ def preset_sandwich(lab: Lab) -> dict:
         "question": "Does normalizing each branch's output bound the residual stream, and at what cost in loss?",
         "settings": {"train": {**train_fields, **lab.train_over}, "model": {**model, **lab.model_over, "norm": "rmsnorm"},
                      "seeds": seeds},
-        "columns": ["placement", "seeds", "val_loss", "val_std", "stream_rms_first", "stream_rms_last", "stream_growth"],
+        "columns": ["placement", "seeds", "val_loss", "val_std", "stream_rms_first", "stream_rms_last", "stream_growth",
+                    "growth_at_init"],
         "rows": rows, "claims": claims,
-        "series": {"runs": {p: [_curves(r) for r in rs] for p, rs in runs.items()}, "stream_rms": by_layer},
+        "series": {"runs": {p: [_curves(r) for r in rs] for p, rs in runs.items()}, "stream_rms": by_layer,
+                   "stream_rms_at_init": at_init},
         "notes": [f"{len(seeds)} seeds per placement. stream_rms: the residual stream's RMS after each layer (mean over "
-                  "seeds); growth: last layer over first, per seed. The Pre-LN runs are the norms preset's RMSNorm runs."],
+                  "seeds); growth: last layer over first, per seed; growth_at_init: the same ratio for each run's model before its "
+                  "first step (same config and seed). The Pre-LN runs are the norms preset's RMSNorm runs."],
     }
