@@ -363,10 +363,11 @@ def plot_sandwich(section: dict, plt) -> dict:
             axes[1].plot(xs, mean, color=PLACEMENT_COLOURS.get(p), label=p)
             axes[1].fill_between(xs, lo, hi, color=PLACEMENT_COLOURS.get(p), alpha=0.2)
     axes[0].set_xlabel("layer")
+    axes[0].set_xticks(range(1, section["settings"]["model"]["n_layers"] + 1))
     axes[0].set_ylabel("residual stream RMS after the layer")
     axes[0].set_yscale("log")
     axes[0].set_title("after training and before it (dashed), each seed", fontsize=10)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=8, ncol=2, loc="center right")  # between Pre-LN's trained and untrained lines
     axes[1].set_xlabel("step")
     axes[1].set_ylabel("validation loss")
     axes[1].legend(fontsize=8)
