@@ -178,18 +178,20 @@ def test_every_op_dtype_and_size(gen, op, dtype, d):
 @pytest.mark.parametrize("d", [3, 123])
 @pytest.mark.parametrize("op", ["rms_norm", "add_layer_norm"])
 def test_the_weight_gradient_bound_catches_a_dropped_row(gen, op, d, dtype, monkeypatch):
-    # The bound grows with the sum of the terms' sizes; a kernel that leaves out one row of them
-    # must still fail it.
+    # The bound grows with the sum of the terms' sizes; a kernel that leaves out a row of them
+    # must still fail it. The row holding the largest term: at 3 features a row of three tiny
+    # terms hides under the bound about once in a thousand draws.
     run = _run
 
-    def dropping_the_last_row(op, leaves, opts, backend, grads, convert=None):
+    def dropping_a_row(op, leaves, opts, backend, grads, convert=None):
         outs, g = run(op, leaves, opts, backend, grads, convert)
         if backend == "cpu":
-            last = (grads[0].double() * _normalized(op, leaves, opts)[0])[-1]
-            g["weight"] = (g["weight"].double() - last).to(g["weight"].dtype)
+            terms = grads[0].double() * _normalized(op, leaves, opts)[0]
+            row = terms.abs().amax(-1).argmax()
+            g["weight"] = (g["weight"].double() - terms[row]).to(g["weight"].dtype)
         return outs, g
 
-    monkeypatch.setitem(globals(), "_run", dropping_the_last_row)  # check looks _run up in this module
+    monkeypatch.setitem(globals(), "_run", dropping_a_row)  # check looks _run up in this module
     with pytest.raises(AssertionError, match="dweight"):
         check(gen, op, (7, d), dtype)
 
