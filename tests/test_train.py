@@ -240,8 +240,6 @@ def test_training_fields_are_checked(key, value, message):
 
 
 def test_train_tokens_draws_every_window_from_the_first_tokens(corpus, tmp_path, monkeypatch):
-    from normlab import data as D
-
     dataset = D.prepare(str(corpus), "char")
     assert T.train_split(dataset, 0) is dataset.train
     small = T.train_split(dataset, 300)

@@ -92,9 +92,10 @@ def preset_dyt(lab: Lab) -> dict:
     cells.append(("dyt", DEFAULT_ALPHA0, False))
     fields = {**train_fields, "steps": steps, "warmup": max(1, steps // 10), "eval_every": max(1, steps // 4)}
     runs = {}
-    for budget, n in budgets.items():
-        data = {"train_tokens": n} if budget == "small" else {}  # large: the whole split, as the runs before it
-        tag = f"-{n}tokens" if budget == "small" else ""
+    train_tokens = {"small": budgets["small"], "large": 0}  # 0: the whole split, as the runs before it
+    for budget, n in train_tokens.items():
+        data = {"train_tokens": n} if n else {}
+        tag = f"-{n}tokens" if n else ""
         for norm, alpha0, gain in cells:
             varied = {"norm": norm, **({"dyt_alpha0": alpha0} if alpha0 is not None else {}),
                       **({"embed_gain": EMBED_GAIN} if gain else {}), **data}
@@ -103,7 +104,7 @@ def preset_dyt(lab: Lab) -> dict:
                                      for seed in seeds]
 
     def saturated_in(run: dict, budget: str) -> float:
-        data = train_split(lab.dataset, budgets[budget] if budget == "small" else 0)
+        data = train_split(lab.dataset, train_tokens[budget])
         return lab.job(f"saturation-{run['run']}", {"run": run["run"], "B": tf["batch_size"], "T": tf["seq_len"], "on": "train"},
                        lambda: saturation(lab.out / "runs" / run["run"], data, tf["batch_size"], tf["seq_len"]))
 
