@@ -386,3 +386,23 @@ def test_generate_checks_its_arguments(gen):
         m.generate(prompt, 2, top_k=0)
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 64\)"):
         m.generate(torch.tensor([[1, 64]]), 2)
+
+
+def test_shift_noise_is_a_fraction_of_each_row_s_rms():
+    from normlab.model import _norm
+
+    class Identity(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    probe = Identity()
+    probe.shift_noise = 0.5
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, 64, generator=gen, dtype=torch.float64) * torch.logspace(-3, 3, 4000, dtype=torch.float64)[:, None]
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    torch.manual_seed(1)
+    shift = (_norm(probe, x, None) - x) / rms  # (rows, d): one constant per row, in units of the row's RMS
+    assert torch.allclose(shift, shift[:, :1].expand_as(shift), rtol=0, atol=1e-9)
+    assert shift[:, 0].std().item() == pytest.approx(0.5, rel=0.05)  # the same relative size at every scale
+    big, small = shift[2000:, 0], shift[:2000, 0]
+    assert big.std().item() == pytest.approx(small.std().item(), rel=0.1)

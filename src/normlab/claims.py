@@ -8,23 +8,39 @@ numbers into a verdict: ``holds``, ``does not hold`` or ``inconclusive``. Rules 
 Measured values are either samples (a list: one value per seed, or per timing process) or exact
 numbers (a count, a constant such as the unigram loss, or a worst case over everything measured).
 
-A leaf rule compares ``a`` (a key) with ``b`` (a key or a number) through the relative gap
-g = (mean a - mean b) / |mean b| (for b = 0: the difference itself). On samples, g gets a 95%
-Student t interval [lo, hi]: Welch's for two independent sets of samples, a one-sample interval
-when b is exact, or the interval of the mean pairwise difference when the rule is ``paired``
-(samples taken side by side, such as step times measured in the same process). With margin m:
+**The gap.** A leaf rule compares ``a`` (a key) with ``b`` (a key or a number). A relative gap is
+a log ratio, so that the noise of the denominator counts and no interval passes -100%: log(a/b)
+per pair when the rule is ``paired`` (samples taken side by side: seeds that share data order and
+init, step times from the same process), mean log a minus mean log b (Welch) for independent
+samples, mean log a minus log b (one-sample) for an exact b. The report shows exp(.) - 1. An
+``absolute`` gap (slopes, differences of shares), or any gap against an exact 0, is a - b itself.
+Intervals and p-values come from scipy.stats (ttest_rel, ttest_ind(equal_var=False),
+ttest_1samp). Fewer than two samples, or samples without spread, give no t interval.
 
-- ``within``:   holds when [lo, hi] lies inside [-m, m] (two one-sided tests); does not hold when it
-                lies wholly outside; otherwise inconclusive.
-- ``above``:    holds when lo >= m ("a at least m above b"); does not hold when hi <= 0 (the interval
-                excludes the claimed direction); otherwise inconclusive. ``below`` mirrors it.
-- ``at_most``:  holds when hi <= m; does not hold when lo > m. ``at_least``: holds when lo >= -m;
-                does not hold when hi < -m. Otherwise inconclusive.
+**The decision.** With margin m each leaf asks one of three things of the gap g:
 
-Fewer than two samples give no interval, so such a leaf is inconclusive. ``point`` leaves are judged
-on exact numbers, with lo = hi = g: they are for gross outcomes (divergence counts, non-finite
-outputs) and worst cases, where one observation decides. A missing value (None or non-finite: a
-run diverged, nothing was measured) is dropped from the samples, and makes an exact value missing.
+- ``within``:  -m <= g <= m (equivalence: two one-sided tests) against |g| > m;
+- ``above``:   g > m against g < m (``at_least`` is the same test against -m); with m = 0 a
+               plain direction;
+- ``below``:   g < -m against g > -m (``at_most``: g < m against g > m).
+
+Each side has a one-sided p-value; the leaf's p is twice the smaller one (a two-sided test of
+"which side is it on"), and the leaf concludes that side when p <= alpha. At alpha = 0.05 this is
+exactly the reading of the 95% interval: ``holds`` when it lies beyond (or, for within, inside)
+the margin, ``does not hold`` when it lies wholly on the other side (so "at least 7% faster" is
+rejected by an interval of 6.1% to 7.0%), ``inconclusive`` only when it straddles the margin.
+
+**Family-wise.** One ``normlab compare`` invocation tests many leaves. :func:`familywise` adjusts
+their p-values by Holm's step-down (uniformly more powerful than Bonferroni and, like it, valid
+under any dependence between the tests, which the presets' shared runs create) so that the
+chance of any wrong conclusive verdict in the family is at most 5%. Each claim keeps its plain
+per-claim verdict beside the family-wise one.
+
+**Exact leaves.** ``point`` leaves are judged on exact numbers (a divergence count, a non-finite
+output, a worst case over everything measured): there is nothing to sample, so they are outside
+the family. ``test="sign"`` judges a discrete outcome (a best learning rate on a grid) by the
+exact sign test over pairs, never by a t interval of zero width. A missing value (None or
+non-finite: a run diverged, nothing was measured) is dropped from the samples.
 
 Every threshold (a non-zero margin, or a literal ``b``) carries its ``origin``: ``source`` with the
 sentence or number from the paper, or ``normlab`` with a line saying why the lab chose it.
@@ -36,83 +52,114 @@ a claim about what warmup changes cannot be tested where nothing trained in the 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import statistics
+import warnings
 
-import numpy as np
+from scipy import stats as S
 
 HOLDS, FAILS, UNSURE = "holds", "does not hold", "inconclusive"
 VERDICTS = (HOLDS, FAILS, UNSURE)
 LEAVES = ("within", "above", "below", "at_most", "at_least")
-LEVEL = 0.95  # two-sided confidence of every interval (so each one-sided test is at 2.5%)
+LEVEL = 0.95  # two-sided confidence of every plain interval (so each one-sided test is at 2.5%)
+ALPHA = 0.05  # the family-wise error of one invocation's verdicts (and the plain per-claim error)
+TESTS = ("t", "sign")
 
 
 # ------------------------------------------------------------------------------ statistics
-
-_NODES, _WEIGHTS = np.polynomial.legendre.leggauss(96)
-
-
-def t_quantile(p: float, df: float) -> float:
-    """The p-quantile (p > 0.5) of Student's t with ``df`` >= 1 degrees of freedom (real df, as
-    Welch's interval needs): bisection on the CDF, whose density is integrated by Gauss-Legendre."""
-    if not 0.5 < p < 1 or not df >= 1:
-        raise ValueError(f"t_quantile needs 0.5 < p < 1 and df >= 1, got p={p}, df={df}")
-    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
-
-    def cdf(t: float) -> float:
-        x = 0.5 * t * (_NODES + 1)
-        return 0.5 + 0.5 * t * float(np.dot(_WEIGHTS, c * (1 + x * x / df) ** (-(df + 1) / 2)))
-
-    lo, hi = 0.0, 1.0
-    while cdf(hi) < p:
-        lo, hi = hi, 2 * hi
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
-    return 0.5 * (lo + hi)
 
 
 def _finite(values) -> list[float]:
     return [float(v) for v in values if v is not None and math.isfinite(v)]
 
 
-def interval(a: list, b, *, paired: bool = False, absolute: bool = False) -> dict | None:
-    """The 95% interval of the relative gap (mean a - mean b) / |mean b| (of mean a - mean b
-    itself when ``absolute`` or when b is 0).
+def _pairs(a: list, b: list) -> list[tuple[float, float]]:
+    return [(float(x), float(y)) for x, y in zip(a, b)
+            if x is not None and y is not None and math.isfinite(x) and math.isfinite(y)]
 
-    ``b`` is a list of samples (Welch, or pairwise differences when ``paired``) or an exact number
-    (one-sample interval). None when there is no interval: fewer than two samples on a side."""
+
+def interval(a: list, b, *, paired: bool = False, absolute: bool = False, level: float = LEVEL) -> dict | None:
+    """The ``level`` t interval of the gap between a and b (see the module docstring): a log
+    ratio (``relative``), or a - b when ``absolute`` or b is 0. ``b`` is a list of samples or an
+    exact number. Returns the estimate, bounds and standard error in the test's own units
+    (``est``, ``lo``, ``hi``, ``se``: logs for a relative gap), the gap as the report shows it
+    (``gap``, ``gap_lo``, ``gap_hi``), ``df``, ``n`` and ``test``; or ``{"none": why}`` when there
+    is no t interval, and None with fewer than two samples on a side."""
+    relative = not absolute and not (not isinstance(b, list) and b == 0)
     if paired:
-        pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None and math.isfinite(x) and math.isfinite(y)]
-        if len(pairs) < 2:
-            return None
-        d = [x - y for x, y in pairs]
-        scale = abs(statistics.fmean(y for _, y in pairs))
-        est, se, df = statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d)), len(d) - 1
-        n = (len(pairs), len(pairs))
+        pairs = _pairs(a, b)
+        xa, xb = [x for x, _ in pairs], [y for _, y in pairs]
     else:
         xa = _finite(a)
-        if len(xa) < 2:
-            return None
-        if isinstance(b, list):
-            xb = _finite(b)
-            if len(xb) < 2:
-                return None
-            va, vb = statistics.variance(xa) / len(xa), statistics.variance(xb) / len(xb)
-            scale = abs(statistics.fmean(xb))
-            est, se = statistics.fmean(xa) - statistics.fmean(xb), math.sqrt(va + vb)
-            # Welch-Satterthwaite degrees of freedom
-            df = (va + vb) ** 2 / (va**2 / (len(xa) - 1) + vb**2 / (len(xb) - 1)) if va + vb > 0 else len(xa) + len(xb) - 2
-            n = (len(xa), len(xb))
+        xb = _finite(b) if isinstance(b, list) else None
+    if len(xa) < 2 or (xb is not None and len(xb) < 2):
+        return None
+    if relative and (min(xa) <= 0 or (min(xb) <= 0 if xb is not None else b <= 0)):
+        return {"none": "a relative gap is a log ratio and needs positive values (use an absolute rule)"}
+    f = math.log if relative else float
+    la = [f(x) for x in xa]
+    lb = [f(y) for y in xb] if xb is not None else f(b)
+    if paired:
+        d = [x - y for x, y in zip(la, lb)]
+        spread, test, n = statistics.pstdev(d), "paired t", (len(d), len(d))
+    elif xb is not None:
+        spread, test, n = statistics.pstdev(la) + statistics.pstdev(lb), "Welch t", (len(la), len(lb))
+    else:
+        spread, test, n = statistics.pstdev(la), "one-sample t", (len(la), None)
+    if spread == 0:
+        return {"none": "the samples have no spread, so they give no t interval"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # scipy's precision notes on near-equal samples
+        if paired:
+            r = S.ttest_rel(la, lb)
+            est = statistics.fmean(d)
+        elif xb is not None:
+            r = S.ttest_ind(la, lb, equal_var=False)
+            est = statistics.fmean(la) - statistics.fmean(lb)
         else:
-            scale = abs(b)
-            est, se, df = statistics.fmean(xa) - b, statistics.stdev(xa) / math.sqrt(len(xa)), len(xa) - 1
-            n = (len(xa), None)
-    relative = scale > 0 and not absolute
-    scale = scale if relative else 1.0  # b = 0: the gap is the difference itself
-    half = t_quantile(0.5 + LEVEL / 2, df) * se
-    return {"gap": est / scale, "lo": (est - half) / scale, "hi": (est + half) / scale, "df": df, "n": n,
-            "relative": relative}
+            r = S.ttest_1samp(la, lb)
+            est = statistics.fmean(la) - lb
+        ci = r.confidence_interval(level)
+    shift = 0.0 if paired or xb is not None else lb  # ttest_1samp's interval is of the mean itself
+    lo, hi, df = float(ci.low) - shift, float(ci.high) - shift, float(r.df)
+    se = float((hi - lo) / (2 * S.t.ppf(0.5 + level / 2, df)))
+    est = float(est)
+    show = math.expm1 if relative else float
+    return {"est": est, "lo": lo, "hi": hi, "se": se, "df": df, "n": n, "test": test, "relative": relative,
+            "gap": show(est), "gap_lo": show(lo), "gap_hi": show(hi)}
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the order given (statsmodels' multipletests with
+    method="holm" gives the same): the k-th smallest p is multiplied by the number of tests not
+    yet rejected before it, and an adjusted p never falls below the one before it."""
+    k = len(p_values)
+    adjusted = [1.0] * k
+    running = 0.0
+    for rank, i in enumerate(sorted(range(k), key=p_values.__getitem__)):
+        running = max(running, min(1.0, (k - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def holm_adjust(p: float, family: list[float]) -> float:
+    """Holm's adjusted value of ``p`` (one of ``family``'s p-values, up to float rounding)."""
+    return _holm_of(sorted(family))(p)
+
+
+def _holm_of(ranked: list[float]):
+    k = len(ranked)
+    steps = list(itertools.accumulate((min(1.0, (k - j) * q) for j, q in enumerate(ranked)), max))
+
+    def adjusted(p: float) -> float:
+        top = bisect.bisect_right(ranked, p * (1 + 1e-9) + 1e-300)
+        if top == 0:
+            raise ValueError(f"p = {p:g} is not one of the family's p-values")
+        return steps[top - 1]
+
+    return adjusted
 
 
 # ---------------------------------------------------------------------------------- judging
@@ -138,75 +185,252 @@ def _samples(measured: dict, ref):
     return float(v)
 
 
-def _decide(kind: str, lo: float, hi: float, m: float) -> str:
+def _sides(rule: dict) -> tuple[str, float, float]:
+    """The leaf's question as thresholds on the gap in its shown units: ("within", lo, hi), or
+    ("greater" / "less", threshold, threshold) for what ``holds`` asks."""
+    kind, m = rule["kind"], rule.get("rel", 0.0)
     if kind == "within":
-        return HOLDS if -m <= lo and hi <= m else FAILS if lo > m or hi < -m else UNSURE
-    if kind == "above":
-        return HOLDS if (lo >= m if m else lo > 0) else FAILS if hi <= 0 else UNSURE
-    if kind == "below":
-        return HOLDS if (hi <= -m if m else hi < 0) else FAILS if lo >= 0 else UNSURE
-    if kind == "at_most":
-        return HOLDS if hi <= m else FAILS if lo > m else UNSURE
-    return HOLDS if lo >= -m else FAILS if hi < -m else UNSURE  # at_least
+        return "within", -m, m
+    c = {"above": m, "at_least": -m, "below": -m, "at_most": m}[kind]
+    return ("greater" if kind in ("above", "at_least") else "less"), c, c
 
 
-def _judge_leaf(rule: dict, measured: dict) -> tuple[str, str]:
+def _to_test_units(g: float, relative: bool) -> float:
+    if not relative:
+        return g
+    return math.log1p(g) if g > -1 else -math.inf
+
+
+def _p_sides(rule: dict, ci: dict) -> tuple[float, float]:
+    """One-sided p-values (for ``holds``, for ``does not hold``) of a t leaf."""
+    shape, lo, hi = _sides(rule)
+    lo, hi = _to_test_units(lo, ci["relative"]), _to_test_units(hi, ci["relative"])
+
+    def gt(c):  # p of concluding gap > c
+        return float(S.t.sf((ci["est"] - c) / ci["se"], ci["df"])) if math.isfinite(c) else 0.0
+
+    def lt(c):  # p of concluding gap < c
+        return float(S.t.cdf((ci["est"] - c) / ci["se"], ci["df"])) if math.isfinite(c) else 1.0
+
+    if shape == "within":
+        return max(gt(lo), lt(hi)), min(gt(hi), lt(lo))
+    return (gt(lo), lt(lo)) if shape == "greater" else (lt(lo), gt(lo))
+
+
+def _sign_counts(rule: dict, va, vb) -> tuple[int, int, int]:
+    """(pairs above the threshold, below it, ties) for a sign-test leaf."""
+    _, c, _ = _sides(rule)
+    d = [x - y for x, y in _pairs(va, vb)] if isinstance(vb, list) else [x - vb for x in _finite(va)]
+    above, below = sum(x > c for x in d), sum(x < c for x in d)
+    return above, below, len(d) - above - below
+
+
+def _p_sign(rule: dict, above: int, below: int) -> tuple[float, float]:
+    n = above + below
+    if n == 0:
+        return 1.0, 1.0
+    p_gt = float(S.binomtest(above, n, 0.5, alternative="greater").pvalue)
+    p_lt = float(S.binomtest(below, n, 0.5, alternative="greater").pvalue)
+    return (p_gt, p_lt) if _sides(rule)[0] == "greater" else (p_lt, p_gt)
+
+
+def _decided(p_hold: float, p_fail: float, alpha: float) -> tuple[str, float]:
+    """The leaf's p (twice the smaller side) and the side it concludes at ``alpha``."""
+    p = min(1.0, 2 * min(p_hold, p_fail))
+    return (HOLDS if p_hold <= p_fail else FAILS) if p <= alpha else UNSURE, p
+
+
+def _judge_leaf(rule: dict, measured: dict, adjust) -> tuple[str, str, float | None]:
+    """(verdict, evidence line, p) of one leaf; p is None for exact leaves."""
     kind, a, b, m = rule["kind"], rule["a"], rule["b"], rule.get("rel", 0.0)
     if rule.get("point"):
         va, vb = _exact(measured, a), _exact(measured, b)
         if va is None or vb is None:
-            return UNSURE, f"{a} vs {_b_text(b)}: not measured (a run diverged or nothing was measured): inconclusive"
+            return UNSURE, f"{a} vs {_b_text(b)}: not measured (a run diverged or nothing was measured): inconclusive", None
         gap = (va - vb) / abs(vb) if vb and not rule.get("absolute") else va - vb
-        verdict = _decide(kind, gap, gap, m)
+        shape, lo, hi = _sides(rule)
+        strict = kind in ("above", "below") and not m  # "above b" excludes b itself; "at least b" does not
+        if shape == "within":
+            verdict = HOLDS if lo <= gap <= hi else FAILS
+        elif shape == "greater":
+            verdict = HOLDS if (gap > lo if strict else gap >= lo) else FAILS
+        else:
+            verdict = HOLDS if (gap < lo if strict else gap <= lo) else FAILS
         what = f"{_num(va)}" + (f" vs {b} = {_num(vb)}" if isinstance(b, str) else "")
-        return verdict, f"{a}: {what}, must be {_requirement(rule)} (exact; {rule['point']}): {verdict}"
+        return verdict, f"{a}: {what}, must be {_requirement(rule)} (exact; {rule['point']}; not a sampled test): {verdict}", None
     va, vb = _samples(measured, a), _samples(measured, b)
     if va is None or vb is None:
-        return UNSURE, f"{a} vs {_b_text(b)}: not measured: inconclusive"
+        return UNSURE, f"{a} vs {_b_text(b)}: not measured: inconclusive", 1.0
     if not isinstance(va, list):
         va = [va]
     over = rule.get("over", "seeds")
+    if rule.get("test") == "sign":
+        up, down, ties = _sign_counts(rule, va, vb)
+        p_hold, p_fail = _p_sign(rule, up, down)
+        verdict, p = _decided(p_hold, p_fail, ALPHA)
+        line = (f"{a} vs {_b_text(b)}: {up} of {up + down + ties} {over} above {_sides(rule)[1] + 0:g}, {down} below, {ties} tied "
+                f"(exact sign test), must be {_target_text(rule)}")
+        return _finish(line, verdict, p, p_hold <= p_fail, adjust)
     ci = interval(va, vb, paired=rule.get("paired", False), absolute=rule.get("absolute", False))
-    if ci is None:
+    if ci is None or "none" in ci:
         n = len(_finite(va))
-        return UNSURE, (f"{a} vs {_b_text(b)}: {n} {over if n != 1 else over.rstrip('s')} {'give' if n != 1 else 'gives'} no interval "
-                        f"(at least 2 needed on each side): inconclusive")
-    verdict = _decide(kind, ci["lo"], ci["hi"], m)
+        why = (ci or {}).get("none") or (f"{n} {over if n != 1 else over.rstrip('s')} {'give' if n != 1 else 'gives'} no "
+                                          "interval (at least 2 needed on each side)")
+        return UNSURE, f"{a} vs {_b_text(b)}: {why}: inconclusive", 1.0
+    p_hold, p_fail = _p_sides(rule, ci)
+    verdict, p = _decided(p_hold, p_fail, ALPHA)
     fmt = _pct if ci["relative"] else _num
     na, nb = ci["n"]
     ns = f"{na} {over}" if nb is None else (f"{na} pairs of {over}" if rule.get("paired") else f"{na} and {nb} {over}")
-    test = "paired t" if rule.get("paired") else "one-sample t" if nb is None else "Welch t"
-    gap_rule = _target_text(rule) if m else {"within": "0", "above": "> 0", "below": "< 0", "at_most": "<= 0",
-                                              "at_least": ">= 0"}[kind]
-    return verdict, (f"{a} vs {_b_text(b)}: gap {fmt(ci['gap'])} (95% CI {fmt(ci['lo'])} to {fmt(ci['hi'])}, {ns}, "
-                     f"{test}, df {ci['df']:.3g}), must be {gap_rule}: {verdict}")
+    test = ci["test"] + (" on log ratios" if ci["relative"] else "")
+    line = (f"{a} vs {_b_text(b)}: gap {fmt(ci['gap'])} (95% CI {fmt(ci['gap_lo'])} to {fmt(ci['gap_hi'])}, {ns}, {test}, "
+            f"df {ci['df']:.3g}), must be {_gap_rule(rule)}")
+    supports = _supports(rule, ci)
+    return _finish(line + (f"; {supports}" if supports else ""), verdict, p, p_hold <= p_fail, adjust)
 
 
-def evaluate(rule: dict, measured: dict) -> tuple[str, list[str]]:
+def _finish(line: str, verdict: str, p: float, leans_holds: bool, adjust) -> tuple[str, str, float]:
+    """The evidence line's ending: the plain p and verdict, and the family-wise ones when adjusted."""
+    if adjust is None:
+        return verdict, f"{line}; p {_p(p)}: {verdict}", p
+    q = adjust(p)
+    family = (HOLDS if leans_holds else FAILS) if q <= ALPHA else UNSURE
+    return family, f"{line}; p {_p(p)} ({verdict} alone), Holm-adjusted p {_p(q)}: {family}", p
+
+
+def _supports(rule: dict, ci: dict) -> str:
+    """What the interval supports, in words, where the claim states a size or an equivalence."""
+    fmt = (lambda v: f"{abs(v):.1%}") if ci["relative"] else (lambda v: f"{abs(v):.4g}")
+    signed = _pct if ci["relative"] else _num
+    lo, hi = ci["gap_lo"], ci["gap_hi"]
+    kind, (shape, c, _) = rule["kind"], _sides(rule)
+    if shape == "within":
+        return f"equivalent within +-{fmt(max(abs(lo), abs(hi)))} at 95%"
+    if not rule.get("rel"):
+        return ""
+    if kind == "at_least":
+        return f"the interval supports a gap of at least {signed(lo)}"
+    if kind == "at_most":
+        return f"the interval supports a gap of at most {signed(hi)}"
+    if kind == "above":
+        if lo > 0:
+            return f"above by {fmt(lo)} to {fmt(hi)}" + (": the direction holds, the claimed size does not" if hi < c else "")
+        return "the interval does not exclude no gap" if hi > 0 else "below, not above"
+    if hi < 0:
+        return f"below by {fmt(hi)} to {fmt(lo)}" + (": the direction holds, the claimed size does not" if lo > c else "")
+    return "the interval does not exclude no gap" if lo < 0 else "above, not below"
+
+
+def evaluate(rule: dict, measured: dict, adjust=None) -> tuple[str, list[str]]:
     """The verdict of ``rule`` on ``measured`` and the evidence: one line per leaf judged, with
-    its interval, sample count and outcome (see the module docstring)."""
+    its interval, sample count, p and outcome (see the module docstring). ``adjust`` maps a
+    leaf's p to its family-wise adjusted p (see :func:`familywise`); None: the plain verdict."""
     kind = rule["kind"]
     if kind == "given":
-        cond, lines = evaluate(rule["if"], measured)
+        cond, lines = evaluate(rule["if"], measured, adjust)
         if cond != HOLDS:
             return UNSURE, [f"precondition {cond}: " + line for line in lines]
-        then, more = evaluate(rule["then"], measured)
+        then, more = evaluate(rule["then"], measured, adjust)
         return then, ["precondition holds: " + line for line in lines] + more
     if kind in ("all", "any"):
-        results = [evaluate(r, measured) for r in rule["rules"]]
+        results = [evaluate(r, measured, adjust) for r in rule["rules"]]
         verdicts = [v for v, _ in results]
         decisive, other = (FAILS, HOLDS) if kind == "all" else (HOLDS, FAILS)
         verdict = decisive if decisive in verdicts else other if all(v == other for v in verdicts) else UNSURE
-        return verdict, [line for _, lines in results for line in lines]
+        lines = [line for _, lines in results for line in lines]
+        if kind == "any" and len(results) > 1:
+            which = [i + 1 for i, v in enumerate(verdicts) if v == HOLDS]
+            lines = [f"either of {len(results)} ({verdict}"
+                     + (f": number {', '.join(map(str, which))} holds)" if which else ")") + ":"] + lines
+        return verdict, lines
     if kind not in LEAVES:
         raise ValueError(f"unknown rule kind {kind!r}; expected one of {', '.join(LEAVES + ('all', 'any', 'given'))}")
-    verdict, line = _judge_leaf(rule, measured)
+    verdict, line, _ = _judge_leaf(rule, measured, adjust)
     return verdict, [line]
 
 
-def judge(rule: dict, measured: dict) -> str:
+def judge(rule: dict, measured: dict, adjust=None) -> str:
     """The verdict of ``rule`` on ``measured``."""
-    return evaluate(rule, measured)[0]
+    return evaluate(rule, measured, adjust)[0]
+
+
+def leaf_pvalues(rule: dict, measured: dict) -> list[float]:
+    """The p of every sampled leaf of the rule, judged or not (a ``then`` whose precondition
+    failed included): the tests a claim adds to its family, fixed by the rule, not by the data."""
+    kind = rule["kind"]
+    if kind == "given":
+        return leaf_pvalues(rule["if"], measured) + leaf_pvalues(rule["then"], measured)
+    if kind in ("all", "any"):
+        return [p for r in rule["rules"] for p in leaf_pvalues(r, measured)]
+    p = _judge_leaf(rule, measured, None)[2]
+    return [] if p is None else [p]
+
+
+def leaf_rows(rule: dict, measured: dict, family: dict | None = None) -> list[dict]:
+    """One row per leaf of the rule, for claims.csv: what it compares, its test, the plain 95%
+    interval of the gap (as the report shows it), n, p, the family-wise adjusted p and the leaf's
+    verdicts. Exact leaves have no interval and no p."""
+    kind = rule["kind"]
+    if kind == "given":
+        return leaf_rows(rule["if"], measured, family) + leaf_rows(rule["then"], measured, family)
+    if kind in ("all", "any"):
+        return [row for r in rule["rules"] for row in leaf_rows(r, measured, family)]
+    adjust = _adjuster(family)
+    plain, _, p = _judge_leaf(rule, measured, None)
+    row = {"a": rule["a"], "b": rule["b"], "kind": kind, "margin": rule.get("rel", 0.0),
+           "test": "exact" if rule.get("point") else rule.get("test", "t"), "gap": None, "ci_lo": None, "ci_hi": None,
+           "n": None, "p": p, "p_adjusted": None if p is None or adjust is None else adjust(p), "verdict_plain": plain,
+           "verdict": _judge_leaf(rule, measured, adjust)[0]}
+    if rule.get("point") or rule.get("test") == "sign":
+        return [row]
+    va, vb = _samples(measured, rule["a"]), _samples(measured, rule["b"])
+    ci = None if va is None or vb is None else interval(va if isinstance(va, list) else [va], vb,
+                                                         paired=rule.get("paired", False), absolute=rule.get("absolute", False))
+    if ci and "none" not in ci:
+        row.update(gap=ci["gap"], ci_lo=ci["gap_lo"], ci_hi=ci["gap_hi"], n=ci["n"][0], test=ci["test"] + (
+            " (log ratio)" if ci["relative"] else ""))
+    return [row]
+
+
+def familywise(sections: list[dict], per_claim: bool = False) -> dict:
+    """Judge the claims of one invocation's ``sections`` as one family: Holm's step-down over the
+    p of every sampled leaf, so that the family-wise error is at most ALPHA. Sets each claim's
+    ``verdict`` and ``evidence`` to the family-wise ones (the plain ones stay in ``verdict_plain``
+    and ``evidence_plain``) and each section's ``family``; with ``per_claim`` the verdicts stay
+    unadjusted and the family says so. Returns the family."""
+    ps = [p for s in sections for c in s["claims"] for p in leaf_pvalues(c["rule"], c["measured"])]
+    family = {"method": "none" if per_claim else "holm", "alpha": ALPHA, "size": len(ps), "p_values": ps}
+    for s in sections:
+        s["family"] = family
+        for c in s["claims"]:
+            c["verdict"], c["evidence"] = evaluate(c["rule"], c["measured"], _adjuster(family))
+    return family
+
+
+def _adjuster(family: dict | None):
+    if not family or family.get("method") != "holm":
+        return None
+    return _holm_of(sorted(family["p_values"]))
+
+
+def recheck(results: dict) -> list[str]:
+    """The claims of a results.json whose recorded verdicts (plain and family-wise) do not follow
+    from their numbers by their rule and their section's family, or whose p-values are missing from
+    that family ("preset: claim id"); an honest file has none."""
+    bad = []
+    for name, section in results.get("presets", {}).items():
+        family = section.get("family")
+        listed = sorted(family["p_values"]) if family else []
+        for c in section.get("claims", []):
+            ok = judge(c["rule"], c["measured"]) == c.get("verdict_plain", c["verdict"])
+            if family:  # every p of the claim is one of its family's
+                for p in leaf_pvalues(c["rule"], c["measured"]):
+                    i = bisect.bisect_left(listed, p * (1 - 1e-9))
+                    ok = ok and i < len(listed) and abs(listed[i] - p) <= 1e-9 * p + 1e-300
+            ok = ok and judge(c["rule"], c["measured"], _adjuster(family)) == c["verdict"]
+            if not ok:
+                bad.append(f"{name}: {c['id']}")
+    return bad
 
 
 # ------------------------------------------------------------------------------------- text
@@ -220,34 +444,43 @@ def _pct(v: float) -> str:
     return f"{v:+.1%}"
 
 
+def _p(p: float) -> str:
+    return f"{p:.2g}" if p >= 1e-4 else f"{p:.1e}"
+
+
 def _b_text(b) -> str:
     return f"{b:g}" if isinstance(b, (int, float)) else b
 
 
+def _gap_rule(rule: dict) -> str:
+    """What the rule asks of the gap itself ("within +-2%", "at least 0.5 above")."""
+    if rule.get("rel"):
+        return _target_text(rule).removesuffix(" of")
+    return {"within": "0", "above": "> 0", "below": "< 0", "at_most": "<= 0", "at_least": ">= 0"}[rule["kind"]]
+
+
 def _target_text(rule: dict) -> str:
     kind, b, m = rule["kind"], rule["b"], rule.get("rel", 0.0)
-    if rule.get("absolute") and m:
-        return {"within": f"within +-{m:g} of", "above": f"at least {m:g} above", "below": f"at least {m:g} below",
+    if rule.get("absolute") or (isinstance(b, (int, float)) and b == 0):
+        of = "" if isinstance(b, (int, float)) and b == 0 and not rule.get("absolute") else " of"
+        if not m:
+            return {"within": "equal to", "above": "above", "below": "below", "at_most": "at most",
+                    "at_least": "at least"}[kind]
+        return {"within": f"within +-{m:g}{of}", "above": f"at least {m:g} above", "below": f"at least {m:g} below",
                 "at_most": f"at most {m:g} above" if m > 0 else f"at least {-m:g} below",
                 "at_least": f"at most {m:g} below" if m > 0 else f"at least {-m:g} above"}[kind]
-    if isinstance(b, (int, float)) and b == 0:
-        return {"within": f"within +-{m:g} of 0", "above": "above 0", "below": "below 0", "at_most": f"at most {m:g}",
-                "at_least": f"at least {-m:g}"}[kind]
     pct = f"{abs(m) * 100:.3g}%"
     if kind == "at_most" and m:
         return f"at most {pct} above" if m > 0 else f"at least {pct} below"
     if kind == "at_least" and m:
         return f"at most {pct} below" if m > 0 else f"at least {pct} above"
-    return {"within": f"within +-{pct}", "above": f"at least {pct} above" if m else "above",
+    return {"within": f"within +-{pct} of", "above": f"at least {pct} above" if m else "above",
             "below": f"at least {pct} below" if m else "below", "at_most": "at most", "at_least": "at least"}[kind]
 
 
 def _requirement(rule: dict) -> str:
-    """What the rule asks of a, in words, b included."""
-    b = rule["b"]
-    if isinstance(b, (int, float)) and b == 0:
-        return _target_text(rule)
-    return f"{_target_text(rule)} {_b_text(b)}"
+    """What the rule asks of a, in words, b included (an exact 0 is named too: "within +-0.25 of 0")."""
+    return f"{_target_text(rule)} {_b_text(rule['b'])}"
 
 
 def describe(rule: dict) -> str:
@@ -259,13 +492,12 @@ def describe(rule: dict) -> str:
         joiner = " and " if kind == "all" else " or "
         return "(" + joiner.join(describe(r) for r in rule["rules"]) + ")"
     text = f"{rule['a']} {_requirement(rule)}"
-    if kind in ("above", "below") and rule.get("rel"):
-        text += f" (not {kind} it: does not hold; in between: inconclusive)"
     if rule.get("point"):
-        text += f" [exact: {rule['point']}]"
-    else:
-        text += f" [95% t interval over {rule.get('over', 'seeds')}" + (", paired" if rule.get("paired") else "") + "]"
-    return text
+        return text + f" [exact: {rule['point']}]"
+    if rule.get("test") == "sign":
+        return text + f" [exact sign test over {rule.get('over', 'seeds')}]"
+    gap = "difference" if rule.get("absolute") else "log ratio"
+    return text + f" [95% t interval of the {gap} over {rule.get('over', 'seeds')}" + (", paired" if rule.get("paired") else "") + "]"
 
 
 def origins(rule: dict) -> list[str]:
@@ -282,20 +514,15 @@ def origins(rule: dict) -> list[str]:
 
 
 def claim(cid: str, text: str, source: str, measured: dict, rule: dict, conditions: list[str] | None = None) -> dict:
-    """A claim record with its verdict and evidence computed from ``measured`` by ``rule``."""
+    """A claim record with its verdict and evidence computed from ``measured`` by ``rule``: the
+    plain per-claim ones, until :func:`familywise` judges the invocation's claims together."""
     verdict, evidence = evaluate(rule, measured)
     record = {"id": cid, "claim": text, "source": source, "measured": measured, "rule": rule,
-              "rule_text": describe(rule), "origins": origins(rule), "evidence": evidence, "verdict": verdict}
+              "rule_text": describe(rule), "origins": origins(rule), "evidence": evidence, "verdict": verdict,
+              "evidence_plain": evidence, "verdict_plain": verdict}
     if conditions:
         record["conditions"] = conditions
     return record
-
-
-def recheck(results: dict) -> list[str]:
-    """The claims of a results.json whose recorded verdict does not follow from their numbers by
-    their rule ("preset: claim id"); an honest file has none."""
-    return [f"{name}: {c['id']}" for name, section in results.get("presets", {}).items()
-            for c in section.get("claims", []) if judge(c["rule"], c["measured"]) != c["verdict"]]
 
 
 # ----------------------------------------------------------------------------- rule builders
@@ -344,15 +571,25 @@ def given(condition: dict, then: dict) -> dict:
 
 
 def _leaf(kind, a, b, rel, *, origin: dict | None = None, point: str | None = None, paired: bool = False,
-          over: str = "seeds", absolute: bool = False) -> dict:
+          over: str = "seeds", absolute: bool = False, test: str = "t") -> dict:
     """``point``: why this leaf is judged on exact values (e.g. "a count of diverged runs");
     ``over``: what the samples are drawn over (seeds, processes, rounds, input draws);
-    ``absolute``: the gap and the margin ``rel`` are a - b itself, not relative to b (slopes)."""
+    ``absolute``: the gap and the margin ``rel`` are a - b itself, not a ratio (slopes);
+    ``test``: "t" (intervals) or "sign" (the exact sign test, for discrete outcomes: absolute)."""
     literal = isinstance(b, (int, float)) and not isinstance(b, bool)
     if (rel or literal) and not origin:
         raise ValueError(f"the threshold of {kind}({a!r}, {b!r}, {rel}) needs an origin: C.source(...) or C.ours(...)")
     if origin and origin.get("by") not in ("source", "normlab"):
         raise ValueError(f"origin must come from C.source(...) or C.ours(...), got {origin!r}")
+    if test not in TESTS:
+        raise ValueError(f"test must be one of {', '.join(TESTS)}; got {test!r}")
+    relative = not absolute and not (literal and b == 0)
+    if relative and (kind == "within" or kind == "below") and rel >= 1:
+        raise ValueError(f"{kind}({a!r}, {b!r}, {rel}): a relative margin of 100% or more cannot be "
+                         "reached below b (a gap cannot pass -100%); use an absolute rule")
+    if test == "sign" and (kind == "within" or relative or point):
+        raise ValueError(f"the sign test judges a direction of differences: {kind}({a!r}, {b!r}) must be "
+                         "above/below/at_most/at_least, absolute, and sampled")
     rule = {"kind": kind, "a": a, "b": b}
     if rel:
         rule["rel"] = rel
@@ -366,4 +603,6 @@ def _leaf(kind, a, b, rel, *, origin: dict | None = None, point: str | None = No
         rule["over"] = over
         if paired:
             rule["paired"] = True
+        if test != "t":
+            rule["test"] = test
     return rule

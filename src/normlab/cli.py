@@ -209,7 +209,8 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     if args.jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
     settings = experiments.Settings(out=args.out, size="quick" if args.quick else args.size, seeds=args.seeds, data=args.data, steps=args.steps,
-                                    overrides=overrides, quiet=args.quiet, lrs=experiments.parse_lrs(args.lrs))
+                                    overrides=overrides, quiet=args.quiet, lrs=experiments.parse_lrs(args.lrs),
+                                    per_claim=args.per_claim)
     command = _compare_argv(args)
     if args.plan:
         return _plan(args, settings, command)
@@ -255,6 +256,7 @@ def _compare_argv(args: argparse.Namespace) -> str:
     flags = [x for k, v in (("seeds", args.seeds), ("data", args.data), ("steps", args.steps), ("lrs", args.lrs), ("out", args.out))
              if v is not None for x in (f"--{k}", str(v))]
     flags += (["--quick"] if args.quick else []) + (["--size", args.size] if args.size != "full" else [])
+    flags += ["--per-claim"] if args.per_claim else []
     return shlex.join(["normlab", "compare", *args.items, *flags])
 
 
@@ -276,7 +278,10 @@ def _plan(args: argparse.Namespace, settings, command: str) -> int:
 def _print_verdicts(results: dict, done: list[str], paths: dict, out: str, console: Console) -> None:
     from rich.table import Table
 
-    table = Table(title="claims (verdicts computed from the numbers by each claim's rule)")
+    family = next((s.get("family") for n, s in results["presets"].items() if n in done and s.get("family")), None) or {}
+    how = (f"family-wise: Holm over {family.get('size')} tests at 5%" if family.get("method") == "holm"
+           else "per claim, unadjusted for the number of claims")
+    table = Table(title=f"claims (verdicts computed from the numbers by each claim's rule; {how})")
     for col in ("preset", "claim", "verdict"):
         table.add_column(col)
     colours = {"holds": "green", "does not hold": "red", "inconclusive": "yellow"}
@@ -407,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lrs", help="the warmup preset's learning-rate sweep, comma-separated (default: 1e-4 to 3e-2, 6 points)")
     p.add_argument("--out", default="runs/compare", help="output directory (default: runs/compare); rerun to resume")
     p.add_argument("--quiet", action="store_true", help="no per-run progress bars")
+    p.add_argument("--per-claim", action="store_true",
+                   help="judge each claim alone at 5%% (labelled unadjusted) instead of the default: the invocation's "
+                        "verdicts together at a family-wise error of 5%% (Holm)")
     p.add_argument("--plan", action="store_true",
                    help="train nothing: print one `normlab train` line per unfinished run (for Slurm or GNU parallel), "
                         "then the line that collects")

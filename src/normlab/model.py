@@ -72,7 +72,8 @@ class ModelConfig:
     norm_eps_mode: str = "inside"  # RMSNorm: eps inside or outside the square root
     norm_weightless: bool = False  # norms without a learned scale (and bias)
     dyt_alpha0: float = 0.5  # norm="dyt": the initial alpha of every DyT (Zhu et al. 2025's default)
-    norm_shift_noise: float = 0.0  # in training, add N(0, this^2), one draw per row, to every norm's input (invariance preset)
+    # in training, shift every norm's input row by N(0, (this * the row's RMS)^2), one draw per row (invariance preset)
+    norm_shift_noise: float = 0.0
     placement: str = "pre"  # post, pre, sandwich or deepnorm
     final_norm: bool | None = None  # a norm before the LM head; None: the placement's default
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3, OLMo 2)
@@ -320,10 +321,12 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 def _norm(module: nn.Module, x: Tensor, mask: Tensor | None) -> Tensor:
     """Call a norm; only sequence BatchNorm takes the padding mask. In training, a norm with a
-    ``shift_noise`` gets its input shifted by a random constant per row (re-centering noise)."""
+    ``shift_noise`` gets each input row shifted by a random constant (re-centering noise) whose std
+    is that fraction of the row's own RMS, so the noise keeps its size relative to the stream."""
     noise = getattr(module, "shift_noise", 0.0)
     if noise and module.training:
-        x = x + noise * torch.randn(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)
+        rms = x.detach().float().pow(2).mean(-1, keepdim=True).sqrt().to(x.dtype)  # (..., 1)
+        x = x + noise * rms * torch.randn(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)
     if isinstance(module, SequenceBatchNorm):
         return module(x, mask)
     return module(x)

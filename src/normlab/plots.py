@@ -17,15 +17,36 @@ def pyplot():
     return plt
 
 
+def band(values: list) -> tuple[float, float, float]:
+    """(mean, lo, hi): the 95% t interval of the mean of the finite values (lo = hi = mean for
+    fewer than two): what the curves over seeds shade, never their min-max."""
+    import math
+
+    from scipy import stats
+
+    v = [float(x) for x in values if x is not None and math.isfinite(x)]
+    mean = sum(v) / len(v)
+    if len(v) < 2:
+        return mean, mean, mean
+    half = stats.t.ppf(0.975, len(v) - 1) * stats.tstd(v) / math.sqrt(len(v))
+    return mean, mean - half, mean + half
+
+
 def _mean_curve(curves: list[dict], key: str) -> tuple[list, list, list, list]:
-    """Mean, min and max over seeds of val loss at the steps all finished runs share."""
+    """Mean over seeds of val loss at the steps all finished runs share, and its 95% t band."""
     done = [c["val_curve"] for c in curves if c["status"] != "diverged" and c["val_curve"]["step"]]
     if not done:
         return [], [], [], []
     n = min(len(c["step"]) for c in done)
     xs = [sum(c[key][i] for c in done) / len(done) for i in range(n)]
-    losses = [[c["loss"][i] for c in done] for i in range(n)]
-    return xs, [sum(v) / len(v) for v in losses], [min(v) for v in losses], [max(v) for v in losses]
+    bands = [band([c["loss"][i] for c in done]) for i in range(n)]
+    return xs, [b[0] for b in bands], [b[1] for b in bands], [b[2] for b in bands]
+
+
+def _n_text(curves_by_setting) -> str:
+    """"n = 5 seeds" (or a range) over the settings' finished runs, for a plot's title."""
+    ns = sorted({sum(c["status"] != "diverged" for c in cs) for cs in curves_by_setting})
+    return f"n = {ns[0]}" if len(ns) == 1 else f"n = {ns[0]}-{ns[-1]}" if ns else "n = 0"
 
 
 def plot_norms(section: dict, plt) -> dict:
@@ -42,7 +63,8 @@ def plot_norms(section: dict, plt) -> dict:
     axes[1].set_title("per second of training")
     axes[0].legend()
     _trim_y(axes[0], section)
-    fig.suptitle("Validation loss by norm (mean over seeds, band: min-max)")
+    fig.suptitle(f"Validation loss by norm (mean over seeds, band: 95% t interval; "
+                 f"{_n_text(section['series']['runs'].values())} seeds)")
     fig.tight_layout()
     return {"norms_loss.png": fig}
 
@@ -70,9 +92,10 @@ def plot_warmup(section: dict, plt) -> dict:
         means, los, his, bad = [], [], [], []
         for lr, losses in zip(c["lr"], c["loss"]):
             ok = [v for v in losses if v is not None]
-            means.append(sum(ok) / len(ok) if ok else top)  # a diverged point sits at the loss at init
-            los.append(min(ok) if ok else top)
-            his.append(max(ok) if ok else top)
+            mean, lo, hi = band(ok) if ok else (top, top, top)  # a diverged point sits at the loss at init
+            means.append(mean)
+            los.append(lo)
+            his.append(hi)
             if len(ok) < len(losses):
                 bad.append((lr, means[-1]))
         ax.plot(c["lr"], means, style, marker="o", ms=3, color=colour, label=key.replace("|", ", "))
@@ -82,7 +105,8 @@ def plot_warmup(section: dict, plt) -> dict:
     ax.axhline(top, color="grey", lw=0.8, ls=":", label="loss at init")
     ax.set_xscale("log")
     ax.set_xlabel("peak learning rate")
-    ax.set_ylabel("final validation loss (mean over seeds; x: a seed diverged)")
+    n = max((len(v) for c in curves.values() for v in c["loss"]), default=0)
+    ax.set_ylabel(f"final validation loss (mean of {n} seeds, 95% t band; x: a seed diverged)", fontsize=8)
     ax.set_title("Loss against learning rate")
     ax.legend(fontsize=8)
     ax = axes[1]
@@ -179,8 +203,10 @@ def plot_batchnorm(section: dict, plt) -> dict:
             pts = [(bs, [v for v in trend[f"{norm}|{bs}"][key] if v is not None]) for bs in sizes]
             pts = [(bs, v) for bs, v in pts if v]
             if pts:
-                ax.plot([bs for bs, _ in pts], [sum(v) / len(v) for _, v in pts], marker="o", color=NORM_COLOURS[norm], label=norm)
-                ax.fill_between([bs for bs, _ in pts], [min(v) for _, v in pts], [max(v) for _, v in pts],
+                bands = [band(v) for _, v in pts]
+                ax.plot([bs for bs, _ in pts], [b[0] for b in bands], marker="o", color=NORM_COLOURS[norm],
+                        label=f"{norm} (n = {max(len(v) for _, v in pts)} seeds)")
+                ax.fill_between([bs for bs, _ in pts], [b[1] for b in bands], [b[2] for b in bands],
                                 color=NORM_COLOURS[norm], alpha=0.15)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(s) for s in sizes])
@@ -319,7 +345,7 @@ def plot_final_norm(section: dict, plt) -> dict:
     axes[0].set_title("what the LM head reads (each seed)", fontsize=10)
     axes[0].legend(fontsize=8)
     axes[1].set_xlabel("step")
-    axes[1].set_ylabel("validation loss (mean over finished seeds)")
+    axes[1].set_ylabel(f"validation loss (mean over finished seeds, {_n_text(section['series']['runs'].values())})")
     axes[1].set_title("loss", fontsize=10)
     axes[1].legend(fontsize=8)
     _trim_y(axes[1], section)
@@ -342,7 +368,7 @@ def plot_shallow(section: dict, plt) -> dict:
         ax.set_title(f"{depth} layers", fontsize=10)
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
-    axes[0].set_ylabel("validation loss (mean over seeds, band: min-max)")
+    axes[0].set_ylabel(f"validation loss (mean, 95% t band; {_n_text(section['series']['runs'].values())} seeds)")
     _trim_y(axes[0], section)
     fig.suptitle("Post-LN vs Pre-LN, shallow and deep")
     fig.tight_layout()
@@ -369,7 +395,7 @@ def plot_sandwich(section: dict, plt) -> dict:
     axes[0].set_title("after training and before it (dashed), each seed", fontsize=10)
     axes[0].legend(fontsize=8, ncol=2, loc="center right")  # between Pre-LN's trained and untrained lines
     axes[1].set_xlabel("step")
-    axes[1].set_ylabel("validation loss")
+    axes[1].set_ylabel(f"validation loss (mean, 95% t band; {_n_text(section['series']['runs'].values())} seeds)")
     axes[1].legend(fontsize=8)
     _trim_y(axes[1], section)
     fig.suptitle("Sandwich norms vs Pre-LN")
@@ -394,7 +420,7 @@ def plot_dyt(section: dict, plt) -> dict:
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
         _trim_y(ax, {"rows": [r for r in section["rows"] if r["budget"] == budget]})
-    axes[0].set_ylabel("validation loss (mean over seeds)")
+    axes[0].set_ylabel(f"validation loss (mean, 95% t band; {_n_text(runs.values())} seeds)")
     ax = axes[-1]
     width = 0.8 / len(budgets)
     dyts = [s for s in settings if s.startswith("dyt")]

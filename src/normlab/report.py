@@ -4,6 +4,7 @@ results.json alone (``normlab report DIR`` redraws them without rerunning anythi
 from __future__ import annotations
 
 import base64
+import csv
 import html
 import json
 from pathlib import Path
@@ -36,7 +37,8 @@ def render(results: dict, out: str | Path) -> dict[str, Path]:
     md.write_text(markdown(results, images))
     page = out / "report.html"
     page.write_text(html_page(results, images, out))
-    return {"markdown": md, "html": page, **{f: out / f for fs in images.values() for f in fs}}
+    tables = write_tables(results, out)
+    return {"markdown": md, "html": page, **tables, **{f: out / f for fs in images.values() for f in fs}}
 
 
 # ------------------------------------------------------------------------------------- text
@@ -59,6 +61,25 @@ def _meta_lines(meta: dict) -> list[str]:
     return [f"Machine and versions: {env}.",
             f"Command: `{meta.get('command') or 'normlab compare'}` ({meta.get('size', 'full')} sizes; "
             f"seeds: {seeds if seeds else 'each preset default'}; data: {meta.get('data')}; overrides: {meta.get('overrides') or 'none'})."]
+
+
+def family_lines(results: dict) -> list[str]:
+    """How the verdicts were judged: one line per family (one compare invocation each)."""
+    groups: dict[tuple, list[str]] = {}
+    for name, section in results["presets"].items():
+        f = section.get("family") or {"method": "none", "size": None}
+        groups.setdefault((f.get("method"), f.get("size"), tuple(f.get("p_values") or ())), []).append(name)
+    lines = []
+    for (method, size, _), names in groups.items():
+        where = ", ".join(names)
+        if method == "holm":
+            lines.append(f"Verdicts ({where}) are family-wise: the {size} sampled tests of one `normlab compare` invocation "
+                         "are judged together by Holm's step-down, so the chance of any wrong conclusive verdict among them "
+                         "is at most 5%. Beside each verdict: the claim judged alone (its plain 95% interval).")
+        else:
+            lines.append(f"Verdicts ({where}) are per claim, UNADJUSTED for the number of claims (`--per-claim`): each is "
+                         "right with 95% confidence alone, but among many some will be wrong by chance.")
+    return lines
 
 
 def verdict_counts(results: dict) -> dict[str, int]:
@@ -95,10 +116,11 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
     counts = verdict_counts(results)
     lines += [f"Claims: {counts['holds']} hold, {counts['does not hold']} do not hold, {counts['inconclusive']} inconclusive "
               "at this scale. Verdicts are computed from the measured numbers by the stated rule.", ""]
-    lines += ["| preset | claim | verdict |", "|---|---|---|"]
+    lines += [f"{line}  " for line in family_lines(results)] + [""]
+    lines += ["| preset | claim | verdict | alone (95%) |", "|---|---|---|---|"]
     for name, section in results["presets"].items():
         for c in section["claims"]:
-            lines.append(f"| {name} | {c['claim']} | **{c['verdict']}** |")
+            lines.append(f"| {name} | {c['claim']} | **{c['verdict']}** | {c.get('verdict_plain', c['verdict'])} |")
     lines.append("")
     for name, section in results["presets"].items():
         lines += [f"## {name}: {section['title']}", "", f"*{section['question']}*", ""]
@@ -111,7 +133,9 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
             lines.append("| " + " | ".join(_fmt(row.get(c)) for c in cols) + " |")
         lines.append("")
         for c in section["claims"]:
-            lines.append(f"- **{c['verdict']}**: {c['claim']} ({c['source']}).  ")
+            alone = c.get("verdict_plain", c["verdict"])
+            lines.append(f"- **{c['verdict']}**{_alone(c)}: {c['claim']} ({c['source']}).  " if alone != c["verdict"]
+                         else f"- **{c['verdict']}**: {c['claim']} ({c['source']}).  ")
             for label, items in _claim_lines(c):
                 lines += [f"  {label}: {items[0]}  "] if len(items) == 1 else [f"  {label}:  "] + [f"  - {x}" for x in items]
         if any(c["verdict"] != "holds" for c in section["claims"]):
@@ -146,10 +170,12 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
     counts = verdict_counts(results)
     parts.append(f"<p>Claims: {counts['holds']} hold, {counts['does not hold']} do not hold, {counts['inconclusive']} inconclusive at "
                  "this scale. Every verdict is computed from the measured numbers by the rule shown with it.</p>")
-    parts.append("<table><tr><th>preset</th><th>claim</th><th>verdict</th></tr>")
+    parts += [f"<p>{e(line)}</p>" for line in family_lines(results)]
+    parts.append("<table><tr><th>preset</th><th>claim</th><th>verdict</th><th>alone (95%)</th></tr>")
     for name, section in results["presets"].items():
         for c in section["claims"]:
-            parts.append(f"<tr><td>{e(name)}</td><td style='text-align:left'>{e(c['claim'])}</td><td>{_badge(c['verdict'])}</td></tr>")
+            parts.append(f"<tr><td>{e(name)}</td><td style='text-align:left'>{e(c['claim'])}</td><td>{_badge(c['verdict'])}</td>"
+                         f"<td>{e(c.get('verdict_plain', c['verdict']))}</td></tr>")
     parts.append("</table>")
     for name, section in results["presets"].items():
         parts += [f"<h2 id='{e(name)}'>{e(name)}: {e(section['title'])}</h2>", f"<p><em>{e(section['question'])}</em></p>"]
@@ -165,7 +191,7 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
         for c in section["claims"]:
             body = "".join(f"<div class='rule'>{e(label)}:<ul>" + "".join(f"<li>{e(x)}</li>" for x in items) + "</ul></div>"
                            for label, items in _claim_lines(c))
-            parts.append(f"<div class='claim'>{_badge(c['verdict'])} {e(c['claim'])} <span class='rule'>({e(c['source'])})</span>"
+            parts.append(f"<div class='claim'>{_badge(c['verdict'])}{e(_alone(c))} {e(c['claim'])} <span class='rule'>({e(c['source'])})</span>"
                          f"{body}</div>")
         if any(c["verdict"] != "holds" for c in section["claims"]):
             parts.append(f"<p class='note'>{e(NOT_REPRODUCED)}</p>")
@@ -178,6 +204,91 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
                      f"compute time {section.get('seconds', 0):.0f} s.</p>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _alone(c: dict) -> str:
+    """" (alone: holds)" where the claim judged alone reads differently from its family-wise verdict."""
+    alone = c.get("verdict_plain", c["verdict"])
+    return f" (alone: {alone})" if alone != c["verdict"] else ""
+
+
+# ------------------------------------------------------------------ tables others can reuse
+
+
+def write_tables(results: dict, out: Path) -> dict[str, Path]:
+    """results.csv (tidy: one measured sample per row), claims.csv (one row per leaf test of each
+    claim) and report.tex (a booktabs table of the claims)."""
+    from normlab.claims import leaf_rows
+
+    paths = {"results_csv": out / "results.csv", "claims_csv": out / "claims.csv", "tex": out / "report.tex"}
+    with open(paths["results_csv"], "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["preset", "quantity", "over", "sample", "value"])
+        for name, section in results["presets"].items():
+            seen = set()
+            for c in section["claims"]:
+                overs = _overs(c["rule"])
+                for key, value in c["measured"].items():
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    values = value if isinstance(value, list) else [value]
+                    seeds = section.get("settings", {}).get("seeds")
+                    for i, v in enumerate(values):
+                        over = overs.get(key, "seeds" if isinstance(value, list) else "exact")
+                        sample = seeds[i] if over == "seeds" and isinstance(seeds, list) and len(seeds) == len(values) else i
+                        w.writerow([name, key, over, sample, "" if v is None else repr(float(v))])
+    with open(paths["claims_csv"], "w", newline="") as f:
+        w = csv.writer(f)
+        cols = ["preset", "claim", "verdict", "verdict_alone", "family", "family_size", "a", "b", "kind", "margin", "test",
+                "n", "gap", "ci95_lo", "ci95_hi", "p", "p_adjusted", "leaf_verdict", "leaf_verdict_alone"]
+        w.writerow(cols)
+        for name, section in results["presets"].items():
+            family = section.get("family") or {}
+            for c in section["claims"]:
+                for r in leaf_rows(c["rule"], c["measured"], family):
+                    w.writerow([name, c["id"], c["verdict"], c.get("verdict_plain", c["verdict"]), family.get("method", "none"),
+                                family.get("size", ""), r["a"], r["b"], r["kind"], r["margin"], r["test"], _csv(r["n"]),
+                                _csv(r["gap"]), _csv(r["ci_lo"]), _csv(r["ci_hi"]), _csv(r["p"]), _csv(r["p_adjusted"]),
+                                r["verdict"], r["verdict_plain"]])
+    paths["tex"].write_text(latex_table(results))
+    return paths
+
+
+def _csv(v) -> str:
+    return "" if v is None else repr(v) if isinstance(v, float) else str(v)
+
+
+def _overs(rule: dict) -> dict[str, str]:
+    """What each key's samples are drawn over, from the rule's leaves."""
+    if rule["kind"] == "given":
+        return {**_overs(rule["if"]), **_overs(rule["then"])}
+    if rule["kind"] in ("all", "any"):
+        return {k: v for r in rule["rules"] for k, v in _overs(r).items()}
+    over = "exact" if rule.get("point") else rule.get("over", "seeds")
+    return {k: over for k in (rule["a"], rule["b"]) if isinstance(k, str)}
+
+
+_TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{", "}": r"\}",
+        "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+
+
+def tex_escape(text: str) -> str:
+    return "".join(_TEX.get(ch, ch) for ch in str(text))
+
+
+def latex_table(results: dict) -> str:
+    """A booktabs table of every claim: preset, claim, verdict (family-wise) and verdict alone."""
+    lines = ["% normlab compare: the claims (needs \\usepackage{booktabs} and \\usepackage{longtable})",
+             "\\begin{longtable}{@{}llp{0.5\\linewidth}ll@{}}", "\\toprule",
+             "preset & claim & statement & verdict & alone (95\\%) \\\\", "\\midrule", "\\endhead"]
+    for name, section in results["presets"].items():
+        for c in section["claims"]:
+            lines.append(" & ".join(tex_escape(x) for x in (name, c["id"], c["claim"], c["verdict"],
+                                                            c.get("verdict_plain", c["verdict"]))) + " \\\\")
+    family = " ".join(tex_escape(x) for x in family_lines(results))
+    lines += ["\\bottomrule", f"\\caption{{{family}}}", "\\end{longtable}", ""]
+    return "\n".join(lines)
 
 
 def load(folder: str | Path) -> dict:

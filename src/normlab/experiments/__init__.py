@@ -150,6 +150,7 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
     results = json.loads(path.read_text()) if path.exists() else {"presets": {}}
     from normlab.env import environment
 
+    family: list[dict] = []  # this invocation's sections: their claims are judged together
     for i, name in enumerate(presets, 1):
         lab.begin(name)
         lab.say(f"[bold cyan]({i}/{len(presets)}) {name}[/bold cyan]")
@@ -169,6 +170,8 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
         results["meta"] = {**environment(), "command": command, "size": lab.size, "seeds": settings.seeds,
                            "data": settings.data or "shakespeare", "data_sha256": lab.data_hash, "overrides": settings.overrides}
         section["meta"] = results["meta"]  # results.json may merge sections of several commands: each says its own
+        family.append(section)
+        C.familywise(family, per_claim=settings.per_claim)  # again with each section: every write is consistent
         _write_json(path, results)
     if lab.pending:
         raise RunsMissing(list(lab.pending.values()), results)

@@ -72,9 +72,6 @@ def preset_final_norm(lab: Lab) -> dict:
         C.claim("final_norm.head_grows", "without the final norm, what the LM head reads grows in training: its RMS "
                 "ends at least twice where it started", LLAMA23, _pick(measured, "nofinal_base_head_growth"),
                 C.above("nofinal_base_head_growth", 1.0, 1.0, origin=doubling), conditions),
-        C.claim("final_norm.head_bounded", "with the final norm, what the LM head reads grows less in training than "
-                "without it", LLAMA23, _pick(measured, "final_base_head_growth", "nofinal_base_head_growth"),
-                C.below("final_base_head_growth", "nofinal_base_head_growth", paired=True), conditions),
         C.claim("final_norm.high_lr", f"at {HIGH_LR_FACTOR}x the learning rate, Pre-LN without the final norm diverges or "
                 "ends at least 2% worse than with it, where the model with it trains", LLAMA23,
                 _pick(measured, "nofinal_high_val", "final_high_val", "nofinal_high_diverged", "unigram_loss"),
@@ -95,5 +92,7 @@ def preset_final_norm(lab: Lab) -> dict:
                    "head_rms": {f"{final}|{which}": cs for (final, which), cs in curves.items()}},
         "notes": [f"{len(seeds)} seeds per setting. head_rms: the RMS of the LM head's input (the final norm's output, or "
                   f"without it the residual stream) every {train_fields['diag_every']} steps; growth: last over first. "
+                  "With the final norm that RMS is about 1 by construction (a norm's output): its row is a sanity check, "
+                  "not a claim. "
                   f"Unigram loss {measured['unigram_loss']:.3f}: a model that learned only character frequencies."],
     }

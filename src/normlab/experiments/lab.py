@@ -77,6 +77,7 @@ class Settings:
     quiet: bool = False  # no per-run progress bars
     brief: bool = False  # the demo: leave out a preset's slowest measurement (its notes say which and how to run it)
     lrs: tuple[float, ...] | None = None  # the warmup preset's learning-rate sweep; None: the size's default
+    per_claim: bool = False  # judge each claim alone (unadjusted) instead of the invocation's claims family-wise
     # "run": train what is missing; "plan": train and measure nothing, list the runs to train;
     # "collect": train nothing, measure and write results once every run has finished
     mode: str = "run"
@@ -342,10 +343,27 @@ def _build(spec) -> torch.nn.Module:
     return Decoder(spec)
 
 
-def time_steps(configs: dict, batch: tuple, rounds: int, steps_per_round: int = 2) -> dict:
+def balanced_orders(labels: list, rounds: int, seed: int) -> list[list]:
+    """The order of ``labels`` in each timing round: a random Latin square (every label in every
+    position equally often: rotations of one random permutation, the rotations shuffled), with
+    ``rounds`` rounded up to a multiple of the number of labels, so that no label always runs
+    first, or after the same neighbour, on a machine that drifts or warms."""
+    import random
+
+    gen = random.Random(seed)
+    base = list(labels)
+    gen.shuffle(base)
+    k = len(base)
+    shifts = [r % k for r in range(-(-rounds // k) * k)]
+    gen.shuffle(shifts)
+    return [base[s:] + base[:s] for s in shifts]
+
+
+def time_steps(configs: dict, batch: tuple, rounds: int, steps_per_round: int = 2, order_seed: int = 0) -> dict:
     """Median training-step time (forward, backward, AdamW) of each model spec (see _build) in this
-    process, measured round-robin (each round runs every model in a rotated order) so that a
-    drifting machine does not favour one. Returns {label: {"ms": median over rounds, "rounds": [...]}}."""
+    process, measured in rounds of every model in a balanced random order (:func:`balanced_orders`)
+    so that a drifting machine does not favour one. Returns {label: {"ms": median over rounds,
+    "rounds": [...]}}."""
     x, y = batch
     setups = {}
     for label, cfg in configs.items():
@@ -364,9 +382,7 @@ def time_steps(configs: dict, batch: tuple, rounds: int, steps_per_round: int = 
         for _ in range(2):
             step(model, opt)
     times = {label: [] for label in setups}
-    labels = list(setups)
-    for r in range(rounds):
-        order = labels[r % len(labels):] + labels[: r % len(labels)]
+    for order in balanced_orders(list(setups), rounds, order_seed):
         for label in order:
             model, opt = setups[label]
             t0 = time.perf_counter()
@@ -386,9 +402,9 @@ def time_steps_in_processes(configs: dict, batch: tuple, rounds: int, processes:
     from concurrent.futures import ProcessPoolExecutor
 
     per_process = []
-    for _ in range(processes):
+    for i in range(processes):  # each process its own balanced order
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            per_process.append(pool.submit(time_steps, configs, batch, rounds).result())
+            per_process.append(pool.submit(time_steps, configs, batch, rounds, 2, i).result())
     return {label: {"ms": statistics.median(p[label]["ms"] for p in per_process),
                     "samples": [p[label]["ms"] for p in per_process],
                     "rounds": [t for p in per_process for t in p[label]["rounds"]]} for label in configs}
