@@ -4,6 +4,7 @@ report renders, a second run redoes nothing, and an interrupted run resumes from
 
 import base64
 import copy
+import dataclasses
 import html
 import json
 import math
@@ -14,9 +15,11 @@ import subprocess
 import sys
 
 import pytest
+from scipy import stats
 
 from normlab import claims as C
 from normlab import experiments as E
+from normlab.experiments import design as DS
 from normlab.experiments import lab as lab_module
 from normlab.experiments import precision as precision_module
 from normlab import report
@@ -437,6 +440,58 @@ def test_the_demo_leaves_out_the_batch_size_trend_and_says_how_to_run_it(finishe
     assert [c["id"] for c in section["claims"]] == ["batchnorm.mates"]
     assert "normlab compare batchnorm --quick" in section["notes"][-1]
     assert report.render(results, out)["html"].exists()
+    # the seed counts are planned for the demo's family and for all's: the sizes the design assumes
+    assert section["family"]["size"] == DS.FAMILY["demo"]
+    assert finished[1]["presets"]["norms"]["family"]["size"] == DS.FAMILY["all"]
+
+
+def test_the_pilot_tunes_each_arm_and_sizes_the_seeds(corpus, env, tmp_path):
+    settings = E.Settings(out=str(tmp_path / "tune"), size="tiny", data=str(corpus), quiet=True)
+    design = E.tune_presets(["norms"], settings, command="normlab compare norms --size tiny --tune")["tiny"]
+    assert set(design["arms"]) == set(lab_module.NORMS)
+    for arm, a in design["arms"].items():
+        assert a["grid"] == [float(f"{2e-3 * f:.3g}") for f in DS.LR_FACTORS]  # around the preset's learning rate
+        finite = {lr: v for lr, v in zip(a["grid"], a["mean_loss"]) if v is not None}
+        assert a["lr"] == min(finite, key=finite.get)  # the lowest mean pilot loss
+    # the pilot trains only at its own seeds, never at a test seed
+    labels = [p.name for p in (tmp_path / "tune" / "runs").iterdir()]
+    assert labels and all(name.startswith("pilot-") and any(f"-s{s}-" in name for s in DS.PILOT_SEEDS) for name in labels)
+    pairs = design["seeds"]["norms"]["pairs"]
+    assert [(p["a"], p["b"]) for p in pairs] == [("rmsnorm", "layernorm"), ("prmsnorm", "rmsnorm")]
+    for p in pairs:
+        n = DS.seeds_for(p["pilot_sd_log_ratio"], 0.02, p["alpha_per_test"], DS.MAX_SEEDS["tiny"])[0]
+        assert p["seeds"] == n and p["alpha_per_test"] == pytest.approx(0.05 / DS.FAMILY["demo"])
+    assert design["seeds"]["norms"]["seeds"] == max(p["seeds"] for p in pairs)
+
+
+def test_each_arm_trains_at_the_learning_rate_its_design_gives(corpus, env, tmp_path):
+    lrs = {"layernorm": 1e-3, "rmsnorm": 3e-3, "prmsnorm": 4e-3, "batchnorm": 5e-4, "none": 2e-4}
+    path = tmp_path / "design.json"
+    path.write_text(json.dumps({"tiny": {"arms": {k: {"lr": v} for k, v in lrs.items()}, "seeds": {"norms": {"seeds": 2}}}}))
+    settings = E.Settings(out=str(tmp_path / "out"), size="tiny", data=str(corpus), quiet=True, design=str(path))
+    section = E.run_presets(["norms"], settings)["presets"]["norms"]
+    assert section["settings"]["seeds"] == [0, 1]  # the design's seed count
+    for norm, lr in lrs.items():
+        for seed in (0, 1):
+            (cfg,) = (tmp_path / "out" / "runs").glob(f"{norm}-s{seed}-*/config.json")
+            train = json.loads(cfg.read_text())["train"]
+            assert (train["lr"], train["min_lr"]) == (lr, lr / 10), norm
+        assert section["settings"]["arm_lrs"][norm] == {"lr": lr, "how": "tuned (the design)"}
+        assert next(r for r in section["rows"] if r["norm"] == norm)["lr"] == lr
+    # a learning rate the user sets for every run wins, and the report says so
+    over = E.run_presets(["norms"], dataclasses.replace(settings, out=str(tmp_path / "over"), overrides={"lr": 1e-3}))
+    assert {a["how"] for a in over["presets"]["norms"]["settings"]["arm_lrs"].values()} == {"set for every run"}
+
+
+def test_the_power_calculation():
+    # two one-sided tests at alpha: power 2 T(m / se - t) - 1 with se = sd / sqrt(n)
+    sd, n, m, alpha = 0.006, 6, 0.02, 0.05 / 16
+    se = sd / math.sqrt(n)
+    t = stats.t.ppf(1 - alpha / 2, n - 1)
+    assert DS.power_tost(sd, n, m, alpha) == pytest.approx(2 * stats.t.cdf(math.log1p(m) / se - t, n - 1) - 1)
+    n_needed, power = DS.seeds_for(sd, m, alpha, most=50)
+    assert power >= DS.POWER > DS.power_tost(sd, n_needed - 1, m, alpha)
+    assert DS.seeds_for(1.0, m, alpha, most=8) == (8, pytest.approx(DS.power_tost(1.0, 8, m, alpha)))  # capped: says its power
 
 
 def test_the_learning_rate_sweep_is_a_field():

@@ -210,8 +210,10 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
         raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
     settings = experiments.Settings(out=args.out, size="quick" if args.quick else args.size, seeds=args.seeds, data=args.data, steps=args.steps,
                                     overrides=overrides, quiet=args.quiet, lrs=experiments.parse_lrs(args.lrs),
-                                    per_claim=args.per_claim)
+                                    per_claim=args.per_claim, design=args.design)
     command = _compare_argv(args)
+    if args.tune:
+        return _tune(names, settings, command, console)
     if args.plan:
         return _plan(args, settings, command)
     if settings.size == "full" and "demo" not in names and not _cuda() and not args.collect:
@@ -257,7 +259,33 @@ def _compare_argv(args: argparse.Namespace) -> str:
              if v is not None for x in (f"--{k}", str(v))]
     flags += (["--quick"] if args.quick else []) + (["--size", args.size] if args.size != "full" else [])
     flags += ["--per-claim"] if args.per_claim else []
+    flags += ["--design", args.design] if args.design else []
     return shlex.join(["normlab", "compare", *args.items, *flags])
+
+
+def _tune(names: list[str], settings, command: str, console: Console) -> int:
+    """--tune: the pilot runs, then each arm's learning rate and each preset's seeds."""
+    from rich.table import Table
+
+    from normlab import experiments
+
+    design = experiments.tune_presets(names, settings, console, command=f"{command} --tune")
+    size = "quick" if "demo" in names and settings.size != "tiny" else settings.size  # demo implies quick
+    table = Table(title=f"pilot: each arm's learning rate (seeds {', '.join(map(str, design[size]['pilot_seeds']))})")
+    for col in ("preset", "arm", "learning rate", "grid", "mean pilot loss"):
+        table.add_column(col)
+    for arm, a in design[size]["arms"].items():
+        losses = ", ".join("-" if v is None else f"{v:.4g}" for v in a["mean_loss"])
+        table.add_row(a["preset"], arm, f"{a['lr']:g}" + (" (edge)" if a["at_edge"] else ""), ", ".join(f"{x:g}" for x in a["grid"]),
+                      losses)
+    console.print(table)
+    for preset, s in design[size]["seeds"].items():
+        for p in s["pairs"]:
+            console.print(f"{preset}: {p['a']} vs {p['b']} within {p['margin']:.0%}: pilot spread {p['pilot_sd_log_ratio'] or 0:.2%}, "
+                          f"{p['seeds']} seeds for {p['power']:.0%} power at {p['alpha_per_test']:.2g} per test")
+    console.print(f"design: {Path(settings.out) / 'design.json'} (commit it as src/normlab/experiments/design.json, or pass "
+                  "--design to use it)")
+    return 0
 
 
 def _plan(args: argparse.Namespace, settings, command: str) -> int:
@@ -415,6 +443,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-claim", action="store_true",
                    help="judge each claim alone at 5%% (labelled unadjusted) instead of the default: the invocation's "
                         "verdicts together at a family-wise error of 5%% (Holm)")
+    p.add_argument("--tune", action="store_true",
+                   help="the pilot: train each compared arm at pilot seeds 100-102 and 3 learning rates, then write each "
+                        "arm's learning rate and each preset's seed count (80%% power) to OUT/design.json")
+    p.add_argument("--design", metavar="PATH",
+                   help="the design file to read (default: the packaged one, made by --tune; see docs/results)")
     p.add_argument("--plan", action="store_true",
                    help="train nothing: print one `normlab train` line per unfinished run (for Slurm or GNU parallel), "
                         "then the line that collects")

@@ -51,6 +51,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from normlab import claims as C
+from normlab.experiments import design as DS
 from normlab.experiments.batchnorm import BATCH_SIZES, preset_batchnorm
 from normlab.experiments.depth import preset_depth
 from normlab.experiments.dyt import preset_dyt
@@ -138,6 +139,34 @@ def plan_presets(names: list[str], settings: Settings, console=None) -> list[Pen
     return list(lab.pending.values())
 
 
+def tune_presets(names: list[str], settings: Settings, console=None, command: str = "") -> dict:
+    """--tune: train every tuned arm of the presets at the pilot seeds and learning rates (nothing
+    else), decide each arm's learning rate and each preset's seeds (normlab.experiments.design),
+    and write them to <out>/design.json. Returns the design."""
+    from normlab.env import environment
+
+    presets, settings = _prepare(names, settings)
+    lab = Lab(dataclasses.replace(settings, mode="pilot"), console)
+    for i, name in enumerate(presets, 1):
+        lab.begin(name)
+        lab.say(f"[bold cyan]({i}/{len(presets)}) {name}: pilot[/bold cyan]")
+        try:
+            PRESETS[name](lab)
+        except RunsPending:
+            pass
+    design = DS.decide(lab.pilot, lab.size, command, environment())
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "design.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    merged = {**old, **design}
+    if lab.size in old:  # tuning some presets again keeps the others' arms and seeds
+        merged[lab.size] = {**design[lab.size], "arms": {**old[lab.size].get("arms", {}), **design[lab.size]["arms"]},
+                            "seeds": {**old[lab.size].get("seeds", {}), **design[lab.size]["seeds"]}}
+    _write_json(path, merged)
+    return merged
+
+
 def run_presets(names: list[str], settings: Settings, console=None, command: str = "") -> dict:
     """Run the presets (skipping finished work) and write results.json; returns the results. With
     ``settings.mode == "collect"`` nothing is trained: the presets whose runs have all finished are
@@ -165,6 +194,8 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
             section["notes"].append(f"Cached results that no longer matched their data or code were computed again: "
                                     f"{', '.join(lab.stale)}.")
         section["size"] = lab.size
+        if lab.tuned:
+            section["settings"]["arm_lrs"] = lab.tuned
         results["presets"][name] = section
         results["presets"] = {k: results["presets"][k] for k in PRESETS if k in results["presets"]}
         results["meta"] = {**environment(), "command": command, "size": lab.size, "seeds": settings.seeds,
@@ -190,4 +221,5 @@ class RunsMissing(Exception):
 recheck = C.recheck
 
 __all__ = ["BATCH_SIZES", "GROUPS", "PRESETS", "SIZES", "SWEEP", "Interrupted", "Lab", "Pending", "RunsMissing", "Settings",
-           "check_overrides", "expand", "lm_sizes", "lr_sensitivity", "parse_lrs", "plan_presets", "recheck", "run_presets"]
+           "check_overrides", "expand", "lm_sizes", "lr_sensitivity", "parse_lrs", "plan_presets", "recheck", "run_presets",
+           "tune_presets"]

@@ -83,7 +83,7 @@ def train_eval_losses(run_folder: Path, tcfg_fields: dict, dataset, n_batches: i
 
 
 def preset_batchnorm(lab: Lab) -> dict:
-    seeds = lab.seeds(LM_SEEDS, LM_SEEDS)  # the norms preset's seeds: its runs are reused
+    seeds = lab.seeds(LM_SEEDS, LM_SEEDS, preset="norms")  # the norms preset's seeds: its runs are reused
     norms = ("batchnorm", "layernorm", "rmsnorm")
     runs = train_norms(lab, norms, seeds)
     train_fields, _ = lm_sizes(lab)
@@ -96,8 +96,8 @@ def preset_batchnorm(lab: Lab) -> dict:
         for bs in BATCH_SIZES:
             fields = {**trend_train, "batch_size": bs, "steps": steps, "warmup": max(1, steps // 10),
                       "eval_every": max(1, steps // 4)}
-            trend_runs[norm, bs] = fields, [lab.run(f"pad-{norm}-b{bs}-s{seed}", fields, trend_model, {"norm": norm, "seed": seed})
-                                            for seed in trend_seeds]
+            trend_runs[norm, bs] = fields, [lab.run(f"pad-{norm}-b{bs}-s{seed}", fields, trend_model, {"norm": norm, "seed": seed},
+                                                    tune=True) for seed in trend_seeds]
     effects = {}  # the measurements, once every run is asked for (--plan lists runs up to the first one)
     for norm in norms:
         effects[norm] = [lab.job(f"effects-{norm}", {"run": r["run"], "bs": tf["batch_size"], "T": tf["seq_len"]},

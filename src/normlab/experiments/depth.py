@@ -38,11 +38,12 @@ def preset_depth(lab: Lab) -> dict:
     runs, rows, measured = {}, [], {}
     for placement in ("post", "deepnorm", "pre"):
         rs = [lab.run(f"{placement}-deep-s{seed}", train_fields, model,
-                      {"placement": placement, "lr": lr, "min_lr": lr / 10, "warmup": 0, "seed": seed}) for seed in seeds]
+                      {"placement": placement, "lr": lr, "min_lr": lr / 10, "warmup": 0, "seed": seed}, tune=True)
+              for seed in seeds]
         runs[placement] = rs[0]
         val = stats([r["val_loss"] for r in rs])
         diverged = sum(r["status"] == "diverged" for r in rs)
-        rows.append({"placement": placement, "seeds": len(rs), "diverged": diverged, "steps": min(r["steps"] for r in rs),
+        rows.append({"placement": placement, "lr": lab.arm_lr(f"{placement}-deep"), "seeds": len(rs), "diverged": diverged, "steps": min(r["steps"] for r in rs),
                      "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2),
                      "train_loss": _round(stats([r["train_loss"] for r in rs])["mean"])})
         measured[f"{placement}_val"] = [r["val_loss"] for r in rs]
@@ -69,7 +70,7 @@ def preset_depth(lab: Lab) -> dict:
         "question": "Does DeepNorm keep a deep Post-LN model trainable?",
         "settings": {"train": {**train_fields, **lab.train_over, "lr": lr, "warmup": 0}, "model": {**model, **lab.model_over},
                      "seeds": seeds},
-        "columns": ["placement", "seeds", "diverged", "steps", "val_loss", "val_std", "train_loss"],
+        "columns": ["placement", "lr", "seeds", "diverged", "steps", "val_loss", "val_std", "train_loss"],
         "rows": rows, "claims": claims, "series": {"runs": {k: _curves(r) for k, r in runs.items()}},
         "notes": [f"{len(seeds)} seeds per placement, cosine schedule without warmup; curves: seed 0. Unigram loss "
                   f"{measured['unigram_loss']:.3f}: a model that learned only character frequencies."],

@@ -100,8 +100,9 @@ def preset_dyt(lab: Lab) -> dict:
             varied = {"norm": norm, **({"dyt_alpha0": alpha0} if alpha0 is not None else {}),
                       **({"embed_gain": EMBED_GAIN} if gain else {}), **data}
             setting = settings_of(norm, alpha0, gain)
-            runs[setting, budget] = [lab.run(f"{setting}-{steps}steps{tag}-s{seed}", fields, model, {**varied, "seed": seed})
-                                     for seed in seeds]
+            runs[setting, budget] = [lab.run(f"{setting}-{steps}steps{tag}-s{seed}", fields, model, {**varied, "seed": seed},
+                                             tune=True) for seed in seeds]
+    lab.plan_equivalence(f"{settings_of('dyt', DEFAULT_ALPHA0)}-{steps}steps", f"rmsnorm-{steps}steps", 0.02)
 
     def saturated_in(run: dict, budget: str) -> float:
         data = train_split(lab.dataset, train_tokens[budget])

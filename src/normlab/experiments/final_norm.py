@@ -39,8 +39,10 @@ def preset_final_norm(lab: Lab) -> dict:
     base_lr = {**train_fields, **lab.train_over}["lr"]
     lrs = {"base": base_lr, "high": base_lr * HIGH_LR_FACTOR}
     seeds = lab.seeds(3, 3)
+    # the base runs train each arm at its own learning rate; the high ones at 10x the preset's, shared
     runs = {(final, which): [lab.run(f"pre-{'final' if final else 'nofinal'}-{which}-s{seed}", train_fields, model,
-                                     {"final_norm": final, "lr": lr, "min_lr": lr / 10, "seed": seed}) for seed in seeds]
+                                     {"final_norm": final, "lr": lr, "min_lr": lr / 10, "seed": seed}, tune=which == "base")
+                             for seed in seeds]
             for final in (True, False) for which, lr in lrs.items()}
     curves = {key: [lab.job(f"head-rms-{r['run']}", {"run": r["run"]},
                             lambda r=r: head_rms_curve(lab.out / "runs" / r["run"])) for r in rs]
@@ -53,7 +55,8 @@ def preset_final_norm(lab: Lab) -> dict:
         measured[f"{name}_diverged"] = sum(r["status"] == "diverged" for r in rs)
         measured[f"{name}_head_growth"] = growth
         val = stats(measured[f"{name}_val"])
-        rows.append({"final_norm": final, "lr": lrs[which], "seeds": len(rs), "diverged": measured[f"{name}_diverged"],
+        arm = f"pre-{'final' if final else 'nofinal'}-{which}"
+        rows.append({"final_norm": final, "lr": lab.arm_lr(arm) if which == "base" else lrs[which], "seeds": len(rs), "diverged": measured[f"{name}_diverged"],
                      "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2),
                      "head_rms_start": _round(stats([c["rms"][0] for c in curves[final, which] if c["rms"]])["mean"], 3),
                      "head_rms_end": _round(stats([c["rms"][-1] for c in curves[final, which] if c["rms"]])["mean"], 3),

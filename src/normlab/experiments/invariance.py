@@ -94,9 +94,11 @@ def preset_invariance(lab: Lab) -> dict:
     seeds = lab.seeds(3, 3)
     runs = {(norm, noise): [lab.run(f"{norm}-s{seed}" if not noise else f"{norm}-shift{noise:g}-s{seed}", train_fields,
                                     {**model, "placement": "pre"},
-                                    {"norm": norm, "seed": seed, **({"norm_shift_noise": noise} if noise else {})})
+                                    {"norm": norm, "seed": seed, **({"norm_shift_noise": noise} if noise else {})}, tune=True)
                             for seed in seeds]
             for norm in KINDS for noise in (0.0, *SHIFT_NOISES)}
+    for noise in SHIFT_NOISES:
+        lab.plan_equivalence(f"layernorm-shift{noise:g}", "layernorm", 0.02)
     d, rows = lab.pick((256, 64), (1024, 256), tiny=(32, 8))
     tf = {**train_fields, **lab.train_over}
     batch = D.Batches(lab.dataset.val, 2, tf["seq_len"], seed=31).next()

@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -23,6 +24,7 @@ import torch
 from normlab import claims as C
 from normlab import data as D
 from normlab import functional as F
+from normlab.experiments import design as DS
 from normlab.model import Decoder, ModelConfig
 from normlab.train import TrainConfig, split_overrides, train
 
@@ -49,7 +51,7 @@ class RunsPending(Exception):
     training runs still unfinished: the measurements wait for the runs."""
 
 
-MODES = ("run", "plan", "collect")
+MODES = ("run", "plan", "collect", "pilot")
 
 
 @dataclass
@@ -78,8 +80,10 @@ class Settings:
     brief: bool = False  # the demo: leave out a preset's slowest measurement (its notes say which and how to run it)
     lrs: tuple[float, ...] | None = None  # the warmup preset's learning-rate sweep; None: the size's default
     per_claim: bool = False  # judge each claim alone (unadjusted) instead of the invocation's claims family-wise
+    design: str | None = None  # the design file (tuned learning rates, seed counts); None: the packaged one
     # "run": train what is missing; "plan": train and measure nothing, list the runs to train;
-    # "collect": train nothing, measure and write results once every run has finished
+    # "collect": train nothing, measure and write results once every run has finished;
+    # "pilot": train each tuned arm at the pilot seeds and learning rates, nothing else (--tune)
     mode: str = "run"
 
 
@@ -110,9 +114,13 @@ class Lab:
         self._measured = False  # the current preset has asked for a measurement (its runs come first)
         self.waiting = False  # plan and collect: the current preset needs a run that has not finished
         self._dataset = None
+        self.design = DS.load(settings.design)
+        self.pilot: dict = {"arms": {}, "pairs": []}  # --tune: each arm's pilot losses, the equivalences to power
+        self.tuned: dict[str, dict] = {}  # the current preset's arms: the learning rate each trained at, and why
 
     def begin(self, preset: str) -> None:
         self.preset, self.cost, self.stale, self._measured, self.waiting = preset, 0.0, [], False, False
+        self.tuned = {}
 
     # -- sizes and seeds
     def pick(self, quick, full, tiny=None):
@@ -121,8 +129,16 @@ class Lab:
             return tiny
         return quick if self.quick else full
 
-    def seeds(self, quick: int, full: int) -> list[int]:
-        return list(range(self.s.seeds or self.pick(quick, full, tiny=1)))
+    def seeds(self, quick: int, full: int, preset: str | None = None) -> list[int]:
+        """The test seeds: --seeds, else the design's count for ``preset`` (the current one) at this
+        size, else the preset's default (tiny: 1)."""
+        planned = DS.planned_seeds(self.design, self.size, preset or self.preset)
+        return list(range(self.s.seeds or planned or self.pick(quick, full, tiny=1)))
+
+    def plan_equivalence(self, a: str, b: str, margin: float) -> None:
+        """Declare an equivalence claim between two tuned arms: --tune sizes the seeds to decide it."""
+        if self.s.mode == "pilot" and (self.preset, a, b, margin) not in self.pilot["pairs"]:
+            self.pilot["pairs"].append((self.preset, a, b, margin))
 
     def say(self, text: str) -> None:
         if self.console is not None:
@@ -168,12 +184,48 @@ class Lab:
         return ModelConfig.preset(fields.pop("preset", "small"), **fields)
 
     # -- training runs
-    def run(self, label: str, train_fields: dict, model_fields: dict, varied: dict) -> dict:
+    def run(self, label: str, train_fields: dict, model_fields: dict, varied: dict, tune: bool = False) -> dict:
         """Train (or reuse, or resume) one run: the preset's base fields < the user's overrides <
-        the ``varied`` fields the preset compares. Returns the run's summary and curves."""
+        the ``varied`` fields the preset compares. Returns the run's summary and curves.
+
+        ``tune``: the run is one seed of an arm (its label less "-s<seed>") that trains at its own
+        learning rate, the design's for this size (unless the user set lr for every run); with
+        --tune the arm's pilot runs are trained instead."""
         if self._measured:  # --plan lists a preset's runs up to its first measurement
             raise RuntimeError(f"the {self.preset} preset asks for run {label} after a measurement: ask for every "
                                "training run first, so that --plan can list them")
+        if self.s.mode == "pilot":
+            if tune:
+                self._pilot(arm_of(label), train_fields, model_fields, varied)
+            self.waiting = True
+            return _pending_result(self.out / "runs" / label)
+        if tune:
+            lr = None if "lr" in self.train_over else DS.tuned_lr(self.design, self.size, arm_of(label))
+            if lr is not None:
+                varied = {**varied, "lr": lr, "min_lr": lr / 10}
+            how = "tuned (the design)" if lr is not None else "set for every run" if "lr" in self.train_over else \
+                "the preset's (no design at this size)"
+            self.tuned[arm_of(label)] = {"lr": {**train_fields, **self.train_over, **varied}.get("lr"), "how": how}
+        return self._train(label, train_fields, model_fields, varied)
+
+    def arm_lr(self, arm: str) -> float | None:
+        """The learning rate the current preset's arm trained at (see :meth:`run`)."""
+        return self.tuned.get(arm, {}).get("lr")
+
+    def _pilot(self, arm: str, train_fields: dict, model_fields: dict, varied: dict) -> None:
+        """Train an arm at every pilot seed and learning rate (once per arm)."""
+        if arm in self.pilot["arms"]:
+            return
+        base = {**train_fields, **self.train_over, **varied}["lr"]
+        losses = {}
+        for factor in DS.LR_FACTORS:
+            lr = float(f"{base * factor:.3g}")
+            losses[str(lr)] = [self._train(f"pilot-{arm}-lr{lr:g}-s{seed}", train_fields, model_fields,
+                                           {**varied, "seed": seed, "lr": lr, "min_lr": lr / 10})["val_loss"]
+                               for seed in DS.PILOT_SEEDS]
+        self.pilot["arms"][arm] = {"preset": self.preset, "base_lr": base, "losses": losses}
+
+    def _train(self, label: str, train_fields: dict, model_fields: dict, varied: dict) -> dict:
         t_varied = {k: v for k, v in varied.items() if k in _TRAIN_FIELDS}
         m_varied = {k: v for k, v in varied.items() if k not in _TRAIN_FIELDS}
         tf = {**train_fields, **self.train_over, **t_varied}
@@ -196,7 +248,7 @@ class Lab:
             resume = (folder / "checkpoint.pt").exists()
         elif (folder / "checkpoint.pt").exists() and (folder / "config.json").exists():
             resume = True  # killed without a summary: its last checkpoint stands
-        if self.s.mode != "run":
+        if self.s.mode not in ("run", "pilot"):
             self.pending.setdefault(folder, Pending(label, folder, _train_argv(folder, tf, mf, resume)))
             self.waiting = True
             return _pending_result(folder)
@@ -218,7 +270,7 @@ class Lab:
         """``fn()``'s result, cached as JSON under jobs/<preset>/ by ``name`` and ``params`` (and,
         for timings, the machine and thread count)."""
         self._measured = True
-        if self.s.mode == "plan" or self.waiting:
+        if self.s.mode in ("plan", "pilot") or self.waiting:
             raise RunsPending(self.preset)
         if name in TIMING_JOBS:
             params = {**params, "machine": [bench_machine(), torch.get_num_threads()]}
@@ -242,6 +294,11 @@ class Lab:
         tmp.write_text(json.dumps({"seconds": round(seconds, 2), "result": result, "config_key": config_key}))
         os.replace(tmp, path)
         return result
+
+
+def arm_of(label: str) -> str:
+    """The arm a run belongs to: its label less the seed ("rmsnorm-s3" -> "rmsnorm")."""
+    return re.sub(r"-s\d+$", "", label)
 
 
 _TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}

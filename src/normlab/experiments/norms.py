@@ -38,8 +38,8 @@ def lm_sizes(lab: Lab) -> tuple[dict, dict]:
 
 def train_norms(lab: Lab, norms, seeds) -> dict[str, list[dict]]:
     train_fields, model = lm_sizes(lab)
-    return {norm: [lab.run(f"{norm}-s{seed}", train_fields, {**model, "placement": "pre"}, {"norm": norm, "seed": seed})
-                   for seed in seeds] for norm in norms}
+    return {norm: [lab.run(f"{norm}-s{seed}", train_fields, {**model, "placement": "pre"}, {"norm": norm, "seed": seed},
+                           tune=True) for seed in seeds] for norm in norms}
 
 
 # Quality comparisons pair runs by seed: a seed fixes the data order and the initial weights of
@@ -70,6 +70,8 @@ LM_SEEDS = 5
 def preset_norms(lab: Lab) -> dict:
     seeds = lab.seeds(LM_SEEDS, LM_SEEDS)
     runs = train_norms(lab, NORMS, seeds)
+    lab.plan_equivalence("rmsnorm", "layernorm", 0.02)
+    lab.plan_equivalence("prmsnorm", "rmsnorm", 0.02)
     train_fields, model = lm_sizes(lab)
     tf = {**train_fields, **lab.train_over}
     batch = D.Batches(lab.dataset.train, tf["batch_size"], tf["seq_len"], seed=99).next()
@@ -97,7 +99,7 @@ def preset_norms(lab: Lab) -> dict:
         val = stats([r["val_loss"] for r in rs])
         diverged = sum(r["status"] == "diverged" for r in rs)
         rows.append({
-            "norm": norm, "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2),
+            "norm": norm, "lr": lab.arm_lr(norm), "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2),
             "val_min": _round(val["min"]), "val_max": _round(val["max"]), "seeds": len(rs), "diverged": diverged,
             "run_step_ms": _round(statistics.median([r["step_ms"] for r in rs if r["step_ms"]]), 3),
             "tokens_per_s": _round(statistics.median([r["tokens_per_s"] for r in rs if r["tokens_per_s"]]), 4),
@@ -139,7 +141,7 @@ def preset_norms(lab: Lab) -> dict:
         "question": "Does RMSNorm match LayerNorm's quality while running faster, and does a model need a norm at all?",
         "settings": {"train": {**train_fields, **lab.train_over}, "model": {**model, **lab.model_over, "placement": "pre"},
                      "seeds": seeds, "timing_processes": processes, "step_budget": budget},
-        "columns": ["norm", "val_loss", "val_std", "val_min", "val_max", "seeds", "diverged", "run_step_ms", "tokens_per_s",
+        "columns": ["norm", "lr", "val_loss", "val_std", "val_min", "val_max", "seeds", "diverged", "run_step_ms", "tokens_per_s",
                     "step_ms", "step_vs_layernorm"],
         "rows": rows, "claims": claims,
         "series": {"runs": {norm: [{"seed": s, **_curves(r)} for s, r in zip(seeds, rs)] for norm, rs in runs.items()},

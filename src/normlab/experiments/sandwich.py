@@ -42,8 +42,10 @@ def preset_sandwich(lab: Lab) -> dict:
     seeds = lab.seeds(3, 3)
     # Pre-LN runs are the norms preset's RMSNorm runs (same config): reused when both are run
     runs = {placement: [lab.run(f"rmsnorm-s{seed}" if placement == "pre" else f"sandwich-rmsnorm-s{seed}", train_fields,
-                                {**model, "placement": placement}, {"norm": "rmsnorm", "seed": seed}) for seed in seeds]
+                                {**model, "placement": placement}, {"norm": "rmsnorm", "seed": seed}, tune=True)
+                        for seed in seeds]
             for placement in ("pre", "sandwich")}
+    lab.plan_equivalence("sandwich-rmsnorm", "rmsnorm", 0.02)
     tf = {**train_fields, **lab.train_over}
 
     def measure(r, trained):
@@ -61,7 +63,7 @@ def preset_sandwich(lab: Lab) -> dict:
         measured[f"{p}_stream_growth"] = [ls[-1] / ls[0] for ls in layers]
         measured[f"{p}_stream_growth_at_init"] = [ls[-1] / ls[0] for ls in at_init[p]]
         val = stats(measured[f"{p}_val"])
-        rows.append({"placement": p, "seeds": len(rs), "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2),
+        rows.append({"placement": p, "lr": lab.arm_lr("rmsnorm" if p == "pre" else "sandwich-rmsnorm"), "seeds": len(rs), "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2),
                      "stream_rms_first": _round(stats([ls[0] for ls in layers])["mean"], 3),
                      "stream_rms_last": _round(stats([ls[-1] for ls in layers])["mean"], 3),
                      "stream_growth": _round(stats(measured[f"{p}_stream_growth"])["mean"], 3),
@@ -89,7 +91,7 @@ def preset_sandwich(lab: Lab) -> dict:
         "question": "Does normalizing each branch's output bound the residual stream, and at what cost in loss?",
         "settings": {"train": {**train_fields, **lab.train_over}, "model": {**model, **lab.model_over, "norm": "rmsnorm"},
                      "seeds": seeds},
-        "columns": ["placement", "seeds", "val_loss", "val_std", "stream_rms_first", "stream_rms_last", "stream_growth",
+        "columns": ["placement", "lr", "seeds", "val_loss", "val_std", "stream_rms_first", "stream_rms_last", "stream_growth",
                     "growth_at_init"],
         "rows": rows, "claims": claims,
         "series": {"runs": {p: [_curves(r) for r in rs] for p, rs in runs.items()}, "stream_rms": by_layer,

@@ -24,8 +24,8 @@ def preset_shallow(lab: Lab) -> dict:
     warmup = max(1, {**train_fields, **lab.train_over}["steps"] // 4)
     seeds = lab.seeds(3, 3)
     runs = {(p, depth): [lab.run(f"{p}-L{depth}-s{seed}", train_fields, model,
-                                 {"placement": p, "n_layers": depth, "lr": lr, "min_lr": lr / 10, "warmup": warmup, "seed": seed})
-                         for seed in seeds]
+                                 {"placement": p, "n_layers": depth, "lr": lr, "min_lr": lr / 10, "warmup": warmup, "seed": seed},
+                                 tune=True) for seed in seeds]
             for depth in depths for p in ("post", "pre")}
     rows, measured = [], {"unigram_loss": unigram_loss(lab.dataset.train)}
     for (p, depth), rs in runs.items():
@@ -33,7 +33,7 @@ def preset_shallow(lab: Lab) -> dict:
         measured[f"{p}_{which}_val"] = [r["val_loss"] for r in rs]
         measured[f"{p}_{which}_diverged"] = sum(r["status"] == "diverged" for r in rs)
         val = stats(measured[f"{p}_{which}_val"])
-        rows.append({"placement": p, "layers": depth, "seeds": len(rs), "diverged": measured[f"{p}_{which}_diverged"],
+        rows.append({"placement": p, "layers": depth, "lr": lab.arm_lr(f"{p}-L{depth}"), "seeds": len(rs), "diverged": measured[f"{p}_{which}_diverged"],
                      "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2)})
     conditions = [
         f"matches: Post-LN and Pre-LN in the original Transformer's pieces (LayerNorm, ReLU FFN, learned positions), "
@@ -59,7 +59,7 @@ def preset_shallow(lab: Lab) -> dict:
         "question": "Is Post-LN better when shallow and Pre-LN when deep?",
         "settings": {"train": {**train_fields, **lab.train_over, "lr": lr, "warmup": warmup}, "model": {**model, **lab.model_over},
                      "depths": list(depths), "seeds": seeds},
-        "columns": ["placement", "layers", "seeds", "diverged", "val_loss", "val_std"],
+        "columns": ["placement", "layers", "lr", "seeds", "diverged", "val_loss", "val_std"],
         "rows": rows, "claims": claims,
         "series": {"runs": {f"{p}|{depth}": [_curves(r) for r in rs] for (p, depth), rs in runs.items()}},
         "notes": [f"{len(seeds)} seeds per setting, cosine schedule after {warmup} warmup steps. Unigram loss "
