@@ -330,6 +330,30 @@ def test_report_renders(finished):
             assert all(any(w in x for w in ("seed", "process", "round", "draw", "exact", "not measured"))
                        for x in c["evidence"]), c["evidence"]
     assert "Machine and versions" in md and "normlab compare all --size tiny" in md
+    family = results["presets"]["norms"]["family"]
+    assert f"the {family['size']} sampled tests of one `normlab compare` invocation" in md
+
+
+def test_the_report_writes_tables_others_can_reuse(finished):
+    import csv
+
+    out, results = finished
+    paths = report.render(results, out)
+    rows = list(csv.DictReader(paths["results_csv"].open()))
+    norms = results["presets"]["norms"]
+    mine = [r for r in rows if r["preset"] == "norms" and r["quantity"] == "rmsnorm_val"]
+    assert [float(r["value"]) for r in mine] == pytest.approx(_claim(results, "norms.rms_quality")["measured"]["rmsnorm_val"])
+    assert [int(r["sample"]) for r in mine] == norms["settings"]["seeds"] and {r["over"] for r in mine} == {"seeds"}
+    claims = list(csv.DictReader(paths["claims_csv"].open()))
+    ids = {c["id"] for s in results["presets"].values() for c in s["claims"]}
+    assert {r["claim"] for r in claims} == ids
+    tested = [r for r in claims if r["p"]]
+    assert len(tested) == norms["family"]["size"]  # one row per test of the family
+    for r in tested:  # the adjusted p is Holm's over the family's p-values
+        assert float(r["p_adjusted"]) == pytest.approx(C.holm_adjust(float(r["p"]), norms["family"]["p_values"]))
+    tex = paths["tex"].read_text()
+    assert "\\toprule" in tex and "\\bottomrule" in tex and tex.count(" \\\\") == len(ids) + 1
+    assert "rms\\_quality" in tex  # escaped for LaTeX
 
 
 def _images(out):

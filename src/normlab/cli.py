@@ -310,13 +310,14 @@ def _print_verdicts(results: dict, done: list[str], paths: dict, out: str, conso
     how = (f"family-wise: Holm over {family.get('size')} tests at 5%" if family.get("method") == "holm"
            else "per claim, unadjusted for the number of claims")
     table = Table(title=f"claims (verdicts computed from the numbers by each claim's rule; {how})")
-    for col in ("preset", "claim", "verdict"):
+    for col in ("preset", "claim", "verdict", "alone (95%)"):
         table.add_column(col)
     colours = {"holds": "green", "does not hold": "red", "inconclusive": "yellow"}
     for name, section in results["presets"].items():
         if name in done:
             for c in section["claims"]:
-                table.add_row(name, c["claim"], f"[{colours[c['verdict']]}]{c['verdict']}[/]")
+                alone = c.get("verdict_plain", c["verdict"])
+                table.add_row(name, c["claim"], f"[{colours[c['verdict']]}]{c['verdict']}[/]", f"[{colours[alone]}]{alone}[/]")
     console.print(table)
     console.print(f"report: {paths['html']} (and report.md, results.json, plots) in {out}")
 

@@ -105,9 +105,9 @@ def _claim_lines(c: dict) -> list[tuple[str, list[str]]]:
     return [(label, lines) for label, lines in parts if lines]
 
 
-NOT_REPRODUCED = ("Not every claim reproduced here. A verdict is computed on a 95% t interval over seeds (or timing "
-                  "processes): 'inconclusive' means the interval straddles the claim's margin, which at this scale "
-                  "can be the noise of a few seeds; the evidence above says which.")
+NOT_REPRODUCED = ("Not every claim reproduced here. 'inconclusive' means the test could not decide at the family-wise "
+                  "level: its interval straddles the claim's margin, or its p-value, adjusted for the other tests of "
+                  "the invocation, is above 5%; the evidence above gives both, and the verdict of the claim alone.")
 
 
 def markdown(results: dict, images: dict[str, list[str]]) -> str:

@@ -24,7 +24,10 @@ numbers by their rules (normlab.claims). Presets:
                training set repeated but hurts on plentiful data
 
 Every claim carries the conditions of its source's experiment that this run matches and those it
-does not; verdicts come from 95% t intervals over seeds (normlab.claims).
+does not; verdicts come from t intervals over seeds of log ratios, judged family-wise over the
+invocation's tests by Holm's step-down (normlab.claims; --per-claim: each alone). The arms a preset
+compares train at their own learning rates and the presets at their seed counts, both from pilot
+runs on seeds no test run uses (--tune; normlab.experiments.design).
 
 ``demo`` runs norms, gradients, batchnorm (without its batch-size trend) and precision at quick
 size; ``all`` runs every preset.

@@ -109,8 +109,8 @@ def preset_batchnorm(lab: Lab) -> dict:
         mates = max(x["mates_change"] for x in e)
         pad = max(x["padding_change"] for x in e)
         val = stats([r["val_loss"] for r in runs[norm]])
-        rows.append({"norm": norm, "batch_size": tf["batch_size"], "batching": "windows", "mates_change": _round(mates, 3),
-                     "padding_change": _round(pad, 3), "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2)})
+        rows.append({"norm": norm, "batch_size": tf["batch_size"], "batching": "windows", "lr": lab.arm_lr(norm),
+                     "mates_change": _round(mates, 3), "padding_change": _round(pad, 3), "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2)})
         measured.update({f"{norm}_mates_change": mates, f"{norm}_padding_change": pad})
     trend = {}
     for (norm, bs), (fields, rs) in trend_runs.items():
@@ -121,7 +121,8 @@ def preset_batchnorm(lab: Lab) -> dict:
         gaps = [abs(x["train_mode_loss"] - x["eval_loss"]) / x["eval_loss"] for x in losses]
         trend[norm, bs] = {"val": [r["val_loss"] for r in rs], "gap": gaps}
         val = stats(trend[norm, bs]["val"])
-        rows.append({"norm": norm, "batch_size": bs, "batching": "paragraphs", "val_loss": _round(val["mean"]),
+        rows.append({"norm": norm, "batch_size": bs, "batching": "paragraphs", "lr": lab.arm_lr(f"pad-{norm}-b{bs}"),
+                     "val_loss": _round(val["mean"]),
                      "val_std": _round(val["std"], 2), "eval_loss": _round(statistics.fmean(x["eval_loss"] for x in losses)),
                      "train_mode_loss": _round(statistics.fmean(x["train_mode_loss"] for x in losses)),
                      "train_eval_gap": _round(statistics.fmean(gaps), 3)})
@@ -132,6 +133,7 @@ def preset_batchnorm(lab: Lab) -> dict:
         measured[f"batchnorm_excess_b{bs}"] = [None if b is None or ln is None else b / ln - 1
                                                for b, ln in zip(trend["batchnorm", bs]["val"], trend["layernorm", bs]["val"])]
     worst = "the largest change over seeds: one sequence whose output moves proves the dependence"
+    none_moves = "the largest change over seeds: no sequence's output may move"
     moves = C.ours("1e-3 of the logits' RMS: 100x above float32 rounding's 1e-7-1e-5, so rounding cannot pass it")
     still = C.ours("1e-5 of the logits' RMS: what float32 rounding through a few layers can reach, and no more")
     trend_cond = BATCHNORM_CONDITIONS + [f"batch sizes {small} and {large} compared, paired by seed ({len(trend_seeds)} seeds)"]
@@ -141,7 +143,7 @@ def preset_batchnorm(lab: Lab) -> dict:
                 _pick(measured, *[f"{n}_{k}" for n in norms for k in ("mates_change", "padding_change")]),
                 C.all_of(C.at_least("batchnorm_mates_change", 1e-3, point=worst, origin=moves),
                          C.at_least("batchnorm_padding_change", 1e-3, point=worst, origin=moves),
-                         *[C.at_most(f"{n}_{k}", 1e-5, point=worst, origin=still)
+                         *[C.at_most(f"{n}_{k}", 1e-5, point=none_moves, origin=still)
                            for n in ("layernorm", "rmsnorm") for k in ("mates_change", "padding_change")]),
                 ["matches: the same sequence run with other batch-mates, and with half-padded batch-mates, in training mode",
                  "differs: measured on models trained on fixed windows (the norms preset's runs)"]),
@@ -162,7 +164,7 @@ def preset_batchnorm(lab: Lab) -> dict:
     ]
     brief = [] if trend else ["The demo leaves out the batch-size trend on padded sequences (1.5 minutes on 2 cores): "
                               "`normlab compare batchnorm --quick` runs it, reusing the demo's runs."]
-    columns = ["norm", "batch_size", "batching", "mates_change", "padding_change", "val_loss", "val_std", "eval_loss",
+    columns = ["norm", "batch_size", "batching", "lr", "mates_change", "padding_change", "val_loss", "val_std", "eval_loss",
                "train_mode_loss", "train_eval_gap"]
     rows = [{c: r.get(c) for c in columns} for r in rows]
     return {

@@ -103,3 +103,28 @@ def decide(pilot: dict, size: str, command: str, meta: dict) -> dict:
         entry["seeds"] = max(entry["seeds"], n)
     return {size: {"arms": arms, "seeds": seeds, "pilot_seeds": list(PILOT_SEEDS), "lr_factors": list(LR_FACTORS),
                    "power": POWER, "command": command, **{k: meta.get(k) for k in ("date", "git", "processor")}}}
+
+
+def markdown(design: dict, size: str) -> str:
+    """The design at ``size`` as Markdown tables: each arm's pilot losses and learning rate, and
+    each preset's seed count with the power calculation behind it."""
+    d = design[size]
+    lines = [f"Pilot seeds {', '.join(map(str, d['pilot_seeds']))}; learning rates: each arm's preset rate times "
+             f"{', '.join(f'{f:.3g}' for f in d['lr_factors'])}; command `{d.get('command')}` (git {d.get('git')}, "
+             f"{d.get('date')}, {d.get('processor')}).", "",
+             "| preset | arm | grid | mean pilot validation loss | chosen |", "|---|---|---|---|---|"]
+    for arm, a in d["arms"].items():
+        losses = ", ".join("diverged" if v is None else f"{v:.4f}" for v in a["mean_loss"])
+        lines.append(f"| {a['preset']} | {arm} | {', '.join(f'{x:g}' for x in a['grid'])} | {losses} | "
+                     f"{a['lr']:g}{' (grid edge)' if a['at_edge'] else ''} |")
+    lines += ["", "| preset | equivalence | margin | pilot spread of the paired log ratio | pilot gap | tests in the family "
+              "| seeds | power |", "|---|---|---|---|---|---|---|---|"]
+    for preset, s in d["seeds"].items():
+        for p in s["pairs"]:
+            sd = p["pilot_sd_log_ratio"]
+            gap = p["pilot_gap"]
+            lines.append(f"| {preset} | {p['a']} vs {p['b']} | {p['margin']:.0%} | {'-' if sd is None else f'{sd:.2%}'} | "
+                         f"{'-' if gap is None else f'{gap:+.2%}'} | {p['family_size']} | {p['seeds']} | {p['power']:.0%} |")
+    lines += ["", "Seeds per preset (the most its equivalences need): "
+              + ", ".join(f"{k} {v['seeds']}" for k, v in d["seeds"].items()) + "; the other presets keep their defaults."]
+    return "\n".join(lines)

@@ -116,7 +116,9 @@ def preset_dyt(lab: Lab) -> dict:
         measured[f"{setting}_{budget}_val"] = [r["val_loss"] for r in rs]
         val = stats(measured[f"{setting}_{budget}_val"])
         sat = saturated.get((setting, budget))
-        rows.append({"setting": setting, "budget": budget, "tokens": budgets[budget], "passes": _round(passes[budget], 3),
+        arm = f"{setting}-{steps}steps" + (f"-{train_tokens[budget]}tokens" if train_tokens[budget] else "")
+        rows.append({"setting": setting, "budget": budget, "lr": lab.arm_lr(arm), "tokens": budgets[budget],
+                     "passes": _round(passes[budget], 3),
                      "seeds": len(rs),
                      "diverged": sum(r["status"] == "diverged" for r in rs), "val_loss": _round(val["mean"]),
                      "val_std": _round(val["std"], 2), "saturated": _round(statistics.fmean(sat), 3) if sat else None})
@@ -174,7 +176,7 @@ def preset_dyt(lab: Lab) -> dict:
         "question": "Does DyT match RMSNorm, how much does alpha0 matter, and does its effect depend on the data budget?",
         "settings": {"train": {**fields, **lab.train_over}, "model": {**model, **lab.model_over}, "budgets": budgets,
                      "passes": passes, "alpha0s": list(ALPHA0S), "dyt_embed_gain": EMBED_GAIN, "seeds": seeds},
-        "columns": ["setting", "budget", "tokens", "passes", "seeds", "diverged", "val_loss", "val_std", "saturated"],
+        "columns": ["setting", "budget", "lr", "tokens", "passes", "seeds", "diverged", "val_loss", "val_std", "saturated"],
         "rows": rows, "claims": claims,
         "series": {"runs": {f"{s}|{b}": [_curves(r) for r in rs] for (s, b), rs in runs.items()},
                    "saturated": {f"{s}|{b}": v for (s, b), v in saturated.items()}},

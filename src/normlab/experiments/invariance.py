@@ -107,7 +107,7 @@ def preset_invariance(lab: Lab) -> dict:
                     lambda: {norm: {"op": op_changes(norm, d, rows, seed=41),
                                     "model": model_changes(lab.model_config({**exact_model, "norm": norm}), batch, seed=42)}
                              for norm in KINDS})
-    columns = ["norm", "where", "transform", "relative_change", "invariant_in_theory", "val_loss", "val_std"]
+    columns = ["norm", "where", "transform", "relative_change", "invariant_in_theory", "lr", "val_loss", "val_std"]
     table, measured = [], {"unigram_loss": unigram_loss(lab.dataset.train)}
     for norm in KINDS:
         changes = {(where, name): exact[norm][where][name]
@@ -124,7 +124,8 @@ def preset_invariance(lab: Lab) -> dict:
             key = f"{norm}_shift{noise:g}_val" if noise else f"{norm}_val"
             measured[key] = [r["val_loss"] for r in rs]
             val = stats(measured[key])
-            table.append({"norm": norm, "where": "training", "transform": f"shift noise {noise:g} x row RMS" if noise else "none",
+            table.append({"norm": norm, "where": "training", "lr": lab.arm_lr(f"{norm}-shift{noise:g}" if noise else norm),
+                          "transform": f"shift noise {noise:g} x row RMS" if noise else "none",
                           "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2)})
     rounding = C.ours("1e-9: float64 rounding through a model is ~1e-14; a broken invariance moves the output by order 1")
     moves = C.ours("1e-3: a million times the rounding bound of the invariance claims, so both cannot hold at once")
