@@ -474,7 +474,10 @@ def test_the_pilot_tunes_each_arm_and_sizes_the_seeds(corpus, env, tmp_path):
     design = E.tune_presets(["norms"], settings, command="normlab compare norms --size tiny --tune")["tiny"]
     assert set(design["arms"]) == set(lab_module.NORMS)
     for arm, a in design["arms"].items():
-        assert a["grid"] == [float(f"{2e-3 * f:.3g}") for f in DS.LR_FACTORS]  # around the preset's learning rate
+        around = [float(f"{2e-3 * f:.3g}") for f in DS.LR_FACTORS]  # the preset's learning rate and either side
+        assert set(around) <= set(a["grid"]) and len(a["grid"]) <= len(around) + DS.MAX_EXTEND
+        if len(a["grid"]) > len(around):  # extended only past an edge that held the best
+            assert a["grid"][0] < around[0] or a["grid"][-1] > around[-1]
         finite = {lr: v for lr, v in zip(a["grid"], a["mean_loss"]) if v is not None}
         assert a["lr"] == min(finite, key=finite.get)  # the lowest mean pilot loss
     # the pilot trains only at its own seeds, never at a test seed
@@ -502,6 +505,12 @@ def test_each_arm_trains_at_the_learning_rate_its_design_gives(corpus, env, tmp_
             assert (train["lr"], train["min_lr"]) == (lr, lr / 10), norm
         assert section["settings"]["arm_lrs"][norm] == {"lr": lr, "how": "tuned (the design)"}
         assert next(r for r in section["rows"] if r["norm"] == norm)["lr"] == lr
+    # the design's seed count goes to the arms of the equivalences it was sized for; the others keep
+    # the preset's default (tiny: 1)
+    path.write_text(json.dumps({"tiny": {"seeds": {"norms": {"seeds": 3, "pairs": [{"a": "rmsnorm", "b": "layernorm"}]}}}}))
+    sized = E.run_presets(["norms"], dataclasses.replace(settings, out=str(tmp_path / "sized")))["presets"]["norms"]
+    assert {r["norm"]: r["seeds"] for r in sized["rows"]} == {"layernorm": 3, "rmsnorm": 3, "prmsnorm": 1, "batchnorm": 1,
+                                                              "none": 1}
     # a learning rate the user sets for every run wins, and the report says so
     over = E.run_presets(["norms"], dataclasses.replace(settings, out=str(tmp_path / "over"), overrides={"lr": 1e-3}))
     assert {a["how"] for a in over["presets"]["norms"]["settings"]["arm_lrs"].values()} == {"set for every run"}

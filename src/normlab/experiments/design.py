@@ -3,8 +3,9 @@ count, decided on pilot runs whose seeds the test runs never use.
 
 ``normlab compare PRESET --quick --tune`` trains every tuned arm of the presets (an arm: one
 setting a preset compares, e.g. ``rmsnorm`` or ``post-L12``) at PILOT_SEEDS and at the preset's
-learning rate times LR_FACTORS. Each arm's learning rate is the one with the lowest mean
-validation loss over the pilot seeds (a diverged seed counts as infinitely bad). For each
+learning rate times LR_FACTORS, and up to MAX_EXTEND more steps beyond the grid's edge while the
+best is on it. Each arm's learning rate is the one with the lowest mean validation loss over the
+pilot seeds (a diverged seed counts as infinitely bad). For each
 equivalence claim a preset declares, the pilot's paired log ratios at the tuned learning rates
 give the seed spread, and the seed count is the smallest that reaches POWER to decide the claim
 at its margin (two one-sided t tests, true gap 0, at the family-wise level ALPHA / K). The result
@@ -23,6 +24,7 @@ from scipy import stats as S
 
 PILOT_SEEDS = (100, 101, 102)  # disjoint from the test seeds (0, 1, 2, ...)
 LR_FACTORS = (1 / 3, 1.0, 3.0)  # the preset's learning rate and half a decade either side
+MAX_EXTEND = 2  # a best rate on the grid's edge gets up to this many more steps beyond it
 POWER = 0.8
 ALPHA = 0.05
 # The sampled tests of the invocations the seed counts are planned for (checked by the tests

@@ -101,7 +101,7 @@ def preset_dyt(lab: Lab) -> dict:
                       **({"embed_gain": EMBED_GAIN} if gain else {}), **data}
             setting = settings_of(norm, alpha0, gain)
             runs[setting, budget] = [lab.run(f"{setting}-{steps}steps{tag}-s{seed}", fields, model, {**varied, "seed": seed},
-                                             tune=True) for seed in seeds]
+                                             tune=True) for seed in lab.arm_seeds(f"{setting}-{steps}steps{tag}", seeds, 3)]
     lab.plan_equivalence(f"{settings_of('dyt', DEFAULT_ALPHA0)}-{steps}steps", f"rmsnorm-{steps}steps", 0.02)
 
     def saturated_in(run: dict, budget: str) -> float:

@@ -95,7 +95,7 @@ def preset_invariance(lab: Lab) -> dict:
     runs = {(norm, noise): [lab.run(f"{norm}-s{seed}" if not noise else f"{norm}-shift{noise:g}-s{seed}", train_fields,
                                     {**model, "placement": "pre"},
                                     {"norm": norm, "seed": seed, **({"norm_shift_noise": noise} if noise else {})}, tune=True)
-                            for seed in seeds]
+                            for seed in lab.arm_seeds(f"{norm}-shift{noise:g}" if noise else norm, seeds, 3)]
             for norm in KINDS for noise in (0.0, *SHIFT_NOISES)}
     for noise in SHIFT_NOISES:
         lab.plan_equivalence(f"layernorm-shift{noise:g}", "layernorm", 0.02)

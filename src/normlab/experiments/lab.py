@@ -135,6 +135,15 @@ class Lab:
         planned = DS.planned_seeds(self.design, self.size, preset or self.preset)
         return list(range(self.s.seeds or planned or self.pick(quick, full, tiny=1)))
 
+    def arm_seeds(self, arm: str, seeds: list[int], default: int, preset: str | None = None) -> list[int]:
+        """The seeds of one arm: all of the preset's where the design sized them for an equivalence
+        this arm is part of, else the preset's default count (the other arms' claims are
+        directions with large effects; they pair with the first seeds)."""
+        pairs = self.design.get(self.size, {}).get("seeds", {}).get(preset or self.preset, {}).get("pairs", [])
+        if self.s.seeds or not pairs or any(arm in (p["a"], p["b"]) for p in pairs):
+            return seeds
+        return seeds[:self.pick(default, default, tiny=1)]
+
     def plan_equivalence(self, a: str, b: str, margin: float) -> None:
         """Declare an equivalence claim between two tuned arms: --tune sizes the seeds to decide it."""
         if self.s.mode == "pilot" and (self.preset, a, b, margin) not in self.pilot["pairs"]:
@@ -218,11 +227,24 @@ class Lab:
             return
         base = {**train_fields, **self.train_over, **varied}["lr"]
         losses = {}
-        for factor in DS.LR_FACTORS:
+
+        def train_at(factor: float) -> None:
             lr = float(f"{base * factor:.3g}")
             losses[str(lr)] = [self._train(f"pilot-{arm}-lr{lr:g}-s{seed}", train_fields, model_fields,
                                            {**varied, "seed": seed, "lr": lr, "min_lr": lr / 10})["val_loss"]
                                for seed in DS.PILOT_SEEDS]
+
+        factors = list(DS.LR_FACTORS)
+        for factor in factors:
+            train_at(factor)
+        for _ in range(DS.MAX_EXTEND):  # a best rate on the grid's edge: one more step beyond it
+            best = DS.best_lr({float(k): v for k, v in losses.items()})[0]
+            lrs = sorted(float(k) for k in losses)
+            if best not in (lrs[0], lrs[-1]) or all(v is None for v in losses[str(best)]):
+                break
+            step = DS.LR_FACTORS[-1] / DS.LR_FACTORS[1]
+            factors.append(max(factors) * step if best == lrs[-1] else min(factors) / step)
+            train_at(factors[-1])
         self.pilot["arms"][arm] = {"preset": self.preset, "base_lr": base, "losses": losses}
 
     def _train(self, label: str, train_fields: dict, model_fields: dict, varied: dict) -> dict:

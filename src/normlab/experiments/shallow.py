@@ -37,7 +37,8 @@ def preset_shallow(lab: Lab) -> dict:
                      "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2)})
     conditions = [
         f"matches: Post-LN and Pre-LN in the original Transformer's pieces (LayerNorm, ReLU FFN, learned positions), "
-        f"with warmup ({warmup} steps), the same learning rate, steps and seeds, at {depths[0]} and {depths[1]} layers",
+        f"with warmup ({warmup} steps), the same steps and seeds, at {depths[0]} and {depths[1]} layers, each at its own "
+        "learning rate (the best of a pilot grid on seeds the test runs do not use)",
         "differs: a decoder-only character LM on Shakespeare for a few hundred steps (the studies: 6-layer to 18-layer "
         "encoder-decoders for translation, trained to convergence)",
     ]
