@@ -779,3 +779,8 @@ def test_dyt_small_budget_is_a_set_gone_over_as_often_as_the_study_s(tmp_path):
     with pytest.raises(ValueError, match=r"small training set of 1,560 tokens .* at least 10x that \(15,600 tokens\); "
                                          r"this data's split has 15,599"):
         dyt.data_budgets(lab, 250, 16, 64)
+
+
+def test_the_verdict_counts_read_as_english():
+    assert report._counts_text({"holds": 1, "does not hold": 1, "inconclusive": 2}) == "1 holds, 1 does not hold, 2 inconclusive"
+    assert report._counts_text({"holds": 3, "does not hold": 0, "inconclusive": 1}) == "3 hold, 0 do not hold, 1 inconclusive"

@@ -19,7 +19,9 @@ run of this design (the pilot's seeds, 100-102, are never test seeds). How it de
 `src/normlab/experiments/design.py`:
 
 - each arm (one setting a preset compares) trains at the preset's learning rate and a factor 3
-  either side; its learning rate is the one of lowest mean validation loss over the pilot seeds;
+  either side, and up to two more steps past an edge of the grid that held the best; its
+  learning rate is the one of lowest mean validation loss over the pilot seeds ("-": a pilot
+  seed diverged);
 - each equivalence claim gets the fewest seeds (3 to 10) that give 80% power to decide it at its
   margin, by two one-sided t tests on the paired log ratios, true gap 0, at the family-wise level
   0.05 / K (K: the sampled tests of the invocation it is planned for: the demo's for the demo's

@@ -82,6 +82,13 @@ def family_lines(results: dict) -> list[str]:
     return lines
 
 
+def _counts_text(counts: dict[str, int]) -> str:
+    """"3 hold, 1 does not hold, 2 inconclusive"."""
+    h, f = counts["holds"], counts["does not hold"]
+    return (f"{h} {'holds' if h == 1 else 'hold'}, {f} {'does not hold' if f == 1 else 'do not hold'}, "
+            f"{counts['inconclusive']} inconclusive")
+
+
 def verdict_counts(results: dict) -> dict[str, int]:
     counts = {"holds": 0, "does not hold": 0, "inconclusive": 0}
     for section in results["presets"].values():
@@ -114,7 +121,7 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
     meta = results.get("meta", {})
     lines = ["# normlab compare: report", ""] + [f"{line}  " for line in _meta_lines(meta)] + [""]
     counts = verdict_counts(results)
-    lines += [f"Claims: {counts['holds']} hold, {counts['does not hold']} do not hold, {counts['inconclusive']} inconclusive "
+    lines += [f"Claims: {_counts_text(counts)} "
               "at this scale. Verdicts are computed from the measured numbers by the stated rule.", ""]
     lines += [f"{line}  " for line in family_lines(results)] + [""]
     lines += ["| preset | claim | verdict | alone (95%) |", "|---|---|---|---|"]
@@ -168,7 +175,7 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
              "<h1>normlab compare: report</h1>"]
     parts += [f"<p>{e(line)}</p>" for line in _meta_lines(meta)]
     counts = verdict_counts(results)
-    parts.append(f"<p>Claims: {counts['holds']} hold, {counts['does not hold']} do not hold, {counts['inconclusive']} inconclusive at "
+    parts.append(f"<p>Claims: {_counts_text(counts)} at "
                  "this scale. Every verdict is computed from the measured numbers by the rule shown with it.</p>")
     parts += [f"<p>{e(line)}</p>" for line in family_lines(results)]
     parts.append("<table><tr><th>preset</th><th>claim</th><th>verdict</th><th>alone (95%)</th></tr>")
