@@ -432,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=experiments.__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("items", nargs="+", metavar="PRESET|key=value",
                    help="presets to run, then training/model fields for every run (e.g. d_model=128 dtype=bf16)")
-    p.add_argument("--quick", action="store_true", help="sizes for 2 CPU cores (every preset together in about 22 minutes); demo implies it")
+    p.add_argument("--quick", action="store_true", help="sizes for 2 CPU cores (every preset: about 25 minutes with --jobs 2); demo implies it")
     p.add_argument("--size", choices=experiments.SIZES, default="full",
                    help="full (default), quick (= --quick) or tiny (seconds: a smoke test, numbers mean little)")
     p.add_argument("--seeds", type=int, help="seeds per setting (default: the preset's)")

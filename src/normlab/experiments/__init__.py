@@ -32,7 +32,7 @@ runs on seeds no test run uses (--tune; normlab.experiments.design).
 ``demo`` runs norms, gradients, batchnorm (without its batch-size trend) and precision at quick
 size; ``all`` runs every preset.
 Sizes: ``full`` (the default: minutes to hours on a CPU, meant for a GPU or a patient machine),
-``quick`` (2 CPU cores: every preset together in about 22 minutes) and ``tiny`` (seconds: the tests).
+``quick`` (2 CPU cores: every preset together in about 25 minutes with --jobs 2) and ``tiny`` (seconds: the tests).
 
 Everything lives in the output directory: ``runs/<label>-<hash>/`` holds one training run (the
 hash covers its whole config, so a run is reused by any preset, or any later command, that asks
