@@ -154,8 +154,9 @@ def _add_rms_grads(ctx, dy, ds, bwd):
 
 
 def _ln_setup(ctx, inputs, output):
-    x, weight, bias, _ = inputs
+    x, weight, bias, eps = inputs
     ctx.save_for_backward(x, weight, bias, output[1], output[2])
+    ctx.eps = eps
 
 
 def _ln_grads(ctx, dy, bwd):
@@ -166,9 +167,10 @@ def _ln_grads(ctx, dy, bwd):
 
 
 def _add_ln_setup(ctx, inputs, output):
-    x, residual, weight, bias, _, _ = inputs
+    x, residual, weight, bias, eps, _ = inputs
     ctx.save_for_backward(output[1], weight, bias, output[2], output[3])
     ctx.dtypes = (x.dtype, residual.dtype)
+    ctx.eps = eps
 
 
 def _add_ln_grads(ctx, dy, ds, bwd):
@@ -192,6 +194,73 @@ def _dyt_grads(ctx, dy, bwd):
             _grad_like(db, bias, need[3]))
 
 
+# ------------------------------------------------------------- differentiable gradients
+# The kernels' backward is not itself differentiable. Under ``create_graph=True`` (a gradient
+# penalty, a Hessian-vector product) the gradients come from the reference math on the same
+# saved tensors instead, so that they carry a graph rather than silently dropping it.
+
+
+def _vjp(fn: Callable, inputs: tuple, cotangent: Tensor) -> list:
+    """cotangent's vector-Jacobian product with ``fn(*inputs)`` for each of ``inputs`` that needs
+    a gradient (None for the others), with its own graph. torch.func's vjp rather than
+    autograd.grad: the add variants' saved sum is this node's own output, and autograd.grad
+    from it would run this node again, without end."""
+    wanted = [i for i, t in enumerate(inputs) if t is not None and t.requires_grad]
+
+    def partial(*args):
+        full = list(inputs)
+        for i, a in zip(wanted, args):
+            full[i] = a
+        return fn(*full)
+
+    grads = iter(torch.func.vjp(partial, *(inputs[i] for i in wanted))[1](cotangent) if wanted else ())
+    return [next(grads) if i in wanted else None for i in range(len(inputs))]
+
+
+def _rms_math(ctx, x: Tensor, weight: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    eps, inside, llama, offset, k = ctx.opts
+    partial = None if k == x.shape[-1] else k / x.shape[-1]
+    return reference.rms_norm(x, weight, eps, eps_mode="inside" if inside else "outside", cast="llama" if llama else "gemma",
+                              offset=offset, partial=partial, out_dtype=out_dtype)
+
+
+def _summed(ctx, dsum: Tensor | None, ds: Tensor) -> tuple:
+    """The add variants' gradients for x and residual: what reached the sum, plus ds."""
+    dsum = ds if dsum is None else dsum + ds
+    need = ctx.needs_input_grad
+    return (dsum.to(ctx.dtypes[0]) if need[0] else None), (dsum.to(ctx.dtypes[1]) if need[1] else None)
+
+
+def _rms_graph(ctx, dy):
+    x, weight, _ = ctx.saved_tensors
+    return (*_vjp(lambda x, w: _rms_math(ctx, x, w, x.dtype), (x, weight), dy), None, None, None, None, None)
+
+
+def _add_rms_graph(ctx, dy, ds):
+    s, weight, _ = ctx.saved_tensors
+    dsum, dw = _vjp(lambda s, w: _rms_math(ctx, s, w, ctx.dtypes[0]), (s, weight), dy)
+    return (*_summed(ctx, dsum, ds), dw, None, None, None, None, None, None)
+
+
+def _ln_graph(ctx, dy):
+    x, weight, bias, _, _ = ctx.saved_tensors
+    return (*_vjp(lambda x, w, b: reference.layer_norm(x, w, b, ctx.eps), (x, weight, bias), dy), None)
+
+
+def _add_ln_graph(ctx, dy, ds):
+    s, weight, bias, _, _ = ctx.saved_tensors
+    dsum, dw, db = _vjp(lambda s, w, b: reference.layer_norm(s, w, b, ctx.eps, out_dtype=ctx.dtypes[0]), (s, weight, bias), dy)
+    return (*_summed(ctx, dsum, ds), dw, db, None, None)
+
+
+def _dyt_graph(ctx, dy):
+    x, alpha, weight, bias = ctx.saved_tensors
+    return tuple(_vjp(reference.dyt, (x, alpha, weight, bias), dy))
+
+
+GRAPHED = {"rms_norm": _rms_graph, "add_rms_norm": _add_rms_graph, "layer_norm": _ln_graph, "add_layer_norm": _add_ln_graph,
+           "dyt": _dyt_graph}
+
 # forward op -> (setup, gradients, how many outputs users see (0: the op returns one tensor),
 # which backward)
 AUTOGRAD = {
@@ -203,7 +272,7 @@ AUTOGRAD = {
 }
 
 
-def _function(name: str, forward: Callable, setup: Callable, grads: Callable, visible: int, bwd: Callable) -> type:
+def _function(prefix: str, name: str, forward: Callable, setup: Callable, grads: Callable, visible: int, bwd: Callable) -> type:
     """The eager door to the same launchers: a plain autograd.Function. A custom op's first call
     imports torch._dynamo (about a second) and every call pays the op dispatcher; eager users
     pay neither."""
@@ -214,9 +283,11 @@ def _function(name: str, forward: Callable, setup: Callable, grads: Callable, vi
         return output if visible == 0 else output[0] if visible == 1 else tuple(output[:visible])
 
     def backward(ctx, *grads_out):
+        if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again
+            return GRAPHED[name](ctx, *grads_out)
         return grads(ctx, *grads_out, bwd)
 
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(backward)})
+    return type(f"{prefix}_{name}", (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(backward)})
 
 
 # ---------------------------------------------------------------------------- a backend
@@ -249,7 +320,7 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
     for name, (setup, grads, visible, kind) in AUTOGRAD.items():
         ops[name].register_autograd(lambda ctx, *g, _grads=grads, _n=visible, _bwd=traced_bwd[kind]: _grads(ctx, *g[:max(_n, 1)], _bwd),
                                     setup_context=setup)
-        eager[name] = _function(f"{prefix}_{name}", launch[name], setup, grads, visible, eager_bwd[kind])
+        eager[name] = _function(prefix, name, launch[name], setup, grads, visible, eager_bwd[kind])
 
     def call(name: str, *inputs):
         """The op's visible outputs: through its custom op while torch.compile traces, else eagerly."""
