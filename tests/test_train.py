@@ -143,7 +143,7 @@ def test_config_resolution_and_unknown_keys(tmp_path):
 def test_corrupt_checkpoint_gives_a_clear_error(tmp_path):
     bad = tmp_path / "checkpoint.pt"
     bad.write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="is corrupt or not a normlab checkpoint"):
+    with pytest.raises(ValueError, match="is corrupt or not a normlab checkpoint"), pytest.warns(UserWarning, match="no recorded digest"):
         T.load_checkpoint(bad)
 
 
@@ -173,7 +173,7 @@ def test_resuming_with_an_incompatible_checkpoint_says_so(corpus, tmp_path):
     cfg["model"]["d_model"] = 64  # the saved weights are for d_model 32
     (tmp_path / "run" / "config.json").write_text(json.dumps(cfg))
     tcfg, _ = tiny(corpus, tmp_path / "run", steps=3)
-    with pytest.raises(ValueError, match="does not fit this model config"):
+    with pytest.raises(ValueError, match="config.json does not describe the run its checkpoint holds .d_model: 32"):
         T.train(tcfg, None, resume=True)
 
 

@@ -4,7 +4,9 @@ validation, JSON-lines metrics, atomic checkpoints, exact resume, divergence as 
 A run lives in its own directory: config.json (the resolved config), tokenizer.json,
 metrics.jsonl (one line per step and per evaluation, flushed as written), summary.json (status,
 final losses, tokens/s, wall time, versions) and checkpoint.pt (model, optimizer, scheduler, RNG
-states, step and data position; written to a temporary file then renamed).
+states, step and data position; written to a temporary file then renamed), whose digest
+checkpoint.pt.sha256 holds. normlab.runs owns those files; a resume refuses a checkpoint that does
+not match its digest, config.json or tokenizer.json, and rebuilds a summary a kill prevented.
 
 Multi-process: ``torchrun --nproc_per_node=N -m normlab train ...`` runs DistributedDataParallel
 (gloo on CPU, nccl on CUDA); each rank draws its own windows, the global batch is preserved
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -29,10 +32,11 @@ import torch.distributed as dist
 from normlab import data as D
 from normlab import env
 from normlab.model import Decoder, ModelConfig
+from normlab.runs import (RUN_FILES, load_checkpoint, logged_summary, read_json, read_metrics, save_checkpoint,  # noqa: F401
+                          truncate_metrics, write_atomic, write_json)
 
 SCHEDULES = ("cosine", "constant")
 RESUMABLE = ("steps", "eval_every", "ckpt_every", "diag_every", "stop_at", "quiet")  # what --resume may change
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoint.pt")  # what makes a folder a run
 BATCHINGS = ("windows", "paragraphs")
 DTYPES = ("fp32", "bf16")
 
@@ -170,44 +174,6 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 
-def write_atomic(path: Path, write) -> None:
-    """``write(tmp)`` into a temporary file beside ``path``, fsync it, rename it over ``path``,
-    fsync the folder: a crash leaves the old file or the new one, never half of one. A failure (a
-    full disk) removes the temporary file and says which path it was writing."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise OSError(err.errno, f"could not write {path}: {err.strerror or err}") from err
-
-
-def save_checkpoint(path: Path, state: dict) -> None:
-    """Write atomically: a crash or a full disk mid-write leaves the previous checkpoint intact."""
-    write_atomic(path, lambda tmp: torch.save(state, tmp))
-
-
-def _write_json(path: Path, obj) -> None:
-    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
-
-
-def load_checkpoint(path: Path) -> dict:
-    if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # a truncated or foreign file: say so plainly
-        raise ValueError(f"checkpoint {path} is corrupt or not a normlab checkpoint ({type(err).__name__}: {err})") from err
-
-
 class _Stop:
     """SIGINT/SIGTERM set a flag; the loop saves a checkpoint and stops after the current step."""
 
@@ -270,15 +236,15 @@ def train(tcfg: TrainConfig, model_overrides: dict | None = None, *, resume: boo
 def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank, world, main_rank, distributed, changes):
     previous: dict = {}  # a resumed run's summary: its values stay until new steps replace them
     if resume:
-        saved = json.loads((out / "config.json").read_text())
+        saved = read_json(out / "config.json")
         tcfg = TrainConfig(**{**saved["train"], "out": str(out), "quiet": tcfg.quiet, "stop_at": tcfg.stop_at, **changes})
         tcfg.validate()
         kept = {k: v for k, v in changes.items() if k not in ("quiet", "stop_at")}  # they pause or quiet, not change, a run
         if kept and main_rank:  # the run's recorded config is what it runs with from now on
             saved["train"].update(kept)
-            _write_json(out / "config.json", saved)
+            write_json(out / "config.json", saved)
         if (out / "summary.json").exists():
-            previous = json.loads((out / "summary.json").read_text())
+            previous = read_json(out / "summary.json")
         model_overrides = saved["model"]
     dataset = D.prepare(tcfg.data, tcfg.tokenizer, tcfg.bpe_vocab, tcfg.val_fraction)
     mcfg = ModelConfig.preset(tcfg.preset, **{**model_overrides, "vocab_size": dataset.tokenizer.vocab_size})
@@ -296,6 +262,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
     resolved = {"train": dataclasses.asdict(tcfg), "model": {**model_overrides}, "model_resolved": dataclasses.asdict(mcfg)}
     if resume:
         state = load_checkpoint(ckpt_path)
+        _check_agrees(out, state, {"train": dataclasses.asdict(tcfg), "model_resolved": dataclasses.asdict(mcfg)})
         try:
             model.load_state_dict(state["model"])
         except RuntimeError as err:
@@ -313,20 +280,29 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
             raise ValueError(f"{out} already holds a run ({', '.join(held)}); resume it (--resume {out}), choose another "
                              "out=DIR, or pass overwrite=true to start it afresh")
         out.mkdir(parents=True, exist_ok=True)
-        _write_json(out / "config.json", resolved)
+        write_json(out / "config.json", resolved)
         write_atomic(out / "tokenizer.json", dataset.tokenizer.save)
         (out / "metrics.jsonl").write_text("")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=tcfg.dtype == "bf16")
     # the clock (step_ms, the lab's loss-per-second axis) must time training, not compilation
     warm_up(model, val_batches[0], device, autocast)
     net = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
+    logged = {}
     if resume and main_rank:  # a crash after the checkpoint logged steps that will now run again
-        truncate_metrics(out / "metrics.jsonl", start)
+        kept = truncate_metrics(out / "metrics.jsonl", start)
+        last = max((r["step"] for r in kept if "step_ms" in r), default=-1)
+        if last != start - 1:
+            raise ValueError(f"{ckpt_path} is at step {start} but {out / 'metrics.jsonl'} records training up to step "
+                             f"{last + 1}: the files disagree. Restore them, or start the run afresh with overwrite=true")
+        logged = logged_summary(kept)  # a summary the run may have died before writing is rebuilt from these
     metrics = open(out / "metrics.jsonl", "a") if main_rank else None
-    summary = {**previous, "status": "running", "step": start}
+    summary = {**previous, **{k: v for k, v in logged.items() if k in ("loss", "val_loss")}, "status": "running", "step": start}
     t_start = time.perf_counter()
     tokens_seen = 0
     progress, task = _progress(tcfg, start, console) if main_rank else (None, None)
+
+    run_config = {"train": dataclasses.asdict(tcfg), "model_resolved": dataclasses.asdict(mcfg)}
+    tokenizer_digest = _file_digest(out / "tokenizer.json")
 
     def log(record: dict) -> None:
         if metrics:
@@ -338,7 +314,8 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
             save_checkpoint(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
                                         "scheduler": sched.state_dict(), "rng": torch.get_rng_state(),
                                         "data": batches.state(), "step": step, "first_loss": first_loss,
-                                        "init_val_loss": init_val_loss})
+                                        "init_val_loss": init_val_loss, "config": run_config,
+                                        "tokenizer_sha256": tokenizer_digest})
         if distributed:
             dist.barrier()
 
@@ -412,8 +389,12 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
     summary.update(status=status, first_loss=first_loss, wall_s=round(wall, 2),
                    tokens_per_s=round(tokens_seen / wall, 1) if wall > 0 else None, versions=env.versions(),
                    parameters=model.num_parameters(), parameters_no_embedding=model.num_parameters(False))
+    if tokens_seen == 0 and logged:  # resumed at its end: the run's figures are the logged ones
+        summary.update(tokens_per_s=logged.get("tokens_per_s"), wall_s=previous.get("wall_s", logged.get("train_s")))
+        if not previous:
+            summary["rebuilt"] = "summary.json was missing: rebuilt from checkpoint.pt and metrics.jsonl"
     if main_rank:
-        _write_json(out / "summary.json", summary)
+        write_json(out / "summary.json", summary)
         metrics.close()
     return summary
 
@@ -433,23 +414,6 @@ def warm_up(model: Decoder, batch: tuple, device, autocast) -> None:
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """Keep the records of the first ``step`` training steps (and the evaluations after them) and
-    drop the rest, including a line a crash cut short: a run resumed from the checkpoint at
-    ``step`` logs each later step once. Written to a temporary file, then renamed."""
-    kept = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:  # the last line, half written when the process died
-            continue
-        if r["step"] < step or ("val_loss" in r and r["step"] <= step):
-            kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
 
 
 def train_split(dataset, train_tokens: int):
@@ -504,6 +468,33 @@ def _progress(tcfg: TrainConfig, start: int, console):
 # ---------------------------------------------------------------------------------- sample
 
 
+# Fields a resumed run may differ in from its checkpoint: what --resume may change, and where
+# the folder is.
+_VOLATILE = (*RESUMABLE, "out", "overwrite")
+
+
+def _file_digest(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+
+
+def _check_agrees(run: Path, state: dict, config: dict) -> None:
+    """The run folder's config.json and tokenizer.json are the ones its checkpoint was trained
+    with (checkpoints from before this check carry neither and pass)."""
+    held = state.get("config")
+    if held:
+        differ = [f"{k}: {held['train'][k]!r} in checkpoint.pt, {v!r} in config.json" for k, v in config["train"].items()
+                  if k not in _VOLATILE and k in held["train"] and held["train"][k] != v]
+        differ += [f"{k}: {held['model_resolved'][k]!r} in checkpoint.pt, {v!r} in config.json"
+                   for k, v in config["model_resolved"].items() if held["model_resolved"].get(k, v) != v]
+        if differ:
+            raise ValueError(f"{run}: config.json does not describe the run its checkpoint holds ({'; '.join(differ)}). "
+                             "Restore config.json, or start a new run with out=DIR")
+    digest = state.get("tokenizer_sha256")
+    if digest and digest != _file_digest(run / "tokenizer.json"):
+        raise ValueError(f"{run}: tokenizer.json is not the tokenizer checkpoint.pt was trained with; restore it, or "
+                         "start a new run with out=DIR")
+
+
 def _initialized(mcfg: ModelConfig, seed: int) -> Decoder:
     torch.manual_seed(seed)
     return Decoder(mcfg)
@@ -512,15 +503,20 @@ def _initialized(mcfg: ModelConfig, seed: int) -> Decoder:
 def _saved_config(run: Path) -> dict:
     if not (run / "config.json").exists():
         raise FileNotFoundError(f"{run} is not a run directory (no config.json)")
-    return json.loads((run / "config.json").read_text())
+    return read_json(run / "config.json")
 
 
 def load_run(run: str | Path) -> tuple[Decoder, D.Tokenizer]:
     run = Path(run)
     saved = _saved_config(run)
     tok = D.load_tokenizer(run / "tokenizer.json")
+    state = load_checkpoint(run / "checkpoint.pt")
+    _check_agrees(run, state, {"train": {}, "model_resolved": saved["model_resolved"]})
     model = Decoder(ModelConfig(**saved["model_resolved"]))
-    model.load_state_dict(load_checkpoint(run / "checkpoint.pt")["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as err:
+        raise ValueError(f"{run / 'checkpoint.pt'} does not fit the model config.json describes: {err}") from err
     return model.eval(), tok
 
 

@@ -62,7 +62,8 @@ from normlab.experiments.eps import preset_eps
 from normlab.experiments.final_norm import preset_final_norm
 from normlab.experiments.gradients import preset_gradients
 from normlab.experiments.invariance import preset_invariance
-from normlab.experiments.lab import SIZES, Interrupted, Lab, Pending, RunsPending, Settings, _write_json
+from normlab.runs import write_json
+from normlab.experiments.lab import SIZES, Interrupted, Lab, Pending, RunsPending, Settings
 from normlab.experiments.norms import lm_sizes, preset_norms
 from normlab.experiments.precision import preset_precision
 from normlab.experiments.sandwich import preset_sandwich
@@ -166,7 +167,7 @@ def tune_presets(names: list[str], settings: Settings, console=None, command: st
     if lab.size in old:  # tuning some presets again keeps the others' arms and seeds
         merged[lab.size] = {**design[lab.size], "arms": {**old[lab.size].get("arms", {}), **design[lab.size]["arms"]},
                             "seeds": {**old[lab.size].get("seeds", {}), **design[lab.size]["seeds"]}}
-    _write_json(path, merged)
+    write_json(path, merged)
     return merged
 
 
@@ -206,7 +207,7 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
         section["meta"] = results["meta"]  # results.json may merge sections of several commands: each says its own
         family.append(section)
         C.familywise(family, per_claim=settings.per_claim)  # again with each section: every write is consistent
-        _write_json(path, results)
+        write_json(path, results)
     if lab.pending:
         raise RunsMissing(list(lab.pending.values()), results)
     return results

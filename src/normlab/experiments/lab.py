@@ -26,6 +26,7 @@ from normlab import data as D
 from normlab import functional as F
 from normlab.experiments import design as DS
 from normlab.model import Decoder, ModelConfig
+from normlab.runs import clean_json, read_json, read_metrics, write_json
 from normlab.train import TrainConfig, split_overrides, train
 
 ZHANG19 = "Zhang & Sennrich (2019), Root Mean Square Layer Normalization, NeurIPS"
@@ -261,7 +262,7 @@ class Lab:
             self._note_stale(self.out / "runs", f"{label}-*", config_key, f"run {label}")
         resume = False
         if summary_path.exists():
-            summary = json.loads(summary_path.read_text())
+            summary = read_json(summary_path)
             if summary.get("status") in ("completed", "diverged"):
                 self.cost += summary.get("wall_s") or 0.0
                 if not (folder / "cache.json").exists():  # trained by a planned `normlab train`
@@ -301,20 +302,20 @@ class Lab:
         if not path.exists():
             self._note_stale(path.parent, f"{name}-*.json", config_key, f"{self.preset} {name}")
         if path.exists():
-            saved = json.loads(path.read_text())
+            saved = read_json(path)
+            if not isinstance(saved, dict) or "result" not in saved and "config_key" not in saved:
+                raise ValueError(f"{path} is not a job result; delete it and rerun to measure again")
             if "result" not in saved:  # written before results carried their cost
                 return saved
             self.cost += saved["seconds"]
             return saved["result"]
         self.say(f"  [bold]{self.preset}[/bold] {name}")
         t0 = time.perf_counter()
-        result = _clean(fn())
+        result = clean_json(fn())
         seconds = time.perf_counter() - t0
         self.cost += seconds
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"seconds": round(seconds, 2), "result": result, "config_key": config_key}))
-        os.replace(tmp, path)
+        write_json(path, {"seconds": round(seconds, 2), "result": result, "config_key": config_key})
         return result
 
 
@@ -379,18 +380,16 @@ def _run_result(folder: Path, summary: dict) -> dict:
     against training time, and the training loss, thinned to at most 200 points)."""
     val_steps, val_loss, val_time, steps, losses, step_ms = [], [], [], [], [], []
     elapsed = 0.0
-    with open(folder / "metrics.jsonl") as f:
-        for line in f:
-            r = json.loads(line)
-            if "val_loss" in r:
-                val_steps.append(r["step"])
-                val_loss.append(r["val_loss"])
-                val_time.append(round(elapsed, 3))
-            elif "step_ms" in r:
-                elapsed += r["step_ms"] / 1e3
-                steps.append(r["step"])
-                losses.append(r["loss"])
-                step_ms.append(r["step_ms"])
+    for r in read_metrics(folder / "metrics.jsonl"):
+        if "val_loss" in r:
+            val_steps.append(r["step"])
+            val_loss.append(r["val_loss"])
+            val_time.append(round(elapsed, 3))
+        elif "step_ms" in r:
+            elapsed += r["step_ms"] / 1e3
+            steps.append(r["step"])
+            losses.append(r["loss"])
+            step_ms.append(r["step_ms"])
     stride = max(1, len(steps) // 200)
     diverged = summary["status"] == "diverged"
     return {
@@ -560,20 +559,3 @@ def unigram_loss(tokens) -> float:
 
 
 # =================================================================================== gradients
-
-
-def _clean(obj):
-    """JSON without NaN/Infinity (not JSON): non-finite numbers become null."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
-
-
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(_clean(obj), indent=1, allow_nan=False))
-    os.replace(tmp, path)

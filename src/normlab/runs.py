@@ -1,0 +1,185 @@
+"""A training run's folder on disk: crash-safe writes, checkpoints that prove they are intact, and
+the metrics log.
+
+A run folder holds config.json (the resolved configs), tokenizer.json, metrics.jsonl (one JSON
+record per line: training steps and evaluations), checkpoint.pt (torch.save of plain tensors and
+numbers, loaded with ``weights_only=True``), checkpoint.pt.sha256 (the checkpoint's digest) and,
+once a run ends, summary.json.
+
+The digest file is written before the new checkpoint is renamed into place and holds the new
+digest and the previous one, so that a crash at any point leaves a checkpoint whose digest it
+holds. A checkpoint whose bytes match neither was changed or damaged after it was written: it is
+refused, because torch's zip reader does not check its own CRCs and would train on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import uuid
+import warnings
+from pathlib import Path
+
+import torch
+
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoint.pt")  # what makes a folder a run
+
+
+def write_atomic(path: Path, write, before_replace=None) -> None:
+    """``write(tmp)`` into a temporary file beside ``path``, fsync it, (``before_replace(tmp)``),
+    rename it over ``path``, fsync the folder: a crash leaves the old file or the new one, never
+    half of one. The temporary name is unique, so two writers never share one. A failure (a full
+    disk) removes the temporary file and says which path it was writing."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        if before_replace is not None:
+            before_replace(tmp)
+        os.replace(tmp, path)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise OSError(err.errno, f"could not write {path}: {err.strerror or err}") from err
+    except RuntimeError as err:  # torch.save reports a full disk as an enforce failure
+        raise OSError(f"could not write {path}: {err}") from err
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def clean_json(obj):
+    """JSON without NaN/Infinity (not JSON): non-finite numbers become null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: clean_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [clean_json(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, obj) -> None:
+    """Crash-safe JSON, non-finite numbers as null."""
+    text = json.dumps(clean_json(obj), indent=1, allow_nan=False)
+    write_atomic(Path(path), lambda tmp: tmp.write_text(text))
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file, or a ValueError that names it and what to do."""
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); restore it or start the run afresh with overwrite=true") from err
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def digest_path(path: Path) -> Path:
+    return Path(path).with_name(Path(path).name + ".sha256")
+
+
+def _recorded(path: Path) -> list[str]:
+    side = digest_path(path)
+    if not side.exists():
+        return []
+    try:
+        rec = json.loads(side.read_text())
+        return [d for d in (rec.get("sha256"), rec.get("previous")) if isinstance(d, str)]
+    except (json.JSONDecodeError, AttributeError):
+        return ["unreadable"]
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """Write atomically, with the digest recorded before the rename (see the module's text)."""
+    path = Path(path)
+
+    def record(tmp: Path) -> None:
+        previous = _digest(path) if path.exists() else None
+        write_json(digest_path(path), {"sha256": _digest(tmp), "previous": previous})
+
+    write_atomic(path, lambda tmp: torch.save(state, tmp), before_replace=record)
+
+
+def load_checkpoint(path: Path) -> dict:
+    """A checkpoint whose digest matches the one recorded for it, loaded with weights_only."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    recorded = _recorded(path)
+    if not recorded:
+        warnings.warn(f"{path} has no recorded digest ({digest_path(path).name} is missing), so it cannot be "
+                      "checked for damage", stacklevel=2)
+    elif _digest(path) not in recorded:
+        raise ValueError(f"checkpoint {path} does not match the digest in {digest_path(path).name}: it was changed or "
+                         "damaged after it was written. Restore an earlier copy of the run folder, or start the run "
+                         "afresh with overwrite=true")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated or foreign file: say so plainly
+        raise ValueError(f"checkpoint {path} is corrupt or not a normlab checkpoint ({type(err).__name__}: {err})") from err
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+def read_metrics(path: Path, *, last_line_may_be_cut: bool = False) -> list[dict]:
+    """The records of metrics.jsonl. A line that is not a record is an error naming the file and
+    line, except (with ``last_line_may_be_cut``) a last line a crash cut short."""
+    path = Path(path)
+    lines = path.read_text().splitlines() if path.exists() else []
+    records = []
+    for i, line in enumerate(lines, 1):
+        try:
+            r = json.loads(line)
+            if not isinstance(r, dict) or not isinstance(r.get("step"), int):
+                raise ValueError("no integer 'step'")
+        except ValueError as err:
+            if last_line_may_be_cut and i == len(lines):
+                break
+            raise ValueError(f"{path} line {i} is not a metrics record ({err}); restore the file or start the run "
+                             "afresh with overwrite=true") from err
+        records.append(r)
+    return records
+
+
+def truncate_metrics(path: Path, step: int) -> list[dict]:
+    """Keep the records of the first ``step`` training steps (and the evaluations after them) and
+    drop the rest, including a line a crash cut short: a run resumed from the checkpoint at
+    ``step`` logs each later step once. Returns the kept records."""
+    kept = [r for r in read_metrics(path, last_line_may_be_cut=True)
+            if r["step"] < step or ("val_loss" in r and r["step"] <= step)]
+    write_atomic(Path(path), lambda tmp: tmp.write_text("".join(json.dumps(r) + "\n" for r in kept)))
+    return kept
+
+
+def logged_summary(records: list[dict]) -> dict:
+    """What a summary says about the steps in ``records``: the last training and validation
+    losses, and the training throughput over the timed steps (for a run resumed at its end)."""
+    out: dict = {}
+    trained = [r for r in records if "loss" in r and "step_ms" in r]
+    if trained:
+        out["loss"] = trained[-1]["loss"]
+        seconds = sum(r["step_ms"] for r in trained) / 1e3
+        tokens = sum(r["tokens_per_s"] * r["step_ms"] / 1e3 for r in trained)
+        out["tokens_per_s"] = round(tokens / seconds, 1) if seconds > 0 else None
+        out["train_s"] = round(seconds, 3)
+    vals = [r for r in records if "val_loss" in r]
+    if vals:
+        out["val_loss"] = vals[-1]["val_loss"]
+    return out

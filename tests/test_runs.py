@@ -1,0 +1,147 @@
+"""The run folder refuses what it cannot trust: a damaged checkpoint, files that disagree with it,
+and repairs what a kill leaves behind (a checkpoint without its summary)."""
+
+import json
+import random
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from normlab import runs as RN
+from normlab import train as T
+from normlab.cli import main
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def finished(corpus, tmp_path_factory):
+    """A finished tiny run (checkpoints at 5 and 10), copied by each test that changes it."""
+    out = tmp_path_factory.mktemp("runs") / "run"
+    tcfg, m = T.resolve(None, dict(data=str(corpus), preset="tiny", steps=10, batch_size=4, seq_len=16, warmup=2,
+                                   eval_every=5, eval_batches=1, ckpt_every=5, quiet=True, out=str(out)))
+    T.train(tcfg, m)
+    return out
+
+
+@pytest.fixture
+def run(finished, tmp_path):
+    return shutil.copytree(finished, tmp_path / "run")
+
+
+def _resume(run, *more):
+    return main(["train", "--resume", str(run), "--quiet", *more])
+
+
+@pytest.mark.parametrize("where", [0.3, 0.5, 0.8])
+def test_a_damaged_checkpoint_is_refused_on_resume_and_sample(run, capsys, where):
+    path = run / "checkpoint.pt"
+    data = bytearray(path.read_bytes())
+    at = int(len(data) * where)
+    data[at:at + 64] = random.Random(at).randbytes(64)
+    path.write_bytes(bytes(data))
+    assert _resume(run, "steps=12") != 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"checkpoint {path} does not match the digest" in said and "overwrite=true" in said
+    with pytest.raises(ValueError, match="does not match the digest"):
+        T.sample(run, "the", tokens=3)
+
+
+def test_a_crash_between_the_renames_leaves_a_checkpoint_that_loads(tmp_path):
+    """The digest file is written first and keeps the previous digest, so the old checkpoint
+    still loads if the process dies before the new one is renamed into place."""
+    path = tmp_path / "checkpoint.pt"
+    RN.save_checkpoint(path, {"step": 1})
+    old = path.read_bytes()
+    RN.save_checkpoint(path, {"step": 2})
+    assert RN.load_checkpoint(path)["step"] == 2
+    path.write_bytes(old)  # as if the rename of step 2 never happened
+    assert RN.load_checkpoint(path)["step"] == 1
+    RN.digest_path(path).unlink()
+    with pytest.warns(UserWarning, match="no recorded digest"):
+        assert RN.load_checkpoint(path)["step"] == 1
+
+
+def test_a_run_killed_before_its_summary_resumes_to_its_real_figures(run):
+    done = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").unlink()  # killed after the last checkpoint, before the summary
+    assert _resume(run) == 0
+    again = json.loads((run / "summary.json").read_text())
+    assert again["status"] == "completed" and again["step"] == 10
+    assert again["loss"] == done["loss"] and again["val_loss"] == done["val_loss"]
+    assert again["tokens_per_s"] > 0 and "rebuilt" in again
+
+
+def _edit(path, change):
+    obj = json.loads(path.read_text())
+    change(obj)
+    path.write_text(json.dumps(obj))
+
+
+def test_an_edited_learning_rate_in_config_json_is_refused(run, capsys):
+    _edit(run / "config.json", lambda c: c["train"].update(lr=0.5))
+    assert _resume(run, "steps=12") != 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "config.json does not describe the run" in said and "lr: 0.001 in checkpoint.pt, 0.5 in config.json" in said
+
+
+def test_an_edited_model_or_tokenizer_is_refused_by_sample(run):
+    saved = (run / "config.json").read_text()
+    _edit(run / "config.json", lambda c: c["model_resolved"].update(n_layers=3))
+    with pytest.raises(ValueError, match="n_layers: 2 in checkpoint.pt, 3 in config.json"):
+        T.sample(run, "the", tokens=3)
+    (run / "config.json").write_text(saved)
+    tok = json.loads((run / "tokenizer.json").read_text())
+    chars = tok["chars"] if "chars" in tok else None
+    assert chars, tok.keys()
+    tok["chars"] = chars[::-1]
+    (run / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="tokenizer.json is not the tokenizer checkpoint.pt was trained with"):
+        T.sample(run, "the", tokens=3)
+
+
+def test_a_checkpoint_step_the_metrics_do_not_hold_is_refused(run, capsys):
+    state = RN.load_checkpoint(run / "checkpoint.pt")
+    state["step"] = 999
+    torch.save(state, run / "checkpoint.pt")
+    assert _resume(run, "steps=1000") != 0  # edited without its digest
+    assert "does not match the digest" in capsys.readouterr().out
+    RN.save_checkpoint(run / "checkpoint.pt", state)  # and with it: the metrics still disagree
+    assert _resume(run, "steps=1000") != 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "is at step 999 but" in said and "records training up to step 10" in said
+
+
+def test_bad_json_and_metrics_lines_name_their_file(run, tmp_path):
+    (run / "config.json").write_text('{"train": {')
+    with pytest.raises(ValueError, match=f"{run / 'config.json'} is not valid JSON"):
+        T.sample(run, "the")
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[3] = "{}"
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match="metrics.jsonl line 4 is not a metrics record"):
+        RN.read_metrics(run / "metrics.jsonl")
+    (tmp_path / "m.jsonl").write_text('{"step": 0, "step_ms": 1}\n{"st')
+    assert RN.truncate_metrics(tmp_path / "m.jsonl", 3) == [{"step": 0, "step_ms": 1}]  # a line cut short by a crash
+
+
+def test_a_failed_write_names_its_path_and_leaves_no_temporary_file(tmp_path):
+    target = tmp_path / "summary.json"
+    target.write_text("old")
+
+    def fail(tmp):
+        tmp.write_text("half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match=f"could not write {target}"):
+        RN.write_atomic(target, fail)
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RN.write_json(target, {"loss": float("nan")})
+    assert json.loads(target.read_text()) == {"loss": None}
