@@ -198,7 +198,7 @@ def cmd_sample(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_compare(args: argparse.Namespace, console: Console) -> int:
-    from normlab import experiments, report
+    from normlab import experiments
 
     names = [a for a in args.items if "=" not in a]
     overrides = _pairs([a for a in args.items if "=" in a])
@@ -212,6 +212,8 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
                                     overrides=overrides, quiet=args.quiet, lrs=experiments.parse_lrs(args.lrs),
                                     per_claim=args.per_claim, design=args.design)
     command = _compare_argv(args)
+    if args.ladder:
+        return _ladder(args, names, settings, command, console)
     if args.tune:
         return _tune(names, settings, command, console)
     if args.plan:
@@ -219,6 +221,15 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     if settings.size == "full" and "demo" not in names and not _cuda() and not args.collect:
         console.print("[yellow]note:[/yellow] full sizes on a CPU take hours; --quick fits 2 cores in minutes "
                       "(finished runs are kept either way: stop with Ctrl-C and rerun to resume)")
+    return _compare_once(args, names, settings, command, console)
+
+
+def _compare_once(args: argparse.Namespace, names: list[str], settings, command: str, console: Console,
+                  results_file: str = "results.json", render_to: Path | None = None) -> int:
+    """Train (here, or --jobs N at a time) or --collect, then measure, judge and report."""
+    from normlab import experiments, report
+
+    render_to = render_to or Path(args.out)
     try:
         if args.jobs > 1:
             from normlab.experiments import sweep
@@ -230,7 +241,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
             settings.mode = "collect"
         elif args.collect:
             settings.mode = "collect"
-        results = experiments.run_presets(names, settings, console, command=command)
+        results = experiments.run_presets(names, settings, console, command=command, results_file=results_file)
     except experiments.RunsMissing as err:
         console.print(f"[yellow]{len(err.pending)} training run(s) have not finished[/yellow] (nothing was trained: "
                       "--collect only measures and writes what has finished):")
@@ -238,7 +249,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
             console.print(f"  {run.label}  ({run.folder})")
         console.print(f"Train them with the command lines of `{command} --plan`, or run `{command}` to train them here.")
         if err.results["presets"]:
-            report.render(err.results, args.out)
+            report.render(err.results, render_to)
         return 1
     except experiments.Interrupted as err:
         console.print(f"[yellow]interrupted:[/yellow] {escape(str(err))}. Finished runs are kept: run the same command again to resume.")
@@ -247,7 +258,36 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[yellow]interrupted.[/yellow] Finished runs and measurements are kept in {args.out}: "
                       "run the same command again to resume.")
         return 130
-    _print_verdicts(results, experiments.expand(names), report.render(results, args.out), args.out, console)
+    _print_verdicts(results, experiments.expand(names), report.render(results, render_to), render_to, console)
+    return 0
+
+
+def _ladder(args: argparse.Namespace, names: list[str], settings, command: str, console: Console) -> int:
+    """--ladder: each rung as its own compare (results-rung<i>.json, a report in rung<i>/), the
+    runs shared in one --out, then the trend claims (ladder.json, ladder.md, plots)."""
+    import dataclasses
+
+    from normlab import experiments, report
+    from normlab.experiments import ladder
+
+    if args.tune:
+        raise ValueError(f"--tune runs at the preset's own size; --ladder transfers its learning rates ({ladder.LR_RULE})")
+    if args.plan:
+        pending = [run for rung in range(len(ladder.WIDTHS))
+                   for run in experiments.plan_presets(names, dataclasses.replace(settings, rung=rung))]
+        for run in pending:
+            print(run.command)
+        print(f"{command} --collect")
+        _print_costs(pending, Console(stderr=True))
+        return 0
+    for rung, w in enumerate(ladder.WIDTHS):
+        console.print(f"[bold magenta]ladder rung {rung}: d_model x{w:g}[/bold magenta]")
+        rc = _compare_once(args, names, dataclasses.replace(settings, rung=rung), command, console,
+                           results_file=experiments.rung_file(rung), render_to=Path(args.out) / f"rung{rung}")
+        if rc:
+            return rc
+    paths = report.render_ladder(experiments.ladder_results(names, args.out, settings.per_claim), args.out)
+    console.print(f"ladder: {paths['markdown']} (trend claims), ladder.json and plots in {args.out}")
     return 0
 
 
@@ -260,6 +300,7 @@ def _compare_argv(args: argparse.Namespace) -> str:
     flags += (["--quick"] if args.quick else []) + (["--size", args.size] if args.size != "full" else [])
     flags += ["--per-claim"] if args.per_claim else []
     flags += ["--design", args.design] if args.design else []
+    flags += ["--ladder"] if getattr(args, "ladder", False) else []
     return shlex.join(["normlab", "compare", *args.items, *flags])
 
 
@@ -298,9 +339,44 @@ def _plan(args: argparse.Namespace, settings, command: str) -> int:
     for run in pending:
         print(run.command)
     print(f"{command} --collect")
+    _print_costs(pending, notes)
     notes.print(f"{len(pending)} training run(s) to train (one `normlab train` line each), then the line that collects "
                 f"the results into {args.out}: measurements, verdicts and the report.")
     return 0
+
+
+def _print_costs(pending: list, console: Console) -> None:
+    """Each planned run's parameters, tokens, training FLOPs and estimated GPU time, and each
+    preset's totals (normlab.experiments.cost says how they are counted)."""
+    from rich.table import Table
+
+    from normlab.experiments import cost
+
+    table = Table(title=f"cost (FLOPs: 6ND + 6LTdD; GPU time at {cost.MFU:.0%} MFU of {cost.PEAK_FLOPS / 1e12:.0f} TFLOP/s, "
+                        "an H100/H200-class GPU)")
+    for col in ("preset", "run", "parameters", "tokens", "FLOPs", "GPU time"):
+        table.add_column(col)
+    totals: dict[str, list[float]] = {}
+    for run in pending:
+        c = run.cost
+        if not c:
+            continue
+        table.add_row(run.preset, run.label, f"{c['parameters']:,}", f"{c['tokens']:,}", f"{c['flops']:.3g}", _duration(c["gpu_s"]))
+        t = totals.setdefault(run.preset, [0, 0.0, 0.0])
+        t[0], t[1], t[2] = t[0] + 1, t[1] + c["flops"], t[2] + c["gpu_s"]
+    for preset, (n, flops, seconds) in totals.items():
+        table.add_row(f"[bold]{preset}[/bold]", f"[bold]total of {n} runs[/bold]", "", "", f"[bold]{flops:.3g}[/bold]",
+                      f"[bold]{_duration(seconds)}[/bold]")
+    if len(totals) > 1:
+        table.add_row("[bold]all[/bold]", "", "", "", f"[bold]{sum(t[1] for t in totals.values()):.3g}[/bold]",
+                      f"[bold]{_duration(sum(t[2] for t in totals.values()))}[/bold]")
+    console.print(table)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.2g} s"
+    return f"{seconds / 60:.3g} min" if seconds < 7200 else f"{seconds / 3600:.3g} h"
 
 
 def _print_verdicts(results: dict, done: list[str], paths: dict, out: str, console: Console) -> None:
@@ -444,6 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-claim", action="store_true",
                    help="judge each claim alone at 5%% (labelled unadjusted) instead of the default: the invocation's "
                         "verdicts together at a family-wise error of 5%% (Holm)")
+    p.add_argument("--ladder", action="store_true",
+                   help="run at three widths (d_model x0.5, x1, x2; tokens per parameter fixed; learning rates by the muP "
+                        "rule) and judge how each effect moves with parameters (ladder.md)")
     p.add_argument("--tune", action="store_true",
                    help="the pilot: train each compared arm at pilot seeds 100-102 and 3 learning rates, then write each "
                         "arm's learning rate and each preset's seed count (80%% power) to OUT/design.json")

@@ -441,3 +441,42 @@ PLOTS = {"norms": plot_norms, "warmup": plot_warmup, "gradients": plot_gradients
          "batchnorm": plot_batchnorm, "precision": plot_precision, "speed": plot_speed, "eps": plot_eps,
          "invariance": plot_invariance, "final-norm": plot_final_norm, "shallow": plot_shallow, "sandwich": plot_sandwich,
          "dyt": plot_dyt}
+
+
+def plot_ladder(ladder: dict, plt) -> dict:
+    """One figure per preset of the size ladder: each trend claim's gap at every rung (the mean
+    over seeds and its 95% interval) against non-embedding parameters on a log axis, with the
+    fitted slope."""
+    import math
+
+    figures = {}
+    for name, p in ladder["presets"].items():
+        trends = p["trends"]
+        if not trends:
+            continue
+        cols = min(3, len(trends))
+        rows = math.ceil(len(trends) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+        for ax, t in zip(axes.flat, trends):
+            xs = [r["parameters"] for r in t["rungs"]]
+            for x, r in zip(xs, t["rungs"]):
+                if r["ci"]:
+                    ax.errorbar([x], [r["ci"]["est"]], yerr=[[r["ci"]["est"] - r["ci"]["lo"]], [r["ci"]["hi"] - r["ci"]["est"]]],
+                                fmt="o", color="C0", capsize=3)
+                ax.plot([x] * len(r["gaps"]), r["gaps"], ".", color="C7", alpha=0.5)
+            if t["fit"]:
+                f = t["fit"]
+                ax.plot(xs, [f["intercept"] + f["slope"] * math.log10(x) for x in xs], "-", color="C1",
+                        label=f"slope {f['slope']:+.3f}/decade")
+                ax.legend(fontsize=7)
+            ax.axhline(0, color="k", lw=0.5)
+            ax.set_xscale("log")
+            ax.set_title(f"{t['id']}: {t['verdict']}", fontsize=8)
+            ax.set_xlabel("non-embedding parameters")
+            ax.set_ylabel(f"gap ({t['units']}; {t['leaf']['a']} vs {t['leaf']['b']})", fontsize=7)
+        for ax in list(axes.flat)[len(trends):]:
+            ax.axis("off")
+        fig.suptitle(f"{name}: each effect across the ladder (95% t intervals over seeds)", fontsize=10)
+        fig.tight_layout()
+        figures[f"ladder-{name}.png"] = fig
+    return figures

@@ -334,3 +334,72 @@ def readme_tables(results: dict) -> str:
             more = f"; {len(ev) - 2} more in the report" if len(ev) > 2 else ""
             lines.append(f"| {c['claim']} | {c['verdict']} | {c.get('verdict_plain', c['verdict'])} | {'; '.join(ev[:2])}{more} |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ the ladder
+
+
+def _trend_line(t: dict) -> str:
+    """A trend claim's question and evidence in one line."""
+    what = {"does not grow": f"the gap does not grow with scale (slope within +-{t['margin_per_decade']:.3g} per decade)",
+            "grows up": "the effect grows with scale (slope above 0)",
+            "grows down": "the effect grows with scale (slope below 0)"}[t["question"]]
+    fit = t["fit"]
+    if fit is None:
+        return f"{what}: fewer than three seed gaps across the rungs: {t['verdict']}"
+    adjusted = "" if t.get("p_adjusted") in (None, t["p"]) else f", Holm-adjusted {t['p_adjusted']:.3g}"
+    return (f"{what}: slope {fit['slope']:+.4f} ({t['units']}) per decade of parameters, 95% CI {fit['lo']:+.4f} to "
+            f"{fit['hi']:+.4f} ({fit['n']} seed gaps, df {fit['df']}); p {t['p']:.3g}{adjusted}: **{t['verdict']}**")
+
+
+def _rung_cell(r: dict, units: str) -> str:
+    if not r["ci"]:
+        return f"- ({r['verdict'] or 'not run'})"
+    if units == "log ratio":
+        return f"{r['ci']['gap']:+.2%} [{r['ci']['gap_lo']:+.2%}, {r['ci']['gap_hi']:+.2%}] ({r['verdict']})"
+    return f"{r['ci']['gap']:+.4g} [{r['ci']['gap_lo']:+.4g}, {r['ci']['gap_hi']:+.4g}] ({r['verdict']})"
+
+
+def ladder_markdown(ladder: dict, images: list[str]) -> str:
+    fam = ladder["family"]
+    how = (f"Holm over the ladder's {fam['size']} trend tests at {fam['alpha']:.0%}" if fam["method"] == "holm"
+           else "each trend alone, unadjusted")
+    lines = ["# normlab size ladder", "",
+             f"Widths: d_model x {', '.join(f'{w:g}' for w in ladder['widths'])} of each preset's size; tokens per parameter "
+             f"{ladder['tokens_per_parameter']}; learning rates: {ladder['lr_rule']}. Trend verdicts: {how}; each rung's "
+             "claims are judged as their own invocation's (rung<i>/report.md).", ""]
+    for name, p in ladder["presets"].items():
+        lines += [f"## {name}", "", "Non-embedding parameters: " + ", ".join(f"{n:,.0f}" for n in p["parameters"]), ""]
+        if not p["trends"]:
+            lines += ["No claim of this preset has a per-seed gap to follow across the rungs.", ""]
+            continue
+        lines += ["| claim | " + " | ".join(f"rung {i} gap [95% CI] (verdict)" for i in range(len(p["parameters"]))) + " | trend |",
+                  "|---|" + "---|" * len(p["parameters"]) + "---|"]
+        for t in p["trends"]:
+            cells = " | ".join(_rung_cell(r, t["units"]) for r in t["rungs"])
+            lines.append(f"| {t['id']} | {cells} | {t['verdict']} |")
+        lines.append("")
+        for t in p["trends"]:
+            lines += [f"- **{t['id']}** ({t['leaf']['a']} vs {t['leaf']['b']}): {_trend_line(t)}"]
+        lines.append("")
+        lines += [f"![{name}](plots/{f})" for f in images if f == f"ladder-{name}.png"] + [""]
+    return "\n".join(lines)
+
+
+def render_ladder(ladder: dict, out: str | Path) -> dict[str, Path]:
+    """ladder.md and one plot per preset (plots/ladder-<preset>.png) in ``out``."""
+    from normlab.plots import plot_ladder
+    from normlab.runs import write_atomic
+
+    plt = pyplot()
+    out = Path(out)
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    images = []
+    for filename, fig in plot_ladder(ladder, plt).items():
+        fig.savefig(out / "plots" / filename, dpi=110)
+        plt.close(fig)
+        images.append(filename)
+    md = out / "ladder.md"
+    text = ladder_markdown(ladder, images)
+    write_atomic(md, lambda tmp: tmp.write_text(text))
+    return {"markdown": md, **{f: out / "plots" / f for f in images}}

@@ -40,6 +40,10 @@ for the same config), ``jobs/<preset>/`` the measurements that are not training 
 results.json the sections finished so far. Rerunning the same command skips what is finished and
 resumes an interrupted training run from its checkpoint.
 
+``--ladder`` runs the presets at three widths (normlab.experiments.ladder: d_model x0.5, x1, x2,
+tokens per parameter held fixed, learning rates by the muP rule) into results-rung<i>.json, and
+judges trend claims on how each effect moves with parameters (ladder.json, ladder.md).
+
 The training runs can also run elsewhere: ``--plan`` prints one ``normlab train`` command line
 per unfinished run (for a Slurm job array or GNU parallel) and the ``--collect`` line that then
 measures and reports without training; ``--jobs N`` trains N runs at a time on this machine. A
@@ -50,11 +54,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
 from normlab import claims as C
 from normlab.experiments import design as DS
+from normlab.experiments import ladder as LD
 from normlab.experiments.batchnorm import BATCH_SIZES, preset_batchnorm
 from normlab.experiments.depth import preset_depth
 from normlab.experiments.dyt import preset_dyt
@@ -62,7 +68,6 @@ from normlab.experiments.eps import preset_eps
 from normlab.experiments.final_norm import preset_final_norm
 from normlab.experiments.gradients import preset_gradients
 from normlab.experiments.invariance import preset_invariance
-from normlab.runs import write_json
 from normlab.experiments.lab import SIZES, Interrupted, Lab, Pending, RunsPending, Settings
 from normlab.experiments.norms import lm_sizes, preset_norms
 from normlab.experiments.precision import preset_precision
@@ -70,6 +75,7 @@ from normlab.experiments.sandwich import preset_sandwich
 from normlab.experiments.shallow import preset_shallow
 from normlab.experiments.speed import preset_speed
 from normlab.experiments.warmup import SWEEP, lr_sensitivity, parse_lrs, preset_warmup
+from normlab.runs import read_json, write_json
 
 # ===================================================================================== presets
 
@@ -171,7 +177,7 @@ def tune_presets(names: list[str], settings: Settings, console=None, command: st
     return merged
 
 
-def run_presets(names: list[str], settings: Settings, console=None, command: str = "") -> dict:
+def run_presets(names: list[str], settings: Settings, console=None, command: str = "", results_file: str = "results.json") -> dict:
     """Run the presets (skipping finished work) and write results.json; returns the results. With
     ``settings.mode == "collect"`` nothing is trained: the presets whose runs have all finished are
     measured and written, and RunsMissing then lists the runs the others still need."""
@@ -179,8 +185,8 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
     lab = Lab(settings, console)
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "results.json"
-    results = json.loads(path.read_text()) if path.exists() else {"presets": {}}
+    path = out / results_file
+    results = read_json(path) if path.exists() else {"presets": {}}
     from normlab.env import environment
 
     family: list[dict] = []  # this invocation's sections: their claims are judged together
@@ -198,12 +204,16 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
             section["notes"].append(f"Cached results that no longer matched their data or code were computed again: "
                                     f"{', '.join(lab.stale)}.")
         section["size"] = lab.size
+        section["parameters"] = statistics.median(lab.parameters) if lab.parameters else None
+        if settings.rung is not None:
+            section["rung"] = {"index": settings.rung, "width": LD.WIDTHS[settings.rung], "lr_rule": LD.LR_RULE}
         if lab.tuned:
             section["settings"]["arm_lrs"] = lab.tuned
         results["presets"][name] = section
         results["presets"] = {k: results["presets"][k] for k in PRESETS if k in results["presets"]}
         results["meta"] = {**environment(), "command": command, "size": lab.size, "seeds": settings.seeds,
-                           "data": settings.data or "shakespeare", "data_sha256": lab.data_hash, "overrides": settings.overrides}
+                           "data": settings.data or "shakespeare", "data_sha256": lab.data_hash, "overrides": settings.overrides,
+                           "tokenizer": lab.dataset.tokenizer.kind, "vocab_size": lab.dataset.tokenizer.vocab_size}
         section["meta"] = results["meta"]  # results.json may merge sections of several commands: each says its own
         family.append(section)
         C.familywise(family, per_claim=settings.per_claim)  # again with each section: every write is consistent
@@ -211,6 +221,30 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
     if lab.pending:
         raise RunsMissing(list(lab.pending.values()), results)
     return results
+
+
+def rung_file(rung: int) -> str:
+    return f"results-rung{rung}.json"
+
+
+def ladder_results(names: list[str], out: str | Path, per_claim: bool = False) -> dict:
+    """The ladder's trend claims from the rungs' results files in ``out`` (normlab.experiments.
+    ladder), for each preset that every rung holds; written to <out>/ladder.json."""
+    out = Path(out)
+    rungs = [read_json(out / rung_file(r)) if (out / rung_file(r)).exists() else {"presets": {}} for r in range(len(LD.WIDTHS))]
+    presets = {}
+    for name in expand(names):
+        sections = [r["presets"].get(name) for r in rungs]
+        if any(s is None for s in sections):
+            continue
+        params = [s.get("parameters") for s in sections]
+        presets[name] = {"parameters": params, "trends": LD.trends(sections, params) if all(params) else [],
+                         "sizes": [s.get("size") for s in sections]}
+    family = LD.judge_trends([t for p in presets.values() for t in p["trends"]], per_claim)
+    ladder = {"widths": list(LD.WIDTHS), "lr_rule": LD.LR_RULE, "tokens_per_parameter": "held at the middle rung's ratio",
+              "family": family, "presets": presets, "meta": rungs[LD.MIDDLE].get("meta", {})}
+    write_json(out / "ladder.json", ladder)
+    return ladder
 
 
 class RunsMissing(Exception):

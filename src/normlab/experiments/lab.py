@@ -24,7 +24,9 @@ import torch
 from normlab import claims as C
 from normlab import data as D
 from normlab import functional as F
+from normlab.experiments import cost as CO
 from normlab.experiments import design as DS
+from normlab.experiments import ladder as LD
 from normlab.model import Decoder, ModelConfig
 from normlab.runs import clean_json, read_json, read_metrics, write_json
 from normlab.train import TrainConfig, split_overrides, train
@@ -63,6 +65,8 @@ class Pending:
     label: str
     folder: Path
     argv: list[str]
+    cost: dict = field(default_factory=dict)  # parameters, tokens, FLOPs, estimated GPU seconds (experiments.cost)
+    preset: str = ""
 
     @property
     def command(self) -> str:
@@ -82,6 +86,7 @@ class Settings:
     lrs: tuple[float, ...] | None = None  # the warmup preset's learning-rate sweep; None: the size's default
     per_claim: bool = False  # judge each claim alone (unadjusted) instead of the invocation's claims family-wise
     design: str | None = None  # the design file (tuned learning rates, seed counts); None: the packaged one
+    rung: int | None = None  # a size-ladder rung (normlab.experiments.ladder): widths, tokens and rates scaled
     # "run": train what is missing; "plan": train and measure nothing, list the runs to train;
     # "collect": train nothing, measure and write results once every run has finished;
     # "pilot": train each tuned arm at the pilot seeds and learning rates, nothing else (--tune)
@@ -122,6 +127,7 @@ class Lab:
     def begin(self, preset: str) -> None:
         self.preset, self.cost, self.stale, self._measured, self.waiting = preset, 0.0, [], False, False
         self.tuned = {}
+        self.parameters: list[int] = []  # the non-embedding parameters of the preset's runs
 
     # -- sizes and seeds
     def pick(self, quick, full, tiny=None):
@@ -133,6 +139,8 @@ class Lab:
     def seeds(self, quick: int, full: int, preset: str | None = None) -> list[int]:
         """The test seeds: --seeds, else the design's count for ``preset`` (the current one) at this
         size, else the preset's default (tiny: 1)."""
+        if self.s.rung is not None and not self.s.seeds:  # the ladder's own count, every arm alike
+            return list(range(self.pick(LD.SEEDS, LD.SEEDS, tiny=1)))
         planned = DS.planned_seeds(self.design, self.size, preset or self.preset)
         return list(range(self.s.seeds or planned or self.pick(quick, full, tiny=1)))
 
@@ -141,7 +149,7 @@ class Lab:
         this arm is part of, else the preset's default count (the other arms' claims are
         directions with large effects; they pair with the first seeds)."""
         pairs = self.design.get(self.size, {}).get("seeds", {}).get(preset or self.preset, {}).get("pairs", [])
-        if self.s.seeds or not pairs or any(arm in (p["a"], p["b"]) for p in pairs):
+        if self.s.seeds or self.s.rung is not None or not pairs or any(arm in (p["a"], p["b"]) for p in pairs):
             return seeds
         return seeds[:self.pick(default, default, tiny=1)]
 
@@ -205,6 +213,9 @@ class Lab:
             raise RuntimeError(f"the {self.preset} preset asks for run {label} after a measurement: ask for every "
                                "training run first, so that --plan can list them")
         if self.s.mode == "pilot":
+            if self.s.rung is not None:
+                raise ValueError("--tune runs at the preset's own size; the ladder transfers the tuned learning rates "
+                                 f"by its rule ({LD.LR_RULE})")
             if tune:
                 self._pilot(arm_of(label), train_fields, model_fields, varied)
             self.waiting = True
@@ -217,6 +228,26 @@ class Lab:
                 "the preset's (no design at this size)"
             self.tuned[arm_of(label)] = {"lr": {**train_fields, **self.train_over, **varied}.get("lr"), "how": how}
         return self._train(label, train_fields, model_fields, varied)
+
+    def _non_embedding(self, tf: dict, mf: dict) -> int:
+        return Decoder(self.model_config({**mf, "preset": tf.get("preset", "small")})).num_parameters(False)
+
+    def _cost(self, tf: dict, mf: dict) -> dict:
+        cfg = self.model_config({**mf, "preset": tf.get("preset", "small")})
+        return CO.run_cost(self.parameters[-1], cfg.n_layers, cfg.d_model, tf.get("seq_len") or cfg.max_seq_len, tf["steps"],
+                           tf["batch_size"], tf.get("grad_accum", 1))
+
+    def _on_rung(self, tf: dict, mf: dict, base: dict) -> tuple[dict, dict]:
+        """A run's fields at this lab's ladder rung (see normlab.experiments.ladder): the width
+        scaled, tokens grown with the parameters, the learning rate by the ladder's rule. The
+        token ratio is the preset's base model's (``base``: without the fields its arms vary), so
+        that every arm of a comparison trains on the same tokens."""
+        if self.s.rung == LD.MIDDLE:  # the preset's own size: the very same runs
+            return tf, mf
+        cfg = self.model_config({**mf, "preset": tf.get("preset", "small")})
+        d = LD.width(cfg.d_model, cfg.n_heads, self.s.rung)
+        ratio = self._non_embedding(tf, {**base, "d_model": d}) / self._non_embedding(tf, base)
+        return LD.scale_lr(LD.scale_steps(tf, ratio), cfg.d_model / d), {**mf, "d_model": d}
 
     def arm_lr(self, arm: str) -> float | None:
         """The learning rate the current preset's arm trained at (see :meth:`run`)."""
@@ -253,6 +284,9 @@ class Lab:
         m_varied = {k: v for k, v in varied.items() if k not in _TRAIN_FIELDS}
         tf = {**train_fields, **self.train_over, **t_varied}
         mf = {**model_fields, **self.model_over, **m_varied}
+        if self.s.rung is not None:
+            tf, mf = self._on_rung(tf, mf, {**model_fields, **self.model_over})
+        self.parameters.append(self._non_embedding(tf, mf))
         # stop_at only pauses a run: the same run resumed without it is the same run
         config = [{k: v for k, v in tf.items() if k != "stop_at"}, mf]
         key, config_key = self._keys(config)
@@ -272,7 +306,8 @@ class Lab:
         elif (folder / "checkpoint.pt").exists() and (folder / "config.json").exists():
             resume = True  # killed without a summary: its last checkpoint stands
         if self.s.mode not in ("run", "pilot"):
-            self.pending.setdefault(folder, Pending(label, folder, _train_argv(folder, tf, mf, resume)))
+            self.pending.setdefault(folder, Pending(label, folder, _train_argv(folder, tf, mf, resume), self._cost(tf, mf),
+                                                     self.preset))
             self.waiting = True
             return _pending_result(folder)
         if not resume and folder.exists():
@@ -397,7 +432,7 @@ def _run_result(folder: Path, summary: dict) -> dict:
         "val_loss": None if diverged else summary.get("val_loss"), "init_val_loss": summary.get("init_val_loss"),
         "train_loss": summary.get("loss"), "wall_s": summary.get("wall_s"),
         "step_ms": statistics.median(step_ms[len(step_ms) // 5:]) if step_ms else None,  # past the first fifth
-        "tokens_per_s": summary.get("tokens_per_s"),
+        "tokens_per_s": summary.get("tokens_per_s"), "parameters": summary.get("parameters_no_embedding"),
         "val_curve": {"step": val_steps, "loss": val_loss, "time_s": val_time},
         "train_curve": {"step": steps[::stride], "loss": losses[::stride]},
     }

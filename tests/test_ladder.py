@@ -1,0 +1,147 @@
+"""The size ladder: rungs whose parameters grow ~4x at equal tokens per parameter, the trend
+claim's slope interval, the tokenizer as a field of every preset, and `compare --ladder` end to end."""
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from normlab import claims as C
+from normlab import experiments as E
+from normlab.cli import main
+from normlab.experiments import ladder as LD
+from normlab.experiments.lab import Lab, Settings
+from normlab.experiments.norms import lm_sizes
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("size", ["quick", "full"])
+def test_rungs_grow_parameters_4x_at_equal_tokens_per_parameter(corpus, tmp_path, size):
+    tf, mf = lm_sizes(Lab(Settings(out=str(tmp_path), size=size, data=str(corpus))))
+    counts, tokens = [], []
+    for rung in range(len(LD.WIDTHS)):
+        lab = Lab(Settings(out=str(tmp_path), size=size, data=str(corpus), rung=rung))
+        rtf, rmf = lab._on_rung(dict(tf), dict(mf), dict(mf))
+        counts.append(lab._non_embedding(rtf, rmf))
+        tokens.append(rtf["steps"] * rtf["batch_size"] * rtf["seq_len"])
+        assert rtf["lr"] == pytest.approx(tf["lr"] * mf["d_model"] / rmf["d_model"], rel=1e-3)  # the muP rule
+    growth = [b / a for a, b in zip(counts, counts[1:])]
+    assert all(3.5 < g < 4.5 for g in growth), growth
+    per_param = [t / n for t, n in zip(tokens, counts)]
+    steps = [t / (tf["batch_size"] * tf["seq_len"]) for t in tokens]
+    for r, s in zip(per_param, steps):  # equal up to rounding the steps to whole numbers
+        assert abs(r / per_param[LD.MIDDLE] - 1) <= 0.5 / s + 1e-9, per_param
+
+
+def test_every_arm_of_a_rung_trains_on_the_same_tokens(corpus, tmp_path):
+    lab = Lab(Settings(out=str(tmp_path), size="quick", data=str(corpus), rung=2))
+    tf, mf = lm_sizes(lab)
+    steps = {lab._on_rung(dict(tf), {**mf, "norm": n}, dict(mf))[0]["steps"] for n in ("layernorm", "rmsnorm", "none")}
+    assert len(steps) == 1
+
+
+def test_the_slope_interval_is_the_least_squares_one():
+    rng = random.Random(3)
+    x = [math.log10(n) for n in (2e4, 8e4, 3.2e5) for _ in range(5)]
+    y = [0.01 + 0.02 * a + rng.gauss(0, 0.01) for a in x]
+    fit = LD.slope(x, y)
+    X = np.column_stack([np.ones(len(x)), x])
+    beta, res, *_ = np.linalg.lstsq(X, np.array(y), rcond=None)
+    sigma2 = float(res[0]) / (len(x) - 2)
+    se = math.sqrt(sigma2 * np.linalg.inv(X.T @ X)[1, 1])
+    half = stats.t.ppf(0.975, len(x) - 2) * se
+    assert fit["slope"] == pytest.approx(beta[1], rel=1e-9) and fit["se"] == pytest.approx(se, rel=1e-9)
+    assert (fit["lo"], fit["hi"]) == (pytest.approx(beta[1] - half, rel=1e-9), pytest.approx(beta[1] + half, rel=1e-9))
+    assert LD.slope([1, 1, 1], [1, 2, 3]) is None and LD.slope([1, 2], [1, 2]) is None
+
+
+def _section(claims, parameters):
+    return {"claims": claims, "parameters": parameters}
+
+
+def _rungs(gap_at, rule, seeds=6, seed=0):
+    """Sections at three rungs whose per-seed log ratio is gap_at(log10 N) plus noise."""
+    rng = random.Random(seed)
+    params = [2e4, 8e4, 3.2e5]
+    sections = []
+    for n in params:
+        b = [3.0 + rng.gauss(0, 0.05) for _ in range(seeds)]
+        a = [v * math.exp(gap_at(math.log10(n)) + rng.gauss(0, 0.002)) for v in b]
+        sections.append(_section([C.claim("p.c", "a claim", "src", {"a": a, "b": b}, rule)], n))
+    return sections, params
+
+
+def test_trend_claims_decide_both_ways():
+    within = C.within("a", "b", 0.02, paired=True, origin=C.ours("test"))
+    flat, params = _rungs(lambda x: 0.001, within)
+    grows, _ = _rungs(lambda x: 0.05 * (x - 4.9), within)
+    directional = C.above("a", "b", paired=True)
+    effect, _ = _rungs(lambda x: 0.03 * (x - 4.0), directional)
+    shrinks, _ = _rungs(lambda x: 0.2 - 0.03 * x, directional)
+    found = [LD.trends(s, params)[0] for s in (flat, grows, effect, shrinks)]
+    LD.judge_trends(found)
+    assert [t["question"] for t in found] == ["does not grow", "does not grow", "grows up", "grows up"]
+    assert [t["verdict"] for t in found] == [C.HOLDS, C.FAILS, C.HOLDS, C.FAILS]
+    assert found[0]["margin_per_decade"] == pytest.approx(math.log1p(0.02))
+    # the slope it judged is the least-squares slope of every seed's gap on log10 parameters
+    xs = [math.log10(r["parameters"]) for r in found[1]["rungs"] for _ in r["gaps"]]
+    ys = [g for r in found[1]["rungs"] for g in r["gaps"]]
+    assert found[1]["fit"]["slope"] == pytest.approx(stats.linregress(xs, ys).slope)
+
+
+def test_tokenizer_bpe_reaches_every_presets_runs_and_keys_the_cache(corpus, tmp_path):
+    char = {r.folder.name for r in E.plan_presets(["all"], Settings(out=str(tmp_path), size="tiny", data=str(corpus)))}
+    pending = E.plan_presets(["all"], Settings(out=str(tmp_path), size="tiny", data=str(corpus),
+                                               overrides={"tokenizer": "bpe", "bpe_vocab": 300}))
+    assert pending and all("tokenizer=bpe" in r.command and "bpe_vocab=300" in r.command for r in pending)
+    assert not char & {r.folder.name for r in pending}  # none reuses a character-level run
+    assert len({r.folder.name.split("-")[0] for r in pending}) > 3  # runs of many arms, not of one preset
+
+
+def test_compare_ladder_end_to_end(corpus, tmp_path, capsys):
+    out = tmp_path / "ladder"
+    assert main(["compare", "norms", "--size", "tiny", "--ladder", "--data", str(corpus), "--out", str(out), "--quiet"]) == 0
+    ladder = json.loads((out / "ladder.json").read_text())
+    params = ladder["presets"]["norms"]["parameters"]
+    assert params[0] < params[1] < params[2]
+    assert {t["id"] for t in ladder["presets"]["norms"]["trends"]} >= {"norms.rms_quality", "norms.none_worse"}
+    for rung in range(3):
+        results = json.loads((out / E.rung_file(rung)).read_text())
+        assert results["presets"]["norms"]["rung"]["index"] == rung and not C.recheck(results)
+        assert (out / f"rung{rung}" / "report.md").exists()
+    assert (out / "plots" / "ladder-norms.png").stat().st_size > 1000
+    text = (out / "ladder.md").read_text()
+    assert "muP" in text and "norms.rms_quality" in text
+    assert main(["compare", "norms", "--size", "tiny", "--ladder", "--tune", "--out", str(out)]) == 2
+    assert "--tune runs at the preset's own size" in " ".join(capsys.readouterr().out.split())
+
+
+def test_plan_costs_are_6ND_plus_attention(corpus, tmp_path, capsys):
+    from normlab import train as T
+    from normlab.experiments import cost
+    from normlab.model import Decoder
+
+    pending = E.plan_presets(["norms"], Settings(out=str(tmp_path), size="tiny", data=str(corpus)))
+    assert pending
+    for run in pending:
+        tcfg, model_fields = T.resolve(None, dict(a.split("=", 1) for a in run.argv[3:]))
+        from normlab import data as D
+
+        vocab = D.prepare(tcfg.data, tcfg.tokenizer, tcfg.bpe_vocab, tcfg.val_fraction).tokenizer.vocab_size
+        m = Decoder(T.ModelConfig.preset(tcfg.preset, **{**model_fields, "vocab_size": vocab}))
+        n, T_ = m.num_parameters(False), tcfg.seq_len
+        tokens = tcfg.steps * tcfg.batch_size * tcfg.grad_accum * T_
+        want = 6 * n * tokens + 6 * m.cfg.n_layers * T_ * m.cfg.d_model * tokens
+        assert run.cost["parameters"] == n and run.cost["tokens"] == tokens
+        assert run.cost["flops"] == pytest.approx(want, rel=1e-12)
+        assert run.cost["gpu_s"] == pytest.approx(want / (cost.MFU * cost.PEAK_FLOPS))
+    assert main(["compare", "norms", "--size", "tiny", "--data", str(corpus), "--out", str(tmp_path), "--plan"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"total of {len(pending)} runs" in err and "6ND" in err
