@@ -723,6 +723,17 @@ def test_compiled_stack_matches_eager_with_no_graph_break(gen):
     assert any("normlab.cpu_rms_norm" in o for o in ops), ops
 
 
+def test_compiles_fullgraph_with_dynamic_shapes(gen):
+    """dynamic=True makes float attributes such as eps symbolic; the argument checks must not
+    graph-break on them, and the rows may change without a recompile per shape."""
+    torch.manual_seed(gen.initial_seed() % 2**31)
+    m = _Block(32)
+    compiled = torch.compile(m, fullgraph=True, dynamic=True, backend="aot_eager")
+    for rows in (3, 7):
+        x = torch.randn(2, rows, 32, generator=gen)
+        assert torch.allclose(compiled(x), m(x), atol=1e-6)
+
+
 # ---------------------------------------------------------------------- property-based tests
 
 

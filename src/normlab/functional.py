@@ -62,7 +62,9 @@ def _check_device(t: Tensor, name: str, x: Tensor) -> None:
 def check_eps(eps: object, name: str = "eps") -> float:
     if isinstance(eps, bool) or not isinstance(eps, Real):
         raise TypeError(f"{name} must be a real number, got {type(eps).__name__}")
-    if not math.isfinite(eps) or eps < 0:
+    # comparisons, not math.isfinite: under torch.compile(dynamic=True) eps may be a SymFloat,
+    # which a comparison guards on and math.isfinite graph-breaks on
+    if not 0 <= eps < math.inf:
         raise ValueError(f"{name} must be a finite number >= 0, got {eps}")
     return float(eps)
 
@@ -84,7 +86,7 @@ def check_partial(partial: object) -> float | None:
 
 
 def check_offset(offset: object) -> float:
-    if isinstance(offset, bool) or not isinstance(offset, Real) or not math.isfinite(offset):
+    if isinstance(offset, bool) or not isinstance(offset, Real) or not -math.inf < offset < math.inf:
         raise ValueError(f"offset must be a finite number (Gemma uses 1.0), got {offset!r}")
     return float(offset)
 
