@@ -334,6 +334,18 @@ def test_report_renders(finished):
     assert f"the {family['size']} sampled tests of one `normlab compare` invocation" in md
 
 
+def test_report_md_carries_no_raw_html_from_the_results(finished, tmp_path):
+    out, results = finished
+    bad = copy.deepcopy(results)
+    claim = bad["presets"]["norms"]["claims"][0]
+    claim["claim"] += " <script>alert(1)</script> <img src=x onerror=alert(2)>"
+    bad["presets"]["norms"]["notes"].append("<!-- hidden --> note")
+    md = report.markdown(bad, {})
+    assert "<script>" not in md and "<img" not in md and "<!--" not in md
+    assert "&lt;script>alert(1)&lt;/script>" in md
+    assert "p < 0.05" in report.md_safe("p < 0.05")  # a comparison is not markup
+
+
 def test_the_report_writes_tables_others_can_reuse(finished):
     import csv
 

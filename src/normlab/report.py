@@ -7,6 +7,7 @@ import base64
 import csv
 import html
 import json
+import re
 from pathlib import Path
 
 from normlab.plots import PLOTS, pyplot
@@ -117,6 +118,13 @@ NOT_REPRODUCED = ("Not every claim reproduced here. 'inconclusive' means the tes
                   "the invocation, is above 5%; the evidence above gives both, and the verdict of the claim alone.")
 
 
+def md_safe(text: str) -> str:
+    """Markdown with no raw HTML from the results: a "<" that would open a tag (or a comment) is
+    written as &lt;, so a claim text cannot inject markup into report.md (report.html escapes
+    everything). A "<" before a digit or a space, as in "p < 0.001", stays."""
+    return re.sub(r"<(?=[A-Za-z/!?])", "&lt;", text)
+
+
 def markdown(results: dict, images: dict[str, list[str]]) -> str:
     meta = results.get("meta", {})
     lines = ["# normlab compare: report", ""] + [f"{line}  " for line in _meta_lines(meta)] + [""]
@@ -153,7 +161,7 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
         for img in images.get(name, []):
             lines += [f"![{name}]({img})", ""]
         lines += [f"Settings: `{json.dumps(section['settings'], default=str)}`; compute time {section.get('seconds', 0):.0f} s.", ""]
-    return "\n".join(lines)
+    return md_safe("\n".join(lines))
 
 
 CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#1f2328;line-height:1.45}
@@ -383,7 +391,7 @@ def ladder_markdown(ladder: dict, images: list[str]) -> str:
             lines += [f"- **{t['id']}** ({t['leaf']['a']} vs {t['leaf']['b']}): {_trend_line(t)}"]
         lines.append("")
         lines += [f"![{name}](plots/{f})" for f in images if f == f"ladder-{name}.png"] + [""]
-    return "\n".join(lines)
+    return md_safe("\n".join(lines))
 
 
 def render_ladder(ladder: dict, out: str | Path) -> dict[str, Path]:
