@@ -346,6 +346,28 @@ def test_report_md_carries_no_raw_html_from_the_results(finished, tmp_path):
     assert "p < 0.05" in report.md_safe("p < 0.05")  # a comparison is not markup
 
 
+def test_a_full_disk_keeps_the_previous_report_whole(finished, tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    out, results = finished
+    folder = tmp_path / "report"
+    report.render(results, folder)
+    before = (folder / "report.html").read_bytes()
+    real = Path.write_bytes
+
+    def full(self, data):
+        if self.name.startswith(".report.html"):
+            real(self, data[:1000])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with pytest.raises(OSError, match=f"could not write {folder / 'report.html'}"):
+        report.render(results, folder)
+    assert (folder / "report.html").read_bytes() == before and not list(folder.glob(".*.tmp"))
+
+
 def test_the_report_writes_tables_others_can_reuse(finished):
     import csv
 

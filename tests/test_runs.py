@@ -145,3 +145,34 @@ def test_a_failed_write_names_its_path_and_leaves_no_temporary_file(tmp_path):
         warnings.simplefilter("error")
         RN.write_json(target, {"loss": float("nan")})
     assert json.loads(target.read_text()) == {"loss": None}
+
+
+def test_a_full_disk_while_logging_names_metrics_jsonl(corpus, tmp_path, monkeypatch, capsys):
+    import builtins
+    import errno
+
+    real_open = builtins.open
+
+    class Full:
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def write(self, text):
+            self.n += 1
+            if self.n == 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def fake_open(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        return Full(f) if str(path).endswith("metrics.jsonl") and mode == "a" else f
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    out = tmp_path / "run"
+    code = main(["train", f"data={corpus}", "preset=tiny", "steps=6", "batch_size=4", "seq_len=16", "eval_batches=1",
+                 f"out={out}", "--quiet"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert code == 1 and f"could not write {out / 'metrics.jsonl'}" in said and "No space left" in said

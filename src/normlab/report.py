@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import csv
 import html
+import io
 import json
 import re
 from pathlib import Path
@@ -35,9 +36,9 @@ def render(results: dict, out: str | Path) -> dict[str, Path]:
             plt.close(fig)
             images[name].append(filename)
     md = out / "report.md"
-    md.write_text(markdown(results, images))
+    _save(md, markdown(results, images))
     page = out / "report.html"
-    page.write_text(html_page(results, images, out))
+    _save(page, html_page(results, images, out))
     tables = write_tables(results, out)
     return {"markdown": md, "html": page, **tables, **{f: out / f for fs in images.values() for f in fs}}
 
@@ -236,38 +237,47 @@ def write_tables(results: dict, out: Path) -> dict[str, Path]:
     from normlab.claims import leaf_rows
 
     paths = {"results_csv": out / "results.csv", "claims_csv": out / "claims.csv", "tex": out / "report.tex"}
-    with open(paths["results_csv"], "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["preset", "quantity", "over", "sample", "value"])
-        for name, section in results["presets"].items():
-            seen = set()
-            for c in section["claims"]:
-                overs = _overs(c["rule"])
-                for key, value in c["measured"].items():
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    values = value if isinstance(value, list) else [value]
-                    seeds = section.get("settings", {}).get("seeds")
-                    for i, v in enumerate(values):
-                        over = overs.get(key, "seeds" if isinstance(value, list) else "exact")
-                        sample = seeds[i] if over == "seeds" and isinstance(seeds, list) and len(seeds) == len(values) else i
-                        w.writerow([name, key, over, sample, "" if v is None else repr(float(v))])
-    with open(paths["claims_csv"], "w", newline="") as f:
-        w = csv.writer(f)
-        cols = ["preset", "claim", "verdict", "verdict_alone", "family", "family_size", "a", "b", "kind", "margin", "test",
-                "n", "gap", "ci95_lo", "ci95_hi", "p", "p_adjusted", "leaf_verdict", "leaf_verdict_alone"]
-        w.writerow(cols)
-        for name, section in results["presets"].items():
-            family = section.get("family") or {}
-            for c in section["claims"]:
-                for r in leaf_rows(c["rule"], c["measured"], family):
-                    w.writerow([name, c["id"], c["verdict"], c.get("verdict_plain", c["verdict"]), family.get("method", "none"),
-                                family.get("size", ""), r["a"], r["b"], r["kind"], r["margin"], r["test"], _csv(r["n"]),
-                                _csv(r["gap"]), _csv(r["ci_lo"]), _csv(r["ci_hi"]), _csv(r["p"]), _csv(r["p_adjusted"]),
-                                r["verdict"], r["verdict_plain"]])
-    paths["tex"].write_text(latex_table(results))
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["preset", "quantity", "over", "sample", "value"])
+    for name, section in results["presets"].items():
+        seen = set()
+        for c in section["claims"]:
+            overs = _overs(c["rule"])
+            for key, value in c["measured"].items():
+                if key in seen:
+                    continue
+                seen.add(key)
+                values = value if isinstance(value, list) else [value]
+                seeds = section.get("settings", {}).get("seeds")
+                for i, v in enumerate(values):
+                    over = overs.get(key, "seeds" if isinstance(value, list) else "exact")
+                    sample = seeds[i] if over == "seeds" and isinstance(seeds, list) and len(seeds) == len(values) else i
+                    w.writerow([name, key, over, sample, "" if v is None else repr(float(v))])
+    _save(paths["results_csv"], buf.getvalue())
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    cols = ["preset", "claim", "verdict", "verdict_alone", "family", "family_size", "a", "b", "kind", "margin", "test",
+            "n", "gap", "ci95_lo", "ci95_hi", "p", "p_adjusted", "leaf_verdict", "leaf_verdict_alone"]
+    w.writerow(cols)
+    for name, section in results["presets"].items():
+        family = section.get("family") or {}
+        for c in section["claims"]:
+            for r in leaf_rows(c["rule"], c["measured"], family):
+                w.writerow([name, c["id"], c["verdict"], c.get("verdict_plain", c["verdict"]), family.get("method", "none"),
+                            family.get("size", ""), r["a"], r["b"], r["kind"], r["margin"], r["test"], _csv(r["n"]),
+                            _csv(r["gap"]), _csv(r["ci_lo"]), _csv(r["ci_hi"]), _csv(r["p"]), _csv(r["p_adjusted"]),
+                            r["verdict"], r["verdict_plain"]])
+    _save(paths["claims_csv"], buf.getvalue())
+    _save(paths["tex"], latex_table(results))
     return paths
+
+
+def _save(path: Path, text: str) -> None:
+    """Crash- and full-disk-safe: the previous file stays until the new one is whole."""
+    from normlab.runs import write_atomic
+
+    write_atomic(path, lambda tmp: tmp.write_bytes(text.encode()))
 
 
 def _csv(v) -> str:
@@ -397,7 +407,6 @@ def ladder_markdown(ladder: dict, images: list[str]) -> str:
 def render_ladder(ladder: dict, out: str | Path) -> dict[str, Path]:
     """ladder.md and one plot per preset (plots/ladder-<preset>.png) in ``out``."""
     from normlab.plots import plot_ladder
-    from normlab.runs import write_atomic
 
     plt = pyplot()
     out = Path(out)
@@ -409,5 +418,5 @@ def render_ladder(ladder: dict, out: str | Path) -> dict[str, Path]:
         images.append(filename)
     md = out / "ladder.md"
     text = ladder_markdown(ladder, images)
-    write_atomic(md, lambda tmp: tmp.write_text(text))
+    _save(md, text)
     return {"markdown": md, **{f: out / "plots" / f for f in images}}

@@ -306,8 +306,11 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
 
     def log(record: dict) -> None:
         if metrics:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()  # a crash loses nothing that was logged
+            try:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()  # a crash loses nothing that was logged
+            except OSError as err:  # a full disk: say which file (resuming drops a half-written line)
+                raise OSError(err.errno, f"could not write {out / 'metrics.jsonl'}: {err.strerror or err}") from err
 
     def checkpoint(step: int) -> None:
         if main_rank:  # every rank holds the same data position and (DDP) the same weights
