@@ -3,6 +3,7 @@ and repairs what a kill leaves behind (a checkpoint without its summary)."""
 
 import json
 import random
+import signal
 import shutil
 import warnings
 
@@ -176,3 +177,41 @@ def test_a_full_disk_while_logging_names_metrics_jsonl(corpus, tmp_path, monkeyp
                  f"out={out}", "--quiet"])
     said = " ".join(capsys.readouterr().out.split())
     assert code == 1 and f"could not write {out / 'metrics.jsonl'}" in said and "No space left" in said
+
+
+def test_a_second_writer_on_one_run_folder_is_refused_and_nothing_doubles(corpus, tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-m", "normlab", "train", f"data={corpus}", "preset=tiny", "steps=100000", "batch_size=4",
+            "seq_len=16", "eval_every=0", "ckpt_every=50", f"out={out}", "overwrite=true", "--quiet"]
+    first = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "metrics.jsonl").exists():
+        time.sleep(0.1)
+    second = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    said = " ".join(second.stdout.split())
+    assert second.returncode == 1 and f"in use by process {first.pid} (normlab train)" in said, said
+    first.send_signal(signal.SIGINT)  # stops with a checkpoint after its current step
+    assert first.wait(timeout=300) == 130, first.stderr.read()
+    steps = [r["step"] for r in RN.read_metrics(out / "metrics.jsonl") if "step_ms" in r]
+    assert steps == list(range(len(steps))) and json.loads((out / "summary.json").read_text())["step"] == len(steps)
+
+
+def test_two_compares_into_one_folder_keep_both_presets(corpus, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "compare"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "normlab", "compare", name, "--size", "tiny", "--data", str(corpus),
+                               "--out", str(out), "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in ("eps", "invariance")]
+    for p in procs:
+        assert p.wait(timeout=600) == 0, p.stdout.read()[-2000:]
+    assert set(json.loads((out / "results.json").read_text())["presets"]) == {"eps", "invariance"}

@@ -14,10 +14,14 @@ refused, because torch's zip reader does not check its own CRCs and would train 
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import math
 import os
+import shutil
 import uuid
 import warnings
 from pathlib import Path
@@ -77,6 +81,47 @@ def read_json(path: Path) -> dict:
         return json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON ({err}); restore it or start the run afresh with overwrite=true") from err
+
+
+# --------------------------------------------------------------------------------- locks
+
+
+class Busy(OSError):
+    """Another process holds the lock on a run folder (an OSError, as EBUSY is)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+@contextlib.contextmanager
+def locked(folder: Path, what: str, wait: bool = False):
+    """An exclusive lock (fcntl.flock on <folder>/.lock, released when the process dies, also by
+    SIGKILL) while one process writes a run folder or a results file. A second one is refused
+    with the holder's PID, or (``wait``) waits for it."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / ".lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            pid, _, theirs = os.pread(fd, 200, 0).decode(errors="replace").strip().partition(" ")
+            raise Busy(errno.EBUSY, f"{folder} is in use by process {pid or 'unknown'} ({theirs or 'unknown'}); wait for it "
+                                    "to finish or stop it") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {what}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def clear(folder: Path) -> None:
+    """Empty a run folder but keep its lock file, which a process may hold."""
+    for child in Path(folder).iterdir():
+        if child.name == ".lock":
+            continue
+        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
 
 
 # ----------------------------------------------------------------------------- checkpoints

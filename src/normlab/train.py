@@ -32,8 +32,8 @@ import torch.distributed as dist
 from normlab import data as D
 from normlab import env
 from normlab.model import Decoder, ModelConfig
-from normlab.runs import (RUN_FILES, load_checkpoint, logged_summary, read_json, read_metrics, save_checkpoint,  # noqa: F401
-                          truncate_metrics, write_atomic, write_json)
+from normlab.runs import (RUN_FILES, load_checkpoint, locked, logged_summary, read_json, read_metrics,  # noqa: F401
+                          save_checkpoint, truncate_metrics, write_atomic, write_json)
 
 SCHEDULES = ("cosine", "constant")
 RESUMABLE = ("steps", "eval_every", "ckpt_every", "diag_every", "stop_at", "quiet")  # what --resume may change
@@ -203,10 +203,11 @@ class _Stop:
 
 
 def train(tcfg: TrainConfig, model_overrides: dict | None = None, *, resume: bool = False, console=None,
-          changes: dict | None = None) -> dict:
+          changes: dict | None = None, lock: bool = True) -> dict:
     """Run (or resume) training; returns the summary written to summary.json. A resumed run keeps
     its saved config except ``tcfg``'s quiet and stop_at and the ``changes`` (only RESUMABLE fields:
-    more steps, another evaluation or checkpoint cadence)."""
+    more steps, another evaluation or checkpoint cadence). ``lock=False``: the caller holds the
+    run folder's lock already (the lab)."""
     bad = sorted(set(changes or {}) - set(RESUMABLE))
     if bad:
         raise ValueError(f"--resume continues a run as it was configured; it can change only {', '.join(RESUMABLE)}, "
@@ -226,8 +227,10 @@ def train(tcfg: TrainConfig, model_overrides: dict | None = None, *, resume: boo
     out = Path(tcfg.out)
     ckpt_path = out / "checkpoint.pt"
     try:
-        return _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank, world, main_rank, distributed,
-                      changes or {})
+        # one writer per run folder: rank 0 writes it, a second `train` on it is refused
+        with locked(out, "normlab train") if main_rank and lock else contextlib.nullcontext():
+            return _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank, world, main_rank, distributed,
+                          changes or {})
     finally:
         if distributed:
             dist.destroy_process_group()

@@ -75,7 +75,7 @@ from normlab.experiments.sandwich import preset_sandwich
 from normlab.experiments.shallow import preset_shallow
 from normlab.experiments.speed import preset_speed
 from normlab.experiments.warmup import SWEEP, lr_sensitivity, parse_lrs, preset_warmup
-from normlab.runs import read_json, write_json
+from normlab.runs import locked, read_json, write_json
 
 # ===================================================================================== presets
 
@@ -217,7 +217,13 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
         section["meta"] = results["meta"]  # results.json may merge sections of several commands: each says its own
         family.append(section)
         C.familywise(family, per_claim=settings.per_claim)  # again with each section: every write is consistent
-        write_json(path, results)
+        with locked(out, "normlab compare: results", wait=True):  # read-merge-write: another compare's sections stay
+            if path.exists():
+                merged = read_json(path)
+                merged["presets"].update(results["presets"])
+                merged["presets"] = {k: merged["presets"][k] for k in PRESETS if k in merged["presets"]}
+                results = {**merged, "meta": results["meta"]}
+            write_json(path, results)
     if lab.pending:
         raise RunsMissing(list(lab.pending.values()), results)
     return results

@@ -11,7 +11,6 @@ import math
 import os
 import re
 import shlex
-import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from normlab.experiments import cost as CO
 from normlab.experiments import design as DS
 from normlab.experiments import ladder as LD
 from normlab.model import Decoder, ModelConfig
-from normlab.runs import clean_json, read_json, read_metrics, write_json
+from normlab.runs import clean_json, clear, locked, read_json, read_metrics, write_json
 from normlab.train import TrainConfig, split_overrides, train
 
 ZHANG19 = "Zhang & Sennrich (2019), Root Mean Square Layer Normalization, NeurIPS"
@@ -310,14 +309,14 @@ class Lab:
                                                      self.preset))
             self.waiting = True
             return _pending_result(folder)
-        if not resume and folder.exists():
-            shutil.rmtree(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "cache.json").write_text(json.dumps({"config_key": config_key, "key": key}))
-        self.say(f"  [bold]{self.preset}[/bold] {label}" + (" (resuming)" if resume else ""))
         tcfg = TrainConfig(**{**tf, "out": str(folder), "quiet": self.s.quiet, "overwrite": not resume})
         tcfg.validate()
-        summary = train(tcfg, mf, resume=resume, console=self.console)
+        with locked(folder, f"normlab compare, run {label}"):  # another process training it: refused, not doubled
+            if not resume:
+                clear(folder)
+            write_json(folder / "cache.json", {"config_key": config_key, "key": key})
+            self.say(f"  [bold]{self.preset}[/bold] {label}" + (" (resuming)" if resume else ""))
+            summary = train(tcfg, mf, resume=resume, console=self.console, lock=False)
         if summary["status"] in ("interrupted", "stopped"):
             raise Interrupted(f"{label} stopped at step {summary['step']}; its checkpoint is in {folder}")
         self.cost += summary.get("wall_s") or 0.0
