@@ -215,3 +215,12 @@ def test_two_compares_into_one_folder_keep_both_presets(corpus, tmp_path):
     for p in procs:
         assert p.wait(timeout=600) == 0, p.stdout.read()[-2000:]
     assert set(json.loads((out / "results.json").read_text())["presets"]) == {"eps", "invariance"}
+
+
+def test_a_bad_results_file_is_named_by_report(tmp_path, capsys):
+    (tmp_path / "results.json").write_text('{"presets": {"norms": ')
+    assert main(["report", str(tmp_path)]) == 2
+    assert f"{tmp_path / 'results.json'} is not valid JSON" in " ".join(capsys.readouterr().out.split())
+    (tmp_path / "results.json").write_text('{"presets": {"nonsense": {}}}')
+    assert main(["report", str(tmp_path)]) == 2
+    assert "is not a results file of this normlab (presets nonsense)" in " ".join(capsys.readouterr().out.split())

@@ -320,7 +320,14 @@ def load(folder: str | Path) -> dict:
     path = Path(folder) / "results.json"
     if not path.exists():
         raise FileNotFoundError(f"no results.json in {folder}; run `normlab compare PRESET --out {folder}` first")
-    return json.loads(path.read_text())
+    from normlab.runs import read_json
+
+    results = read_json(path)
+    unknown = sorted(set(results.get("presets", {})) - set(PLOTS)) if isinstance(results, dict) else ["?"]
+    if not isinstance(results, dict) or "presets" not in results or unknown:
+        raise ValueError(f"{path} is not a results file of this normlab ({'presets ' + ', '.join(unknown) if unknown else 'no presets'}"
+                         "); rerun the presets with normlab compare to write it again")
+    return results
 
 
 # ------------------------------------------------------------------------------ README tables
