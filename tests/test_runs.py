@@ -224,3 +224,37 @@ def test_a_bad_results_file_is_named_by_report(tmp_path, capsys):
     (tmp_path / "results.json").write_text('{"presets": {"nonsense": {}}}')
     assert main(["report", str(tmp_path)]) == 2
     assert "is not a results file of this normlab (presets nonsense)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_jobs_die_with_a_killed_parent(corpus, tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "compare"
+    parent = subprocess.Popen([sys.executable, "-m", "normlab", "compare", "norms", "--size", "tiny", "--steps", "100000",
+                               "--data", str(corpus), "--out", str(out), "--jobs", "2", "--quiet"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def children() -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"train" in cmd and any(str(out).encode() in c for c in cmd) and int(pid) != parent.pid:
+                found.append(int(pid))
+        return found
+
+    deadline = time.time() + 120
+    while time.time() < deadline and len(children()) < 2:
+        time.sleep(0.2)
+    assert len(children()) == 2
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 60
+    while time.time() < deadline and children():
+        time.sleep(0.2)
+    assert children() == []

@@ -29,6 +29,16 @@ def job_env(slot: int, jobs: int, gpus: int) -> dict:
     return env
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGINT when the parent dies (also by SIGKILL), so that no
+    orphan trains on beside a rerun; SIGINT, so that it saves a checkpoint first (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGINT))
+
+
 def execute(pending: list[Pending], jobs: int, logs: Path, console=None, quiet: bool = False) -> list[tuple[Pending, Path]]:
     """Train the pending runs, ``jobs`` at a time; each writes its output to ``logs/<run>.log``.
     Returns the runs whose process failed, with their logs. Ctrl-C stops every job (each saves a
@@ -50,7 +60,7 @@ def execute(pending: list[Pending], jobs: int, logs: Path, console=None, quiet: 
                         run = queue.pop(0)
                         log = open(logs / f"{run.folder.name}.log", "w")  # noqa: SIM115 (closed when the job ends)
                         proc = subprocess.Popen([sys.executable, "-m", "normlab", *run.argv[1:]], env=job_env(slot, jobs, gpus),
-                                                stdout=log, stderr=subprocess.STDOUT)
+                                                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
                         running[slot] = proc, run, log
                 for slot, (proc, run, log) in list(running.items()):
                     if proc.poll() is not None:
