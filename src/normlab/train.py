@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -32,7 +31,7 @@ import torch.distributed as dist
 from normlab import data as D
 from normlab import env
 from normlab.model import Decoder, ModelConfig
-from normlab.runs import (RUN_FILES, load_checkpoint, locked, logged_summary, read_json, read_metrics,  # noqa: F401
+from normlab.runs import (RUN_FILES, file_sha256, load_checkpoint, locked, logged_summary, read_json, read_metrics,  # noqa: F401
                           save_checkpoint, truncate_metrics, write_atomic, write_json)
 
 SCHEDULES = ("cosine", "constant")
@@ -480,7 +479,7 @@ _VOLATILE = (*RESUMABLE, "out", "overwrite")
 
 
 def _file_digest(path: Path) -> str | None:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+    return file_sha256(path) if path.exists() else None
 
 
 def _check_agrees(run: Path, state: dict, config: dict) -> None:
