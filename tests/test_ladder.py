@@ -96,6 +96,18 @@ def test_trend_claims_decide_both_ways():
     assert found[1]["fit"]["slope"] == pytest.approx(stats.linregress(xs, ys).slope)
 
 
+def test_a_rung_whose_baseline_did_not_train_is_left_out_of_the_trend():
+    trains = C.below("b", 5.0, 0.1, origin=C.ours("test"))  # the baseline ends 10% below 5
+    rule = C.given(trains, C.within("a", "b", 0.02, paired=True, origin=C.ours("test")))
+    sections, params = _rungs(lambda x: 0.001, rule)
+    for c in sections[0]["claims"]:  # the smallest rung's baseline stays at the unigram-like 5
+        c["measured"]["b"] = [5.0 + 0.01 * i for i in range(len(c["measured"]["b"]))]
+        c["measured"]["a"] = [v * 1.3 for v in c["measured"]["b"]]  # a gap that would dominate the fit
+    (t,) = LD.trends(sections, params)
+    assert t["rungs"][0]["precondition"] is False and t["rungs"][0]["gaps"] == []
+    assert t["fit"]["n"] == 12 and abs(t["fit"]["slope"]) < 0.01
+
+
 def test_tokenizer_bpe_reaches_every_presets_runs_and_keys_the_cache(corpus, tmp_path):
     char = {r.folder.name for r in E.plan_presets(["all"], Settings(out=str(tmp_path), size="tiny", data=str(corpus)))}
     pending = E.plan_presets(["all"], Settings(out=str(tmp_path), size="tiny", data=str(corpus),

@@ -371,13 +371,15 @@ def _trend_line(t: dict) -> str:
             "grows down": "the effect grows with scale (slope below 0)"}[t["question"]]
     fit = t["fit"]
     if fit is None:
-        return f"{what}: fewer than three seed gaps across the rungs: {t['verdict']}"
+        return f"{what}: fewer than two rungs where the baseline trains, or fewer than three seed gaps: {t['verdict']}"
     adjusted = "" if t.get("p_adjusted") in (None, t["p"]) else f", Holm-adjusted {t['p_adjusted']:.3g}"
     return (f"{what}: slope {fit['slope']:+.4f} ({t['units']}) per decade of parameters, 95% CI {fit['lo']:+.4f} to "
             f"{fit['hi']:+.4f} ({fit['n']} seed gaps, df {fit['df']}); p {t['p']:.3g}{adjusted}: **{t['verdict']}**")
 
 
 def _rung_cell(r: dict, units: str) -> str:
+    if r.get("precondition") is False:
+        return f"left out: the baseline did not train ({r['verdict']})"
     if not r["ci"]:
         return f"- ({r['verdict'] or 'not run'})"
     if units == "log ratio":

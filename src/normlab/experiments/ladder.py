@@ -24,7 +24,8 @@ of about +-0.009 per decade, inside that claim's 0.0198 margin, so a flat trend 
 pRMSNorm's 3.2% spread cannot be, at this count (its trend is expected inconclusive).
 
 **Trends.** For each claim whose effect leaf is a per-seed gap (paired runs, or runs against an
-exact number), the gap of every seed at every rung (log ratio, or a - b for absolute rules) is
+exact number), the gap of every seed at every rung where the claim's precondition holds (its
+baseline trains: a rung that did not train says nothing about how an effect moves) (log ratio, or a - b for absolute rules) is
 regressed on log10 of the rung's parameters (ordinary least squares, seeds as the unit, scipy's
 linregress). An equivalence claim asks "the gap does not grow with scale": the slope's 95%
 interval within +-(its margin) per decade of parameters, the smallest drift that would carry the
@@ -81,7 +82,7 @@ def slope(x: list[float], y: list[float], level: float = 0.95) -> dict | None:
     """The least-squares slope of y on x with its t interval (n - 2 degrees of freedom), or None
     with fewer than three points or no spread in x."""
     pts = [(a, b) for a, b in zip(x, y) if b is not None and math.isfinite(b)]
-    if len(pts) < 3 or len({a for a, _ in pts}) < 2:
+    if len(pts) < 3 or len({a for a, _ in pts}) < 2:  # a slope needs two rungs and a residual
         return None
     r = S.linregress([a for a, _ in pts], [b for _, b in pts])
     df = len(pts) - 2
@@ -150,12 +151,14 @@ def trends(rungs: list[dict], params: list[float]) -> list[dict]:
         xs, ys, per_rung = [], [], []
         for section, n in zip(rungs, params):
             match = next((c for c in section["claims"] if c["id"] == claim["id"]), None)
-            gaps = seed_gaps(leaf, match["measured"]) if match else []
+            trained = match is not None and _precondition_holds(match)
+            gaps = seed_gaps(leaf, match["measured"]) if trained else []
             xs += [math.log10(n)] * len(gaps)
             ys += gaps
             ci = C.interval(*_sides_of(leaf, match["measured"]), paired=leaf.get("paired", False),
                             absolute=leaf.get("absolute", False)) if match else None
             per_rung.append({"parameters": n, "gaps": gaps, "verdict": match["verdict"] if match else None,
+                             "precondition": None if match is None or match["rule"]["kind"] != "given" else trained,
                              "ci": None if not ci or "none" in ci else {k: ci[k] for k in ("gap", "gap_lo", "gap_hi", "est", "lo", "hi")}})
         relative = not leaf.get("absolute") and not (not isinstance(leaf["b"], str) and leaf["b"] == 0)
         margin = leaf.get("rel", 0.0)
@@ -174,6 +177,14 @@ def trends(rungs: list[dict], params: list[float]) -> list[dict]:
                          verdict_plain=(C.HOLDS if p_hold <= p_fail else C.FAILS) if p <= C.ALPHA else C.UNSURE)
         out.append(trend)
     return out
+
+
+def _precondition_holds(claim: dict) -> bool:
+    """A claim's precondition (``given``'s ``if``: the baseline trains) holds at this rung, judged
+    alone as the claim's own plain verdict judges it; a claim without one counts everywhere. A
+    rung whose baseline did not train says nothing about how the effect moves."""
+    rule = claim["rule"]
+    return rule["kind"] != "given" or C.judge(rule["if"], claim["measured"]) == C.HOLDS
 
 
 def _sides_of(leaf: dict, measured: dict) -> tuple:
