@@ -122,11 +122,11 @@ class Lab:
         self.design = DS.load(settings.design)
         self.pilot: dict = {"arms": {}, "pairs": []}  # --tune: each arm's pilot losses, the equivalences to power
         self.tuned: dict[str, dict] = {}  # the current preset's arms: the learning rate each trained at, and why
+        self.parameters: list[int] = []  # the non-embedding parameters of the current preset's runs
 
     def begin(self, preset: str) -> None:
         self.preset, self.cost, self.stale, self._measured, self.waiting = preset, 0.0, [], False, False
-        self.tuned = {}
-        self.parameters: list[int] = []  # the non-embedding parameters of the preset's runs
+        self.tuned, self.parameters = {}, []
 
     # -- sizes and seeds
     def pick(self, quick, full, tiny=None):
