@@ -129,6 +129,9 @@ def test_compare_ladder_end_to_end(corpus, tmp_path, capsys):
         assert results["presets"]["norms"]["rung"]["index"] == rung and not C.recheck(results)
         assert (out / f"rung{rung}" / "report.md").exists()
     assert (out / "plots" / "ladder-norms.png").stat().st_size > 1000
+    lrs = [json.loads((out / E.rung_file(r)).read_text())["presets"]["norms"]["settings"]["arm_lrs"]["rmsnorm"]["lr"]
+           for r in range(3)]
+    assert lrs[0] == pytest.approx(2 * lrs[1]) and lrs[2] == pytest.approx(lrs[1] / 2)  # what each rung trained at
     text = (out / "ladder.md").read_text()
     assert "muP" in text and "norms.rms_quality" in text
     assert main(["compare", "norms", "--size", "tiny", "--ladder", "--tune", "--out", str(out)]) == 2

@@ -458,19 +458,25 @@ def plot_ladder(ladder: dict, plt) -> dict:
         rows = math.ceil(len(trends) / cols)
         fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
         for ax, t in zip(axes.flat, trends):
-            xs = [r["parameters"] for r in t["rungs"]]
-            for x, r in zip(xs, t["rungs"]):
+            xs = [r["parameters"] for r in t["rungs"] if r.get("precondition") is not False]
+            for r in t["rungs"]:
+                out = r.get("precondition") is False  # left out of the fit: its baseline did not train
                 if r["ci"]:
-                    ax.errorbar([x], [r["ci"]["est"]], yerr=[[r["ci"]["est"] - r["ci"]["lo"]], [r["ci"]["hi"] - r["ci"]["est"]]],
-                                fmt="o", color="C0", capsize=3)
-                ax.plot([x] * len(r["gaps"]), r["gaps"], ".", color="C7", alpha=0.5)
+                    ax.errorbar([r["parameters"]], [r["ci"]["est"]], yerr=[[r["ci"]["est"] - r["ci"]["lo"]], [r["ci"]["hi"] - r["ci"]["est"]]],
+                                fmt="o", color="C7" if out else "C0", mfc="none" if out else "C0", capsize=3,
+                                label="left out: baseline did not train" if out else None)
+                ax.plot([r["parameters"]] * len(r["gaps"]), r["gaps"], ".", color="C7", alpha=0.5)
             if t["fit"]:
                 f = t["fit"]
                 ax.plot(xs, [f["intercept"] + f["slope"] * math.log10(x) for x in xs], "-", color="C1",
-                        label=f"slope {f['slope']:+.3f}/decade")
+                        label=f"slope {f['slope']:+.3f}/decade (95% CI {f['lo']:+.3f} to {f['hi']:+.3f})")
+            if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
             ax.axhline(0, color="k", lw=0.5)
-            ax.set_xscale("log")
+            if any(r["ci"] or r["gaps"] for r in t["rungs"]):
+                ax.set_xscale("log")
+            else:
+                ax.text(0.5, 0.5, "no rung gives a gap to plot", ha="center", transform=ax.transAxes, fontsize=8)
             ax.set_title(f"{t['id']}: {t['verdict']}", fontsize=8)
             ax.set_xlabel("non-embedding parameters")
             ax.set_ylabel(f"gap ({t['units']}; {t['leaf']['a']} vs {t['leaf']['b']})", fontsize=7)

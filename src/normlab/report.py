@@ -394,7 +394,7 @@ def ladder_markdown(ladder: dict, images: list[str]) -> str:
     lines = ["# normlab size ladder", "",
              f"Widths: d_model x {', '.join(f'{w:g}' for w in ladder['widths'])} of each preset's size; tokens per parameter "
              f"{ladder['tokens_per_parameter']}; learning rates: {ladder['lr_rule']}. Trend verdicts: {how}; each rung's "
-             "claims are judged as their own invocation's (rung<i>/report.md).", ""]
+             "claims are judged as their own invocation's (rung0/, rung1/, rung2/: report.md each).", ""]
     for name, p in ladder["presets"].items():
         lines += [f"## {name}", "", "Non-embedding parameters: " + ", ".join(f"{n:,.0f}" for n in p["parameters"]), ""]
         if not p["trends"]:

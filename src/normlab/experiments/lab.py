@@ -285,6 +285,9 @@ class Lab:
         mf = {**model_fields, **self.model_over, **m_varied}
         if self.s.rung is not None:
             tf, mf = self._on_rung(tf, mf, {**model_fields, **self.model_over})
+            arm = self.tuned.get(arm_of(label))
+            if arm is not None and arm["lr"] != tf.get("lr"):  # the rate it trains at is the rule's
+                arm.update(lr=tf.get("lr"), how=f"{arm['how']}, times d_middle / d = {tf.get('lr')} (the ladder's rule)")
         self.parameters.append(self._non_embedding(tf, mf))
         # stop_at only pauses a run: the same run resumed without it is the same run
         config = [{k: v for k, v in tf.items() if k != "stop_at"}, mf]
