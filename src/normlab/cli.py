@@ -278,7 +278,7 @@ def _ladder(args: argparse.Namespace, names: list[str], settings, command: str, 
         for run in pending:
             print(run.command)
         print(f"{command} --collect")
-        _print_costs(pending, Console(stderr=True))
+        _costs(pending, Console(stderr=True))
         return 0
     for rung, w in enumerate(ladder.WIDTHS):
         console.print(f"[bold magenta]ladder rung {rung}: d_model x{w:g}[/bold magenta]")
@@ -339,44 +339,16 @@ def _plan(args: argparse.Namespace, settings, command: str) -> int:
     for run in pending:
         print(run.command)
     print(f"{command} --collect")
-    _print_costs(pending, notes)
+    _costs(pending, notes)
     notes.print(f"{len(pending)} training run(s) to train (one `normlab train` line each), then the line that collects "
                 f"the results into {args.out}: measurements, verdicts and the report.")
     return 0
 
 
-def _print_costs(pending: list, console: Console) -> None:
-    """Each planned run's parameters, tokens, training FLOPs and estimated GPU time, and each
-    preset's totals (normlab.experiments.cost says how they are counted)."""
-    from rich.table import Table
-
+def _costs(pending: list, console: Console) -> None:
     from normlab.experiments import cost
 
-    table = Table(title=f"cost (FLOPs: 6ND + 6LTdD; GPU time at {cost.MFU:.0%} MFU of {cost.PEAK_FLOPS / 1e12:.0f} TFLOP/s, "
-                        "an H100/H200-class GPU)")
-    for col in ("preset", "run", "parameters", "tokens", "FLOPs", "GPU time"):
-        table.add_column(col)
-    totals: dict[str, list[float]] = {}
-    for run in pending:
-        c = run.cost
-        if not c:
-            continue
-        table.add_row(run.preset, run.label, f"{c['parameters']:,}", f"{c['tokens']:,}", f"{c['flops']:.3g}", _duration(c["gpu_s"]))
-        t = totals.setdefault(run.preset, [0, 0.0, 0.0])
-        t[0], t[1], t[2] = t[0] + 1, t[1] + c["flops"], t[2] + c["gpu_s"]
-    for preset, (n, flops, seconds) in totals.items():
-        table.add_row(f"[bold]{preset}[/bold]", f"[bold]total of {n} runs[/bold]", "", "", f"[bold]{flops:.3g}[/bold]",
-                      f"[bold]{_duration(seconds)}[/bold]")
-    if len(totals) > 1:
-        table.add_row("[bold]all[/bold]", "", "", "", f"[bold]{sum(t[1] for t in totals.values()):.3g}[/bold]",
-                      f"[bold]{_duration(sum(t[2] for t in totals.values()))}[/bold]")
-    console.print(table)
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.2g} s"
-    return f"{seconds / 60:.3g} min" if seconds < 7200 else f"{seconds / 3600:.3g} h"
+    cost.print_costs(pending, console)
 
 
 def _print_verdicts(results: dict, done: list[str], paths: dict, out: str, console: Console) -> None:
