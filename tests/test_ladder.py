@@ -118,23 +118,23 @@ def test_tokenizer_bpe_reaches_every_presets_runs_and_keys_the_cache(corpus, tmp
 
 
 def test_compare_ladder_end_to_end(corpus, tmp_path, capsys):
-    out = tmp_path / "ladder"
-    assert main(["compare", "norms", "--size", "tiny", "--ladder", "--data", str(corpus), "--out", str(out), "--quiet"]) == 0
+    out = tmp_path / "ladder"  # shallow: the cheapest preset with trained, paired claims
+    assert main(["compare", "shallow", "--size", "tiny", "--ladder", "--data", str(corpus), "--out", str(out), "--quiet"]) == 0
     ladder = json.loads((out / "ladder.json").read_text())
-    params = ladder["presets"]["norms"]["parameters"]
+    params = ladder["presets"]["shallow"]["parameters"]
     assert params[0] < params[1] < params[2]
-    assert {t["id"] for t in ladder["presets"]["norms"]["trends"]} >= {"norms.rms_quality", "norms.none_worse"}
+    assert {t["id"] for t in ladder["presets"]["shallow"]["trends"]} == {"shallow.post_better", "shallow.pre_deep"}
     for rung in range(3):
         results = json.loads((out / E.rung_file(rung)).read_text())
-        assert results["presets"]["norms"]["rung"]["index"] == rung and not C.recheck(results)
+        assert results["presets"]["shallow"]["rung"]["index"] == rung and not C.recheck(results)
         assert (out / f"rung{rung}" / "report.md").exists()
-    assert (out / "plots" / "ladder-norms.png").stat().st_size > 1000
-    lrs = [json.loads((out / E.rung_file(r)).read_text())["presets"]["norms"]["settings"]["arm_lrs"]["rmsnorm"]["lr"]
+    assert (out / "plots" / "ladder-shallow.png").stat().st_size > 1000
+    lrs = [json.loads((out / E.rung_file(r)).read_text())["presets"]["shallow"]["settings"]["arm_lrs"]["pre-L1"]["lr"]
            for r in range(3)]
     assert lrs[0] == pytest.approx(2 * lrs[1]) and lrs[2] == pytest.approx(lrs[1] / 2)  # what each rung trained at
     text = (out / "ladder.md").read_text()
-    assert "muP" in text and "norms.rms_quality" in text
-    assert main(["compare", "norms", "--size", "tiny", "--ladder", "--tune", "--out", str(out)]) == 2
+    assert "muP" in text and "shallow.post_better" in text
+    assert main(["compare", "shallow", "--size", "tiny", "--ladder", "--tune", "--out", str(out)]) == 2
     assert "--tune runs at the preset's own size" in " ".join(capsys.readouterr().out.split())
 
 
