@@ -190,8 +190,9 @@ def test_a_second_writer_on_one_run_folder_is_refused_and_nothing_doubles(corpus
     args = [sys.executable, "-m", "normlab", "train", f"data={corpus}", "preset=tiny", "steps=100000", "batch_size=4",
             "seq_len=16", "eval_every=0", "ckpt_every=50", f"out={out}", "overwrite=true", "--quiet"]
     first = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (out / "metrics.jsonl").exists():
+    deadline = time.time() + 300  # training, so its SIGINT handler is in place (a cold numba cache compiles first)
+    while time.time() < deadline and "step_ms" not in ((out / "metrics.jsonl").read_text()
+                                                       if (out / "metrics.jsonl").exists() else ""):
         time.sleep(0.1)
     second = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     said = " ".join(second.stdout.split())

@@ -30,13 +30,14 @@ def job_env(slot: int, jobs: int, gpus: int) -> dict:
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: SIGINT when the parent dies (also by SIGKILL), so that no
-    orphan trains on beside a rerun; SIGINT, so that it saves a checkpoint first (Linux)."""
+    """In the child, before exec: SIGTERM when the parent dies (also by SIGKILL), so that no
+    orphan trains on beside a rerun (Linux). SIGTERM: a training loop checkpoints on it, and a
+    child started in the background, where SIGINT is ignored, still gets it."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGINT))
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def execute(pending: list[Pending], jobs: int, logs: Path, console=None, quiet: bool = False) -> list[tuple[Pending, Path]]:
