@@ -229,7 +229,10 @@ class Lab:
         return self._train(label, train_fields, model_fields, varied)
 
     def _non_embedding(self, tf: dict, mf: dict) -> int:
-        return Decoder(self.model_config({**mf, "preset": tf.get("preset", "small")})).num_parameters(False)
+        """The run's non-embedding parameter count, from a model on the meta device: no memory,
+        no initialization, and the global random state untouched (measurements may rely on it)."""
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            return Decoder(self.model_config({**mf, "preset": tf.get("preset", "small")})).num_parameters(False)
 
     def _cost(self, tf: dict, mf: dict) -> dict:
         cfg = self.model_config({**mf, "preset": tf.get("preset", "small")})
