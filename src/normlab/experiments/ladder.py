@@ -96,7 +96,7 @@ def _effect_leaf(rule: dict) -> dict | None:
     (paired, or against an exact number), looking in a precondition's ``then`` first."""
     kind = rule["kind"]
     if kind == "given":
-        return _effect_leaf(rule["then"]) or None
+        return _effect_leaf(rule["then"])
     if kind in ("all", "any"):
         for r in rule["rules"]:
             leaf = _effect_leaf(r)
@@ -110,6 +110,11 @@ def _effect_leaf(rule: dict) -> dict | None:
     return rule
 
 
+def _relative(leaf: dict) -> bool:
+    """The leaf's gap is a log ratio (not absolute, and not against an exact 0), as claims.py reads it."""
+    return not leaf.get("absolute") and not (not isinstance(leaf["b"], str) and leaf["b"] == 0)
+
+
 def seed_gaps(leaf: dict, measured: dict) -> list[float]:
     """One gap per seed: log(a/b) (relative) or a - b (absolute, or against 0)."""
     a = measured.get(leaf["a"])
@@ -117,8 +122,7 @@ def seed_gaps(leaf: dict, measured: dict) -> list[float]:
     if not isinstance(a, list):
         return []
     pairs = C._pairs(a, b) if isinstance(b, list) else [(float(x), float(b)) for x in C._finite(a)]
-    relative = not leaf.get("absolute") and not (not isinstance(leaf["b"], str) and leaf["b"] == 0)
-    if relative:
+    if _relative(leaf):
         return [math.log(x / y) for x, y in pairs if x > 0 and y > 0]
     return [x - y for x, y in pairs]
 
@@ -160,7 +164,7 @@ def trends(rungs: list[dict], params: list[float]) -> list[dict]:
             per_rung.append({"parameters": n, "gaps": gaps, "verdict": match["verdict"] if match else None,
                              "precondition": None if match is None or match["rule"]["kind"] != "given" else trained,
                              "ci": None if not ci or "none" in ci else {k: ci[k] for k in ("gap", "gap_lo", "gap_hi", "est", "lo", "hi")}})
-        relative = not leaf.get("absolute") and not (not isinstance(leaf["b"], str) and leaf["b"] == 0)
+        relative = _relative(leaf)
         margin = leaf.get("rel", 0.0)
         margin = math.log1p(margin) if relative and margin else margin
         question = "does not grow" if leaf["kind"] == "within" else "grows up" if leaf["kind"] in ("above", "at_least") else "grows down"
