@@ -293,6 +293,13 @@ def _function(prefix: str, name: str, forward: Callable, setup: Callable, grads:
 # ---------------------------------------------------------------------------- a backend
 
 
+def _under_torch_func(tensors: tuple) -> bool:
+    """Whether a torch.func transform (vmap, grad, jacrev, ...) wraps an input. The kernels read
+    raw memory, which a transform's wrapper tensors do not expose, so the reference math runs
+    there instead: every transform then works, with the reference's numerics."""
+    return any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+
+
 def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.dtype) -> SimpleNamespace:
     """The public functions of a backend whose launchers are the attributes of ``L``, behind its
     custom ops (``normlab::<prefix>_<op>``, for torch.compile) and eager autograd.Functions."""
@@ -331,7 +338,9 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
         return eager[name].apply(*inputs)
 
     def fused(*tensors: Tensor | None) -> bool:
-        return all(t is None or t.dtype in fused_dtypes for t in tensors)
+        if not all(t is None or t.dtype in fused_dtypes for t in tensors):
+            return False
+        return torch.compiler.is_compiling() or not _under_torch_func(tensors)
 
     # ------------------------------------------------------------------ the backend's functions
 
