@@ -7,6 +7,7 @@ as the reference computed in the same low-precision dtype, plus about one roundi
 import os
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -890,3 +891,65 @@ def test_a_kernel_numba_cannot_cache_warns_and_runs():
     kernel = cache.kernel(uses_a_big_global)
     with pytest.warns(NumbaWarning, match="Cannot cache"):
         assert kernel(np.full(3, 2.0)) == 3.0
+
+
+def _toy_sum(x):
+    total = 0.0
+    for i in numba.prange(x.shape[0]):
+        total += x[i]
+    return total
+
+
+def _toy_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*_toy_sum*") if p.suffix in (".nbi", ".nbc"))
+
+
+@pytest.mark.parametrize("damage", ["index cut short", "index garbled", "data at 30%", "data at 50%", "data at 80%",
+                                    "data emptied", "data another valid pickle"])
+def test_a_damaged_cache_entry_is_discarded_and_compiled_again(damage, tmp_path, monkeypatch):
+    # a damaged entry crashed numba (EOFError, UnpicklingError, LLVM aborting the process); it
+    # must instead warn, compile again and give the same answer
+    import pickle
+
+    from numba.core import config
+
+    from normlab.kernels.cpu import cache
+
+    monkeypatch.setattr(config, "CACHE_DIR", str(tmp_path))
+    x = np.random.default_rng().standard_normal(1000)
+    first = cache.kernel(_toy_sum)
+    want = first(x)
+    assert sum(first.stats.cache_misses.values()) == 1
+    index = next(p for p in _toy_files(tmp_path) if p.suffix == ".nbi")
+    data = next(p for p in _toy_files(tmp_path) if p.suffix == ".nbc")
+    if damage.startswith("index"):
+        blob = index.read_bytes()
+        index.write_bytes(blob[: len(blob) // 2] if damage == "index cut short" else blob[:-40] + os.urandom(40))
+    elif damage == "data emptied":
+        data.write_bytes(b"")
+    elif damage == "data another valid pickle":
+        data.write_bytes(pickle.dumps({"not": "a kernel"}))
+    else:
+        blob = bytearray(data.read_bytes())
+        at = len(blob) * int(damage[-3:-1]) // 100
+        blob[at:at + 64] = os.urandom(64)
+        data.write_bytes(bytes(blob))
+    again = cache.kernel(_toy_sum)  # a new process's dispatcher: it loads from the cache first
+    with pytest.warns(RuntimeWarning, match="could not be loaded.*compiling the kernel again"):
+        assert again(x) == want
+    assert sum(again.stats.cache_misses.values()) == 1 and sum(again.stats.cache_hits.values()) == 0
+    third = cache.kernel(_toy_sum)  # what the recompile saved loads cleanly
+    assert third(x) == want and sum(third.stats.cache_hits.values()) == 1
+
+
+def test_the_cache_is_user_wide_by_default(tmp_path, monkeypatch):
+    # keyed by the sources' hash, one cache serves every clone and environment of the same sources
+    from numba.core import config
+
+    from normlab.kernels.cpu import cache
+
+    monkeypatch.setattr(config, "CACHE_DIR", "")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    kernel = cache.kernel(_toy_sum)
+    kernel(np.ones(10))
+    assert _toy_files(tmp_path / "normlab" / "numba" / f"normlab-{cache.sources_hash()}")

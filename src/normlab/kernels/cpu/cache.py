@@ -4,7 +4,14 @@ numba keys a cached function by the file that defines it, but a kernel here inli
 from other files (codecs.py, simd.py, rows.py): after an edit to a helper, the kernel's file is
 unchanged and numba would load the stale machine code. So every kernel is cached in a directory
 named by the hash of every file in SOURCES, and stamped with it: any edit there recompiles them
-all, and two versions of the package (two checkouts, an A/B run) keep separate caches.
+all, and two versions of the package (two checkouts, an A/B run) keep separate caches. The hash
+makes one user-wide cache safe to share, so that is the default (every clone and environment
+with the same sources reuses the kernels): NUMBA_CACHE_DIR if set, else ~/.cache/normlab/numba
+(XDG_CACHE_HOME), else where numba itself would put it.
+
+Each cache file carries the sha256 of its contents, checked before pickle or LLVM reads a byte
+(LLVM aborts the process on some damaged object code): an entry that cannot be loaded is
+discarded with a warning and the kernel compiled again.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import pickle
+import warnings
 
 from numba import njit
 from numba.core import caching
@@ -35,12 +44,17 @@ def sources_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-class _SourcesLocator(caching._CacheLocator):
-    """Where numba would cache the function (NUMBA_CACHE_DIR, the package's __pycache__ or the
-    user-wide cache, in numba's order), one directory down: ``normlab-<sources_hash()>``."""
+def user_cache() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "normlab", "numba")
 
-    def __init__(self, base: caching._CacheLocator, py_file: str, lineno: int) -> None:
-        self._path = os.path.join(base.get_cache_path(), "normlab-" + sources_hash())
+
+class _SourcesLocator(caching._CacheLocator):
+    """The first writable of NUMBA_CACHE_DIR, user_cache() and numba's own choices (the package's
+    __pycache__, numba's user-wide cache), one directory down: ``normlab-<sources_hash()>``."""
+
+    def __init__(self, base: str, py_file: str, lineno: int) -> None:
+        self._path = os.path.join(base, "normlab-" + sources_hash())
         self._py_file, self._lineno = py_file, lineno  # numba names them when it cannot cache a function
 
     def get_cache_path(self) -> str:
@@ -54,10 +68,10 @@ class _SourcesLocator(caching._CacheLocator):
 
     @classmethod
     def from_function(cls, py_func, py_file):
-        for base_class in caching.CacheImpl._locator_classes:
-            base = base_class.from_function(py_func, py_file)
-            if base is None:
-                continue
+        # numba's own order starts with NUMBA_CACHE_DIR (None when unset); ours goes second
+        user_set, *numba_own = [c.from_function(py_func, py_file) for c in caching.CacheImpl._locator_classes]
+        bases = [b.get_cache_path() for b in (user_set,) if b] + [user_cache()] + [b.get_cache_path() for b in numba_own if b]
+        for base in bases:
             locator = cls(base, py_file, py_func.__code__.co_firstlineno)
             try:
                 locator.ensure_cache_path()
@@ -71,8 +85,64 @@ class _Impl(caching.CompileResultCacheImpl):
     _locator_classes = [_SourcesLocator]
 
 
+_DIGEST = hashlib.sha256().digest_size
+
+
+class CorruptCacheFile(Exception):
+    """A cache file whose contents do not match its checksum: damaged on disk."""
+
+
+def _verified(blob: bytes, path: str) -> bytes:
+    digest, payload = blob[:_DIGEST], blob[_DIGEST:]
+    if len(blob) < _DIGEST or hashlib.sha256(payload).digest() != digest:
+        raise CorruptCacheFile(f"{path} does not match its checksum")
+    return payload
+
+
+class _CheckedFile(caching.IndexDataCacheFile):
+    """numba's index and data files, each with the sha256 of its contents in front."""
+
+    def _dump(self, obj) -> bytes:
+        payload = super()._dump(obj)
+        return hashlib.sha256(payload).digest() + payload
+
+    def _load_index(self) -> dict:
+        try:
+            with open(self._index_path, "rb") as f:
+                version = pickle.load(f)
+                blob = f.read()
+        except FileNotFoundError:
+            return {}
+        if version != self._version:  # another numba's index: start afresh, as numba does
+            return {}
+        stamp, overloads = pickle.loads(_verified(blob, self._index_path))
+        return overloads if stamp == self._source_stamp else {}
+
+    def _load_data(self, name: str):
+        path = self._data_path(name)
+        with open(path, "rb") as f:
+            return pickle.loads(_verified(f.read(), path))
+
+
 class _Cache(caching.FunctionCache):
     _impl_class = _Impl
+
+    def __init__(self, py_func) -> None:
+        super().__init__(py_func)
+        self._cache_file = _CheckedFile(self._cache_path, self._impl.filename_base, self._impl.locator.get_source_stamp())
+
+    def load_overload(self, sig, target_context):
+        try:
+            return super().load_overload(sig, target_context)
+        except Exception as err:  # damage on disk (pickle, LLVM and checksum errors alike): compile again
+            warnings.warn(f"normlab: numba's cache for {self._py_func.__name__} could not be loaded ({type(err).__name__}: "
+                          f"{str(err)[:200]}); discarding {self._cache_file._index_path} and compiling the kernel again",
+                          RuntimeWarning, stacklevel=2)
+            try:
+                os.remove(self._cache_file._index_path)
+            except OSError:
+                pass
+            return None
 
 
 def kernel(fn):
