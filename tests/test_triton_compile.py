@@ -3,9 +3,9 @@ machine, and the GPU check script run end to end.
 
 The interpreter tests (test_kernels_triton.py) run the kernels' Python with numpy semantics and
 never reach Triton's compiler; these tests do (tools/triton_compile.py: A100 sm_80 and H100/H200
-sm_90, down to the cubin, with the ptxas Triton's wheel ships). A cold run of the grid takes about
-100 s on 2 cores; Triton caches the compiled kernels by source and options, and the tool keeps
-ptxas's figures beside them, so a warm run takes seconds.
+sm_90, down to the cubin, with the ptxas Triton's wheel ships). A cold run of the grid takes 100 to
+300 s on 2 cores; the tool keeps each compile's result in its own cache (keyed by Triton's version,
+the kernels' source, the spec and the target), so a warm run takes seconds.
 """
 
 import json
@@ -46,6 +46,55 @@ def test_every_reachable_specialization_compiles_for_a100_and_h100(tmp_path):
         assert r["cubin_bytes"] > 0 and not r["ptx_local"] and r["spill_bytes"] == 0, r
         assert r["shared"] <= result["shared_limit"][str(r["target"])], r
         assert not r["fp_fusion_warning"], r
+
+
+PLANT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import triton, triton_compile as TC
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+for spec in TC.T.reachable_specs((64,)):
+    if spec.kernel == "dyt_bwd":
+        sig, flags = TC.signature(spec)
+        triton.compile(ASTSource(fn=getattr(TC.K, spec.kernel), signature=sig, constexprs=flags),
+                       target=GPUTarget("cuda", 90, 32), options=spec.options())
+"""
+
+
+def test_the_check_ignores_what_others_left_in_tritons_cache_and_survives_a_second_run(tmp_path):
+    # Triton's shared cache holding these kernels already (an earlier, interrupted run) meant
+    # ptxas never ran and the check found no figures; two runs on one kept cache must not collide
+    shared, kept = tmp_path / "triton-shared", tmp_path / "kept"
+    env = {**_compiler_env(), "TRITON_CACHE_DIR": str(shared)}
+    planted = subprocess.run([sys.executable, "-c", PLANT, str(ROOT / "tools")], env=env, capture_output=True, text=True,
+                             timeout=600)
+    assert planted.returncode == 0, planted.stderr[-3000:]
+    assert any(shared.rglob("*.cubin")), "nothing planted in Triton's cache"
+    args = [sys.executable, str(ROOT / "tools" / "triton_compile.py"), "--targets", "90", "--hidden", "64", "--kernels", "dyt_bwd",
+            "--jobs", "1", "--cache", str(kept)]
+
+    def check(json_path, proc=None):
+        proc = proc or subprocess.Popen(args + ["--json", str(json_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-3000:] + err[-3000:]
+        results = json.loads(json_path.read_text())["results"]
+        assert len(results) == 6 and all(r["registers"] > 0 and r["cubin_bytes"] > 0 for r in results), results
+        return results
+
+    first = check(tmp_path / "first.json")
+    assert not any(r.get("kept") for r in first)
+    files = sorted(kept.glob("*.json"))
+    assert len(files) == 6
+    files[0].write_text(files[0].read_text()[:20])  # a result cut short, as a kill mid-write would leave it
+    both = [subprocess.Popen(args + ["--json", str(tmp_path / f"run{i}.json")], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for i, proc in enumerate(both):
+        again = check(tmp_path / f"run{i}.json", proc)
+        assert sum(1 for r in again if r.get("kept")) >= 5  # the cut one is compiled again, the rest read
+        assert [r["registers"] for r in again] == [r["registers"] for r in first]
+    assert not list(kept.glob("*.tmp"))
 
 
 def test_the_grid_holds_every_spec_the_launchers_launch(monkeypatch):

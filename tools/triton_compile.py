@@ -1,7 +1,7 @@
 """Compile every Triton kernel specialization normlab can launch, for real GPUs, without one.
 
     python tools/triton_compile.py [--targets 80,90] [--hidden 64,4096,16384,262144] [--jobs 2]
-                                   [--json OUT.json]
+                                   [--kernels norm_fwd,...] [--cache DIR] [--json OUT.json]
 
 TRITON_INTERPRET runs the kernels' Python with numpy semantics and never calls Triton's compiler,
 so a kernel can pass every interpreter test and still fail to compile, spill registers or need
@@ -9,20 +9,28 @@ more shared memory than a GPU has. Triton compiles for a target GPU on a CPU-onl
 ptxas its wheel ships: this tool does that for every spec ``normlab.kernels.triton.reachable_specs``
 returns (the launchers' own choice functions), down to the cubin, and reports per spec and target
 the registers and spill bytes ptxas printed, the shared memory, and whether the PTX declares
-``.local`` memory. Compiled kernels land in Triton's cache (keyed by source and options), and
-ptxas's figures in normlab-ptxas.json beside it, so a second run only reads them.
+``.local`` memory.
+
+ptxas prints its figures only when it runs, so each compile runs in a fresh Triton cache of its own
+(never Triton's shared one, which other processes may have left without figures), and its result is
+kept in this tool's cache (``--cache``, default ~/.cache/normlab/triton-compile), one file per
+compile keyed by Triton's version, the kernels' source, the spec and the target: a second run
+reads them, and two runs at once each write whole files.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import hashlib
 import io
 import json
 import multiprocessing
 import os
 import re
 import sys
+import tempfile
 import time
 import warnings
 
@@ -42,6 +50,12 @@ from normlab.kernels import triton as T  # noqa: E402
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 FP_FUSION_UNSET = "TRITON_DEFAULT_FP_FUSION is unset"
+KERNEL_SOURCE = open(K.__file__, "rb").read()
+
+
+def default_cache() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "normlab", "triton-compile")
 
 
 def signature(spec: T.Spec) -> tuple[dict, dict]:
@@ -70,55 +84,81 @@ def _ptxas_figures(log: str) -> dict:
     return {"spill_bytes": max(spills, default=0), "registers": max(regs, default=0)} if regs else {}
 
 
-def compile_one(job: tuple[int, T.Spec, int]) -> dict:
-    index, spec, capability = job
+def _key(spec: T.Spec, capability: int) -> str:
+    """What a compile's result depends on: Triton, the kernels' source, the spec, the target."""
+    sig, flags = signature(spec)
+    text = repr((triton.__version__, sorted(sig.items()), sorted(flags.items()), sorted(spec.options().items()), capability,
+                 spec.kernel, os.environ.get("TRITON_DEFAULT_FP_FUSION")))
+    return hashlib.sha256(KERNEL_SOURCE + text.encode()).hexdigest()[:32]
+
+
+def _compile(spec: T.Spec, capability: int) -> dict:
     sig, flags = signature(spec)
     out = io.StringIO()
     t0 = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out):
+    with tempfile.TemporaryDirectory(prefix="normlab-triton-") as fresh, warnings.catch_warnings(record=True) as caught, \
+            contextlib.redirect_stdout(out):
         warnings.simplefilter("always")
+        triton.knobs.cache.dir = fresh  # a cache hit would skip ptxas and its figures
         try:
             kernel = triton.compile(ASTSource(fn=getattr(K, spec.kernel), signature=sig, constexprs=flags),
                                     target=GPUTarget("cuda", capability, 32), options=spec.options())
         except Exception as e:  # a compile error is a result to report, not a crash of the run
-            return {"index": index, "target": capability, "error": f"{type(e).__name__}: {str(e)[-2000:]}"}
-    result = {
-        "index": index, "target": capability, "seconds": round(time.perf_counter() - t0, 3), "hash": kernel.hash,
-        "cubin_bytes": len(kernel.asm.get("cubin", b"")), "shared": kernel.metadata.shared,
-        "ptx_local": bool(re.search(r"^\s*\.local\b", kernel.asm["ptx"], re.M)),
-        "fp_fusion_warning": any(FP_FUSION_UNSET in str(w.message) for w in caught),
-        **_ptxas_figures(out.getvalue()),
-    }
-    return result
+            return {"target": capability, "error": f"{type(e).__name__}: {str(e)[-2000:]}"}
+        return {
+            "target": capability, "seconds": round(time.perf_counter() - t0, 3), "hash": kernel.hash,
+            "cubin_bytes": len(kernel.asm.get("cubin", b"")), "shared": kernel.metadata.shared,
+            "ptx_local": bool(re.search(r"^\s*\.local\b", kernel.asm["ptx"], re.M)),
+            "fp_fusion_warning": any(FP_FUSION_UNSET in str(w.message) for w in caught),
+            **_ptxas_figures(out.getvalue()),
+        }
 
 
-def _figures_file() -> str:
-    return os.path.join(triton.knobs.cache.dir, "normlab-ptxas.json")
+def _read_kept(path: str) -> dict | None:
+    """A kept result, or None when there is none or it cannot be read whole (then it is redone)."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return result if isinstance(result, dict) and "registers" in result else None
 
 
-def run(targets: list[int], hidden: tuple[int, ...], jobs: int, progress=None) -> dict:
-    specs = T.reachable_specs(hidden)
-    work = [(i, spec, cap) for cap in targets for i, spec in enumerate(specs)]
+def _kept(job: tuple[int, T.Spec, int], cache: str | None) -> dict | None:
+    index, spec, capability = job
+    result = _read_kept(os.path.join(cache, _key(spec, capability) + ".json")) if cache else None
+    return None if result is None else {**result, "index": index, "kept": True}
+
+
+def compile_one(job: tuple[int, T.Spec, int], cache: str | None = None) -> dict:
+    """One spec compiled for one target, or its kept result."""
+    kept = _kept(job, cache)
+    if kept is not None:
+        return kept
+    index, spec, capability = job
+    result = _compile(spec, capability)
+    if cache and "registers" in result:
+        os.makedirs(cache, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=cache, suffix=".tmp", delete=False) as f:
+            json.dump(result, f)
+        os.replace(f.name, os.path.join(cache, _key(spec, capability) + ".json"))
+    return {**result, "index": index}
+
+
+def run(targets: list[int], hidden: tuple[int, ...], jobs: int, progress=None, cache: str | None = None,
+        kernels: tuple[str, ...] | None = None) -> dict:
+    specs = [s for s in T.reachable_specs(hidden) if not kernels or s.kernel in kernels]
+    jobs_all = [(i, spec, cap) for cap in targets for i, spec in enumerate(specs)]
     t0 = time.perf_counter()
-    ctx = multiprocessing.get_context("spawn")
-    results = []
-    with ctx.Pool(jobs) as pool:
-        for r in pool.imap_unordered(compile_one, work, chunksize=4):
-            results.append(r)
-            if progress:
-                progress(len(results), len(work))
-    # ptxas prints its figures only when it runs: keep them by kernel hash for runs that hit the cache
-    path = _figures_file()
-    known = json.loads(open(path).read()) if os.path.exists(path) else {}
-    for r in results:
-        if "registers" in r:
-            known[r["hash"]] = {"spill_bytes": r["spill_bytes"], "registers": r["registers"]}
-        elif r.get("hash") in known:
-            r.update(known[r["hash"]], ptxas="cached")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(known, f)
-    os.replace(path + ".tmp", path)
+    results = [r for r in (_kept(job, cache) for job in jobs_all) if r is not None]
+    done = {(r["index"], r["target"]) for r in results}
+    work = [job for job in jobs_all if (job[0], job[2]) not in done]
+    if work:  # workers only for what is not kept: each one imports torch and Triton
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            for r in pool.imap_unordered(functools.partial(compile_one, cache=cache), work, chunksize=4):
+                results.append(r)
+                if progress:
+                    progress(len(results), len(jobs_all))
     results.sort(key=lambda r: (r["target"], r["index"]))
     return {"specs": [{"kernel": s.kernel, "pointers": {k: TYPES[v] for k, v in s.pointers}, "constexprs": dict(s.constexprs),
                        "num_warps": s.num_warps} for s in specs],
@@ -140,7 +180,7 @@ def problems(report: dict) -> list[str]:
         if r["ptx_local"]:
             out.append(f"{where}: the PTX declares .local memory")
         if "registers" not in r:
-            out.append(f"{where}: no ptxas figures (cached kernel, figures file lost: clear Triton's cache)")
+            out.append(f"{where}: ptxas printed no register figures")
         elif r["spill_bytes"]:
             out.append(f"{where}: ptxas spills {r['spill_bytes']} bytes ({r['registers']} registers)")
         if r["shared"] > SHARED_LIMIT[r["target"]]:
@@ -160,11 +200,14 @@ def main() -> int:
     parser.add_argument("--targets", default="80,90", help="compute capabilities, comma-separated")
     parser.add_argument("--hidden", default="64,4096,16384,262144", help="hidden sizes whose block choices to compile")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--kernels", help="only these kernels (comma-separated, e.g. dyt_fwd,dyt_bwd)")
+    parser.add_argument("--cache", default=default_cache(), help="where results are kept between runs ('' for none)")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args()
     targets = [int(t) for t in args.targets.split(",")]
     hidden = tuple(int(h) for h in args.hidden.split(","))
-    report = run(targets, hidden, args.jobs, progress=_progress)
+    kernels = tuple(args.kernels.split(",")) if args.kernels else None
+    report = run(targets, hidden, args.jobs, progress=_progress, cache=args.cache or None, kernels=kernels)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
@@ -172,7 +215,9 @@ def main() -> int:
     for line in found:
         print(line)
     regs = [r.get("registers", 0) for r in report["results"]]
-    print(f"{len(report['results'])} compiles ({len(report['specs'])} specs x {len(targets)} targets) in {report['seconds']} s; "
+    kept = sum(1 for r in report["results"] if r.get("kept"))
+    print(f"{len(report['results'])} compiles ({len(report['specs'])} specs x {len(targets)} targets, {kept} kept from "
+          f"{args.cache or 'no cache'}) in {report['seconds']} s; "
           f"{len(found)} problems; at most {max(regs, default=0)} registers")
     return 1 if found else 0
 
