@@ -338,3 +338,33 @@ def test_sigint_to_one_ddp_rank_stops_both_at_the_same_step(corpus, tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted"
     assert T.load_checkpoint(run / "checkpoint.pt")["step"] == summary["step"]
+
+
+@pytest.mark.parametrize("field", ["n_layers=1000000", "d_model=1048576", "batch_size=1000000000", "max_seq_len=100000000",
+                                   "eval_batches=1000000000"])
+def test_a_config_that_cannot_fit_is_refused_before_anything_is_built(corpus, tmp_path, field, monkeypatch):
+    # these ran until killed or died in the allocator with a raw traceback
+    name, value = field.split("=")
+    built = []
+    monkeypatch.setattr(T, "_initialized", lambda *a: built.append(a) or pytest.fail("the model was built"))
+    tcfg, m = tiny(corpus, tmp_path / "run", **{name: int(value)}, **({"seq_len": None} if name == "max_seq_len" else {}))
+    with pytest.raises(MemoryError, match=r"needs at least [\d,.]+ GiB .* more than the [\d,.]+ GiB this machine has"):
+        T.train(tcfg, m)
+    assert not built and not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_sample_refuses_a_run_whose_config_was_edited_past_the_machine(corpus, tmp_path):
+    tcfg, m = tiny(corpus, tmp_path / "run", steps=3)
+    T.train(tcfg, m)
+    config = tmp_path / "run" / "config.json"
+    saved = json.loads(config.read_text())
+    saved["model_resolved"]["n_layers"] = 10**6
+    config.write_text(json.dumps(saved))
+    with pytest.raises(MemoryError, match=r"the model .*config.json describes needs at least"):
+        T.sample(tmp_path / "run", "the ", tokens=5)
+
+
+def test_the_cli_refuses_a_model_too_large_in_one_line(corpus, tmp_path, capsys):
+    code = main(["train", f"data={corpus}", "preset=tiny", "n_layers=1000000", "quiet=true", f"out={tmp_path / 'run'}"])
+    out = capsys.readouterr().out
+    assert code == 2 and "error:" in out and "GiB" in out and "Traceback" not in out

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from normlab import data as D
 from normlab import env
+from normlab.footprint import check_fits
 from normlab.model import Decoder, ModelConfig
 from normlab.runs import (RUN_FILES, file_sha256, load_checkpoint, locked, logged_summary, read_json, read_metrics,  # noqa: F401
                           save_checkpoint, truncate_metrics, write_atomic, write_json)
@@ -253,6 +254,8 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
     seq_len = tcfg.seq_len or mcfg.max_seq_len
     if seq_len > mcfg.max_seq_len:
         raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
+    check_fits(mcfg, max(1, tcfg.batch_size // world), seq_len, device, eval_batches=tcfg.eval_batches,
+               what=f"training {'the run in ' + str(out) if resume else 'this model'}")
     model = _initialized(mcfg, tcfg.seed).to(device)
     opt = make_optimizer(model, tcfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, tcfg) / tcfg.lr)
@@ -506,9 +509,13 @@ def _initialized(mcfg: ModelConfig, seed: int) -> Decoder:
 
 
 def _saved_config(run: Path) -> dict:
+    """A run's config.json, refused if its model could not fit this machine even to sample from."""
     if not (run / "config.json").exists():
         raise FileNotFoundError(f"{run} is not a run directory (no config.json)")
-    return read_json(run / "config.json")
+    saved = read_json(run / "config.json")
+    mcfg = ModelConfig(**saved["model_resolved"])
+    check_fits(mcfg, 1, mcfg.max_seq_len, torch.device("cpu"), training=False, what=f"the model {run / 'config.json'} describes")
+    return saved
 
 
 def load_run(run: str | Path) -> tuple[Decoder, D.Tokenizer]:
