@@ -267,3 +267,13 @@ def test_jobs_die_with_a_killed_parent(corpus, tmp_path):
         parent.kill()
         for pid in children():
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("damage", ["cut short", "bpe garbled", "not an object"])
+def test_a_damaged_tokenizer_file_is_named_with_what_to_do(run, damage):
+    path = run / "tokenizer.json"
+    text = path.read_text()
+    path.write_text({"cut short": text[: len(text) // 2], "bpe garbled": json.dumps({"kind": "bpe", "tokenizer": "{\"model\": 3}"}),
+                     "not an object": "[1, 2]"}[damage])
+    with pytest.raises(ValueError, match=r"tokenizer.json (cannot be read as a tokenizer|is not a normlab tokenizer).*overwrite=true"):
+        T.sample(run, "the", tokens=3)

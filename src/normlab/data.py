@@ -344,16 +344,22 @@ def build_tokenizer(kind: str, train_texts: list[str], vocab_size: int = 1024) -
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    data = json.loads(Path(path).read_text())
-    if data.get("kind") == "byte":
-        return ByteTokenizer()
-    if data.get("kind") == "char":
-        return CharTokenizer(data["chars"])
-    if data.get("kind") == "bpe":
-        from tokenizers import Tokenizer as HFTokenizer
+    """A run's tokenizer.json, or a DataError that names the file and what to do."""
+    fix = "restore it from a copy of the run, or start the run afresh with overwrite=true"
+    try:
+        data = json.loads(Path(path).read_text())
+        kind = data.get("kind") if isinstance(data, dict) else None
+        if kind == "byte":
+            return ByteTokenizer()
+        if kind == "char":
+            return CharTokenizer(data["chars"])
+        if kind == "bpe":
+            from tokenizers import Tokenizer as HFTokenizer
 
-        return BPETokenizer(HFTokenizer.from_str(data["tokenizer"]))
-    raise DataError(f"{path} is not a normlab tokenizer file")
+            return BPETokenizer(HFTokenizer.from_str(data["tokenizer"]))
+    except Exception as err:  # bad JSON, a missing field, or tokenizers' own parse error: all say the file is damaged
+        raise DataError(f"{path} cannot be read as a tokenizer ({type(err).__name__}: {str(err)[:200]}); {fix}") from err
+    raise DataError(f"{path} is not a normlab tokenizer file; {fix}")
 
 
 # ------------------------------------------------------------------------------------ tokens
