@@ -277,3 +277,63 @@ def test_a_damaged_tokenizer_file_is_named_with_what_to_do(run, damage):
                      "not an object": "[1, 2]"}[damage])
     with pytest.raises(ValueError, match=r"tokenizer.json (cannot be read as a tokenizer|is not a normlab tokenizer).*overwrite=true"):
         T.sample(run, "the", tokens=3)
+
+
+_HOLD = """
+import fcntl, os, sys, time
+folder = sys.argv[1]
+os.makedirs(folder, exist_ok=True)
+fd = os.open(os.path.join(folder, ".lock"), os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.pwrite(fd, f"{os.getpid()} normlab train\\n".encode(), 0)
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def _hold(folder, seconds):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(folder), str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_run_another_process_trains_is_in_progress_not_unstarted(corpus, tmp_path, capsys):
+    # a rerun beside a live trainer planned (and --jobs launched) the same run again
+    from normlab import experiments
+    from normlab.experiments.lab import Settings
+
+    settings = Settings(out=str(tmp_path / "compare"), size="tiny", data=str(corpus), quiet=True)
+    planned = experiments.plan_presets(["sandwich"], settings)
+    assert planned
+    holder = _hold(planned[0].folder, 60)
+    try:
+        again = experiments.plan_presets(["sandwich"], settings)
+        assert [r.folder for r in again] == [r.folder for r in planned[1:]]
+        said = " ".join(capsys.readouterr().err.split())
+        assert "1 run(s) in progress in other processes" in said and f"process {holder.pid} normlab train" in said
+    finally:
+        holder.kill()
+        holder.wait()
+    assert [r.folder for r in experiments.plan_presets(["sandwich"], settings)] == [r.folder for r in planned]
+
+
+def test_compare_waits_for_a_run_in_progress_then_trains_on(corpus, tmp_path):
+    from rich.console import Console
+
+    from normlab import experiments
+    from normlab.experiments.lab import Settings
+
+    settings = Settings(out=str(tmp_path / "compare"), size="tiny", data=str(corpus), quiet=True)
+    first = experiments.plan_presets(["sandwich"], settings)[0]
+    holder = _hold(first.folder, 3)
+    console = Console(record=True, width=200)
+    try:
+        results = experiments.run_presets(["sandwich"], settings, console)
+    finally:
+        holder.kill()
+    said = console.export_text()
+    assert f"is in progress in process {holder.pid} normlab train: waiting for it" in said
+    assert "sandwich" in results["presets"] and (first.folder / "summary.json").exists()

@@ -116,6 +116,24 @@ def locked(folder: Path, what: str, wait: bool = False):
         os.close(fd)  # closing releases the lock
 
 
+def holder(folder: Path) -> str | None:
+    """Who holds ``folder``'s lock now ("PID what"), or None when no process does."""
+    path = Path(folder) / ".lock"
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def clear(folder: Path) -> None:
     """Empty a run folder but keep its lock file, which a process may hold."""
     for child in Path(folder).iterdir():

@@ -75,7 +75,7 @@ from normlab.experiments.sandwich import preset_sandwich
 from normlab.experiments.shallow import preset_shallow
 from normlab.experiments.speed import preset_speed
 from normlab.experiments.warmup import SWEEP, lr_sensitivity, parse_lrs, preset_warmup
-from normlab.runs import locked, read_json, write_json
+from normlab.runs import holder, locked, read_json, write_json
 
 # ===================================================================================== presets
 
@@ -137,7 +137,8 @@ def _prepare(names: list[str], settings: Settings) -> tuple[list[str], Settings]
 
 def plan_presets(names: list[str], settings: Settings, console=None) -> list[Pending]:
     """The training runs the presets need that have not finished, each with the `normlab train`
-    command that trains it: nothing is trained or measured (the measurements wait for the runs)."""
+    command that trains it: nothing is trained or measured (the measurements wait for the runs).
+    A run another process is training now is left out, with a note (on stderr without a console)."""
     presets, settings = _prepare(names, settings)
     lab = Lab(dataclasses.replace(settings, mode="plan"), console)
     for name in presets:
@@ -146,7 +147,18 @@ def plan_presets(names: list[str], settings: Settings, console=None) -> list[Pen
             PRESETS[name](lab)
         except RunsPending:
             pass
-    return list(lab.pending.values())
+    pending, busy = [], []
+    for run in lab.pending.values():
+        who = holder(run.folder)
+        (busy if who else pending).append((run, who))
+    if busy:
+        from rich.console import Console
+
+        notes = console or Console(stderr=True)
+        notes.print(f"[yellow]{len(busy)} run(s) in progress in other processes[/yellow], left out of this plan:")
+        for run, who in busy:
+            notes.print(f"  {run.label} ({run.folder}): process {who}")
+    return [run for run, _ in pending]
 
 
 def tune_presets(names: list[str], settings: Settings, console=None, command: str = "") -> dict:

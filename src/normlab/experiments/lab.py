@@ -27,7 +27,7 @@ from normlab.experiments import cost as CO
 from normlab.experiments import design as DS
 from normlab.experiments import ladder as LD
 from normlab.model import Decoder, ModelConfig
-from normlab.runs import clean_json, clear, locked, read_json, read_metrics, write_json
+from normlab.runs import clean_json, clear, holder, locked, read_json, read_metrics, write_json
 from normlab.train import TrainConfig, split_overrides, train
 
 ZHANG19 = "Zhang & Sennrich (2019), Root Mean Square Layer Normalization, NeurIPS"
@@ -315,6 +315,13 @@ class Lab:
                                                      self.preset))
             self.waiting = True
             return _pending_result(folder)
+        who = holder(folder)
+        if who:  # another process is training it: wait, then take what it left (finished, or a checkpoint)
+            self.say(f"  [bold]{self.preset}[/bold] {label} is in progress in process {who}: waiting for it")
+            with locked(folder, f"normlab compare, waiting for run {label}", wait=True):
+                pass
+            self.parameters.pop()  # counted again below
+            return self._train(label, train_fields, model_fields, varied)
         tcfg = TrainConfig(**{**tf, "out": str(folder), "quiet": self.s.quiet, "overwrite": not resume})
         tcfg.validate()
         with locked(folder, f"normlab compare, run {label}"):  # another process training it: refused, not doubled
