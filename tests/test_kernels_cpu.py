@@ -893,11 +893,11 @@ def test_a_kernel_numba_cannot_cache_warns_and_runs():
         assert kernel(np.full(3, 2.0)) == 3.0
 
 
-def _toy_sum(x):
-    total = 0.0
+def _toy_sum(x):  # elementwise, so that its bits do not depend on how the threads split the loop
+    out = np.empty_like(x)
     for i in numba.prange(x.shape[0]):
-        total += x[i]
-    return total
+        out[i] = x[i] * 2.0 + 1.0
+    return out
 
 
 def _toy_files(folder: Path) -> list[Path]:
@@ -936,10 +936,10 @@ def test_a_damaged_cache_entry_is_discarded_and_compiled_again(damage, tmp_path,
         data.write_bytes(bytes(blob))
     again = cache.kernel(_toy_sum)  # a new process's dispatcher: it loads from the cache first
     with pytest.warns(RuntimeWarning, match="could not be loaded.*compiling the kernel again"):
-        assert again(x) == want
+        assert np.array_equal(again(x), want)
     assert sum(again.stats.cache_misses.values()) == 1 and sum(again.stats.cache_hits.values()) == 0
     third = cache.kernel(_toy_sum)  # what the recompile saved loads cleanly
-    assert third(x) == want and sum(third.stats.cache_hits.values()) == 1
+    assert np.array_equal(third(x), want) and sum(third.stats.cache_hits.values()) == 1
 
 
 def test_the_cache_is_user_wide_by_default(tmp_path, monkeypatch):
@@ -953,3 +953,46 @@ def test_the_cache_is_user_wide_by_default(tmp_path, monkeypatch):
     kernel = cache.kernel(_toy_sum)
     kernel(np.ones(10))
     assert _toy_files(tmp_path / "normlab" / "numba" / f"normlab-{cache.sources_hash()}")
+
+
+_FORK_PROBE = """
+import sys, torch
+from torch.utils.data import DataLoader, Dataset
+from normlab import functional as F, reference as R
+from normlab.kernels.cpu import launch
+
+class Rows(Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        x = torch.randn(8, 256, generator=torch.Generator().manual_seed(i))
+        return x, F.rms_norm(x, backend="cpu"), launch.usable(), launch.threading_layer() or "none"
+
+F.rms_norm(torch.randn(4, 256), backend="cpu")  # the parent starts the threading layer first
+err = 0.0
+for x, y, usable, layer in DataLoader(Rows(), batch_size=2, num_workers=2, multiprocessing_context="fork"):
+    err = max(err, (y.double() - R.rms_norm(x.double())).abs().max().item())
+print(launch.threading_layer(), layer[0], bool(usable.all()), err)
+"""
+
+
+@pytest.mark.parametrize("layer", ["default", "omp"])
+def test_dataloader_workers_forked_after_a_kernel_call_work(layer):
+    # with GNU OpenMP's layer a worker forked after the parent's first kernel died; the default
+    # now takes numba's tbb layer (fork-safe, kernels run in the workers); where OpenMP is the
+    # layer anyway, the workers run the reference math
+    import platform
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_THREADING_LAYER": layer}
+    done = subprocess.run([sys.executable, "-c", _FORK_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    parent, child, usable, err = done.stdout.split()
+    assert float(err) < 1e-5
+    if layer == "omp":
+        assert parent == "omp" and usable == "False"
+    elif sys.platform == "linux" and platform.machine() == "x86_64":  # where the tbb dependency has wheels
+        assert parent == child == "tbb" and usable == "True"
+    else:
+        assert usable == str(parent != "omp")

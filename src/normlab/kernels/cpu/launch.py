@@ -10,7 +10,10 @@ as int16 bits.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
+import sys
 import threading
 
 import numba
@@ -31,6 +34,24 @@ _numba_threads = threading.local()  # what this thread last set numba's thread c
 
 
 _threads_started = False
+_forked_from_openmp = False  # this process was forked after its parent started GNU OpenMP
+
+
+def _find_tbb() -> None:
+    """Make numba's tbb layer loadable, unless the user chose a layer. It is thread- and fork-safe;
+    GNU OpenMP, numba's next choice, is not fork-safe (a DataLoader worker forked after a kernel
+    call dies). pip installs libtbb into <prefix>/lib, which the loader does not search (numba
+    issue 6108), so load it by path: numba's own load by name then finds it."""
+    if numba.config.THREADING_LAYER != "default":
+        return
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+        path = os.path.join(prefix, "lib", "libtbb.so.12")
+        if os.path.exists(path):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                continue
+            return
 
 
 def _start_numba_threads() -> None:
@@ -38,11 +59,32 @@ def _start_numba_threads() -> None:
     and torch reads that same count: a user's torch.set_num_threads(1) would be undone by the
     first kernel. Start the layer once, before any kernel, and put torch's count back."""
     global _threads_started
+    _find_tbb()
     before = torch.get_num_threads()
     start_threads(2)
     if torch.get_num_threads() != before:
         torch.set_num_threads(before)
     _threads_started = True
+
+
+def threading_layer() -> str | None:
+    """numba's threading layer, once a kernel has started it."""
+    return numba.threading_layer() if _threads_started else None
+
+
+def _after_fork() -> None:
+    global _forked_from_openmp
+    _forked_from_openmp = threading_layer() == "omp"
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def usable() -> bool:
+    """Whether the kernels can run in this process: not in a child forked after the parent
+    started GNU OpenMP (numba's omp layer kills such a child at its first parallel loop). The
+    glue runs the reference math there instead."""
+    return not _forked_from_openmp
 
 
 def nchunks(rows: int) -> int:
