@@ -19,9 +19,6 @@ A backend's launchers (``L``) allocate outputs and run its kernels:
   -> (dx, dalpha float32 in alpha's shape, dw float32, db float32); a backend without them runs
   DyT through the reference
 
-and optionally ``usable()`` -> whether its kernels can run in this process (the reference math runs
-where they cannot).
-
 dw and db are float32, or with ``grad_dtypes`` (the weight's and the bias's dtypes) may come in
 those already: the cpu kernels round their sums as they store them, which saves conversions
 right after a large kernel, when Python's memory is cold. The eager Functions ask for that; the
@@ -340,10 +337,8 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
             return output if visible == 0 else output[0] if visible == 1 else tuple(output[:2])
         return eager[name].apply(*inputs)
 
-    usable = getattr(L, "usable", lambda: True)  # whether the kernels can run in this process
-
     def fused(*tensors: Tensor | None) -> bool:
-        if not all(t is None or t.dtype in fused_dtypes for t in tensors) or not usable():
+        if not all(t is None or t.dtype in fused_dtypes for t in tensors):
             return False
         return torch.compiler.is_compiling() or not _under_torch_func(tensors)
 

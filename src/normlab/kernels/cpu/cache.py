@@ -145,9 +145,32 @@ class _Cache(caching.FunctionCache):
             return None
 
 
+class _SerialLocator(_SourcesLocator):
+    def get_disambiguator(self) -> str:  # its own cache files: the same function, compiled without parallel
+        return super().get_disambiguator() + "-serial"
+
+
+class _SerialImpl(caching.CompileResultCacheImpl):
+    _locator_classes = [_SerialLocator]
+
+
+class _SerialCache(_Cache):
+    _impl_class = _SerialImpl
+
+
 def kernel(fn):
-    """A parallel numba kernel, cached under sources_hash()."""
+    """A parallel numba kernel, cached under sources_hash(). ``kernel.serial()`` is the same code
+    compiled without numba's threading layer (prange as range), for a process forked after its
+    parent started GNU OpenMP, which numba's omp layer cannot run in."""
     dispatcher = njit(parallel=True, fastmath=FASTMATH, nogil=True)(fn)
     dispatcher._cache = _Cache(fn)  # what Dispatcher.enable_caching does, with this locator
+
+    @functools.cache
+    def serial():
+        plain = njit(fastmath=FASTMATH, nogil=True)(fn)
+        plain._cache = _SerialCache(fn)
+        return plain
+
+    dispatcher.serial = serial
     return dispatcher
 

@@ -10,10 +10,8 @@ as int16 bits.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
-import sys
 import threading
 
 import numba
@@ -34,24 +32,7 @@ _numba_threads = threading.local()  # what this thread last set numba's thread c
 
 
 _threads_started = False
-_forked_from_openmp = False  # this process was forked after its parent started GNU OpenMP
-
-
-def _find_tbb() -> None:
-    """Make numba's tbb layer loadable, unless the user chose a layer. It is thread- and fork-safe;
-    GNU OpenMP, numba's next choice, is not fork-safe (a DataLoader worker forked after a kernel
-    call dies). pip installs libtbb into <prefix>/lib, which the loader does not search (numba
-    issue 6108), so load it by path: numba's own load by name then finds it."""
-    if numba.config.THREADING_LAYER != "default":
-        return
-    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
-        path = os.path.join(prefix, "lib", "libtbb.so.12")
-        if os.path.exists(path):
-            try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            except OSError:
-                continue
-            return
+_forked_from_openmp = False  # forked after the parent started GNU OpenMP: only serial kernels run here
 
 
 def _start_numba_threads() -> None:
@@ -59,7 +40,6 @@ def _start_numba_threads() -> None:
     and torch reads that same count: a user's torch.set_num_threads(1) would be undone by the
     first kernel. Start the layer once, before any kernel, and put torch's count back."""
     global _threads_started
-    _find_tbb()
     before = torch.get_num_threads()
     start_threads(2)
     if torch.get_num_threads() != before:
@@ -73,21 +53,28 @@ def threading_layer() -> str | None:
 
 
 def _after_fork() -> None:
+    # GNU OpenMP cannot run in a child forked after it started (numba's omp layer kills the child
+    # at its first parallel loop: a DataLoader's fork workers): the child runs the same kernels
+    # compiled serially, one chunk (a DataLoader worker has one torch thread anyway)
     global _forked_from_openmp
-    _forked_from_openmp = threading_layer() == "omp"
+    _forked_from_openmp = _forked_from_openmp or threading_layer() == "omp"
 
 
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def usable() -> bool:
-    """Whether the kernels can run in this process: not in a child forked after the parent
-    started GNU OpenMP (numba's omp layer kills such a child at its first parallel loop). The
-    glue runs the reference math there instead."""
-    return not _forked_from_openmp
+def serial() -> bool:
+    """Whether this process runs the serial kernels (forked after its parent started OpenMP)."""
+    return _forked_from_openmp
+
+
+def _k(kernel):
+    return kernel.serial() if _forked_from_openmp else kernel
 
 
 def nchunks(rows: int) -> int:
+    if _forked_from_openmp:
+        return 1
     if not _threads_started:
         _start_numba_threads()
     threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
@@ -154,10 +141,10 @@ def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual
         s = empty(shape, _sum_dtype(x, residual, residual_in_fp32))
     if n:
         if s is None:
-            rms_fwd(_as_numpy(x2), w, _as_numpy(y.view(n, d)), rstd.view(n).numpy(), eps, inside, k, _rnd(x.dtype, llama),
+            _k(rms_fwd)(_as_numpy(x2), w, _as_numpy(y.view(n, d)), rstd.view(n).numpy(), eps, inside, k, _rnd(x.dtype, llama),
                       *_stages(y, n))
         else:
-            add_rms_fwd(
+            _k(add_rms_fwd)(
                 _as_numpy(x2), _as_numpy(_rows(residual)), w, _as_numpy(y.view(n, d)), _as_numpy(s.view(n, d)),
                 rstd.view(n).numpy(), eps, inside, k, _rnd(x.dtype, llama), *_stages(y, n),
             )
@@ -183,7 +170,7 @@ def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k, *, gr
     if n:
         w = _rms_weight(weight, d, dy.dtype, llama, offset)
         ds2 = _as_numpy(_rows(ds)) if ds is not None else None
-        rms_bwd(
+        _k(rms_bwd)(
             _as_numpy(dy2), _as_numpy(x2), w, rstd.reshape(n).numpy(), ds2, _as_numpy(dx.view(n, d)),
             _as_numpy(dw), eps, inside, k, _rnd(dy.dtype, llama), stages, stream,
         )
@@ -205,9 +192,9 @@ def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp
     if n:
         stats = (mean.view(n).numpy(), rstd.view(n).numpy())
         if s is None:
-            ln_fwd(_as_numpy(x2), w, b, _as_numpy(y.view(n, d)), *stats, eps, *_stages(y, n))
+            _k(ln_fwd)(_as_numpy(x2), w, b, _as_numpy(y.view(n, d)), *stats, eps, *_stages(y, n))
         else:
-            add_ln_fwd(
+            _k(add_ln_fwd)(
                 _as_numpy(x2), _as_numpy(_rows(residual)), w, b, _as_numpy(y.view(n, d)), _as_numpy(s.view(n, d)),
                 *stats, eps, *_stages(y, n),
             )
@@ -225,7 +212,7 @@ def ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None):
     if n:
         w = _f32_vector(weight, d, 1.0)
         ds2 = _as_numpy(_rows(ds)) if ds is not None else None
-        ln_bwd(
+        _k(ln_bwd)(
             _as_numpy(dy2), _as_numpy(x2), w, mean.reshape(n).numpy(), rstd.reshape(n).numpy(),
             ds2, _as_numpy(dx.view(n, d)), _as_numpy(dw), _as_numpy(db), stages, stream,
         )
@@ -241,7 +228,7 @@ def dyt_fwd_launch(x, alpha, weight, bias):
     w, b = _ln_weights(weight, bias, d)
     if n:
         xn = _as_numpy(x2)
-        dyt_fwd(xn, float(alpha.float()), w, b, _as_numpy(y.view(n, d)), *_stages(y, n), table_for(xn, grad=False))
+        _k(dyt_fwd)(xn, float(alpha.float()), w, b, _as_numpy(y.view(n, d)), *_stages(y, n), table_for(xn, grad=False))
     return y
 
 
@@ -257,7 +244,7 @@ def dyt_bwd_launch(dy, x, alpha, weight, bias):
     if n:
         w = _f32_vector(weight, d, 1.0)
         xn = _as_numpy(x2)
-        dyt_bwd(_as_numpy(dy2), xn, float(alpha.float()), w, _as_numpy(dx.view(n, d)), da, dw, db, stages, stream, table_for(xn, grad=True))
+        _k(dyt_bwd)(_as_numpy(dy2), xn, float(alpha.float()), w, _as_numpy(dx.view(n, d)), da, dw, db, stages, stream, table_for(xn, grad=True))
     # the chunks' float64 sums, added in chunk order (deterministic for a thread count)
     dalpha = torch.tensor(da.sum(), dtype=torch.float32).reshape(alpha.shape)
     return dx, dalpha, torch.from_numpy(dw.sum(0).astype(np.float32)), torch.from_numpy(db.sum(0).astype(np.float32))
