@@ -1,4 +1,5 @@
-"""A five-second tour of normlab: the norms, the cast orders, and why text models left BatchNorm."""
+"""A short tour of normlab: the norms, the cast orders, and why text models left BatchNorm (seconds once the
+kernels are compiled; the first run compiles them, and says so)."""
 
 import torch
 

@@ -667,16 +667,22 @@ def test_a_changed_helper_recompiles_the_kernels_that_inline_it(tmp_path):
     shutil.copytree(Path(cpu.__file__).parents[2], src / "normlab", ignore=shutil.ignore_patterns("__pycache__"))
     env = {**os.environ, "PYTHONPATH": str(src), "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
 
+    said = []
+
     def probe():
         done = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
+        said.append(done.stderr)
         hits, misses, total = done.stdout.split()
         return int(hits), int(misses), float(total)
 
     hits, misses, first = probe()
     assert misses == 1 and hits == 0  # cold: compiled
+    # and said so, once, with what to do about it (a first call blocked for seconds silently)
+    assert said[-1].count("normlab: compiling the fused CPU kernels") == 1 and "normlab warmup" in said[-1]
     hits, misses, again = probe()
     assert hits == 1 and misses == 0 and again == first  # warm: from the cache
+    assert "compiling" not in said[-1]
     rows = src / "normlab" / "kernels" / "cpu" / "rows.py"
     text = rows.read_text()
     assert "np.float32(1.0 / x)" in text

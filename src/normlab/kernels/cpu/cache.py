@@ -20,6 +20,7 @@ import functools
 import hashlib
 import os
 import pickle
+import sys
 import warnings
 
 from numba import njit
@@ -124,6 +125,19 @@ class _CheckedFile(caching.IndexDataCacheFile):
             return pickle.loads(_verified(f.read(), path))
 
 
+_told = False
+
+
+def _say_compiling(folder: str) -> None:
+    """One line on stderr, once a process, before the first kernel that is not cached compiles:
+    otherwise a first call blocks for seconds without a word."""
+    global _told
+    if not _told:
+        _told = True
+        print(f"normlab: compiling the fused CPU kernels this call needs (5-30 s each, once; then cached in {folder}). "
+              "`normlab warmup` compiles them ahead of time.", file=sys.stderr, flush=True)
+
+
 class _Cache(caching.FunctionCache):
     _impl_class = _Impl
 
@@ -133,7 +147,10 @@ class _Cache(caching.FunctionCache):
 
     def load_overload(self, sig, target_context):
         try:
-            return super().load_overload(sig, target_context)
+            loaded = super().load_overload(sig, target_context)
+            if loaded is None:  # numba compiles it next
+                _say_compiling(self._cache_path)
+            return loaded
         except Exception as err:  # damage on disk (pickle, LLVM and checksum errors alike): compile again
             warnings.warn(f"normlab: numba's cache for {self._py_func.__name__} could not be loaded ({type(err).__name__}: "
                           f"{str(err)[:200]}); discarding {self._cache_file._index_path} and compiling the kernel again",
