@@ -56,8 +56,7 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
         from normlab.kernels import cpu
 
         status = cpu.cache_status()
-        state = "warm" if status["warm"] else "cold (the first call of each kernel compiles it, then caches it)"
-        console.print(f"numba cache: {state}; {cpu.cached_signatures()} kernel signatures compiled in {escape(str(status['dir']))} "
+        console.print(f"numba cache: {status['state']}; {cpu.cached_signatures()} kernel signatures compiled in {escape(str(status['dir']))} "
                       f"(`normlab warmup` compiles them ahead of time)")
     return 0
 

@@ -52,7 +52,11 @@ def cache_status() -> dict[str, object]:
         index = getattr(getattr(cache, "_cache_file", None), "_index_path", None)
         cache_dir = getattr(cache, "_cache_path", cache_dir)
         entries[kernel.__name__] = bool(index and os.path.exists(index))
-    return {"dir": cache_dir, "sources": sources_hash(), "kernels": entries, "warm": all(entries.values())}
+    held = sum(entries.values())
+    state = ("warm" if held == len(entries) else
+             f"partly warm ({held} of {len(entries)} kernels cached; the others compile on their first call)" if held else
+             "cold (the first call of each kernel compiles it, then caches it)")
+    return {"dir": cache_dir, "sources": sources_hash(), "kernels": entries, "warm": held == len(entries), "state": state}
 
 
 def cached_signatures() -> int:
