@@ -368,3 +368,34 @@ def test_the_cli_refuses_a_model_too_large_in_one_line(corpus, tmp_path, capsys)
     code = main(["train", f"data={corpus}", "preset=tiny", "n_layers=1000000", "quiet=true", f"out={tmp_path / 'run'}"])
     out = capsys.readouterr().out
     assert code == 2 and "error:" in out and "GiB" in out and "Traceback" not in out
+
+
+def test_slowdown_compares_the_last_window_with_the_fastest():
+    assert T.slowdown([1.0] * 19) is None  # not two windows yet
+    assert T.slowdown([5.0] * 10 + [1.0] * 10 + [1.0] * 10) == 1.0  # a slow start (warm-up) is not contention
+    assert T.slowdown([1.0] * 10 + [2.0] * 5 + [7.0] * 5 + [6.0] * 10) == 6.0
+
+
+def test_train_warns_once_when_steps_slow_down_under_load(corpus, tmp_path, monkeypatch):
+    # on a loaded CPU a run fell 100x with torch's default threads and kept its speed with one:
+    # the run says so while it trains, once
+    from normlab.model import Decoder
+
+    real, calls = Decoder.forward, []
+
+    def loaded(self, *args, **kwargs):  # from the 25th call on, as if another process took the cores
+        calls.append(1)
+        if len(calls) > 25:
+            time.sleep(0.25)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Decoder, "forward", loaded)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tcfg, m = tiny(corpus, tmp_path / "run", steps=40, eval_every=0, ckpt_every=0)
+        with pytest.warns(RuntimeWarning, match=r"take \d+x as long as this run's fastest.*OMP_NUM_THREADS=1") as caught:
+            T.train(tcfg, m)
+    finally:
+        torch.set_num_threads(threads)
+    assert sum("as long as this run's fastest" in str(w.message) for w in caught) == 1

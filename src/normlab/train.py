@@ -21,7 +21,9 @@ import json
 import math
 import os
 import signal
+import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -332,6 +334,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
         log({"step": 0, "val_loss": init_val_loss})
     summary["init_val_loss"] = init_val_loss
     status = "completed"
+    step_times, warned = [], False  # this process's step times, for the contention warning
     with _Stop() as stop, (progress or contextlib.nullcontext()):
         for step in range(start, tcfg.steps):
             t0 = time.perf_counter()
@@ -372,6 +375,9 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
             step_s = time.perf_counter() - t0
             record.update(step_ms=round(step_s * 1e3, 3), tokens_per_s=round((tokens_seen - tokens_before) / step_s, 1))
             log(record)
+            step_times.append(record["step_ms"])
+            if not warned and device.type == "cpu" and len(step_times) % CONTENTION_WINDOW == 0:
+                warned = _warn_if_contended(step_times)
             last = step + 1 == tcfg.steps
             if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
                 val = evaluate(model, val_batches, device, autocast)
@@ -405,6 +411,30 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
         write_json(out / "summary.json", summary)
         metrics.close()
     return summary
+
+
+CONTENTION_WINDOW, CONTENTION_FACTOR = 10, 5.0
+
+
+def slowdown(step_ms: list[float], window: int = CONTENTION_WINDOW) -> float | None:
+    """How many times slower the last ``window`` steps ran (median) than this run's fastest window
+    so far, once there are two windows; None before."""
+    if len(step_ms) < 2 * window:
+        return None
+    medians = [statistics.median(step_ms[i:i + window]) for i in range(0, len(step_ms) - window + 1, window)]
+    return statistics.median(step_ms[-window:]) / min(medians)
+
+
+def _warn_if_contended(step_ms: list[float]) -> bool:
+    """Warn (once) when steps have become CONTENTION_FACTOR times slower than the run's best: on a
+    CPU other processes load, torch's threads then wait on each other (fewer threads help)."""
+    factor = slowdown(step_ms)
+    if factor is None or factor < CONTENTION_FACTOR or torch.get_num_threads() < 2:
+        return False
+    warnings.warn(f"training steps now take {factor:.0f}x as long as this run's fastest ones: other processes are probably "
+                  f"loading the CPU, and torch's {torch.get_num_threads()} threads wait on each other. Fewer threads run "
+                  "faster then (OMP_NUM_THREADS=1, or the number of idle cores)", RuntimeWarning, stacklevel=2)
+    return True
 
 
 def warm_up(model: Decoder, batch: tuple, device, autocast) -> None:

@@ -165,7 +165,8 @@ def _last_level_cache_bytes(default: int = 32 << 20) -> int:
     sizes = []
     for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
         try:
-            text = open(path).read().strip().upper()
+            with open(path) as f:
+                text = f.read().strip().upper()
         except OSError:
             continue
         units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
