@@ -337,3 +337,25 @@ def test_compare_waits_for_a_run_in_progress_then_trains_on(corpus, tmp_path):
     said = console.export_text()
     assert f"is in progress in process {holder.pid} normlab train: waiting for it" in said
     assert "sandwich" in results["presets"] and (first.folder / "summary.json").exists()
+
+
+def test_resuming_a_finished_run_prints_its_config_and_trains_nothing(run, capsys, monkeypatch):
+    # it printed the default config ("steps 1000") and "loss nan, val nan, 0 tokens/s" after
+    # rebuilding everything
+    summary = json.loads((run / "summary.json").read_text())
+    monkeypatch.setattr(T, "_train", lambda *a, **k: pytest.fail("a finished run was trained again"))
+    assert main(["train", "--resume", str(run)]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "'steps': 10" in said and "'steps': 1000" not in said
+    assert f"loss {summary['loss']:.4f}" in said and "complete already: nothing trained" in said
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--resume", "/nonexistent/run"], "--resume /nonexistent/run: not a run directory (no config.json)"),
+    (["train", "--config", "/nonexistent.json"], "--config /nonexistent.json: no such file"),
+    (["train", "norm=foo"], "norm must be one of"),
+])
+def test_train_errors_come_first_and_name_what_is_wrong(argv, message, capsys):
+    assert main(argv) != 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert said.startswith("error:") and message in said and "Errno" not in said, said

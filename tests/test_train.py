@@ -399,3 +399,9 @@ def test_train_warns_once_when_steps_slow_down_under_load(corpus, tmp_path, monk
     finally:
         torch.set_num_threads(threads)
     assert sum("as long as this run's fastest" in str(w.message) for w in caught) == 1
+
+
+@pytest.mark.parametrize("field, value", [("lr", -1.0), ("warmup", -3)])
+def test_a_bad_lr_or_warmup_is_named_alone(corpus, tmp_path, field, value):
+    with pytest.raises(ValueError, match=rf"^{field} must be .*, got {value}$"):
+        tiny(corpus, tmp_path / "run", **{field: value})[0].validate()

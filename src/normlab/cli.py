@@ -173,8 +173,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     if args.resume:  # typed like the config's fields; train() refuses what a resumed run may not change
         t, m = train.split_overrides(overrides)
         changes = {**t, **m}
-        overrides = {"out": args.resume}
-    tcfg, model_overrides = train.resolve(args.config, overrides)
+    tcfg, model_overrides = train.resumed(args.resume, changes) if args.resume else train.resolve(args.config, overrides)
     if args.quiet:
         tcfg.quiet = True
     if not tcfg.quiet and int(os.environ.get("RANK", "0")) == 0:
@@ -184,7 +183,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         color = {"completed": "green", "diverged": "red", "interrupted": "yellow", "stopped": "yellow"}.get(summary["status"], "white")
         console.print(f"[{color}]{summary['status']}[/{color}] at step {summary['step']}: loss {summary.get('loss', float('nan')):.4f}, "
-                      f"val {summary.get('val_loss', float('nan')):.4f}, {summary.get('tokens_per_s') or 0:.0f} tokens/s; run in {tcfg.out}")
+                      f"val {summary.get('val_loss', float('nan')):.4f}, {summary.get('tokens_per_s') or 0:.0f} tokens/s; run in {tcfg.out}"
+                      + (" (complete already: nothing trained)" if summary.get("already") else ""))
     return 130 if summary["status"] == "interrupted" else 0
 
 

@@ -88,9 +88,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "grad_accum", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.warmup < 0 or self.lr <= 0:
-            raise ValueError("warmup must be >= 0 and lr > 0")
-        checks = {"min_lr": (self.min_lr >= 0, "a number >= 0"), "eval_every": (self.eval_every >= 0, "an int >= 0 (0: at the end)"),
+        checks = {"lr": (self.lr > 0, "a number > 0"), "warmup": (self.warmup >= 0, "an int >= 0 (0: none)"),
+                  "min_lr": (self.min_lr >= 0, "a number >= 0"), "eval_every": (self.eval_every >= 0, "an int >= 0 (0: at the end)"),
                   "ckpt_every": (self.ckpt_every >= 0, "an int >= 0 (0: at the end)"),
                   "diag_every": (self.diag_every >= 0, "an int >= 0 (0: never)"),
                   "diverge_factor": (self.diverge_factor > 1, "a number > 1 (a multiple of the first loss)"),
@@ -145,7 +144,9 @@ def resolve(config_file: str | None = None, overrides: dict | None = None) -> tu
     """Defaults < config file (JSON, flat or {"train": ..., "model": ...}) < overrides."""
     pairs: dict = {}
     if config_file:
-        raw = json.loads(Path(config_file).read_text())
+        if not Path(config_file).is_file():
+            raise FileNotFoundError(f"--config {config_file}: no such file")
+        raw = read_json(Path(config_file))
         if "train" in raw or "model" in raw:
             raw = {**raw.get("train", {}), **raw.get("model", {})}
         pairs.update(raw)
@@ -153,7 +154,20 @@ def resolve(config_file: str | None = None, overrides: dict | None = None) -> tu
     t, m = split_overrides(pairs)
     tcfg = TrainConfig(**t)
     tcfg.validate()
+    ModelConfig.preset(tcfg.preset, **m)  # a bad model field fails here, before anything is printed or read
     return tcfg, m
+
+
+def resumed(run: str | Path, changes: dict | None = None) -> tuple[TrainConfig, dict]:
+    """The config a run resumes with: its own (config.json), with the RESUMABLE ``changes``."""
+    run = Path(run)
+    if not (run / "config.json").is_file():
+        raise FileNotFoundError(f"--resume {run}: not a run directory (no config.json); start a run there with out={run}")
+    saved = read_json(run / "config.json")
+    kept = {k: v for k, v in (changes or {}).items() if k in TrainConfig.__dataclass_fields__}  # train() refuses the rest
+    tcfg = TrainConfig(**{**saved["train"], "quiet": False, **kept, "out": str(run)})  # quiet is this command's
+    tcfg.validate()
+    return tcfg, saved["model"]
 
 
 # ---------------------------------------------------------------------------------- pieces
@@ -215,6 +229,12 @@ def train(tcfg: TrainConfig, model_overrides: dict | None = None, *, resume: boo
         raise ValueError(f"--resume continues a run as it was configured; it can change only {', '.join(RESUMABLE)}, "
                          f"not {', '.join(bad)} (start a new run with out=DIR for that)")
     model_overrides = dict(model_overrides or {})
+    out = Path(tcfg.out)
+    if resume and (out / "summary.json").exists() and set(changes or {}) <= {"quiet", "stop_at", "steps"}:
+        done = read_json(out / "summary.json")
+        steps = (changes or {}).get("steps") or read_json(out / "config.json")["train"]["steps"]
+        if done.get("status") in ("completed", "diverged") and (done.get("status") == "diverged" or done.get("step", 0) >= steps):
+            return {**done, "already": True}  # nothing to train: the run's own figures, not a rerun's
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank, world = 0, 1
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
@@ -226,7 +246,6 @@ def train(tcfg: TrainConfig, model_overrides: dict | None = None, *, resume: boo
     if device.type == "cuda":
         torch.cuda.set_device(device)
     main_rank = rank == 0
-    out = Path(tcfg.out)
     ckpt_path = out / "checkpoint.pt"
     try:
         # one writer per run folder: rank 0 writes it, a second `train` on it is refused
