@@ -818,3 +818,18 @@ def test_dyt_small_budget_is_a_set_gone_over_as_often_as_the_study_s(tmp_path):
 def test_the_verdict_counts_read_as_english():
     assert report._counts_text({"holds": 1, "does not hold": 1, "inconclusive": 2}) == "1 holds, 1 does not hold, 2 inconclusive"
     assert report._counts_text({"holds": 3, "does not hold": 0, "inconclusive": 1}) == "3 hold, 0 do not hold, 1 inconclusive"
+
+
+def test_settings_are_a_readable_table_not_raw_json():
+    # the report printed each section's settings as one line of raw JSON in a code font
+    from normlab import report
+
+    from pathlib import Path
+
+    results = json.loads((Path(__file__).parents[1] / "docs/results/compare-demo-epyc-2core/results.json").read_text())
+    md = report.markdown(results, {})
+    assert '{"train"' not in md and "| setting | value |" in md
+    rows = dict(report.settings_rows(results["presets"]["norms"]["settings"]))
+    assert rows["seeds"] == f"0 to {len(results['presets']['norms']['settings']['seeds']) - 1} ({len(results['presets']['norms']['settings']['seeds'])})"
+    assert rows["arm_lrs"].startswith("layernorm: lr ") and "; rmsnorm: lr " in rows["arm_lrs"]
+    assert "steps 200" in rows["train"]

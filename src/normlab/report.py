@@ -7,7 +7,6 @@ import base64
 import csv
 import html
 import io
-import json
 import re
 from pathlib import Path
 
@@ -54,6 +53,24 @@ def _fmt(v) -> str:
             return f"{v:.4g}"
         return f"{v:.2e}"
     return str(v)
+
+
+def _setting(v) -> str:
+    """A setting's value as a reader would write it: lists as items (long runs of seeds shortened),
+    a dict as "key value" pairs, a dict of dicts as "key: pairs; ..."."""
+    if isinstance(v, dict):
+        nested = any(isinstance(x, dict) for x in v.values())
+        return ("; " if nested else ", ").join(f"{k}{':' if isinstance(x, dict) else ''} {_setting(x)}" for k, x in v.items())
+    if isinstance(v, list):
+        if len(v) > 6 and all(isinstance(x, int) for x in v) and v == list(range(v[0], v[0] + len(v))):
+            return f"{v[0]} to {v[-1]} ({len(v)})"
+        return ", ".join(_setting(x) for x in v)
+    return _fmt(v)
+
+
+def settings_rows(settings: dict) -> list[tuple[str, str]]:
+    """(setting, value) rows of a section's settings, one per top-level key."""
+    return [(str(k), _setting(v)) for k, v in settings.items()]
 
 
 def _meta_lines(meta: dict) -> list[str]:
@@ -161,13 +178,14 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
             lines += [f"> {note}", ""]
         for img in images.get(name, []):
             lines += [f"![{name}]({img})", ""]
-        lines += [f"Settings: `{json.dumps(section['settings'], default=str)}`; compute time {section.get('seconds', 0):.0f} s.", ""]
+        lines += ["| setting | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in settings_rows(section["settings"])),
+                  "", f"Compute time {section.get('seconds', 0):.0f} s.", ""]
     return md_safe("\n".join(lines))
 
 
 CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#1f2328;line-height:1.45}
 table{border-collapse:collapse;margin:.6em 0;font-size:.9em}td,th{border:1px solid #d0d7de;padding:.25em .6em;text-align:right}
-th{background:#f6f8fa}td:first-child,th:first-child{text-align:left}img{max-width:100%}
+th{background:#f6f8fa}td:first-child,th:first-child{text-align:left}.settings td{text-align:left}img{max-width:100%}
 .verdict{font-weight:600;padding:.05em .4em;border-radius:.3em;color:#fff;white-space:nowrap}
 .claim{margin:.5em 0 .8em}.claim ul{margin:.1em 0 .2em;padding-left:1.4em}.rule,.measured{font-size:.85em;color:#57606a}.note{font-size:.88em;color:#57606a;border-left:3px solid #d0d7de;padding-left:.7em}
 code{font-size:.85em;background:#f6f8fa;padding:.1em .3em}"""
@@ -216,8 +234,9 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
         for img in images.get(name, []):
             data = base64.b64encode((folder / img).read_bytes()).decode()
             parts.append(f"<p><img alt='{e(img)}' src='data:image/png;base64,{data}'></p>")
-        parts.append(f"<p class='rule'>Settings: <code>{e(json.dumps(section['settings'], default=str))}</code>; "
-                     f"compute time {section.get('seconds', 0):.0f} s.</p>")
+        rows = "".join(f"<tr><td>{e(k)}</td><td>{e(v)}</td></tr>" for k, v in settings_rows(section["settings"]))
+        parts.append(f"<table class='settings'><tr><th>setting</th><th>value</th></tr>{rows}</table>"
+                     f"<p class='rule'>Compute time {section.get('seconds', 0):.0f} s.</p>")
     parts.append("</body></html>")
     return "\n".join(parts)
 
