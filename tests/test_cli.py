@@ -68,3 +68,10 @@ def cpu_kernels():
 def test_warmup_names_a_bad_choice(capsys):
     assert main(["warmup", "--dtypes", "fp64"]) == 2
     assert "--dtypes takes a comma-separated list from fp32, bf16, fp16; got fp64" in " ".join(capsys.readouterr().out.split())
+
+
+def test_an_unknown_preset_is_the_first_thing_said(capsys):
+    # it printed a note about full sizes on a CPU before the error
+    assert main(["compare", "nosuch"]) == 2
+    said = " ".join(capsys.readouterr().out.split())
+    assert said.startswith("error: unknown preset 'nosuch'"), said

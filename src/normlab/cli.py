@@ -203,6 +203,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     overrides = _pairs([a for a in args.items if "=" in a])
     if not names:
         raise ValueError(f"name a preset: {', '.join(list(experiments.PRESETS) + list(experiments.GROUPS))}")
+    experiments.expand(names)  # an unknown preset fails here, before any note
     if sum((args.plan, args.collect, args.jobs > 1)) > 1:
         raise ValueError("--plan, --collect and --jobs N are alternatives: plan the runs, collect them, or train them here N at a time")
     if args.jobs < 1:
