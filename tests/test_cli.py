@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import normlab
 from normlab.cli import info_rows, main
 
@@ -75,3 +77,10 @@ def test_an_unknown_preset_is_the_first_thing_said(capsys):
     assert main(["compare", "nosuch"]) == 2
     said = " ".join(capsys.readouterr().out.split())
     assert said.startswith("error: unknown preset 'nosuch'"), said
+
+
+def test_a_bad_flag_shows_its_subcommands_usage(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--nosuchflag"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: normlab bench") and "unrecognized arguments: --nosuchflag" in err

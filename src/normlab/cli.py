@@ -169,10 +169,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     from normlab import train
 
     overrides = _pairs(args.overrides)
-    changes = None
-    if args.resume:  # typed like the config's fields; train() refuses what a resumed run may not change
-        t, m = train.split_overrides(overrides)
-        changes = {**t, **m}
+    # typed like the config's fields; train() refuses what a resumed run may not change
+    changes = {k: v for part in train.split_overrides(overrides) for k, v in part.items()} if args.resume else None
     tcfg, model_overrides = train.resumed(args.resume, changes) if args.resume else train.resolve(args.config, overrides)
     if args.quiet:
         tcfg.quiet = True
@@ -424,6 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"normlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.subcommands = sub.choices  # a bad flag is reported with its subcommand's usage
     p = sub.add_parser("info", help="versions, and which backends run on this machine (and why not the others)")
     p.set_defaults(func=cmd_info)
 
@@ -578,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         elif getattr(args, "command", None) == "compare" and positional:
             args.items = list(args.items) + extra
         else:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            parser.subcommands.get(getattr(args, "command", None), parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
