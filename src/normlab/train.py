@@ -234,6 +234,7 @@ def train(tcfg: TrainConfig, model_overrides: dict | None = None, *, resume: boo
         done = read_json(out / "summary.json")
         steps = (changes or {}).get("steps") or read_json(out / "config.json")["train"]["steps"]
         if done.get("status") in ("completed", "diverged") and (done.get("status") == "diverged" or done.get("step", 0) >= steps):
+            _check_finished(out)
             return {**done, "already": True}  # nothing to train: the run's own figures, not a rerun's
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank, world = 0, 1
@@ -532,6 +533,15 @@ _VOLATILE = (*RESUMABLE, "out", "overwrite")
 
 def _file_digest(path: Path) -> str | None:
     return file_sha256(path) if path.exists() else None
+
+
+def _check_finished(run: Path) -> None:
+    """A finished run's files agree (checkpoint digest, config.json, tokenizer.json), checked
+    without building its model or reading its data."""
+    saved = read_json(run / "config.json")
+    vocab = saved["model_resolved"]["vocab_size"]
+    resolved = dataclasses.asdict(ModelConfig.preset(saved["train"]["preset"], **{**saved["model"], "vocab_size": vocab}))
+    _check_agrees(run, load_checkpoint(run / "checkpoint.pt"), {"train": saved["train"], "model_resolved": resolved})
 
 
 def _check_agrees(run: Path, state: dict, config: dict) -> None:
