@@ -22,8 +22,8 @@ import math
 import os
 import signal
 import statistics
+import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -445,15 +445,21 @@ def slowdown(step_ms: list[float], window: int = CONTENTION_WINDOW) -> float | N
     return statistics.median(step_ms[-window:]) / min(medians)
 
 
+_told_contended = False  # once a process: a lab trains many runs in one
+
+
 def _warn_if_contended(step_ms: list[float]) -> bool:
-    """Warn (once) when steps have become CONTENTION_FACTOR times slower than the run's best: on a
-    CPU other processes load, torch's threads then wait on each other (fewer threads help)."""
+    """Say (on stderr, once a process) when steps have become CONTENTION_FACTOR times slower than
+    the run's best: on a CPU other processes load, torch's threads then wait on each other."""
+    global _told_contended
     factor = slowdown(step_ms)
     if factor is None or factor < CONTENTION_FACTOR or torch.get_num_threads() < 2:
         return False
-    warnings.warn(f"training steps now take {factor:.0f}x as long as this run's fastest ones: other processes are probably "
-                  f"loading the CPU, and torch's {torch.get_num_threads()} threads wait on each other. Fewer threads run "
-                  "faster then (OMP_NUM_THREADS=1, or the number of idle cores)", RuntimeWarning, stacklevel=2)
+    if not _told_contended:
+        _told_contended = True
+        print(f"normlab: warning: training steps now take {factor:.0f}x as long as this run's fastest ones: other processes "
+              f"are probably loading the CPU, and torch's {torch.get_num_threads()} threads wait on each other. Fewer "
+              "threads run faster then (OMP_NUM_THREADS=1, or the number of idle cores)", file=sys.stderr, flush=True)
     return True
 
 
