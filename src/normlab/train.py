@@ -446,19 +446,20 @@ def slowdown(step_ms: list[float], window: int = CONTENTION_WINDOW) -> float | N
 
 
 _told_contended = False  # once a process: a lab trains many runs in one
+_torch_threads = torch.get_num_threads  # (a test stands in for it)
 
 
 def _warn_if_contended(step_ms: list[float]) -> bool:
     """Say (on stderr, once a process) when steps have become CONTENTION_FACTOR times slower than
     the run's best: on a CPU other processes load, torch's threads then wait on each other."""
     global _told_contended
-    factor = slowdown(step_ms)
-    if factor is None or factor < CONTENTION_FACTOR or torch.get_num_threads() < 2:
+    factor, threads = slowdown(step_ms), _torch_threads()
+    if factor is None or factor < CONTENTION_FACTOR or threads < 2:  # one thread: fewer cannot help
         return False
     if not _told_contended:
         _told_contended = True
         print(f"normlab: warning: training steps now take {factor:.0f}x as long as this run's fastest ones: other processes "
-              f"are probably loading the CPU, and torch's {torch.get_num_threads()} threads wait on each other. Fewer "
+              f"are probably loading the CPU, and torch's {threads} threads wait on each other. Fewer "
               "threads run faster then (OMP_NUM_THREADS=1, or the number of idle cores)", file=sys.stderr, flush=True)
     return True
 
