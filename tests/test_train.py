@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from normlab import data as D
+from normlab import footprint as FP
 from normlab import train as T
 from normlab.cli import main
 
@@ -372,9 +373,9 @@ def test_the_cli_refuses_a_model_too_large_in_one_line(corpus, tmp_path, capsys)
 
 
 def test_slowdown_compares_the_last_window_with_the_fastest():
-    assert T.slowdown([1.0] * 19) is None  # not two windows yet
-    assert T.slowdown([5.0] * 10 + [1.0] * 10 + [1.0] * 10) == 1.0  # a slow start (warm-up) is not contention
-    assert T.slowdown([1.0] * 10 + [2.0] * 5 + [7.0] * 5 + [6.0] * 10) == 6.0
+    assert FP.slowdown([1.0] * 19) is None  # not two windows yet
+    assert FP.slowdown([5.0] * 10 + [1.0] * 10 + [1.0] * 10) == 1.0  # a slow start (warm-up) is not contention
+    assert FP.slowdown([1.0] * 10 + [2.0] * 5 + [7.0] * 5 + [6.0] * 10) == 6.0
 
 
 def test_train_warns_once_when_steps_slow_down_under_load(corpus, tmp_path, monkeypatch, capsys):
@@ -391,13 +392,13 @@ def test_train_warns_once_when_steps_slow_down_under_load(corpus, tmp_path, monk
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(Decoder, "forward", loaded)
-    monkeypatch.setattr(T, "_told_contended", False)
+    monkeypatch.setattr(FP, "_told_contended", False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # real steps stay fast even when this machine is loaded
     try:
         tcfg, m = tiny(corpus, tmp_path / "run", steps=30, eval_every=0, ckpt_every=0)
         with monkeypatch.context() as mp:  # the warning is for several threads: as if torch ran two
-            mp.setattr(T, "_torch_threads", lambda: 2)
+            mp.setattr(FP, "_torch_threads", lambda: 2)
             T.train(tcfg, m)
     finally:
         torch.set_num_threads(threads)

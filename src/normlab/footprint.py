@@ -1,6 +1,7 @@
-"""What a model and its training step need in memory, estimated from the config before anything
-is built, so that a config that cannot fit (n_layers = 10^6, d_model = 2^20, batch_size = 10^9)
-is refused with the numbers instead of running until it is killed or dies in the allocator.
+"""What a run needs from the machine. Memory: estimated from the config before anything is built,
+so that a config that cannot fit (n_layers = 10^6, d_model = 2^20, batch_size = 10^9) is refused
+with the numbers instead of running until it is killed or dies in the allocator. CPU: a run whose
+steps slow down many times against its own best is sharing the cores, and says so on stderr.
 
 The estimate counts float32 parameters, their gradients and AdamW's two moments (16 bytes a
 parameter), the position tables, the activations autograd keeps for one micro-batch (per token
@@ -14,6 +15,8 @@ the device has.
 from __future__ import annotations
 
 import os
+import statistics
+import sys
 
 import torch
 
@@ -81,3 +84,34 @@ def check_fits(cfg: ModelConfig, batch: int, seq: int, device: torch.device, *, 
         f"vocab {cfg.vocab_size}, {batch} sequences of {seq} tokens), more than the {have / GiB:,.1f} GiB this "
         f"{'GPU' if device.type == 'cuda' else 'machine'} has; make the model, batch_size, seq_len or eval_batches smaller"
     )
+
+
+CONTENTION_WINDOW, CONTENTION_FACTOR = 10, 5.0
+
+
+def slowdown(step_ms: list[float], window: int = CONTENTION_WINDOW) -> float | None:
+    """How many times slower the last ``window`` steps ran (median) than this run's fastest window
+    so far, once there are two windows; None before."""
+    if len(step_ms) < 2 * window:
+        return None
+    medians = [statistics.median(step_ms[i:i + window]) for i in range(0, len(step_ms) - window + 1, window)]
+    return statistics.median(step_ms[-window:]) / min(medians)
+
+
+_told_contended = False  # once a process: a lab trains many runs in one
+_torch_threads = torch.get_num_threads  # (a test stands in for it)
+
+
+def warn_if_contended(step_ms: list[float]) -> bool:
+    """Say (on stderr, once a process) when steps have become CONTENTION_FACTOR times slower than
+    the run's best: on a CPU other processes load, torch's threads then wait on each other."""
+    global _told_contended
+    factor, threads = slowdown(step_ms), _torch_threads()
+    if factor is None or factor < CONTENTION_FACTOR or threads < 2:  # one thread: fewer cannot help
+        return False
+    if not _told_contended:
+        _told_contended = True
+        print(f"normlab: warning: training steps now take {factor:.0f}x as long as this run's fastest ones: other processes "
+              f"are probably loading the CPU, and torch's {threads} threads wait on each other. Fewer "
+              "threads run faster then (OMP_NUM_THREADS=1, or the number of idle cores)", file=sys.stderr, flush=True)
+    return True

@@ -21,8 +21,6 @@ import json
 import math
 import os
 import signal
-import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +30,7 @@ import torch.distributed as dist
 
 from normlab import data as D
 from normlab import env
-from normlab.footprint import check_fits
+from normlab.footprint import CONTENTION_WINDOW, check_fits, warn_if_contended
 from normlab.model import Decoder, ModelConfig
 from normlab.runs import (RUN_FILES, file_sha256, load_checkpoint, locked, logged_summary, read_json, read_metrics,  # noqa: F401
                           save_checkpoint, truncate_metrics, write_atomic, write_json)
@@ -397,7 +395,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
             log(record)
             step_times.append(record["step_ms"])
             if not warned and device.type == "cpu" and len(step_times) % CONTENTION_WINDOW == 0:
-                warned = _warn_if_contended(step_times)
+                warned = warn_if_contended(step_times)
             last = step + 1 == tcfg.steps
             if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
                 val = evaluate(model, val_batches, device, autocast)
@@ -431,37 +429,6 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
         write_json(out / "summary.json", summary)
         metrics.close()
     return summary
-
-
-CONTENTION_WINDOW, CONTENTION_FACTOR = 10, 5.0
-
-
-def slowdown(step_ms: list[float], window: int = CONTENTION_WINDOW) -> float | None:
-    """How many times slower the last ``window`` steps ran (median) than this run's fastest window
-    so far, once there are two windows; None before."""
-    if len(step_ms) < 2 * window:
-        return None
-    medians = [statistics.median(step_ms[i:i + window]) for i in range(0, len(step_ms) - window + 1, window)]
-    return statistics.median(step_ms[-window:]) / min(medians)
-
-
-_told_contended = False  # once a process: a lab trains many runs in one
-_torch_threads = torch.get_num_threads  # (a test stands in for it)
-
-
-def _warn_if_contended(step_ms: list[float]) -> bool:
-    """Say (on stderr, once a process) when steps have become CONTENTION_FACTOR times slower than
-    the run's best: on a CPU other processes load, torch's threads then wait on each other."""
-    global _told_contended
-    factor, threads = slowdown(step_ms), _torch_threads()
-    if factor is None or factor < CONTENTION_FACTOR or threads < 2:  # one thread: fewer cannot help
-        return False
-    if not _told_contended:
-        _told_contended = True
-        print(f"normlab: warning: training steps now take {factor:.0f}x as long as this run's fastest ones: other processes "
-              f"are probably loading the CPU, and torch's {threads} threads wait on each other. Fewer "
-              "threads run faster then (OMP_NUM_THREADS=1, or the number of idle cores)", file=sys.stderr, flush=True)
-    return True
 
 
 def warm_up(model: Decoder, batch: tuple, device, autocast) -> None:
