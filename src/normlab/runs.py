@@ -134,6 +134,18 @@ def holder(folder: Path) -> str | None:
         os.close(fd)
 
 
+def wait_for(folder: Path, what: str, before=None) -> str | None:
+    """If another process holds ``folder``'s lock, wait until it lets go (``before(holder)`` first)
+    and return who held it; None, at once, when nobody did."""
+    who = holder(folder)
+    if who:
+        if before:
+            before(who)
+        with locked(folder, what, wait=True):
+            pass
+    return who
+
+
 def clear(folder: Path) -> None:
     """Empty a run folder but keep its lock file, which a process may hold."""
     for child in Path(folder).iterdir():

@@ -27,7 +27,7 @@ from normlab.experiments import cost as CO
 from normlab.experiments import design as DS
 from normlab.experiments import ladder as LD
 from normlab.model import Decoder, ModelConfig
-from normlab.runs import clean_json, clear, holder, locked, read_json, read_metrics, write_json
+from normlab.runs import clean_json, clear, locked, read_json, read_metrics, wait_for, write_json
 from normlab.train import TrainConfig, split_overrides, train
 
 ZHANG19 = "Zhang & Sennrich (2019), Root Mean Square Layer Normalization, NeurIPS"
@@ -315,11 +315,8 @@ class Lab:
                                                      self.preset))
             self.waiting = True
             return _pending_result(folder)
-        who = holder(folder)
-        if who:  # another process is training it: wait, then take what it left (finished, or a checkpoint)
-            self.say(f"  [bold]{self.preset}[/bold] {label} is in progress in process {who}: waiting for it")
-            with locked(folder, f"normlab compare, waiting for run {label}", wait=True):
-                pass
+        if wait_for(folder, f"normlab compare, waiting for run {label}",  # another process trains it: take what it leaves
+                    lambda who: self.say(f"  [bold]{self.preset}[/bold] {label} is in progress in process {who}: waiting for it")):
             self.parameters.pop()  # counted again below
             return self._train(label, train_fields, model_fields, varied)
         tcfg = TrainConfig(**{**tf, "out": str(folder), "quiet": self.s.quiet, "overwrite": not resume})
@@ -561,7 +558,7 @@ def _round(x, digits=4):
     return None if x is None else float(f"{x:.{digits}g}")
 
 
-# ======================================================================================= norms
+# ============================================================ helpers the presets share (issue 37 moves them out)
 
 
 def _pick(measured: dict, *keys) -> dict:
@@ -571,9 +568,6 @@ def _pick(measured: dict, *keys) -> dict:
 
 def _curves(run: dict) -> dict:
     return {"status": run["status"], "val_curve": run["val_curve"], "train_curve": run["train_curve"]}
-
-
-# ====================================================================================== warmup
 
 
 def deep_sizes(lab: Lab, depth_quick: int, depth_full: int) -> tuple[dict, dict]:
@@ -603,6 +597,3 @@ def unigram_loss(tokens) -> float:
     counts = np.bincount(np.asarray(tokens, dtype=np.int64))
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
-
-
-# =================================================================================== gradients
