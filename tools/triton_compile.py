@@ -43,6 +43,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from normlab import env  # noqa: E402
 from normlab.kernels import _triton as K  # noqa: E402
 from normlab.kernels import triton as T  # noqa: E402
 
@@ -51,11 +52,6 @@ SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 FP_FUSION_UNSET = "TRITON_DEFAULT_FP_FUSION is unset"
 KERNEL_SOURCE = open(K.__file__, "rb").read()
-
-
-def default_cache() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "normlab", "triton-compile")
 
 
 def signature(spec: T.Spec) -> tuple[dict, dict]:
@@ -201,7 +197,7 @@ def main() -> int:
     parser.add_argument("--hidden", default="64,4096,16384,262144", help="hidden sizes whose block choices to compile")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--kernels", help="only these kernels (comma-separated, e.g. dyt_fwd,dyt_bwd)")
-    parser.add_argument("--cache", default=default_cache(), help="where results are kept between runs ('' for none)")
+    parser.add_argument("--cache", default=env.user_cache("triton-compile"), help="where results are kept between runs ('' for none)")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args()
     targets = [int(t) for t in args.targets.split(",")]

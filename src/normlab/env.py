@@ -9,6 +9,12 @@ import subprocess
 import time
 from importlib import metadata
 
+def user_cache(*parts: str) -> str:
+    """A folder in normlab's per-user cache: $XDG_CACHE_HOME/normlab, else ~/.cache/normlab."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "normlab", *parts)
+
+
 # The packages whose versions a result depends on (distribution names), in the order shown.
 PACKAGES = ("torch", "numpy", "numba", "triton", "transformers", "tokenizers", "liger-kernel")
 

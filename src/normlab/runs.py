@@ -106,7 +106,7 @@ def locked(folder: Path, what: str, wait: bool = False):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
-            pid, _, theirs = os.pread(fd, 200, 0).decode(errors="replace").strip().partition(" ")
+            pid, _, theirs = _holder_text(fd).partition(" ")
             raise Busy(errno.EBUSY, f"{folder} is in use by process {pid or 'unknown'} ({theirs or 'unknown'}); wait for it "
                                     "to finish or stop it") from None
         os.ftruncate(fd, 0)
@@ -114,6 +114,11 @@ def locked(folder: Path, what: str, wait: bool = False):
         yield
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def _holder_text(fd: int) -> str:
+    """What a lock file says of its holder: "PID what" (written by ``locked``)."""
+    return os.pread(fd, 200, 0).decode(errors="replace").strip()
 
 
 def holder(folder: Path) -> str | None:
@@ -127,7 +132,7 @@ def holder(folder: Path) -> str | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            return _holder_text(fd) or "unknown"
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     finally:

@@ -229,10 +229,10 @@ def train(tcfg: TrainConfig, model_overrides: dict | None = None, *, resume: boo
     model_overrides = dict(model_overrides or {})
     out = Path(tcfg.out)
     if resume and (out / "summary.json").exists() and set(changes or {}) <= {"quiet", "stop_at", "steps"}:
-        done = read_json(out / "summary.json")
-        steps = (changes or {}).get("steps") or read_json(out / "config.json")["train"]["steps"]
-        if done.get("status") in ("completed", "diverged") and (done.get("status") == "diverged" or done.get("step", 0) >= steps):
-            _check_finished(out)
+        done, saved = read_json(out / "summary.json"), read_json(out / "config.json")
+        steps = (changes or {}).get("steps") or saved["train"]["steps"]
+        if done.get("status") == "diverged" or (done.get("status") == "completed" and done.get("step", 0) >= steps):
+            _check_finished(out, saved)
             return {**done, "already": True}  # nothing to train: the run's own figures, not a rerun's
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank, world = 0, 1
@@ -509,10 +509,9 @@ def _file_digest(path: Path) -> str | None:
     return file_sha256(path) if path.exists() else None
 
 
-def _check_finished(run: Path) -> None:
-    """A finished run's files agree (checkpoint digest, config.json, tokenizer.json), checked
-    without building its model or reading its data."""
-    saved = read_json(run / "config.json")
+def _check_finished(run: Path, saved: dict) -> None:
+    """A finished run's files agree (checkpoint digest, config.json as ``saved``, tokenizer.json),
+    checked without building its model or reading its data."""
     vocab = saved["model_resolved"]["vocab_size"]
     resolved = dataclasses.asdict(ModelConfig.preset(saved["train"]["preset"], **{**saved["model"], "vocab_size": vocab}))
     _check_agrees(run, load_checkpoint(run / "checkpoint.pt"), {"train": saved["train"], "model_resolved": resolved})

@@ -147,18 +147,16 @@ def plan_presets(names: list[str], settings: Settings, console=None) -> list[Pen
             PRESETS[name](lab)
         except RunsPending:
             pass
-    pending, busy = [], []
-    for run in lab.pending.values():
-        who = holder(run.folder)
-        (busy if who else pending).append((run, who))
+    held = {run.folder: holder(run.folder) for run in lab.pending.values()}
+    busy = [run for run in lab.pending.values() if held[run.folder]]
     if busy:
         from rich.console import Console
 
         notes = console or Console(stderr=True)
         notes.print(f"[yellow]{len(busy)} run(s) in progress in other processes[/yellow], left out of this plan:")
-        for run, who in busy:
-            notes.print(f"  {run.label} ({run.folder}): process {who}")
-    return [run for run, _ in pending]
+        for run in busy:
+            notes.print(f"  {run.label} ({run.folder}): process {held[run.folder]}")
+    return [run for run in lab.pending.values() if not held[run.folder]]
 
 
 def tune_presets(names: list[str], settings: Settings, console=None, command: str = "") -> dict:

@@ -299,6 +299,9 @@ class Lab:
         summary_path = folder / "summary.json"
         if not folder.exists():
             self._note_stale(self.out / "runs", f"{label}-*", config_key, f"run {label}")
+        if self.s.mode in ("run", "pilot"):  # another process training it: wait, then take what it left
+            wait_for(folder, f"normlab compare, waiting for run {label}",
+                     lambda who: self.say(f"  [bold]{self.preset}[/bold] {label} is in progress in process {who}: waiting for it"))
         resume = False
         if summary_path.exists():
             summary = read_json(summary_path)
@@ -315,10 +318,6 @@ class Lab:
                                                      self.preset))
             self.waiting = True
             return _pending_result(folder)
-        if wait_for(folder, f"normlab compare, waiting for run {label}",  # another process trains it: take what it leaves
-                    lambda who: self.say(f"  [bold]{self.preset}[/bold] {label} is in progress in process {who}: waiting for it")):
-            self.parameters.pop()  # counted again below
-            return self._train(label, train_fields, model_fields, varied)
         tcfg = TrainConfig(**{**tf, "out": str(folder), "quiet": self.s.quiet, "overwrite": not resume})
         tcfg.validate()
         with locked(folder, f"normlab compare, run {label}"):  # another process training it: refused, not doubled

@@ -26,6 +26,8 @@ import warnings
 from numba import njit
 from numba.core import caching
 
+from normlab import env
+
 # Every file whose code a kernel may compile in (tests/test_kernels_cpu.py checks the list).
 SOURCES = ("cache.py", "codecs.py", "simd.py", "rows.py", "rmsnorm.py", "layernorm.py", "dynamic_tanh.py")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,13 +47,8 @@ def sources_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def user_cache() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "normlab", "numba")
-
-
 class _SourcesLocator(caching._CacheLocator):
-    """The first writable of NUMBA_CACHE_DIR, user_cache() and numba's own choices (the package's
+    """The first writable of NUMBA_CACHE_DIR, env.user_cache("numba") and numba's own choices (the package's
     __pycache__, numba's user-wide cache), one directory down: ``normlab-<sources_hash()>``."""
 
     def __init__(self, base: str, py_file: str, lineno: int) -> None:
@@ -71,7 +68,7 @@ class _SourcesLocator(caching._CacheLocator):
     def from_function(cls, py_func, py_file):
         # numba's own order starts with NUMBA_CACHE_DIR (None when unset); ours goes second
         user_set, *numba_own = [c.from_function(py_func, py_file) for c in caching.CacheImpl._locator_classes]
-        bases = [b.get_cache_path() for b in (user_set,) if b] + [user_cache()] + [b.get_cache_path() for b in numba_own if b]
+        bases = [b.get_cache_path() for b in (user_set,) if b] + [env.user_cache("numba")] + [b.get_cache_path() for b in numba_own if b]
         for base in bases:
             locator = cls(base, py_file, py_func.__code__.co_firstlineno)
             try:
