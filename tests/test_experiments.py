@@ -21,6 +21,7 @@ from normlab import claims as C
 from normlab import experiments as E
 from normlab.experiments import design as DS
 from normlab.experiments import lab as lab_module
+from normlab.experiments import timing as timing_module
 from normlab.experiments import precision as precision_module
 from normlab import report
 from normlab.cli import main
@@ -295,12 +296,12 @@ def test_every_comparison_of_trained_losses_needs_a_baseline_that_trains(finishe
 
 def test_timing_rounds_run_in_a_balanced_random_order():
     labels = ["layernorm", "rmsnorm", "prmsnorm", "batchnorm", "none"]
-    orders = lab_module.balanced_orders(labels, rounds=4, seed=0)
+    orders = timing_module.balanced_orders(labels, rounds=4, seed=0)
     assert len(orders) == 5  # rounded up to a multiple of the labels
     for position in range(5):  # every label once in every position
         assert sorted(o[position] for o in orders) == sorted(labels)
     assert all(sorted(o) == sorted(labels) for o in orders)
-    assert orders != lab_module.balanced_orders(labels, rounds=4, seed=1)  # each process its own order
+    assert orders != timing_module.balanced_orders(labels, rounds=4, seed=1)  # each process its own order
 
 
 def test_precision_finds_the_fp16_overflow(finished):
@@ -401,7 +402,7 @@ def test_second_run_redoes_nothing(finished, monkeypatch):
         raise AssertionError("a finished run was trained again")
 
     monkeypatch.setattr(lab_module, "train", fail)
-    monkeypatch.setattr(lab_module, "time_steps", fail)
+    monkeypatch.setattr(timing_module, "time_steps", fail)
     monkeypatch.setattr(precision_module, "precision_errors", fail)
     again = E.run_presets(["all"], E.Settings(out=str(out), size="tiny", data=results["meta"]["data"], quiet=True))
     for name in E.PRESETS:

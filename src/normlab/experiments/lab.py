@@ -8,7 +8,6 @@ import functools
 import hashlib
 import json
 import math
-import os
 import re
 import shlex
 import statistics
@@ -22,10 +21,10 @@ import torch
 
 from normlab import claims as C
 from normlab import data as D
-from normlab import functional as F
 from normlab.experiments import cost as CO
 from normlab.experiments import design as DS
 from normlab.experiments import ladder as LD
+from normlab.experiments.timing import TIMING_JOBS, bench_machine
 from normlab.model import Decoder, ModelConfig
 from normlab.runs import clean_json, clear, locked, read_json, read_metrics, wait_for, write_json
 from normlab.train import TrainConfig, split_overrides, train
@@ -40,7 +39,7 @@ WORTSMAN23 = ("Wortsman et al. (2023), Small-scale proxies for large-scale Trans
 NORMLAB = "normlab's aim (DESIGN.md): fused kernels faster than the framework's own norms"
 
 NORMS = ("layernorm", "rmsnorm", "prmsnorm", "batchnorm", "none")
-SIZES = ("full", "quick", "tiny")
+SIZES = ("full", "quick", "tiny", "gpu")
 PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
 
 
@@ -75,7 +74,7 @@ class Pending:
 @dataclass
 class Settings:
     out: str = "runs/compare"
-    size: str = "full"  # full, quick or tiny
+    size: str = "full"  # full, quick, tiny or gpu (the full size widened for one GPU: normlab.experiments.ladder)
     seeds: int | None = None  # None: the preset's default number of seeds
     data: str | None = None  # None: the default corpus
     steps: int | None = None  # None: the preset's default
@@ -111,7 +110,11 @@ class Lab:
         if settings.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {settings.mode!r}")
         self.size = settings.size
-        self.quick = settings.size != "full"
+        # the gpu size's width (a d_model or n_heads the user set is the gpu width, not the full size's)
+        self.gpu_width = LD.gpu_width(self.model_over) if self.size == "gpu" else None
+        if self.gpu_width:
+            self.model_over = {k: v for k, v in self.model_over.items() if k not in self.gpu_width}
+        self.quick = settings.size in ("quick", "tiny")
         self.preset = ""
         self.cost = 0.0  # seconds the current preset's runs and measurements took to compute (cached ones included)
         self.stale: list[str] = []  # cached entries of the current preset that no longer matched their data or code
@@ -130,7 +133,7 @@ class Lab:
 
     # -- sizes and seeds
     def pick(self, quick, full, tiny=None):
-        """The value for this size (tiny falls back to quick)."""
+        """The value for this size (tiny falls back to quick; gpu is full, widened at training)."""
         if self.size == "tiny" and tiny is not None:
             return tiny
         return quick if self.quick else full
@@ -239,17 +242,26 @@ class Lab:
         return CO.run_cost(self.parameters[-1], cfg.n_layers, cfg.d_model, tf.get("seq_len") or cfg.max_seq_len, tf["steps"],
                            tf["batch_size"], tf.get("grad_accum", 1))
 
-    def _on_rung(self, tf: dict, mf: dict, base: dict) -> tuple[dict, dict]:
-        """A run's fields at this lab's ladder rung (see normlab.experiments.ladder): the width
-        scaled, tokens grown with the parameters, the learning rate by the ladder's rule. The
-        token ratio is the preset's base model's (``base``: without the fields its arms vary), so
-        that every arm of a comparison trains on the same tokens."""
-        if self.s.rung == LD.MIDDLE:  # the preset's own size: the very same runs
-            return tf, mf
-        cfg = self.model_config({**mf, "preset": tf.get("preset", "small")})
-        d = LD.width(cfg.d_model, cfg.n_heads, self.s.rung)
-        ratio = self._non_embedding(tf, {**base, "d_model": d}) / self._non_embedding(tf, base)
-        return LD.scale_lr(LD.scale_steps(tf, ratio), cfg.d_model / d), {**mf, "d_model": d}
+    def sized(self, tf: dict, mf: dict, model_fields: dict) -> tuple[dict, dict]:
+        """A run's fields (``tf``, ``mf``) at this lab's size: widened for the gpu size, then
+        scaled to its ladder rung (normlab.experiments.ladder). ``model_fields``: the preset's base
+        model, without the fields its arms vary."""
+        base = {**model_fields, **self.model_over}
+        if self.gpu_width:
+            tf, mf, base = self._resized(tf, mf, base, self.gpu_width)
+        if self.s.rung is not None and self.s.rung != LD.MIDDLE:  # the middle rung: the very same runs
+            cfg = self.model_config({**mf, "preset": tf.get("preset", "small")})
+            tf, mf, base = self._resized(tf, mf, base, {"d_model": LD.width(cfg.d_model, cfg.n_heads, self.s.rung)})
+        return tf, mf
+
+    def _resized(self, tf: dict, mf: dict, base: dict, wide: dict) -> tuple[dict, dict, dict]:
+        """A run's fields at another width (``wide``: d_model, maybe n_heads; see
+        normlab.experiments.ladder): tokens grown with the parameters, the learning rate times
+        d / d_new. The token ratio is the preset's base model's (``base``: without the fields its
+        arms vary), so that every arm of a comparison trains on the same tokens."""
+        d = self.model_config({**base, "preset": tf.get("preset", "small")}).d_model
+        ratio = self._non_embedding(tf, {**base, **wide}) / self._non_embedding(tf, base)
+        return LD.scale_lr(LD.scale_steps(tf, ratio), d / wide["d_model"]), {**mf, **wide}, {**base, **wide}
 
     def arm_lr(self, arm: str) -> float | None:
         """The learning rate the current preset's arm trained at (see :meth:`run`)."""
@@ -286,11 +298,10 @@ class Lab:
         m_varied = {k: v for k, v in varied.items() if k not in _TRAIN_FIELDS}
         tf = {**train_fields, **self.train_over, **t_varied}
         mf = {**model_fields, **self.model_over, **m_varied}
-        if self.s.rung is not None:
-            tf, mf = self._on_rung(tf, mf, {**model_fields, **self.model_over})
-            arm = self.tuned.get(arm_of(label))
-            if arm is not None and arm["lr"] != tf.get("lr"):  # the rate it trains at is the rule's
-                arm.update(lr=tf.get("lr"), how=f"{arm['how']}, times d_middle / d = {tf.get('lr')} (the ladder's rule)")
+        tf, mf = self.sized(tf, mf, model_fields)
+        arm = self.tuned.get(arm_of(label))
+        if arm is not None and arm["lr"] != tf.get("lr"):  # the rate it trains at is the size rule's
+            arm.update(lr=tf.get("lr"), how=f"{arm['how']}, times d / d_new = {tf.get('lr')} (the size rule)")
         self.parameters.append(self._non_embedding(tf, mf))
         # stop_at only pauses a run: the same run resumed without it is the same run
         config = [{k: v for k, v in tf.items() if k != "stop_at"}, mf]
@@ -384,15 +395,6 @@ def sources_hash() -> str:
     return h.hexdigest()[:16]
 
 
-TIMING_JOBS = ("step_time", "gru_step_time", "kernels", "norm_calls")  # cached per machine and thread count
-
-
-def bench_machine() -> str:
-    from normlab.env import cpu_name
-
-    return f"{cpu_name()} x{os.cpu_count()}"
-
-
 def _train_argv(folder: Path, tf: dict, mf: dict, resume: bool) -> list[str]:
     """The `normlab train` command line that trains (or resumes) this run into its folder; checked
     to parse back to the same config, so that the run it trains is the one the lab asked for."""
@@ -453,104 +455,6 @@ def stats(values) -> dict:
         return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
     return {"mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else None,
             "min": min(v), "max": max(v), "n": len(v)}
-
-
-def _build(spec) -> torch.nn.Module:
-    """A model from its spec: a ModelConfig (the decoder) or {"gru": {...}} (rnn.GRULM's arguments)."""
-    if isinstance(spec, dict) and "gru" in spec:
-        from normlab.rnn import GRULM
-
-        return GRULM(**spec["gru"])
-    return Decoder(spec)
-
-
-def balanced_orders(labels: list, rounds: int, seed: int) -> list[list]:
-    """The order of ``labels`` in each timing round: a random Latin square (every label in every
-    position equally often: rotations of one random permutation, the rotations shuffled), with
-    ``rounds`` rounded up to a multiple of the number of labels, so that no label always runs
-    first, or after the same neighbour, on a machine that drifts or warms."""
-    import random
-
-    gen = random.Random(seed)
-    base = list(labels)
-    gen.shuffle(base)
-    k = len(base)
-    shifts = [r % k for r in range(-(-rounds // k) * k)]
-    gen.shuffle(shifts)
-    return [base[s:] + base[:s] for s in shifts]
-
-
-def time_steps(configs: dict, batch: tuple, rounds: int, steps_per_round: int = 2, order_seed: int = 0) -> dict:
-    """Median training-step time (forward, backward, AdamW) of each model spec (see _build) in this
-    process, measured in rounds of every model in a balanced random order (:func:`balanced_orders`)
-    so that a drifting machine does not favour one. Returns {label: {"ms": median over rounds,
-    "rounds": [...]}}."""
-    x, y = batch
-    setups = {}
-    for label, cfg in configs.items():
-        torch.manual_seed(0)
-        model = _build(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        setups[label] = (model, opt)
-
-    def step(model, opt):
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for model, opt in setups.values():  # warm-up: compilation, first calls, optimizer state
-        for _ in range(2):
-            step(model, opt)
-    times = {label: [] for label in setups}
-    for order in balanced_orders(list(setups), rounds, order_seed):
-        for label in order:
-            model, opt = setups[label]
-            t0 = time.perf_counter()
-            for _ in range(steps_per_round):
-                step(model, opt)
-            times[label].append((time.perf_counter() - t0) / steps_per_round * 1e3)
-    return {label: {"ms": statistics.median(ts), "rounds": ts} for label, ts in times.items()}
-
-
-def time_steps_in_processes(configs: dict, batch: tuple, rounds: int, processes: int) -> dict:
-    """:func:`time_steps` in ``processes`` fresh processes, one after another: the spread between
-    processes (where the allocator, the page layout and the machine's state differ) is the noise
-    a step-time claim has to beat, which the rounds of one process understate. Returns {label:
-    {"ms": median of the per-process medians, "samples": one median per process (paired across
-    labels by process), "rounds": every round}}."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    per_process = []
-    for i in range(processes):  # each process its own balanced order
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            per_process.append(pool.submit(time_steps, configs, batch, rounds, 2, i).result())
-    return {label: {"ms": statistics.median(p[label]["ms"] for p in per_process),
-                    "samples": [p[label]["ms"] for p in per_process],
-                    "rounds": [t for p in per_process for t in p[label]["rounds"]]} for label in configs}
-
-
-def time_norm_calls(d: int, rows: int, rounds: int = 20) -> dict:
-    """Forward + backward time (ms) of one layer_norm and one rms_norm call on a (rows, d) float32
-    tensor, as a model makes them (default backend, weights, through autograd): what the norms
-    cost inside a training step."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, d, generator=gen, requires_grad=True)
-    w, b = torch.ones(d, requires_grad=True), torch.zeros(d, requires_grad=True)
-    dy = torch.randn(rows, d, generator=gen)
-    calls = {"layernorm": lambda: F.layer_norm(x, w, b), "rmsnorm": lambda: F.rms_norm(x, w)}
-    out = {}
-    for name, call in calls.items():
-        for _ in range(3):  # compile and warm
-            call().backward(dy)
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            call().backward(dy)
-            times.append((time.perf_counter() - t0) * 1e3)
-        out[name] = statistics.median(times)
-    return out
 
 
 def _round(x, digits=4):

@@ -32,6 +32,23 @@ interval within +-(its margin) per decade of parameters, the smallest drift that
 gap across the whole margin within one decade. A directional claim asks "the effect grows with
 scale": the slope in the effect's direction above 0. Each trend is decided on its p-value like a
 claim's leaf, with Holm's adjustment over the ladder's trends.
+
+**Tokenizers** are a condition of the ladder (``--tokenizers char,bpe``): the same rungs, seeds
+and rates on characters and on BPE tokens of the same text, judged as one family, so that a
+reader sees whether an effect is one of the architecture or of character-level text. BPE uses
+``BPE_VOCAB`` = 2,048 merges+bytes unless ``bpe_vocab`` is set: fixed before any BPE run, as the
+largest power of two whose embedding stays under half the middle quick rung's non-embedding
+parameters (2,048 x 96 = 197k of 443k), where GPT-2's 50k would make the embedding ten times the
+model; on the 5 MB corpus it still merges the frequent words whole. The learning rates are the
+ones tuned on characters (a stated condition: the design has no BPE pilot).
+
+**The gpu size** (``--size gpu``) applies the same rule once, from the full size to a width meant
+for one GPU: d_model 768 with 64-wide heads (12 heads: GPT-2 small's width), depth unchanged (the
+depth presets' claims are about depth, so one rule keeps every preset's depths), steps grown so
+that tokens per parameter stay the full size's, and each rate times d_full / 768. A ladder at the
+gpu size has rungs of 384, 768 and 1536. Its purpose is the costed plan (``--plan``): what the
+claims cost at a size where the norms' share of a step and the depth effects look like a real
+model's, before a cluster job is submitted.
 """
 
 from __future__ import annotations
@@ -46,8 +63,19 @@ WIDTHS = (0.5, 1.0, 2.0)  # d_model multipliers of the three rungs
 MIDDLE = 1  # the rung at the preset's own size
 SEEDS = 5  # per arm and rung (see the module's text)
 LR_RULE = "each arm's learning rate times d_middle / d (muP's Adam rule for hidden layers), not tuned again per rung"
+TOKENIZERS = ("char", "byte", "bpe")  # the ladder's possible conditions (data.build_tokenizer's kinds)
+BPE_VOCAB = 2048  # the BPE condition's vocabulary (see the module's text)
+GPU_WIDTH, GPU_HEAD_DIM = 768, 64  # the gpu size (see the module's text)
+GPU_RULE = (f"the full size's runs at d_model {GPU_WIDTH} ({GPU_HEAD_DIM}-wide heads) and their own depth, tokens per "
+            "parameter held at the full size's, learning rates times d_full / d")
 DRIFT = C.ours("one claim margin per decade of parameters: the smallest drift that carries the gap across the whole "
                "equivalence margin within a 10x larger model")
+
+
+def condition_overrides(tokenizer: str, overrides: dict) -> dict:
+    """The fields of every run under one tokenizer condition (the user's bpe_vocab, if set, wins)."""
+    extra = {"bpe_vocab": overrides.get("bpe_vocab", BPE_VOCAB)} if tokenizer == "bpe" else {}
+    return {**overrides, "tokenizer": tokenizer, **extra}
 
 
 def width(d_model: int, n_heads: int, rung: int) -> int:
@@ -55,6 +83,12 @@ def width(d_model: int, n_heads: int, rung: int) -> int:
     dimensions for rotary positions)."""
     step = 2 * n_heads
     return max(step, int(round(d_model * WIDTHS[rung] / step)) * step)
+
+
+def gpu_width(model_over: dict) -> dict:
+    """The gpu size's width fields: d_model 768 and 64-wide heads, unless the user set them."""
+    d = int(model_over.get("d_model", GPU_WIDTH))
+    return {"d_model": d, "n_heads": int(model_over.get("n_heads", max(1, d // GPU_HEAD_DIM)))}
 
 
 def scale_steps(train_fields: dict, ratio: float) -> dict:

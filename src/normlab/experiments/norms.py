@@ -14,11 +14,10 @@ from normlab.experiments.lab import (
     _pick,
     _round,
     stats,
-    time_norm_calls,
-    time_steps_in_processes,
     trains,
     unigram_loss,
 )
+from normlab.experiments.timing import time_norm_calls, time_steps_in_processes
 
 
 def lm_sizes(lab: Lab) -> tuple[dict, dict]:

@@ -10,9 +10,9 @@ from normlab.experiments.lab import (
     Lab,
     _pick,
     _round,
-    time_steps_in_processes,
 )
 from normlab.experiments.norms import ZHANG_SPEED
+from normlab.experiments.timing import time_steps_in_processes
 
 
 def _round_totals(records: list[dict], backend: str) -> dict:
