@@ -28,7 +28,7 @@ def test_rungs_grow_parameters_4x_at_equal_tokens_per_parameter(corpus, tmp_path
     counts, tokens = [], []
     for rung in range(len(LD.WIDTHS)):
         lab = Lab(Settings(out=str(tmp_path), size=size, data=str(corpus), rung=rung))
-        rtf, rmf = lab._on_rung(dict(tf), dict(mf), dict(mf))
+        rtf, rmf = lab.sized(dict(tf), dict(mf), dict(mf))
         counts.append(lab._non_embedding(rtf, rmf))
         tokens.append(rtf["steps"] * rtf["batch_size"] * rtf["seq_len"])
         assert rtf["lr"] == pytest.approx(tf["lr"] * mf["d_model"] / rmf["d_model"], rel=1e-3)  # the muP rule
@@ -43,8 +43,32 @@ def test_rungs_grow_parameters_4x_at_equal_tokens_per_parameter(corpus, tmp_path
 def test_every_arm_of_a_rung_trains_on_the_same_tokens(corpus, tmp_path):
     lab = Lab(Settings(out=str(tmp_path), size="quick", data=str(corpus), rung=2))
     tf, mf = lm_sizes(lab)
-    steps = {lab._on_rung(dict(tf), {**mf, "norm": n}, dict(mf))[0]["steps"] for n in ("layernorm", "rmsnorm", "none")}
+    steps = {lab.sized(dict(tf), {**mf, "norm": n}, dict(mf))[0]["steps"] for n in ("layernorm", "rmsnorm", "none")}
     assert len(steps) == 1
+
+
+@pytest.mark.parametrize("preset", ["norms", "depth"])
+def test_the_gpu_size_widens_the_full_runs_at_equal_tokens_per_parameter(corpus, tmp_path, preset):
+    """--size gpu: each full-size run at d_model 768 with 64-wide heads and its own depth, its
+    steps grown by the parameter ratio, its rate by d_full / 768; the plan lists those runs."""
+    full = {r.label: r for r in E.plan_presets([preset], Settings(out=str(tmp_path / "f"), size="full", data=str(corpus)))}
+    gpu = {r.label: r for r in E.plan_presets([preset], Settings(out=str(tmp_path / "g"), size="gpu", data=str(corpus)))}
+    assert full and set(gpu) == set(full)
+    for label, run in gpu.items():
+        f = dict(a.split("=", 1) for a in full[label].argv[3:] if "=" in a)
+        g = dict(a.split("=", 1) for a in run.argv[3:] if "=" in a)
+        assert (g["d_model"], g["n_heads"], g["n_layers"]) == ("768", "12", f["n_layers"]), label
+        assert float(g["lr"]) == pytest.approx(float(f["lr"]) * int(f["d_model"]) / 768, rel=1e-3)
+        assert (g["batch_size"], g["seq_len"]) == (f["batch_size"], f["seq_len"])
+        per_param = [r.cost["tokens"] / r.cost["parameters"] for r in (full[label], run)]
+        # equal for the arm whose model is the preset's base; arms that vary the model share its tokens
+        ratio = run.cost["tokens"] / full[label].cost["tokens"]
+        assert ratio == pytest.approx(int(g["steps"]) / int(f["steps"]))
+        assert 5 < ratio < 200 and per_param[1] < 2 * per_param[0] and per_param[0] < 2 * per_param[1]
+    widths = Lab(Settings(out=str(tmp_path), size="gpu", data=str(corpus), overrides={"d_model": "512"}))
+    tf, mf = lm_sizes(widths)  # the user's width is the gpu width, and the rate follows it
+    gtf, gmf = widths.sized(dict(tf), dict(mf), dict(mf))
+    assert (gmf["d_model"], gmf["n_heads"]) == (512, 8) and gtf["lr"] == pytest.approx(tf["lr"] * mf["d_model"] / 512, rel=1e-3)
 
 
 def test_the_slope_interval_is_the_least_squares_one():
@@ -118,16 +142,24 @@ def test_tokenizer_bpe_reaches_every_presets_runs_and_keys_the_cache(corpus, tmp
 
 
 def test_compare_ladder_end_to_end(corpus, tmp_path, capsys):
-    out = tmp_path / "ladder"  # shallow: the cheapest preset with trained, paired claims
-    assert main(["compare", "shallow", "--size", "tiny", "--ladder", "--data", str(corpus), "--out", str(out), "--quiet"]) == 0
+    out = tmp_path / "ladder"  # shallow: the cheapest preset with trained, paired claims; on characters and BPE
+    assert main(["compare", "shallow", "--size", "tiny", "--ladder", "--tokenizers", "char,bpe", "bpe_vocab=300",
+                 "--data", str(corpus), "--out", str(out), "--quiet"]) == 0
     ladder = json.loads((out / "ladder.json").read_text())
     params = ladder["presets"]["shallow"]["parameters"]
     assert params[0] < params[1] < params[2]
-    assert {t["id"] for t in ladder["presets"]["shallow"]["trends"]} == {"shallow.post_better", "shallow.pre_deep"}
+    trends = ladder["presets"]["shallow"]["trends"]
+    assert [(t["id"], t["condition"]) for t in trends] == [(i, c) for i in ("shallow.post_better", "shallow.pre_deep")
+                                                           for c in ("char", "bpe")]  # each claim's conditions together
+    assert ladder["family"]["size"] == sum(t["p"] is not None for t in trends)  # one family over both conditions
     for rung in range(3):
-        results = json.loads((out / E.rung_file(rung)).read_text())
-        assert results["presets"]["shallow"]["rung"]["index"] == rung and not C.recheck(results)
-        assert (out / f"rung{rung}" / "report.md").exists()
+        for suffix, tokenizer in ((None, "char"), ("bpe", "bpe")):
+            results = json.loads((out / E.rung_file(rung, suffix)).read_text())
+            assert results["presets"]["shallow"]["rung"]["index"] == rung and not C.recheck(results)
+            assert results["meta"]["tokenizer"] == tokenizer
+            assert (out / (f"rung{rung}" + (f"-{suffix}" if suffix else "")) / "report.md").exists()
+    rows = [line for line in (out / "ladder.md").read_text().splitlines() if line.startswith("| shallow.")]
+    assert [r.split(" | ")[1] for r in rows] == ["char", "bpe", "char", "bpe"]
     assert (out / "plots" / "ladder-shallow.png").stat().st_size > 1000
     lrs = [json.loads((out / E.rung_file(r)).read_text())["presets"]["shallow"]["settings"]["arm_lrs"]["pre-L1"]["lr"]
            for r in range(3)]
@@ -136,6 +168,10 @@ def test_compare_ladder_end_to_end(corpus, tmp_path, capsys):
     assert "muP" in text and "shallow.post_better" in text
     assert main(["compare", "shallow", "--size", "tiny", "--ladder", "--tune", "--out", str(out)]) == 2
     assert "--tune runs at the preset's own size" in " ".join(capsys.readouterr().out.split())
+    assert main(["compare", "shallow", "--size", "tiny", "--tokenizers", "char,bpe", "--out", str(out)]) == 2
+    assert "add --ladder" in " ".join(capsys.readouterr().out.split())
+    assert main(["compare", "shallow", "--size", "tiny", "--ladder", "--tokenizers", "char,words", "--out", str(out)]) == 2
+    assert "--tokenizers takes" in " ".join(capsys.readouterr().out.split())
 
 
 def test_plan_costs_are_6ND_plus_attention(corpus, tmp_path, capsys):

@@ -7,11 +7,12 @@ import dataclasses
 import os
 import platform
 import sys
-from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from normlab.compare import cmd_compare, cuda, key_values
 
 
 def info_rows() -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
@@ -141,16 +142,6 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _pairs(items: list[str]) -> dict:
-    pairs = {}
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"expected key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        pairs[key.strip()] = value.strip()
-    return pairs
-
-
 def cmd_data(args: argparse.Namespace, console: Console) -> int:
     from normlab import data
 
@@ -168,7 +159,7 @@ def cmd_data(args: argparse.Namespace, console: Console) -> int:
 def cmd_train(args: argparse.Namespace, console: Console) -> int:
     from normlab import train
 
-    overrides = _pairs(args.overrides)
+    overrides = key_values(args.overrides)
     # typed like the config's fields; train() refuses what a resumed run may not change
     changes = {k: v for part in train.split_overrides(overrides) for k, v in part.items()} if args.resume else None
     tcfg, model_overrides = train.resumed(args.resume, changes) if args.resume else train.resolve(args.config, overrides)
@@ -192,180 +183,6 @@ def cmd_sample(args: argparse.Namespace, console: Console) -> int:
     text = train.sample(args.run, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
     print(text)
     return 0
-
-
-def cmd_compare(args: argparse.Namespace, console: Console) -> int:
-    from normlab import experiments
-
-    names = [a for a in args.items if "=" not in a]
-    overrides = _pairs([a for a in args.items if "=" in a])
-    if not names:
-        raise ValueError(f"name a preset: {', '.join(list(experiments.PRESETS) + list(experiments.GROUPS))}")
-    experiments.expand(names)  # an unknown preset fails here, before any note
-    if sum((args.plan, args.collect, args.jobs > 1)) > 1:
-        raise ValueError("--plan, --collect and --jobs N are alternatives: plan the runs, collect them, or train them here N at a time")
-    if args.jobs < 1:
-        raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
-    settings = experiments.Settings(out=args.out, size="quick" if args.quick else args.size, seeds=args.seeds, data=args.data, steps=args.steps,
-                                    overrides=overrides, quiet=args.quiet, lrs=experiments.parse_lrs(args.lrs),
-                                    per_claim=args.per_claim, design=args.design)
-    command = _compare_argv(args)
-    if args.ladder:
-        return _ladder(args, names, settings, command, console)
-    if args.tune:
-        return _tune(names, settings, command, console)
-    if args.plan:
-        return _plan(args, settings, command)
-    if settings.size == "full" and "demo" not in names and not _cuda() and not args.collect:
-        console.print("[yellow]note:[/yellow] full sizes on a CPU take hours; --quick fits 2 cores in minutes "
-                      "(finished runs are kept either way: stop with Ctrl-C and rerun to resume)")
-    return _compare_once(args, names, settings, command, console)
-
-
-def _compare_once(args: argparse.Namespace, names: list[str], settings, command: str, console: Console,
-                  results_file: str = "results.json", render_to: Path | None = None) -> int:
-    """Train (here, or --jobs N at a time) or --collect, then measure, judge and report."""
-    from normlab import experiments, report
-
-    render_to = render_to or Path(args.out)
-    try:
-        if args.jobs > 1:
-            from normlab.experiments import sweep
-
-            pending = experiments.plan_presets(names, settings)
-            failed = sweep.execute(pending, args.jobs, Path(args.out) / "logs", console, args.quiet)
-            for run, log in failed:
-                console.print(f"[red]failed:[/red] {run.label}: see {log}")
-            settings.mode = "collect"
-        elif args.collect:
-            settings.mode = "collect"
-        results = experiments.run_presets(names, settings, console, command=command, results_file=results_file)
-    except experiments.RunsMissing as err:
-        console.print(f"[yellow]{len(err.pending)} training run(s) have not finished[/yellow] (nothing was trained: "
-                      "--collect only measures and writes what has finished):")
-        for run in err.pending:
-            console.print(f"  {run.label}  ({run.folder})")
-        console.print(f"Train them with the command lines of `{command} --plan`, or run `{command}` to train them here.")
-        if err.results["presets"]:
-            report.render(err.results, render_to)
-        return 1
-    except experiments.Interrupted as err:
-        console.print(f"[yellow]interrupted:[/yellow] {escape(str(err))}. Finished runs are kept: run the same command again to resume.")
-        return 130
-    except KeyboardInterrupt:
-        console.print(f"[yellow]interrupted.[/yellow] Finished runs and measurements are kept in {args.out}: "
-                      "run the same command again to resume.")
-        return 130
-    _print_verdicts(results, experiments.expand(names), report.render(results, render_to), render_to, console)
-    return 0
-
-
-def _ladder(args: argparse.Namespace, names: list[str], settings, command: str, console: Console) -> int:
-    """--ladder: each rung as its own compare (results-rung<i>.json, a report in rung<i>/), the
-    runs shared in one --out, then the trend claims (ladder.json, ladder.md, plots)."""
-    import dataclasses
-
-    from normlab import experiments, report
-    from normlab.experiments import ladder
-
-    if args.tune:
-        raise ValueError(f"--tune runs at the preset's own size; --ladder transfers its learning rates ({ladder.LR_RULE})")
-    if args.plan:
-        pending = [run for rung in range(len(ladder.WIDTHS))
-                   for run in experiments.plan_presets(names, dataclasses.replace(settings, rung=rung))]
-        for run in pending:
-            print(run.command)
-        print(f"{command} --collect")
-        _costs(pending, Console(stderr=True))
-        return 0
-    for rung, w in enumerate(ladder.WIDTHS):
-        console.print(f"[bold magenta]ladder rung {rung}: d_model x{w:g}[/bold magenta]")
-        rc = _compare_once(args, names, dataclasses.replace(settings, rung=rung), command, console,
-                           results_file=experiments.rung_file(rung), render_to=Path(args.out) / f"rung{rung}")
-        if rc:
-            return rc
-    paths = report.render_ladder(experiments.ladder_results(names, args.out, settings.per_claim), args.out)
-    console.print(f"ladder: {paths['markdown']} (trend claims), ladder.json and plots in {args.out}")
-    return 0
-
-
-def _compare_argv(args: argparse.Namespace) -> str:
-    """The compare command as typed, normalized (quoted for a shell), without --plan/--collect/--jobs."""
-    import shlex
-
-    flags = [x for k, v in (("seeds", args.seeds), ("data", args.data), ("steps", args.steps), ("lrs", args.lrs), ("out", args.out))
-             if v is not None for x in (f"--{k}", str(v))]
-    flags += (["--quick"] if args.quick else []) + (["--size", args.size] if args.size != "full" else [])
-    flags += ["--per-claim"] if args.per_claim else []
-    flags += ["--design", args.design] if args.design else []
-    flags += ["--ladder"] if getattr(args, "ladder", False) else []
-    return shlex.join(["normlab", "compare", *args.items, *flags])
-
-
-def _tune(names: list[str], settings, command: str, console: Console) -> int:
-    """--tune: the pilot runs, then each arm's learning rate and each preset's seeds."""
-    from rich.table import Table
-
-    from normlab import experiments
-
-    design = experiments.tune_presets(names, settings, console, command=f"{command} --tune")
-    size = "quick" if "demo" in names and settings.size != "tiny" else settings.size  # demo implies quick
-    table = Table(title=f"pilot: each arm's learning rate (seeds {', '.join(map(str, design[size]['pilot_seeds']))})")
-    for col in ("preset", "arm", "learning rate", "grid", "mean pilot loss"):
-        table.add_column(col)
-    for arm, a in design[size]["arms"].items():
-        losses = ", ".join("-" if v is None else f"{v:.4g}" for v in a["mean_loss"])
-        table.add_row(a["preset"], arm, f"{a['lr']:g}" + (" (edge)" if a["at_edge"] else ""), ", ".join(f"{x:g}" for x in a["grid"]),
-                      losses)
-    console.print(table)
-    for preset, s in design[size]["seeds"].items():
-        for p in s["pairs"]:
-            console.print(f"{preset}: {p['a']} vs {p['b']} within {p['margin']:.0%}: pilot spread {p['pilot_sd_log_ratio'] or 0:.2%}, "
-                          f"{p['seeds']} seeds for {p['power']:.0%} power at {p['alpha_per_test']:.2g} per test")
-    console.print(f"design: {Path(settings.out) / 'design.json'} (commit it as src/normlab/experiments/design.json, or pass "
-                  "--design to use it)")
-    return 0
-
-
-def _plan(args: argparse.Namespace, settings, command: str) -> int:
-    """--plan: the `normlab train` lines on stdout (one run each, for a job array or GNU parallel),
-    then the line that collects; what they are goes to stderr."""
-    from normlab import experiments
-
-    notes = Console(stderr=True)
-    pending = experiments.plan_presets([a for a in args.items if "=" not in a], settings)
-    for run in pending:
-        print(run.command)
-    print(f"{command} --collect")
-    _costs(pending, notes)
-    notes.print(f"{len(pending)} training run(s) to train (one `normlab train` line each), then the line that collects "
-                f"the results into {args.out}: measurements, verdicts and the report.")
-    return 0
-
-
-def _costs(pending: list, console: Console) -> None:
-    from normlab.experiments import cost
-
-    cost.print_costs(pending, console)
-
-
-def _print_verdicts(results: dict, done: list[str], paths: dict, out: str, console: Console) -> None:
-    from rich.table import Table
-
-    family = next((s.get("family") for n, s in results["presets"].items() if n in done and s.get("family")), None) or {}
-    how = (f"family-wise: Holm over {family.get('size')} tests at 5%" if family.get("method") == "holm"
-           else "per claim, unadjusted for the number of claims")
-    table = Table(title=f"claims (verdicts computed from the numbers by each claim's rule; {how})")
-    for col in ("preset", "claim", "verdict", "alone (95%)"):
-        table.add_column(col)
-    colours = {"holds": "green", "does not hold": "red", "inconclusive": "yellow"}
-    for name, section in results["presets"].items():
-        if name in done:
-            for c in section["claims"]:
-                alone = c.get("verdict_plain", c["verdict"])
-                table.add_row(name, c["claim"], f"[{colours[c['verdict']]}]{c['verdict']}[/]", f"[{colours[alone]}]{alone}[/]")
-    console.print(table)
-    console.print(f"report: {paths['html']} (and report.md, results.json, plots) in {out}")
 
 
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
@@ -440,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=bench.REPEAT, help="timed rounds per case (median reported)")
     p.add_argument("--case-seconds", type=float, default=bench.CASE_SECONDS,
                    help="a case that has run 3 rounds and this many seconds sits out the rest")
-    p.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu or cuda")
+    p.add_argument("--device", default="cuda" if cuda() else "cpu", help="cpu or cuda")
     p.add_argument("--json", metavar="PATH", help="write one record per measurement to PATH")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
@@ -481,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="presets to run, then training/model fields for every run (e.g. d_model=128 dtype=bf16)")
     p.add_argument("--quick", action="store_true", help="sizes for 2 CPU cores (every preset: about 25 minutes with --jobs 2); demo implies it")
     p.add_argument("--size", choices=experiments.SIZES, default="full",
-                   help="full (default), quick (= --quick) or tiny (seconds: a smoke test, numbers mean little)")
+                   help="full (default), quick (= --quick), tiny (seconds: a smoke test, numbers mean little) or gpu "
+                        "(full widened to d_model 768 for one GPU; see --plan for its cost)")
     p.add_argument("--seeds", type=int, help="seeds per setting (default: the preset's)")
     p.add_argument("--data", help="corpus: shakespeare (default), or a .txt file or folder")
     p.add_argument("--steps", type=int, help="training steps of every run (default: the preset's)")
@@ -494,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ladder", action="store_true",
                    help="run at three widths (d_model x0.5, x1, x2; tokens per parameter fixed; learning rates by the muP "
                         "rule) and judge how each effect moves with parameters (ladder.md)")
+    p.add_argument("--tokenizers", metavar="LIST",
+                   help="with --ladder: the ladder under each tokenizer, e.g. char,bpe (BPE: 2,048 tokens unless bpe_vocab= "
+                        "is set), judged together, each claim's conditions side by side in ladder.md")
     p.add_argument("--tune", action="store_true",
                    help="the pilot: train each compared arm at pilot seeds 100-102 and 3 learning rates, then write each "
                         "arm's learning rate and each preset's seed count (80%% power) to OUT/design.json")
@@ -527,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--backend", default="auto", help="normlab backend: auto, cpu, reference, triton")
     p.add_argument("--fuse-residual", action="store_true", help="also fuse residual add + norm in Llama-family layers")
-    p.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu or cuda (default: cuda when there is one)")
+    p.add_argument("--device", default="cuda" if cuda() else "cpu", help="cpu or cuda (default: cuda when there is one)")
     p.add_argument("--verbose", type=int, nargs="?", const=10, default=0, metavar="N",
                    help="list the N tensors closest to the bound (default 10)")
     p.set_defaults(func=cmd_check_model)
@@ -558,12 +379,6 @@ def _train_keys() -> str:
             f"model keys (defaults of preset 'small'; presets: {', '.join(PRESETS)}):\n"
             f"{listing(type(PRESETS['small']), skip=('vocab_size',))}\n"
             "vocab_size comes from the tokenizer.")
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -446,43 +446,58 @@ PLOTS = {"norms": plot_norms, "warmup": plot_warmup, "gradients": plot_gradients
 def plot_ladder(ladder: dict, plt) -> dict:
     """One figure per preset of the size ladder: each trend claim's gap at every rung (the mean
     over seeds and its 95% interval) against non-embedding parameters on a log axis, with the
-    fitted slope."""
+    fitted slope; a claim's tokenizer conditions share its panel, one colour each."""
     import math
 
     figures = {}
     for name, p in ladder["presets"].items():
-        trends = p["trends"]
-        if not trends:
+        panels: dict[str, list[dict]] = {}
+        for t in p["trends"]:
+            panels.setdefault(t["id"], []).append(t)
+        if not panels:
             continue
-        cols = min(3, len(trends))
-        rows = math.ceil(len(trends) / cols)
+        cols = min(3, len(panels))
+        rows = math.ceil(len(panels) / cols)
         fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
-        for ax, t in zip(axes.flat, trends):
-            xs = [r["parameters"] for r in t["rungs"] if r.get("precondition") is not False]
-            for r in t["rungs"]:
-                out = r.get("precondition") is False  # left out of the fit: its baseline did not train
-                if r["ci"]:
-                    ax.errorbar([r["parameters"]], [r["ci"]["est"]], yerr=[[r["ci"]["est"] - r["ci"]["lo"]], [r["ci"]["hi"] - r["ci"]["est"]]],
-                                fmt="o", color="C7" if out else "C0", mfc="none" if out else "C0", capsize=3,
-                                label="left out: baseline did not train" if out else None)
-                ax.plot([r["parameters"]] * len(r["gaps"]), r["gaps"], ".", color="C7", alpha=0.5)
-            if t["fit"]:
-                f = t["fit"]
-                ax.plot(xs, [f["intercept"] + f["slope"] * math.log10(x) for x in xs], "-", color="C1",
-                        label=f"slope {f['slope']:+.3f}/decade (95% CI {f['lo']:+.3f} to {f['hi']:+.3f})")
+        for ax, (claim, trends) in zip(axes.flat, panels.items()):
+            for i, t in enumerate(trends):
+                _ladder_series(ax, t, f"C{2 * i}", t.get("condition") if len(trends) > 1 else None,
+                               1.0 + 0.06 * (i - (len(trends) - 1) / 2))
             if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
+                ax.legend(fontsize=6)
             ax.axhline(0, color="k", lw=0.5)
-            if any(r["ci"] or r["gaps"] for r in t["rungs"]):
+            if any(r["ci"] or r["gaps"] for t in trends for r in t["rungs"]):
                 ax.set_xscale("log")
             else:
                 ax.text(0.5, 0.5, "no rung gives a gap to plot", ha="center", transform=ax.transAxes, fontsize=8)
-            ax.set_title(f"{t['id']}: {t['verdict']}", fontsize=8)
+            ax.set_title(f"{claim}: " + ", ".join(f"{t['verdict']}" + (f" ({t['condition']})" if len(trends) > 1 else "")
+                                                   for t in trends), fontsize=8)
             ax.set_xlabel("non-embedding parameters")
-            ax.set_ylabel(f"gap ({t['units']}; {t['leaf']['a']} vs {t['leaf']['b']})", fontsize=7)
-        for ax in list(axes.flat)[len(trends):]:
+            ax.set_ylabel(f"gap ({trends[0]['units']}; {trends[0]['leaf']['a']} vs {trends[0]['leaf']['b']})", fontsize=7)
+        for ax in list(axes.flat)[len(panels):]:
             ax.axis("off")
         fig.suptitle(f"{name}: each effect across the ladder (95% t intervals over seeds)", fontsize=10)
         fig.tight_layout()
         figures[f"ladder-{name}.png"] = fig
     return figures
+
+
+def _ladder_series(ax, t: dict, colour: str, condition: str | None, nudge: float) -> None:
+    """One trend's rungs (the interval, each seed's gap) and its fitted line; ``nudge`` shifts the
+    points along x so that two conditions at one rung do not cover each other."""
+    import math
+
+    tag = f"{condition}: " if condition else ""
+    xs = [r["parameters"] for r in t["rungs"] if r.get("precondition") is not False]
+    for r in t["rungs"]:
+        out = r.get("precondition") is False  # left out of the fit: its baseline did not train
+        x = r["parameters"] * nudge
+        if r["ci"]:
+            ax.errorbar([x], [r["ci"]["est"]], yerr=[[r["ci"]["est"] - r["ci"]["lo"]], [r["ci"]["hi"] - r["ci"]["est"]]],
+                        fmt="o", color="C7" if out else colour, mfc="none" if out else colour, capsize=3,
+                        label=f"{tag}left out: baseline did not train" if out else None)
+        ax.plot([x] * len(r["gaps"]), r["gaps"], ".", color="C7" if out else colour, alpha=0.4)
+    if t["fit"]:
+        f = t["fit"]
+        ax.plot(xs, [f["intercept"] + f["slope"] * math.log10(x) for x in xs], "-", color=colour,
+                label=f"{tag}slope {f['slope']:+.3f}/decade (95% CI {f['lo']:+.3f} to {f['hi']:+.3f})")

@@ -414,19 +414,28 @@ def ladder_markdown(ladder: dict, images: list[str]) -> str:
              f"Widths: d_model x {', '.join(f'{w:g}' for w in ladder['widths'])} of each preset's size; tokens per parameter "
              f"{ladder['tokens_per_parameter']}; learning rates: {ladder['lr_rule']}. Trend verdicts: {how}; each rung's "
              "claims are judged as their own invocation's (rung0/, rung1/, rung2/: report.md each).", ""]
+    tokenizers = ladder.get("tokenizers") or {}
+    if len(tokenizers) > 1:
+        lines += ["Tokenizer conditions, each claim's rows side by side and judged in one family: "
+                  + ", ".join(f"{k} (vocabulary {v:,})" for k, v in tokenizers.items() if v)
+                  + f". Every condition trains at the learning rates tuned on characters; rung0-{list(tokenizers)[1]}/ "
+                  "and the like hold the other conditions' rung reports.", ""]
     for name, p in ladder["presets"].items():
         lines += [f"## {name}", "", "Non-embedding parameters: " + ", ".join(f"{n:,.0f}" for n in p["parameters"]), ""]
         if not p["trends"]:
             lines += ["No claim of this preset has a per-seed gap to follow across the rungs.", ""]
             continue
-        lines += ["| claim | " + " | ".join(f"rung {i} gap [95% CI] (verdict)" for i in range(len(p["parameters"]))) + " | trend |",
-                  "|---|" + "---|" * len(p["parameters"]) + "---|"]
+        several = len(p.get("conditions", [])) > 1  # tokenizer conditions: each claim's rows side by side
+        lines += ["| claim | " + ("tokens | " if several else "")
+                  + " | ".join(f"rung {i} gap [95% CI] (verdict)" for i in range(len(p["parameters"]))) + " | trend |",
+                  "|---|" + "---|" * (len(p["parameters"]) + several) + "---|"]
         for t in p["trends"]:
             cells = " | ".join(_rung_cell(r, t["units"]) for r in t["rungs"])
-            lines.append(f"| {t['id']} | {cells} | {t['verdict']} |")
+            lines.append(f"| {t['id']} | " + (f"{t.get('condition')} | " if several else "") + f"{cells} | {t['verdict']} |")
         lines.append("")
         for t in p["trends"]:
-            lines += [f"- **{t['id']}** ({t['leaf']['a']} vs {t['leaf']['b']}): {_trend_line(t)}"]
+            tokens = f" ({t.get('condition')} tokens)" if several else ""
+            lines += [f"- **{t['id']}**{tokens} ({t['leaf']['a']} vs {t['leaf']['b']}): {_trend_line(t)}"]
         lines.append("")
         lines += [f"![{name}](plots/{f})" for f in images if f == f"ladder-{name}.png"] + [""]
     return md_safe("\n".join(lines))

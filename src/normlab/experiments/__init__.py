@@ -32,7 +32,9 @@ runs on seeds no test run uses (--tune; normlab.experiments.design).
 ``demo`` runs norms, gradients, batchnorm (without its batch-size trend) and precision at quick
 size; ``all`` runs every preset.
 Sizes: ``full`` (the default: minutes to hours on a CPU, meant for a GPU or a patient machine),
-``quick`` (2 CPU cores: every preset together in about 25 minutes with --jobs 2) and ``tiny`` (seconds: the tests).
+``quick`` (2 CPU cores: every preset together in about 25 minutes with --jobs 2), ``tiny`` (seconds: the
+tests) and ``gpu`` (the full size's runs widened to d_model 768, tokens per parameter held: meant for
+one GPU each; normlab.experiments.ladder states the rule, ``--plan`` prints the cost).
 
 Everything lives in the output directory: ``runs/<label>-<hash>/`` holds one training run (the
 hash covers its whole config, so a run is reused by any preset, or any later command, that asks
@@ -239,26 +241,45 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
     return results
 
 
-def rung_file(rung: int) -> str:
-    return f"results-rung{rung}.json"
+def rung_file(rung: int, condition: str | None = None) -> str:
+    """A rung's results file; a tokenizer condition other than the first of the ladder's gets its own."""
+    return f"results-rung{rung}{'-' + condition if condition else ''}.json"
 
 
-def ladder_results(names: list[str], out: str | Path, per_claim: bool = False) -> dict:
+def ladder_results(names: list[str], out: str | Path, per_claim: bool = False, conditions: tuple = (None,)) -> dict:
     """The ladder's trend claims from the rungs' results files in ``out`` (normlab.experiments.
-    ladder), for each preset that every rung holds; written to <out>/ladder.json."""
+    ladder), for each preset that every rung holds, under each tokenizer condition (``None``: the
+    files without a condition suffix), judged as one family; written to <out>/ladder.json."""
     out = Path(out)
-    rungs = [read_json(out / rung_file(r)) if (out / rung_file(r)).exists() else {"presets": {}} for r in range(len(LD.WIDTHS))]
-    presets = {}
-    for name in expand(names):
-        sections = [r["presets"].get(name) for r in rungs]
-        if any(s is None for s in sections):
-            continue
-        params = [s.get("parameters") for s in sections]
-        presets[name] = {"parameters": params, "trends": LD.trends(sections, params) if all(params) else [],
-                         "sizes": [s.get("size") for s in sections]}
+    presets: dict = {}
+    meta: dict = {}
+    vocabularies: dict = {}  # each tokenizer condition's vocabulary size
+    for condition in conditions:
+        files = [out / rung_file(r, condition) for r in range(len(LD.WIDTHS))]
+        rungs = [read_json(f) if f.exists() else {"presets": {}} for f in files]
+        meta = meta or rungs[LD.MIDDLE].get("meta", {})
+        tokenizer = rungs[LD.MIDDLE].get("meta", {}).get("tokenizer")
+        vocabularies[tokenizer] = rungs[LD.MIDDLE].get("meta", {}).get("vocab_size")
+        for name in expand(names):
+            sections = [r["presets"].get(name) for r in rungs]
+            if any(s is None for s in sections):
+                continue
+            params = [s.get("parameters") for s in sections]
+            trends = LD.trends(sections, params) if all(params) else []
+            for t in trends:
+                t["condition"] = tokenizer
+            p = presets.setdefault(name, {"parameters": params, "trends": [], "sizes": [s.get("size") for s in sections],
+                                          "conditions": []})
+            p["conditions"].append(tokenizer)
+            p["trends"] += trends
+    for p in presets.values():  # a claim's conditions side by side
+        first: dict = {}
+        for i, t in enumerate(p["trends"]):
+            first.setdefault(t["id"], i)
+        p["trends"].sort(key=lambda t: first[t["id"]])  # stable: each claim's conditions in their order
     family = LD.judge_trends([t for p in presets.values() for t in p["trends"]], per_claim)
     ladder = {"widths": list(LD.WIDTHS), "lr_rule": LD.LR_RULE, "tokens_per_parameter": "held at the middle rung's ratio",
-              "family": family, "presets": presets, "meta": rungs[LD.MIDDLE].get("meta", {})}
+              "family": family, "presets": presets, "meta": meta, "tokenizers": vocabularies}
     write_json(out / "ladder.json", ladder)
     return ladder
 
