@@ -15,16 +15,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from scipy import stats
 
 from normlab import claims as C
 from normlab import experiments as E
-from normlab.experiments import design as DS
-from normlab.experiments import lab as lab_module
-from normlab.experiments import timing as timing_module
-from normlab.experiments import precision as precision_module
 from normlab import report
 from normlab.cli import main
+from normlab.experiments import design as DS
+from normlab.experiments import lab as lab_module
+from normlab.experiments import precision as precision_module
+from normlab.experiments import timing as timing_module
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +138,13 @@ def _seeds(mean, spread=0.005):
       "unigram_loss": 3.4}),
     ("invariance.rmsnorm_shift_trained", {"rmsnorm_shift0.5_val": _seeds(2.3), "rmsnorm_val": _seeds(2.0), "unigram_loss": 3.4},
      {"rmsnorm_shift0.5_val": _seeds(1.9), "rmsnorm_val": _seeds(2.0), "unigram_loss": 3.4}),
+    ("invariance.rmsnorm_sphere", {"rmsnorm_sphere": 1e-16}, {"rmsnorm_sphere": 0.01}),
+    ("invariance.layernorm_train_eval", {"layernorm_train_eval": 0.0, "batchnorm_train_eval": 0.9},
+     {"layernorm_train_eval": 0.2, "batchnorm_train_eval": 0.9}),
+    ("stability.layernorm_grows", {"layernorm_gain_over_bound": 1.0, "layernorm_gain_growth": 316.0},
+     {"layernorm_gain_over_bound": 1.0, "layernorm_gain_growth": 3.0}),
+    ("stability.rmsnorm_bounded", {"rmsnorm_gain_times_mean": 1.0}, {"rmsnorm_gain_times_mean": 300.0}),
+    ("stability.bf16_within_bound", {"bf16_out_of_bound": 0}, {"bf16_out_of_bound": 2}),
     ("final_norm.loss", {"nofinal_base_val": _seeds(2.2), "final_base_val": _seeds(2.0), "unigram_loss": 3.4},
      {"nofinal_base_val": _seeds(1.9), "final_base_val": _seeds(2.0), "unigram_loss": 3.4}),
     ("final_norm.head_grows", {"nofinal_base_head_growth": _seeds(5.0, 0.1)}, {"nofinal_base_head_growth": _seeds(0.8, 0.01)}),
@@ -184,6 +192,34 @@ def test_eps_claims_hold_exactly_and_the_fused_kernels_agree(finished):
     zero = {r["eps"]: r for r in section["rows"] if r["row_rms"] == 0}
     assert zero["inside"]["gain"] == pytest.approx(1e3) and zero["outside"]["gain"] == pytest.approx(1e6)
     assert zero["outside"]["gain_normlab_fp32"] == pytest.approx(1e6, rel=1e-4)
+
+
+def test_the_exact_facts_of_stability_and_invariance_hold_at_any_size(finished):
+    # LayerNorm's gain follows 1/sqrt(s^2 + eps) up to its cap, RMSNorm's stays at or below 1/|mean|
+    for name, ids in (("stability", None), ("invariance", ("invariance.rmsnorm_sphere", "invariance.layernorm_train_eval"))):
+        claims = [c for c in finished[1]["presets"][name]["claims"] if ids is None or c["id"] in ids]
+        assert claims and all(c["verdict"] == "holds" for c in claims), [c["evidence"] for c in claims]
+    rows = finished[1]["presets"]["stability"]["rows"]
+    assert rows[0]["layernorm_gain"] < 1.01 and rows[-1]["layernorm_gain"] == pytest.approx(1e-5 ** -0.5, rel=1e-3)
+    assert max(r["rmsnorm_gain"] for r in rows) <= 1.0 + 1e-9
+
+
+def test_the_bf16_stability_check_catches_statistics_kept_in_bf16(monkeypatch):
+    # the check must be able to fail: a LayerNorm whose one-pass variance is computed in bf16
+    # loses the small spreads' rows to cancellation
+    from normlab.experiments import stability
+
+    real = stability._call
+
+    def naive(norm, x, backend):
+        if backend != "cpu" or norm != "layernorm":
+            return real(norm, x, backend)
+        var = (x * x).mean(-1, keepdim=True) - x.mean(-1, keepdim=True) ** 2  # in bf16, E[x^2] - E[x]^2
+        return (x - x.mean(-1, keepdim=True)) * torch.rsqrt(var.clamp_min(0) + stability.EPS)
+
+    assert stability.bf16_misses("layernorm", 64, 4, seed=61, backend="cpu") == []
+    monkeypatch.setattr(stability, "_call", naive)
+    assert stability.bf16_misses("layernorm", 64, 4, seed=61, backend="cpu")
 
 
 def test_the_stability_sweep_records_its_settings_and_measures(finished):

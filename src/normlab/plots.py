@@ -264,6 +264,25 @@ def plot_eps(section: dict, plt) -> dict:
     return {"eps.png": fig}
 
 
+def plot_stability(section: dict, plt) -> dict:
+    series = section["series"]
+    spreads, eps, mean = series["spreads"], series["eps"], series["mean"]
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    ax.plot(spreads, series["gains"]["layernorm"], marker="o", color="C0", label="LayerNorm (float64)")
+    ax.plot(spreads, [1 / ((s * mean) ** 2 + eps) ** 0.5 for s in spreads], color="C0", ls=":", label="1/sqrt(s^2 + eps)")
+    ax.plot(spreads, series["gains"]["rmsnorm"], marker="s", color="C1", label="RMSNorm (float64)")
+    ax.axhline(1 / abs(mean), color="C1", lw=0.8, ls="--", label="1/|mean|")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.invert_xaxis()
+    ax.set_xlabel(f"row spread s / mean (mean {mean:g})")
+    ax.set_ylabel("largest ||dx|| / ||dy||")
+    ax.set_title(f"input-gradient gain as the spread shrinks, eps = {eps:g}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return {"stability.png": fig}
+
+
 def plot_speed(section: dict, plt) -> dict:
     recs = [r for r in section["series"]["records"] if r["op"] != "copy"]
     groups = sorted({(r["op"], r["pass"], r["dtype"]) for r in recs})
@@ -438,7 +457,7 @@ def plot_dyt(section: dict, plt) -> dict:
 
 
 PLOTS = {"norms": plot_norms, "warmup": plot_warmup, "gradients": plot_gradients, "depth": plot_depth,
-         "batchnorm": plot_batchnorm, "precision": plot_precision, "speed": plot_speed, "eps": plot_eps,
+         "batchnorm": plot_batchnorm, "precision": plot_precision, "speed": plot_speed, "eps": plot_eps, "stability": plot_stability,
          "invariance": plot_invariance, "final-norm": plot_final_norm, "shallow": plot_shallow, "sandwich": plot_sandwich,
          "dyt": plot_dyt}
 

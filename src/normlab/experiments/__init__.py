@@ -76,6 +76,7 @@ from normlab.experiments.precision import preset_precision
 from normlab.experiments.sandwich import preset_sandwich
 from normlab.experiments.shallow import preset_shallow
 from normlab.experiments.speed import preset_speed
+from normlab.experiments.stability import preset_stability
 from normlab.experiments.warmup import SWEEP, lr_sensitivity, parse_lrs, preset_warmup
 from normlab.runs import holder, locked, read_json, write_json
 
@@ -90,6 +91,7 @@ PRESETS: dict[str, Callable[[Lab], dict]] = {
     "precision": preset_precision,
     "speed": preset_speed,
     "eps": preset_eps,
+    "stability": preset_stability,
     "invariance": preset_invariance,
     "final-norm": preset_final_norm,
     "shallow": preset_shallow,
@@ -101,7 +103,7 @@ GROUPS = {"all": tuple(PRESETS), "demo": ("norms", "gradients", "batchnorm", "pr
 VARIES = {"norms": {"norm", "seed"},
           "warmup": {"placement", "lr", "min_lr", "warmup", "seed", "qk_norm", "beta2", "grad_clip", "norm", "mlp", "positions"},
           "gradients": {"placement", "n_layers", "norm", "mlp", "positions", "tie_embeddings", "embed_scale", "init"}, "depth": {"placement", "lr", "min_lr", "warmup", "seed", "norm", "mlp", "positions"},
-          "batchnorm": {"norm", "seed", "batch_size", "batching", "steps"}, "precision": set(), "speed": {"norm", "norm_impl"}, "eps": set(),
+          "batchnorm": {"norm", "seed", "batch_size", "batching", "steps"}, "precision": set(), "speed": {"norm", "norm_impl"}, "eps": set(), "stability": set(),
           "invariance": {"norm", "seed", "norm_shift_noise", "placement", "norm_eps", "backend"},
           "final-norm": {"final_norm", "lr", "min_lr", "seed", "placement", "norm"},
           "shallow": {"placement", "n_layers", "lr", "min_lr", "warmup", "seed"},

@@ -7,7 +7,9 @@ re-centering does not. The same holds for the weight matrix W that feeds the nor
 scales its outputs; adding one row vector to every row of W (W + 1 g^T) adds the same number g.z
 to every output of a row. Checked exactly (float64) on the op and on a whole model, then in
 training: shift noise added to every norm's input leaves LayerNorm's loss where it was and costs
-RMSNorm.
+RMSNorm. Two more exact facts the articles derive sit beside them: with weight 1, RMSNorm's output
+lies on the sphere of radius sqrt(d) (its rows have RMS 1); and LayerNorm computes the same in
+training and evaluation, where BatchNorm switches from the batch's statistics to running ones.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from normlab import claims as C
 from normlab import data as D
 from normlab import functional as F
-from normlab.experiments.lab import ZHANG19, Lab, _curves, _pick, _round, stats, trains, unigram_loss
+from normlab.experiments.lab import SHEN20, ZHANG19, Lab, _curves, _pick, _round, stats, trains, unigram_loss
 from normlab.experiments.norms import COMPARABLE, WORSE, lm_sizes
 from normlab.model import Decoder
 
@@ -60,6 +62,30 @@ def op_changes(norm: str, d: int, rows: int, seed: int) -> dict:
     return {"input_shift": _rel_change(apply(x + shift), y), "input_scale": _rel_change(apply(SCALE * x), y),
             "weight_scale": _rel_change(apply(z @ (SCALE * W).T), y),
             "weight_recenter": _rel_change(apply(z @ (W + g[None, :]).T), y)}
+
+
+@torch.no_grad()
+def geometry(d: int, rows: int, seed: int) -> dict:
+    """Float64: the largest relative distance of an RMSNorm output row (weight 1, eps 0) from the
+    sphere of radius sqrt(d), over rows of scales 1e-3 to 1e3; and the relative change of
+    LayerNorm's and BatchNorm's outputs (random weights) between train() and eval() on one batch,
+    BatchNorm's running statistics updated once by that batch, as in training."""
+    from normlab.nn import build_norm
+
+    gen = torch.Generator().manual_seed(seed)
+    scales = torch.logspace(-3, 3, rows, dtype=torch.float64)[:, None]
+    x = torch.randn(rows, d, generator=gen, dtype=torch.float64) * scales + torch.randn(rows, 1, generator=gen, dtype=torch.float64)
+    y = F.rms_norm(x, None, EXACT_EPS, backend="reference")
+    out = {"rmsnorm_sphere": (y.norm(dim=-1) / math.sqrt(d) - 1).abs().max().item()}
+    batch = torch.randn(4, rows, d, generator=gen, dtype=torch.float64) * 3 + 1  # (B, T, d)
+    for kind in ("layernorm", "batchnorm"):
+        torch.manual_seed(seed)
+        norm = build_norm(kind, d, **({"backend": "reference"} if kind == "layernorm" else {})).double()
+        for p in norm.parameters():
+            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen, dtype=torch.float64))
+        train = norm.train()(batch)
+        out[f"{kind}_train_eval"] = _rel_change(norm.eval()(batch), train)
+    return out
 
 
 @torch.no_grad()
@@ -107,6 +133,7 @@ def preset_invariance(lab: Lab) -> dict:
                     lambda: {norm: {"op": op_changes(norm, d, rows, seed=41),
                                     "model": model_changes(lab.model_config({**exact_model, "norm": norm}), batch, seed=42)}
                              for norm in KINDS})
+    facts = lab.job("geometry", {"d": d, "rows": rows}, lambda: geometry(d, rows, seed=43))
     columns = ["norm", "where", "transform", "relative_change", "invariant_in_theory", "lr", "val_loss", "val_std"]
     table, measured = [], {"unigram_loss": unigram_loss(lab.dataset.train)}
     for norm in KINDS:
@@ -127,6 +154,7 @@ def preset_invariance(lab: Lab) -> dict:
             table.append({"norm": norm, "where": "training", "lr": lab.arm_lr(f"{norm}-shift{noise:g}" if noise else norm),
                           "transform": f"shift noise {noise:g} x row RMS" if noise else "none",
                           "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2)})
+    measured.update({f"{k}": v for k, v in facts.items()})
     rounding = C.ours("1e-9: float64 rounding through a model is ~1e-14; a broken invariance moves the output by order 1")
     moves = C.ours("1e-3: a million times the rounding bound of the invariance claims, so both cannot hold at once")
     exact_conditions = [
@@ -135,6 +163,11 @@ def preset_invariance(lab: Lab) -> dict:
         "matches: on a whole model, the matrices that feed a norm directly (the branch output projections under the "
         "sandwich placement) scaled or re-centered, and the logits compared",
         "differs: random inputs and a model at initialization (the paper proves the invariances; it does not measure them)",
+    ]
+    geometry_conditions = [
+        f"matches: float64, eps = 0, rows of scales 1e-3 to 1e3 with an offset (the sphere); one batch of shape (4, {rows}, "
+        f"{d}) through a LayerNorm and a BatchNorm with random weights in train() and then eval() mode",
+        "differs: the articles derive these facts; the lab computes them on random inputs",
     ]
     trained_conditions = [
         f"matches: the norm's input re-centered by a random constant per row, of std {' and '.join(f'{n:g}' for n in SHIFT_NOISES)} "
@@ -158,6 +191,17 @@ def preset_invariance(lab: Lab) -> dict:
                 _pick(measured, "rmsnorm_recentering_min_change"),
                 C.at_least("rmsnorm_recentering_min_change", 1e-3, point="the smallest relative change over the re-centerings",
                            origin=moves), exact_conditions),
+        C.claim("invariance.rmsnorm_sphere", "with weight 1, RMSNorm's output lies on the sphere of radius sqrt(d): "
+                "every row's norm is sqrt(d), whatever the row's scale", ZHANG19, _pick(measured, "rmsnorm_sphere"),
+                C.at_most("rmsnorm_sphere", 1e-9, point="the largest relative distance of a row from the sphere",
+                          origin=rounding), geometry_conditions),
+        C.claim("invariance.layernorm_train_eval", "LayerNorm computes the same in training and in evaluation; "
+                "BatchNorm does not (it switches to running statistics)", SHEN20,
+                _pick(measured, "layernorm_train_eval", "batchnorm_train_eval"),
+                C.all_of(C.at_most("layernorm_train_eval", 1e-9, point="the relative change of the output, train to eval",
+                                   origin=rounding),
+                         C.at_least("batchnorm_train_eval", 1e-3, point="the relative change of the output, train to eval",
+                                    origin=moves)), geometry_conditions),
         C.claim("invariance.layernorm_shift_trained", "trained with shift noise in every norm's input (at both levels), "
                 "LayerNorm ends where it does without it (within 2%), where it trains", ZHANG19,
                 _pick(measured, *[f"layernorm_shift{n:g}_val" for n in SHIFT_NOISES], "layernorm_val", "unigram_loss"),
@@ -181,7 +225,7 @@ def preset_invariance(lab: Lab) -> dict:
         "columns": columns,
         "rows": [{c: r.get(c) for c in columns} for r in table],
         "claims": claims,
-        "series": {"exact": exact, "invariant": {k: sorted(v) for k, v in INVARIANT.items()},
+        "series": {"exact": exact, "geometry": facts, "invariant": {k: sorted(v) for k, v in INVARIANT.items()},
                    "runs": {f"{norm}|{noise:g}": [_curves(r) for r in runs[norm, noise]] for norm, noise in runs}},
         "notes": [f"relative_change: ||y' - y|| / ||y|| in float64 after the transformation (input shift: a random constant "
                   f"per row, std {SHIFT:g}; scales: x {SCALE:g}; weight re-centering: W + 1 g^T, g random). The model rows "
