@@ -138,6 +138,8 @@ def _seeds(mean, spread=0.005):
       "unigram_loss": 3.4}),
     ("invariance.rmsnorm_shift_trained", {"rmsnorm_shift0.5_val": _seeds(2.3), "rmsnorm_val": _seeds(2.0), "unigram_loss": 3.4},
      {"rmsnorm_shift0.5_val": _seeds(1.9), "rmsnorm_val": _seeds(2.0), "unigram_loss": 3.4}),
+    ("batchnorm.accumulation", {"layernorm_accumulation_change": 1e-16, "batchnorm_accumulation_change": 0.08},
+     {"layernorm_accumulation_change": 1e-16, "batchnorm_accumulation_change": 1e-15}),
     ("invariance.rmsnorm_sphere", {"rmsnorm_sphere": 1e-16}, {"rmsnorm_sphere": 0.01}),
     ("invariance.layernorm_train_eval", {"layernorm_train_eval": 0.0, "batchnorm_train_eval": 0.9},
      {"layernorm_train_eval": 0.2, "batchnorm_train_eval": 0.9}),
@@ -196,7 +198,8 @@ def test_eps_claims_hold_exactly_and_the_fused_kernels_agree(finished):
 
 def test_the_exact_facts_of_stability_and_invariance_hold_at_any_size(finished):
     # LayerNorm's gain follows 1/sqrt(s^2 + eps) up to its cap, RMSNorm's stays at or below 1/|mean|
-    for name, ids in (("stability", None), ("invariance", ("invariance.rmsnorm_sphere", "invariance.layernorm_train_eval"))):
+    for name, ids in (("stability", None), ("invariance", ("invariance.rmsnorm_sphere", "invariance.layernorm_train_eval")),
+                      ("batchnorm", ("batchnorm.accumulation",))):
         claims = [c for c in finished[1]["presets"][name]["claims"] if ids is None or c["id"] in ids]
         assert claims and all(c["verdict"] == "holds" for c in claims), [c["evidence"] for c in claims]
     rows = finished[1]["presets"]["stability"]["rows"]
@@ -532,8 +535,11 @@ def test_the_demo_leaves_out_the_batch_size_trend_and_says_how_to_run_it(finishe
     shutil.copytree(finished[0] / "jobs", out / "jobs")
     results = E.run_presets(["demo"], E.Settings(out=str(out), size="tiny", data=finished[1]["meta"]["data"], quiet=True))
     section = results["presets"]["batchnorm"]
-    assert [c["id"] for c in section["claims"]] == ["batchnorm.mates"]
+    assert [c["id"] for c in section["claims"]] == ["batchnorm.mates", "batchnorm.accumulation"]
     assert "normlab compare batchnorm --quick" in section["notes"][-1]
+    # without the trend no column is all "-", and no note speaks of rows the table does not have
+    assert not {"eval_loss", "train_mode_loss", "train_eval_gap"} & set(section["columns"])
+    assert not any("paragraphs rows" in n for n in section["notes"])
     assert report.render(results, out)["html"].exists()
     # the seed counts are planned for the demo's family and for all's: the sizes the design assumes
     assert section["family"]["size"] == DS.FAMILY["demo"]
