@@ -295,8 +295,11 @@ def test_all_and_any():
 def test_the_evidence_of_an_or_says_which_part_decided():
     rule = C.any_of(C.at_least("zero", 1, point="a count", origin=WHY), C.at_least("one", 1, point="a count", origin=WHY))
     verdict, lines = C.evaluate(rule, {"zero": 0, "one": 1})
-    assert verdict == "holds" and lines[0] == "either of 2 (holds: number 2 holds):"
-    assert lines[1].endswith("does not hold") and lines[2].endswith("holds")
+    assert verdict == "holds" and lines[0] == "one of 2 alternatives suffices (the second holds: holds):"
+    assert lines[1].startswith("either: zero") and lines[1].endswith("does not hold")
+    assert lines[2].startswith("or: one") and lines[2].endswith("holds")
+    verdict, lines = C.evaluate(rule, {"zero": 0, "one": 0})
+    assert verdict == "does not hold" and lines[0] == "one of 2 alternatives suffices (none holds: does not hold):"
 
 
 def test_given_is_inconclusive_unless_its_condition_holds():

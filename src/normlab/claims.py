@@ -321,6 +321,9 @@ def _supports(rule: dict, ci: dict) -> str:
     return "the interval does not exclude no gap" if lo < 0 else "above, not below"
 
 
+ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth")
+
+
 def evaluate(rule: dict, measured: dict, adjust=None) -> tuple[str, list[str]]:
     """The verdict of ``rule`` on ``measured`` and the evidence: one line per leaf judged, with
     its interval, sample count, p and outcome (see the module docstring). ``adjust`` maps a
@@ -338,10 +341,11 @@ def evaluate(rule: dict, measured: dict, adjust=None) -> tuple[str, list[str]]:
         decisive, other = (FAILS, HOLDS) if kind == "all" else (HOLDS, FAILS)
         verdict = decisive if decisive in verdicts else other if all(v == other for v in verdicts) else UNSURE
         lines = [line for _, lines in results for line in lines]
-        if kind == "any" and len(results) > 1:
-            which = [i + 1 for i, v in enumerate(verdicts) if v == HOLDS]
-            lines = [f"either of {len(results)} ({verdict}"
-                     + (f": number {', '.join(map(str, which))} holds)" if which else ")") + ":"] + lines
+        if kind == "any" and len(results) > 1:  # an OR: each alternative says so where it is read
+            which = [ORDINALS[i] for i, v in enumerate(verdicts) if v == HOLDS]
+            held = f"the {' and the '.join(which)} {'hold' if len(which) > 1 else 'holds'}" if which else "none holds"
+            lines = [f"one of {len(results)} alternatives suffices ({held}: {verdict}):"] + [
+                f"{'either' if i == 0 else 'or'}: {line}" for i, (_, ls) in enumerate(results) for line in ls]
         return verdict, lines
     if kind not in LEAVES:
         raise ValueError(f"unknown rule kind {kind!r}; expected one of {', '.join(LEAVES + ('all', 'any', 'given'))}")
