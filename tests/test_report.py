@@ -164,3 +164,16 @@ def test_the_reader_catches_evidence_that_contradicts_its_verdict():
     wrong_exact = copy.copy(ev)
     wrong_exact[2] = "either: d: 0, must be at least 1 (exact; a count; not a sampled test): holds"
     assert check_claim("holds", wrong_exact)
+
+
+def test_the_step_time_expectation_says_whether_the_measurement_fits_it():
+    # issue 42: "can be at most about 0.1% faster" printed beside a measured -4.7%, without a word
+    from normlab.experiments.norms import expected_step
+
+    ln = [30.0, 31.0, 29.0, 30.5]
+    far = expected_step(0.001, 0.3, [v * 0.953 for v in ln], ln)
+    assert "at most 0.1%" in far and "Measured: 4.7% faster" in far and "is not the norms'" in far
+    near = expected_step(0.09, 0.33, [v * 0.99 for v in ln], ln)
+    assert "Measured: 1.0% faster" in near and "within what the norms' share allows" in near
+    slower = expected_step(0.09, 0.33, [v * 1.02 for v in ln], ln)
+    assert "Measured: 2.0% slower" in slower and "the slower one" in slower
