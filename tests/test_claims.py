@@ -346,3 +346,12 @@ def test_absolute_rules_compare_differences_and_name_their_target():
     assert "gap 0 (95% CI -0.1242 to 0.1242" in line and "must be within +-0.25;" in line
     # a target of 0 is named, not dropped
     assert C.describe(C.within("slope", 0, 0.25, origin=WHY, absolute=True)).startswith("slope within +-0.25 of 0 [")
+
+
+def test_a_rule_gives_a_shared_bracket_once():
+    # issue 42: one bracketed phrase repeated six times in batchnorm.mates' rule
+    moves = C.at_least("a", 1e-3, point="the largest change", origin=WHY)
+    still = [C.at_most(k, 1e-5, point="no output may move", origin=WHY) for k in ("b", "c", "d")]
+    text = C.describe(C.all_of(moves, *still))
+    assert text.count("[exact: no output may move]") == 1 and text.count("[as above]") == 2
+    assert text.count("[exact: the largest change]") == 1

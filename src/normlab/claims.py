@@ -494,14 +494,23 @@ def describe(rule: dict) -> str:
         return f"if {describe(rule['if'])} then {describe(rule['then'])}, else inconclusive"
     if kind in ("all", "any"):
         joiner = " and " if kind == "all" else " or "
-        return "(" + joiner.join(describe(r) for r in rule["rules"]) + ")"
-    text = f"{rule['a']} {_requirement(rule)}"
+        parts, said = [], set()
+        for r in rule["rules"]:  # a bracket that a sibling already gave is not repeated in full
+            text, how = describe(r), _how(r) if r["kind"] not in ("given", "all", "any") else ""
+            parts.append(text.removesuffix(how) + "[as above]" if how and how in said else text)
+            said.add(how)
+        return "(" + joiner.join(parts) + ")"
+    return f"{rule['a']} {_requirement(rule)} {_how(rule)}"
+
+
+def _how(rule: dict) -> str:
+    """How a leaf is judged, in brackets: exact, a sign test, or a t interval of what over what."""
     if rule.get("point"):
-        return text + f" [exact: {rule['point']}]"
+        return f"[exact: {rule['point']}]"
     if rule.get("test") == "sign":
-        return text + f" [exact sign test over {rule.get('over', 'seeds')}]"
+        return f"[exact sign test over {rule.get('over', 'seeds')}]"
     gap = "difference" if rule.get("absolute") else "log ratio"
-    return text + f" [95% t interval of the {gap} over {rule.get('over', 'seeds')}" + (", paired" if rule.get("paired") else "") + "]"
+    return f"[95% t interval of the {gap} over {rule.get('over', 'seeds')}" + (", paired" if rule.get("paired") else "") + "]"
 
 
 def origins(rule: dict) -> list[str]:
