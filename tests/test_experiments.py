@@ -121,6 +121,8 @@ def _seeds(mean, spread=0.005):
     ("precision.naive_bf16_worse", {"rms_norm_bf16_naive_median_eps": _seeds(0.5, 0.01), "rms_norm_bf16_normlab_median_eps": _seeds(0.2, 0.01),
                                     "layer_norm_bf16_naive_median_eps": _seeds(0.6, 0.01), "layer_norm_bf16_normlab_median_eps": _seeds(0.2, 0.01)},
      {"rms_norm_bf16_naive_median_eps": _seeds(0.2, 0.01), "rms_norm_bf16_normlab_median_eps": _seeds(0.3, 0.01)}),
+    ("speed.bytes_not_flops", {"normlab_layer_norm_total_ms": [1.0, 1.05, 1.1], "normlab_rms_norm_total_ms": [0.95, 1.0, 1.05]},
+     {"normlab_layer_norm_total_ms": [1.6, 1.68, 1.76], "normlab_rms_norm_total_ms": [1.0, 1.05, 1.1]}),
     ("speed.gru_step", {"gru_rmsnorm_step_ms": [80.0, 85.0, 90.0], "gru_layernorm_step_ms": [100.0, 106.0, 112.0]},
      {"gru_rmsnorm_step_ms": [101.0, 107.0, 113.0], "gru_layernorm_step_ms": [100.0, 106.0, 112.0]}),
     ("speed.rms_kernel_normlab", {"normlab_rms_norm_total_ms": [0.8, 0.85, 0.9], "normlab_layer_norm_total_ms": [1.0, 1.05, 1.1]},
@@ -568,7 +570,26 @@ def test_the_pilot_tunes_each_arm_and_sizes_the_seeds(corpus, env, tmp_path):
     assert design["seeds"]["norms"]["seeds"] == max(p["seeds"] for p in pairs)
 
 
-def test_each_arm_trains_at_the_learning_rate_its_design_gives(corpus, env, tmp_path):
+def _no_clocks(monkeypatch):
+    """Timings stubbed out, for tests of what is trained (they cost seconds of fresh processes each)."""
+    from normlab.experiments import norms
+
+    monkeypatch.setattr(norms, "time_steps_in_processes", lambda configs, *a, **k: {
+        label: {"ms": 1.0, "samples": [1.0, 1.1], "rounds": [1.0, 1.1]} for label in configs})
+    monkeypatch.setattr(norms, "time_norm_calls", lambda *a, **k: {"layernorm": 1.0, "rmsnorm": 0.9})
+
+
+def _timings_of(finished_out, out):
+    """The finished runs' timing jobs (clocks of this machine) copied into ``out``, so that a test of
+    what is trained or collected measures nothing a clock decides again."""
+    for path in (finished_out / "jobs").glob("*/*.json"):
+        if path.name.split("-")[0] in lab_module.TIMING_JOBS:
+            (out / "jobs" / path.parent.name).mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, out / "jobs" / path.parent.name / path.name)
+
+
+def test_each_arm_trains_at_the_learning_rate_its_design_gives(corpus, env, tmp_path, monkeypatch):
+    _no_clocks(monkeypatch)
     lrs = {"layernorm": 1e-3, "rmsnorm": 3e-3, "prmsnorm": 4e-3, "batchnorm": 5e-4, "none": 2e-4}
     path = tmp_path / "design.json"
     path.write_text(json.dumps({"tiny": {"arms": {k: {"lr": v} for k, v in lrs.items()}, "seeds": {"norms": {"seeds": 2}}}}))
@@ -696,6 +717,7 @@ def test_the_plan_lists_every_run_a_preset_trains(finished, tmp_path):
 def test_planned_commands_then_collect_train_nothing_more_and_match_a_direct_run(finished, tmp_path, capsys, monkeypatch):
     out, results = finished
     data = results["meta"]["data"]
+    _timings_of(out, tmp_path)
     assert main(["compare", "norms", "gradients", "--size", "tiny", "--data", data, "--out", str(tmp_path), "--plan"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     *trains, collect = [shlex.split(line) for line in lines]
@@ -731,6 +753,7 @@ def test_collect_trains_nothing_and_lists_the_runs_it_still_needs(finished, tmp_
 
 def test_two_jobs_at_once_give_the_verdicts_of_one(finished, tmp_path, capsys):
     out, results = finished
+    _timings_of(out, tmp_path)
     args = ["compare", "norms", "batchnorm", "--size", "tiny", "--data", results["meta"]["data"], "--out", str(tmp_path), "--quiet"]
     assert main([*args, "--jobs", "2"]) == 0
     logs = list((tmp_path / "logs").iterdir())

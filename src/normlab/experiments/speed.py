@@ -14,6 +14,30 @@ from normlab.experiments.lab import (
 from normlab.experiments.norms import ZHANG_SPEED
 from normlab.experiments.timing import time_steps_in_processes
 
+ARTICLES = ("the articles on RMSNorm: 'LayerNorm costs about 4d operations per token more than RMSNorm'; normalization "
+            "layers are memory-bound (DESIGN.md: the floor is the bytes moved)")
+
+# Work per row of d features, counted as the fused kernels compute it (forward: the statistics, the
+# normalization, the weight and bias; backward: the input gradient and the weight and bias sums).
+# Bytes: every element of x and y read or written once forward, of x, dy and dx backward; weights
+# are reused across rows and left out. LayerNorm's extra work (its mean, and the centring) is
+# arithmetic on data already in registers, which a memory-bound kernel does not wait for.
+FLOPS_PER_FEATURE = {("rms_norm", "fwd"): 4, ("layer_norm", "fwd"): 7, ("rms_norm", "bwd"): 9, ("layer_norm", "bwd"): 14}
+TENSORS_MOVED = {"fwd": 2, "bwd": 3}
+ITEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def row_work(op: str, pass_: str, d: int, dtype: str) -> tuple[int, int]:
+    """(FLOPs, bytes) per row of ``d`` features (see FLOPS_PER_FEATURE)."""
+    return FLOPS_PER_FEATURE[op, pass_] * d, TENSORS_MOVED[pass_] * ITEM_BYTES[dtype] * d
+
+
+def work_ratios() -> tuple[float, float]:
+    """LayerNorm over RMSNorm, forward + backward: the FLOP ratio and the byte ratio."""
+    flops = [sum(FLOPS_PER_FEATURE[op, p] for p in ("fwd", "bwd")) for op in ("layer_norm", "rms_norm")]
+    moved = [sum(TENSORS_MOVED.values())] * 2
+    return flops[0] / flops[1], moved[0] / moved[1]
+
 
 def _round_totals(records: list[dict], backend: str) -> dict:
     """Per bench round, ``backend``'s rms_norm and layer_norm times summed over its cases (shapes,
@@ -55,8 +79,10 @@ def preset_speed(lab: Lab) -> dict:
     rows, measured = [], {}
     for r in kern["records"]:
         if r["op"] != "copy":
+            flops, moved = row_work(r["op"], r["pass"], int(r["shape"].split("x")[-1]), r["dtype"])
             rows.append({"what": "kernel", "op": r["op"], "backend": r["backend"], "dtype": r["dtype"], "shape": r["shape"],
-                         "pass": r["pass"], "ms": r["ms"], "gbps": r["gbps"], "frac_of_copy": r["frac_of_copy"]})
+                         "pass": r["pass"], "ms": r["ms"], "gbps": r["gbps"], "frac_of_copy": r["frac_of_copy"],
+                         "flops_per_row": flops, "bytes_per_row": moved})
     for key, t in timing.items():
         norm, impl = key.split("|")
         rows.append({"what": "train step", "op": norm, "backend": impl, "dtype": "fp32", "shape": f"{B}x{T}x{model['d_model']}",
@@ -78,7 +104,21 @@ def preset_speed(lab: Lab) -> dict:
                      "shape": f"{gru_B}x{gru_T}x{gru['d']}", "pass": "fwd+bwd+adamw", "ms": _round(t["ms"], 4),
                      "gbps": None, "frac_of_copy": None})
         measured[f"gru_{norm}_step_ms"] = t["samples"]
+    flop_ratio, byte_ratio = work_ratios()
+    counted = ", ".join(f"{op} {p} {n}d" for (op, p), n in FLOPS_PER_FEATURE.items())
+    between = (flop_ratio * byte_ratio) ** 0.5  # the geometric midpoint: nearer the bytes below it, the FLOPs above
     claims = [
+        C.claim("speed.bytes_not_flops", f"LayerNorm's kernel time over RMSNorm's follows their bytes ({byte_ratio:.2f}x), "
+                f"not their FLOPs ({flop_ratio:.2f}x): the norms are memory-bound (normlab's fused kernels, forward + "
+                "backward, summed over shapes and dtypes)", ARTICLES,
+                _pick(measured, "normlab_layer_norm_total_ms", "normlab_rms_norm_total_ms"),
+                C.at_most("normlab_layer_norm_total_ms", "normlab_rms_norm_total_ms", between - 1, paired=True, over="rounds",
+                          origin=C.ours(f"{between:.3g}x, the geometric midpoint of the byte ratio and the FLOP ratio: a "
+                                        "time ratio below it is nearer the bytes, above it nearer the FLOPs")),
+                ["matches: FLOPs and bytes per row counted as the kernels compute them (" + counted + " FLOPs; x and y "
+                 "forward, x, dy and dx backward moved once), times from the same bench rounds",
+                 "differs: the articles reason about the operation count; the lab times normlab's kernels on this CPU"]),
+    ] + [
         C.claim(f"speed.rms_kernel_{backend}", f"RMSNorm's kernel takes at least 7% less time than LayerNorm's ({backend}: "
                 "forward + backward, summed over shapes and dtypes)", ZHANG19,
                 _pick(measured, f"{backend}_rms_norm_total_ms", f"{backend}_layer_norm_total_ms"),
@@ -107,7 +147,8 @@ def preset_speed(lab: Lab) -> dict:
         "question": "How fast are the norms per backend, and what do the fused kernels buy a training step?",
         "settings": {"shapes": list(shapes), "backends": list(backends), "step_model": model, "step_batch": [B, T],
                      "gru": {**gru, "batch": [gru_B, gru_T]}},
-        "columns": ["what", "op", "backend", "dtype", "shape", "pass", "ms", "gbps", "frac_of_copy"],
+        "columns": ["what", "op", "backend", "dtype", "shape", "pass", "ms", "gbps", "frac_of_copy", "flops_per_row",
+                    "bytes_per_row"],
         "rows": rows, "claims": claims, "series": {"records": kern["records"],
                                                 "timing": {**{k: v["ms"] for k, v in timing.items()},
                                                            **{f"gru|{k}": v["ms"] for k, v in gru_timing.items()}}},
