@@ -22,6 +22,7 @@ from normlab import claims as C
 from normlab import experiments as E
 from normlab import report
 from normlab.cli import main
+from normlab.experiments import common as common_module
 from normlab.experiments import design as DS
 from normlab.experiments import lab as lab_module
 from normlab.experiments import precision as precision_module
@@ -551,7 +552,7 @@ def test_the_demo_leaves_out_the_batch_size_trend_and_says_how_to_run_it(finishe
 def test_the_pilot_tunes_each_arm_and_sizes_the_seeds(corpus, env, tmp_path):
     settings = E.Settings(out=str(tmp_path / "tune"), size="tiny", data=str(corpus), quiet=True)
     design = E.tune_presets(["norms"], settings, command="normlab compare norms --size tiny --tune")["tiny"]
-    assert set(design["arms"]) == set(lab_module.NORMS)
+    assert set(design["arms"]) == set(common_module.NORMS)
     for arm, a in design["arms"].items():
         around = [float(f"{2e-3 * f:.3g}") for f in DS.LR_FACTORS]  # the preset's learning rate and either side
         assert set(around) <= set(a["grid"]) and len(a["grid"]) <= len(around) + DS.MAX_EXTEND

@@ -14,7 +14,7 @@ from normlab import experiments as E
 from normlab.cli import main
 from normlab.experiments import ladder as LD
 from normlab.experiments.lab import Lab, Settings
-from normlab.experiments.norms import lm_sizes
+from normlab.experiments.common import lm_sizes
 
 
 @pytest.fixture(autouse=True)

@@ -23,16 +23,16 @@ def versions(missing: str | None = None) -> dict[str, str]:
     """normlab's, Python's and each of PACKAGES' version; a package that is not installed is left
     out, or given as ``missing`` when that is set. Read from the installed metadata: nothing is
     imported (importing transformers or triton takes seconds)."""
-    import normlab
-
-    out = {"normlab": normlab.__version__, "python": platform.python_version()}
-    for name in PACKAGES:
+    out = {"python": platform.python_version()}
+    for name in ("normlab", *PACKAGES):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
-            if missing is not None:
+            if name == "normlab":  # run from a source tree that was never installed, as __init__ says too
+                out[name] = "0.0.0+unknown"
+            elif missing is not None:
                 out[name] = missing
-    return out
+    return {"normlab": out.pop("normlab"), **out}
 
 
 def cpu_name() -> str:

@@ -64,6 +64,7 @@ from normlab import claims as C
 from normlab.experiments import design as DS
 from normlab.experiments import ladder as LD
 from normlab.experiments.batchnorm import BATCH_SIZES, preset_batchnorm
+from normlab.experiments.common import lm_sizes
 from normlab.experiments.depth import preset_depth
 from normlab.experiments.dyt import preset_dyt
 from normlab.experiments.eps import preset_eps
@@ -71,7 +72,7 @@ from normlab.experiments.final_norm import preset_final_norm
 from normlab.experiments.gradients import preset_gradients
 from normlab.experiments.invariance import preset_invariance
 from normlab.experiments.lab import SIZES, Interrupted, Lab, Pending, RunsPending, Settings
-from normlab.experiments.norms import lm_sizes, preset_norms
+from normlab.experiments.norms import preset_norms
 from normlab.experiments.precision import preset_precision
 from normlab.experiments.sandwich import preset_sandwich
 from normlab.experiments.shallow import preset_shallow

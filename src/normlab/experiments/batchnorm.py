@@ -9,8 +9,8 @@ import torch
 
 from normlab import claims as C
 from normlab import data as D
-from normlab.experiments.lab import SHEN20, Lab, _pick, _round, stats, trains, unigram_loss
-from normlab.experiments.norms import LM_SEEDS, lm_sizes, train_norms
+from normlab.experiments.common import LM_SEEDS, SHEN20, _pick, _round, lm_sizes, stats, train_norms, trains, unigram_loss
+from normlab.experiments.lab import Lab
 from normlab.train import load_run
 
 
@@ -226,8 +226,3 @@ def preset_batchnorm(lab: Lab) -> dict:
                      "|training-mode loss - eval-mode loss| / eval-mode loss on fixed padded validation batches of the "
                      "run's own batch size."] if trend else brief),
     }
-
-
-# =================================================================================== precision
-
-EPS16 = {"bf16": 2.0**-7, "fp16": 2.0**-10}  # machine epsilon

@@ -3,19 +3,8 @@
 from __future__ import annotations
 
 from normlab import claims as C
-from normlab.experiments.gradients import XIONG_MODEL
-from normlab.experiments.lab import (
-    WANG22,
-    Lab,
-    _curves,
-    _pick,
-    _round,
-    deep_sizes,
-    stats,
-    trains,
-    unigram_loss,
-)
-from normlab.experiments.norms import DIVERGED
+from normlab.experiments.common import DIVERGED, WANG22, XIONG_MODEL, _curves, _pick, _round, deep_sizes, stats, trains, unigram_loss
+from normlab.experiments.lab import Lab
 
 # ======================================================================================= depth
 

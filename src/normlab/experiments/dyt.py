@@ -23,8 +23,8 @@ import torch
 
 from normlab import claims as C
 from normlab import data as D
-from normlab.experiments.lab import Lab, _curves, _pick, _round, stats, trains, unigram_loss
-from normlab.experiments.norms import COMPARABLE, WORSE, lm_sizes
+from normlab.experiments.common import COMPARABLE, WORSE, _curves, _pick, _round, lm_sizes, stats, trains, unigram_loss
+from normlab.experiments.lab import Lab
 from normlab.nn import DyT
 from normlab.train import load_run, train_split
 

@@ -15,7 +15,8 @@ import torch
 
 from normlab import claims as C
 from normlab import functional as F
-from normlab.experiments.lab import Lab, _pick, _round
+from normlab.experiments.common import _pick, _round
+from normlab.experiments.lab import Lab
 
 EPS = 1e-6
 SOURCE = ("where RMSNorm's eps goes: outside the square root in Zhang & Sennrich's (2019) own code, inside it in "

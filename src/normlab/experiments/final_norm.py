@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 from normlab import claims as C
-from normlab.experiments.lab import XIONG20, Lab, _curves, _pick, _round, stats, trains, unigram_loss
-from normlab.experiments.norms import DIVERGED, WORSE, lm_sizes
+from normlab.experiments.common import DIVERGED, WORSE, XIONG20, _curves, _pick, _round, lm_sizes, stats, trains, unigram_loss
+from normlab.experiments.lab import Lab
 
 LLAMA23 = ("Touvron et al. (2023), LLaMA: Open and Efficient Foundation Language Models (a final RMSNorm before the "
            "output layer); " + XIONG20 + " (the Pre-LN Transformer adds a final layer normalization)")

@@ -10,7 +10,8 @@ import torch
 
 from normlab import claims as C
 from normlab import data as D
-from normlab.experiments.lab import XIONG20, Lab, _pick, _round
+from normlab.experiments.common import XIONG20, XIONG_MODEL, _pick, _round
+from normlab.experiments.lab import Lab
 from normlab.model import Decoder, ModelConfig
 
 
@@ -33,8 +34,6 @@ def log_slope(norms: list[float]) -> float:
     return float(np.polyfit(idx, np.log(np.asarray(norms)), 1)[0])
 
 
-# The model of Xiong et al. (2020): the original Transformer's pieces in this decoder.
-XIONG_MODEL = dict(norm="layernorm", mlp="relu", positions="learned", tie_embeddings=False, embed_scale=True, init="xavier")
 # This decoder (LLaMA-style), with the same xavier init so that only the architecture differs.
 LLAMA_MODEL = dict(norm="rmsnorm", mlp="swiglu", positions="rope", tie_embeddings=True, embed_scale=False, init="xavier")
 # Xiong's model with one factor taken from this decoder: which one changes the picture?

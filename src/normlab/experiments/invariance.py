@@ -21,8 +21,8 @@ import torch
 from normlab import claims as C
 from normlab import data as D
 from normlab import functional as F
-from normlab.experiments.lab import SHEN20, ZHANG19, Lab, _curves, _pick, _round, stats, trains, unigram_loss
-from normlab.experiments.norms import COMPARABLE, WORSE, lm_sizes
+from normlab.experiments.common import COMPARABLE, SHEN20, WORSE, ZHANG19, _curves, _pick, _round, lm_sizes, stats, trains, unigram_loss
+from normlab.experiments.lab import Lab
 from normlab.model import Decoder
 
 KINDS = ("layernorm", "rmsnorm")

@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
 import re
 import shlex
 import statistics
@@ -19,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from normlab import claims as C
 from normlab import data as D
 from normlab.experiments import cost as CO
 from normlab.experiments import design as DS
@@ -29,18 +27,7 @@ from normlab.model import Decoder, ModelConfig
 from normlab.runs import clean_json, clear, locked, read_json, read_metrics, wait_for, write_json
 from normlab.train import TrainConfig, split_overrides, train
 
-ZHANG19 = "Zhang & Sennrich (2019), Root Mean Square Layer Normalization, NeurIPS"
-XIONG20 = "Xiong et al. (2020), On Layer Normalization in the Transformer Architecture, ICML"
-WANG22 = "Wang et al. (2022), DeepNet: Scaling Transformers to 1,000 Layers"
-SHEN20 = "Shen et al. (2020), PowerNorm: Rethinking Batch Normalization in Transformers, ICML"
-MICIK18 = "Micikevicius et al. (2018), Mixed Precision Training, ICLR"
-WORTSMAN23 = ("Wortsman et al. (2023), Small-scale proxies for large-scale Transformer training instabilities; "
-              "Dehghani et al. (2023), Scaling Vision Transformers to 22 Billion Parameters")
-NORMLAB = "normlab's aim (DESIGN.md): fused kernels faster than the framework's own norms"
-
-NORMS = ("layernorm", "rmsnorm", "prmsnorm", "batchnorm", "none")
 SIZES = ("full", "quick", "tiny", "gpu")
-PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
 
 
 class Interrupted(Exception):
@@ -448,55 +435,3 @@ def _run_result(folder: Path, summary: dict) -> dict:
     }
 
 
-def stats(values) -> dict:
-    """mean, std (None with fewer than two values), min and max of the finite values."""
-    v = [float(x) for x in values if x is not None and math.isfinite(x)]
-    if not v:
-        return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
-    return {"mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else None,
-            "min": min(v), "max": max(v), "n": len(v)}
-
-
-def _round(x, digits=4):
-    return None if x is None else float(f"{x:.{digits}g}")
-
-
-# ============================================================ helpers the presets share (issue 37 moves them out)
-
-
-def _pick(measured: dict, *keys) -> dict:
-    """The measured values a claim uses."""
-    return {k: measured.get(k) for k in keys}
-
-
-def _curves(run: dict) -> dict:
-    return {"status": run["status"], "val_curve": run["val_curve"], "train_curve": run["train_curve"]}
-
-
-def deep_sizes(lab: Lab, depth_quick: int, depth_full: int) -> tuple[dict, dict]:
-    train_fields = dict(preset="small", tokenizer="char", ckpt_every=0, schedule="cosine", diverge_factor=3.0)
-    if lab.size == "tiny":
-        train_fields.update(steps=6, batch_size=4, seq_len=16, eval_every=3, eval_batches=2)
-        model = dict(d_model=16, n_layers=3, n_heads=2, max_seq_len=16, init="xavier")
-    elif lab.quick:
-        train_fields.update(steps=200, batch_size=8, seq_len=64, eval_every=50, eval_batches=4)
-        model = dict(d_model=64, n_layers=depth_quick, n_heads=4, max_seq_len=64, init="xavier")
-    else:
-        train_fields.update(steps=1000, batch_size=16, seq_len=128, eval_every=100, eval_batches=10)
-        model = dict(d_model=128, n_layers=depth_full, n_heads=4, max_seq_len=128, init="xavier")
-    return train_fields, model
-
-
-TRAINS = C.ours("10% below the character-frequency (unigram) loss: the model learned more than letter counts")
-
-
-def trains(key: str) -> dict:
-    """The precondition of a claim about training: the loss ends 10% below the unigram loss."""
-    return C.at_most(key, "unigram_loss", -0.1, origin=TRAINS)
-
-
-def unigram_loss(tokens) -> float:
-    """Cross-entropy (nats) of the token frequencies: the loss of a model that learned nothing else."""
-    counts = np.bincount(np.asarray(tokens, dtype=np.int64))
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())

@@ -6,39 +6,25 @@ import statistics
 
 from normlab import claims as C
 from normlab import data as D
-from normlab.experiments.lab import (
+from normlab.experiments.common import (
+    COMPARABLE,
+    DIVERGED,
+    LM_SEEDS,
     NORMS,
+    WORSE,
     ZHANG19,
-    Lab,
+    ZHANG_SPEED,
     _curves,
     _pick,
     _round,
+    lm_sizes,
     stats,
+    train_norms,
     trains,
     unigram_loss,
 )
+from normlab.experiments.lab import Lab
 from normlab.experiments.timing import time_norm_calls, time_steps_in_processes
-
-
-def lm_sizes(lab: Lab) -> tuple[dict, dict]:
-    """Training and model fields of the language-model comparisons (norms, batchnorm)."""
-    train_fields = dict(preset="small", tokenizer="char", ckpt_every=0, diverge_factor=3.0, weight_decay=0.1)
-    if lab.size == "tiny":
-        train_fields.update(steps=6, batch_size=4, seq_len=16, lr=2e-3, min_lr=2e-4, warmup=2, eval_every=3, eval_batches=2)
-        model = dict(d_model=16, n_layers=2, n_heads=2, max_seq_len=16)
-    elif lab.quick:
-        train_fields.update(steps=200, batch_size=16, seq_len=64, lr=2e-3, min_lr=2e-4, warmup=20, eval_every=25, eval_batches=8)
-        model = dict(d_model=96, n_layers=4, n_heads=4, max_seq_len=64)
-    else:
-        train_fields.update(steps=1000, batch_size=16, seq_len=256, lr=1e-3, min_lr=1e-4, warmup=100, eval_every=50, eval_batches=20)
-        model = dict(d_model=256, n_layers=4, n_heads=4, max_seq_len=256)
-    return train_fields, model
-
-
-def train_norms(lab: Lab, norms, seeds) -> dict[str, list[dict]]:
-    train_fields, model = lm_sizes(lab)
-    return {norm: [lab.run(f"{norm}-s{seed}", train_fields, {**model, "placement": "pre"}, {"norm": norm, "seed": seed},
-                           tune=True) for seed in lab.arm_seeds(norm, seeds, LM_SEEDS, preset="norms")] for norm in norms}
 
 
 def expected_step(share: float, kernel_gain: float, rms_ms: list[float], ln_ms: list[float]) -> str:
@@ -70,20 +56,6 @@ NORMS_CONDITIONS = [
     "differs: a 4-layer Pre-LN decoder on Shakespeare characters, a few hundred steps (the paper: machine translation, "
     "reading comprehension, image-caption retrieval and classification models)",
 ]
-
-# Thresholds used by more than one claim, with where they come from.
-COMPARABLE = C.ours("the paper reports 'comparable performance' without a number; 2% of the loss (0.04-0.07 nats at "
-                    "these losses, a 4-7% change of perplexity) is the lab's bound for a difference a user would act on, "
-                    "fixed in the plan before the runs; the evidence also gives the smallest margin that holds")
-WORSE = C.ours("2% of the loss: as large as the comparable-quality bound, so 'worse' and 'comparable' cannot both hold")
-ZHANG_SPEED = C.source("'reduces the running time by 7%~64% on different models' (abstract)")
-DIVERGED = C.ours("a count: one diverged seed is a failure to train")
-
-
-# Seeds where the design sizes none: the arms outside the equivalence claims (BatchNorm and no
-# norm, whose claims are large directional effects), and sizes without a design.
-LM_SEEDS = 5
-
 
 def preset_norms(lab: Lab) -> dict:
     seeds = lab.seeds(LM_SEEDS, LM_SEEDS)

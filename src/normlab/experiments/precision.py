@@ -11,8 +11,8 @@ import torch.nn.functional as TF
 from normlab import claims as C
 from normlab import functional as F
 from normlab import reference
-from normlab.experiments.batchnorm import EPS16
-from normlab.experiments.lab import MICIK18, Lab, _pick, _round
+from normlab.experiments.common import MICIK18, _pick, _round
+from normlab.experiments.lab import Lab
 
 
 def precision_errors(op: str, dtype_name: str, scales, d: int, rows: int, seed: int) -> dict:
@@ -50,6 +50,7 @@ def precision_errors(op: str, dtype_name: str, scales, d: int, rows: int, seed: 
     return out
 
 
+EPS16 = {"bf16": 2.0**-7, "fp16": 2.0**-10}  # machine epsilon
 BROKEN = 0.1  # an output off by more than 10% of its scale is broken, not imprecise
 
 

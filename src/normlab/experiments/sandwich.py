@@ -13,8 +13,8 @@ import torch
 
 from normlab import claims as C
 from normlab import data as D
-from normlab.experiments.lab import Lab, _curves, _pick, _round, stats, trains, unigram_loss
-from normlab.experiments.norms import COMPARABLE, lm_sizes
+from normlab.experiments.common import COMPARABLE, _curves, _pick, _round, lm_sizes, stats, trains, unigram_loss
+from normlab.experiments.lab import Lab
 from normlab.train import initial_model, load_run
 
 SANDWICH = ("Ding et al. (2021), CogView (sandwich LayerNorm); Gemma Team (2024), Gemma 2; "

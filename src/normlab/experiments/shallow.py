@@ -8,9 +8,8 @@ dozen layers. Both placements, both depths, the same steps, warmup and seeds.
 from __future__ import annotations
 
 from normlab import claims as C
-from normlab.experiments.gradients import XIONG_MODEL
-from normlab.experiments.lab import XIONG20, Lab, _curves, _pick, _round, deep_sizes, stats, trains, unigram_loss
-from normlab.experiments.norms import DIVERGED
+from normlab.experiments.common import DIVERGED, XIONG20, XIONG_MODEL, _curves, _pick, _round, deep_sizes, stats, trains, unigram_loss
+from normlab.experiments.lab import Lab
 
 LIU20 = ("Liu et al. (2020), Understanding the Difficulty of Training Transformers, EMNLP (Post-LN, when it trains, "
          "often performs better than Pre-LN; Pre-LN is more stable in depth); " + XIONG20)

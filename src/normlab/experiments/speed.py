@@ -4,14 +4,8 @@ from __future__ import annotations
 
 from normlab import claims as C
 from normlab import data as D
-from normlab.experiments.lab import (
-    NORMLAB,
-    ZHANG19,
-    Lab,
-    _pick,
-    _round,
-)
-from normlab.experiments.norms import ZHANG_SPEED
+from normlab.experiments.common import NORMLAB, ZHANG19, ZHANG_SPEED, _pick, _round
+from normlab.experiments.lab import Lab
 from normlab.experiments.timing import time_steps_in_processes
 
 ARTICLES = ("the articles on RMSNorm: 'LayerNorm costs about 4d operations per token more than RMSNorm'; normalization "

@@ -19,7 +19,8 @@ import torch
 
 from normlab import claims as C
 from normlab import functional as F
-from normlab.experiments.lab import Lab, _pick, _round
+from normlab.experiments.common import _pick, _round
+from normlab.experiments.lab import Lab
 from normlab.kernels import available_backends
 from normlab.testing import assert_close
 

@@ -10,8 +10,8 @@ import torch
 
 from normlab import claims as C
 from normlab import data as D
-from normlab.experiments.gradients import XIONG_MODEL
-from normlab.experiments.lab import WORTSMAN23, XIONG20, Lab, _pick, _round, stats, trains, unigram_loss
+from normlab.experiments.common import WORTSMAN23, XIONG20, XIONG_MODEL, _pick, _round, stats, trains, unigram_loss
+from normlab.experiments.lab import Lab
 from normlab.train import load_run
 
 # The settings of the stability sweep: (placement, warmup on, qk-norm).

@@ -1,0 +1,74 @@
+"""The house's shape: imports run down the layers (the math, the kernels, the layers, the model,
+training, the lab, the report, the command), and no preset imports another preset."""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "normlab"
+
+# Lowest first. A module may import from its own layer or a lower one.
+LAYERS = [
+    {"reference", "testing", "runs", "claims", "plots", "env", "experiments.cost", "experiments.design", "kernels._triton",
+     "kernels.cpu.codecs", "kernels.cpu.dynamic_tanh", "kernels.cpu.layernorm", "kernels.cpu.memory", "kernels.cpu.rmsnorm",
+     "kernels.cpu.rows", "kernels.cpu.simd"},
+    {"kernels._glue", "kernels.cpu.cache", "kernels.cpu.launch"},
+    {"kernels", "kernels.triton", "kernels.cpu"},
+    {"functional"},
+    {"nn"},
+    {"model", "rnn", "footprint"},
+    {"data", "bench", "hf"},
+    {"train"},
+    {"experiments.ladder", "experiments.timing", "experiments.lab", "experiments.sweep"},
+    {"experiments.common"},
+    set(),  # the presets (filled below)
+    {"experiments", "report"},
+    {"compare"},
+    {"cli", "", "__main__"},
+]
+# Known and owed: kernels.cpu's warmup_calls imports functional (issue 37, item 3, moves it out)
+OWED = {("kernels.cpu", "functional")}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        out[".".join(p for p in parts if p != "__init__")] = path
+    return out
+
+
+def _imports(path: Path, modules: dict) -> set[str]:
+    """The normlab modules a file imports (``from normlab.x import y`` is y when y is a module)."""
+    deps = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("normlab"):
+            base = node.module.removeprefix("normlab").lstrip(".")
+            for alias in node.names:
+                sub = f"{base}.{alias.name}".lstrip(".")
+                deps.add(sub if sub in modules else base)
+        elif isinstance(node, ast.Import):
+            deps |= {a.name.removeprefix("normlab").lstrip(".") for a in node.names if a.name.startswith("normlab")}
+    return deps
+
+
+def _presets(modules: dict) -> set[str]:
+    return {m for m, p in modules.items() if m.startswith("experiments.") and "def preset_" in p.read_text()}
+
+
+def test_no_preset_imports_another_preset():
+    modules = _modules()
+    presets = _presets(modules)
+    assert len(presets) >= 10
+    bad = {(p, d) for p in presets for d in _imports(modules[p], modules) if d in presets - {p}}
+    assert not bad, f"presets that import another preset: {sorted(bad)} (shared things go in experiments/common.py)"
+
+
+def test_imports_run_down_the_layers():
+    modules = _modules()
+    layers = [set(layer) for layer in LAYERS]
+    layers[LAYERS.index(set())] = _presets(modules)
+    rank = {m: i for i, layer in enumerate(layers) for m in layer}
+    assert set(modules) <= set(rank), f"modules without a layer: {sorted(set(modules) - set(rank))}"
+    upward = {(m, d) for m in modules for d in _imports(modules[m], modules)
+              if d != m and d in rank and rank[d] > rank[m] and (m, d) not in OWED}
+    assert not upward, f"imports from a higher layer: {sorted(upward)}"
