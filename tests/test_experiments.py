@@ -64,6 +64,13 @@ def test_every_preset_writes_a_complete_section(finished):
     assert saved["meta"]["torch"] and saved["meta"]["processor"]
 
 
+def test_sections_record_what_their_runs_and_timings_were_measured_under(finished):
+    clocks = finished[1]["presets"]["norms"]["clocks"]
+    assert [c["threads"] for c in clocks["runs"]] == [torch.get_num_threads()]  # every run here: one condition
+    assert clocks["timings"] and clocks["timings"][0]["processor"] == clocks["runs"][0]["processor"]
+    assert finished[1]["presets"]["eps"]["clocks"] == {"runs": [], "timings": []}  # exact: nothing timed or trained
+
+
 def _keys(rule) -> set:
     if rule["kind"] in ("all", "any"):
         return set().union(*(_keys(r) for r in rule["rules"]))

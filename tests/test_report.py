@@ -177,3 +177,30 @@ def test_the_step_time_expectation_says_whether_the_measurement_fits_it():
     assert "Measured: 1.0% faster" in near and "within what the norms' share allows" in near
     slower = expected_step(0.09, 0.33, [v * 1.02 for v in ln], ln)
     assert "Measured: 2.0% slower" in slower and "the slower one" in slower
+
+
+def test_runs_trained_under_mixed_conditions_are_said_at_the_top_and_not_plotted_per_second(tmp_path):
+    # issue 42: the header said torch_threads 1 while some runs used 2, and the per-second plot
+    # compared runs timed under different thread counts
+    results = rejudged(RESULTS / "compare-demo-epyc-2core" / "results.json")
+    one, two = {"processor": "AMD EPYC", "threads": 1}, {"processor": "AMD EPYC", "threads": 2}
+    for section in results["presets"].values():
+        section["clocks"] = {"runs": [one], "timings": [two]}
+    text = report.markdown(results, {})
+    assert "Mixed conditions" not in text and "different conditions" not in text  # one for the runs: nothing to say
+    results["presets"]["norms"]["clocks"]["runs"] = [one, two]
+    text = report.markdown(results, {})
+    top = text.split("| preset | claim |")[0]
+    assert "Mixed conditions: the training runs of norms were trained under 2 (AMD EPYC, 1 thread; AMD EPYC, 2 threads)" in top
+    assert "(the collecting process's)" in top
+    html_text = report.html_page(results, {}, tmp_path)
+    assert "Mixed conditions" in html_text
+    from normlab.plots import plot_norms
+
+    plt = report.pyplot()
+    fig = plot_norms(results["presets"]["norms"], plt)["norms_loss.png"]
+    per_second = fig.axes[1]
+    assert not per_second.lines and "left out" in per_second.texts[0].get_text()
+    results["presets"]["norms"]["clocks"]["runs"] = [one]
+    assert plot_norms(results["presets"]["norms"], plt)["norms_loss.png"].axes[1].lines
+    plt.close("all")

@@ -52,6 +52,9 @@ def test_loss_falls_and_the_run_directory_is_complete(corpus, tmp_path):
     saved = json.loads((run / "config.json").read_text())
     assert saved["train"]["steps"] == 30 and saved["model_resolved"]["d_model"] == 32
     assert (run / "tokenizer.json").exists() and json.loads((run / "summary.json").read_text())["versions"]["torch"] == torch.__version__
+    # what its times depend on, so that a report can tell runs timed under different conditions apart
+    clock = json.loads((run / "summary.json").read_text())["clock"]
+    assert clock["threads"] == torch.get_num_threads() and clock["processor"] and "loaded" not in clock
     text = T.sample(run, "the ", tokens=20)
     assert text.startswith("the ") and len(text) == 24
 

@@ -56,6 +56,16 @@ def git_commit() -> str | None:
     return done.stdout.strip() or None
 
 
+def clock() -> dict:
+    """What a time measured in this process depends on: the CPU, torch's thread count, the GPU."""
+    import torch
+
+    out = {"processor": cpu_name(), "threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
 def environment() -> dict:
     """Machine and versions, recorded with every result."""
     import torch

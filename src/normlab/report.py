@@ -73,8 +73,35 @@ def settings_rows(settings: dict) -> list[tuple[str, str]]:
     return [(str(k), _setting(v)) for k, v in settings.items()]
 
 
+def clock_text(clock: dict) -> str:
+    """One measuring condition (env.clock) in words."""
+    return (f"{clock.get('processor')}, {clock.get('threads')} thread{'s' if clock.get('threads') != 1 else ''}"
+            + (f", {clock['gpu']}" if clock.get("gpu") else "") + (", under load (steps slowed 5x)" if clock.get("loaded") else ""))
+
+
+def clock_lines(results: dict) -> list[str]:
+    """Mixed measuring conditions, said at the top: training runs of one section trained under
+    different machines, thread counts or loads (their tokens/s and per-second curves do not compare,
+    so those curves are left out), or sections trained under different ones."""
+    runs = {name: s.get("clocks", {}).get("runs", []) for name, s in results["presets"].items()}
+    mixed = {name: c for name, c in runs.items() if len(c) > 1}
+    every = {clock_text(c) for cs in runs.values() for c in cs}
+    lines = []
+    if mixed:
+        lines.append("Mixed conditions: the training runs of " + "; of ".join(
+            f"{name} were trained under {len(c)} ({'; '.join(clock_text(x) for x in c)})" for name, c in mixed.items())
+            + ". Their tokens/s, run_step_ms and per-second curves do not compare across those conditions: the "
+            "per-second curves are left out. Timing claims are not among them: each is measured in one process, keyed "
+            "by machine and thread count.")
+    elif len(every) > 1:
+        lines.append(f"The sections' training runs were trained under {len(every)} conditions ({'; '.join(sorted(every))}), "
+                     "each section under one: compare run times within a section, not across sections.")
+    return lines
+
+
 def _meta_lines(meta: dict) -> list[str]:
     keys = ("date", "processor", "cpus", "torch_threads", "gpu", "python", "torch", "numba", "triton", "normlab", "git")
+    meta = {**meta, "torch_threads": f"{meta['torch_threads']} (the collecting process's)"} if meta.get("torch_threads") else meta
     env = ", ".join(f"{k} {meta[k]}" for k in keys if meta.get(k) is not None)
     seeds = meta.get("seeds")
     return [f"Machine and versions: {env}.",
@@ -149,7 +176,7 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
     counts = verdict_counts(results)
     lines += [f"Claims: {_counts_text(counts)} "
               "at this scale. Verdicts are computed from the measured numbers by the stated rule.", ""]
-    lines += [f"{line}  " for line in family_lines(results)] + [""]
+    lines += [f"{line}  " for line in family_lines(results) + clock_lines(results)] + [""]
     lines += ["| preset | claim | verdict | alone (95%) |", "|---|---|---|---|"]
     for name, section in results["presets"].items():
         for c in section["claims"]:
@@ -185,7 +212,7 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
 
 CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#1f2328;line-height:1.45}
 table{border-collapse:collapse;margin:.6em 0;font-size:.9em}td,th{border:1px solid #d0d7de;padding:.25em .6em;text-align:right}
-th{background:#f6f8fa}td:first-child,th:first-child{text-align:left}.settings td{text-align:left}img{max-width:100%}
+th{background:#f6f8fa}.warn{background:#fff8c5;padding:.4em .6em;border-left:3px solid #d4a72c}td:first-child,th:first-child{text-align:left}.settings td{text-align:left}img{max-width:100%}
 .verdict{font-weight:600;padding:.05em .4em;border-radius:.3em;color:#fff;white-space:nowrap}
 .claim{margin:.5em 0 .8em}.claim ul{margin:.1em 0 .2em;padding-left:1.4em}.rule,.measured{font-size:.85em;color:#57606a}.note{font-size:.88em;color:#57606a;border-left:3px solid #d0d7de;padding-left:.7em}
 code{font-size:.85em;background:#f6f8fa;padding:.1em .3em}"""
@@ -205,6 +232,7 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
     parts.append(f"<p>Claims: {_counts_text(counts)} at "
                  "this scale. Every verdict is computed from the measured numbers by the rule shown with it.</p>")
     parts += [f"<p>{e(line)}</p>" for line in family_lines(results)]
+    parts += [f"<p class='warn'>{e(line)}</p>" for line in clock_lines(results)]
     parts.append("<table><tr><th>preset</th><th>claim</th><th>verdict</th><th>alone (95%)</th></tr>")
     for name, section in results["presets"].items():
         for c in section["claims"]:

@@ -420,6 +420,7 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
     wall = time.perf_counter() - t_start
     summary.update(status=status, first_loss=first_loss, wall_s=round(wall, 2),
                    tokens_per_s=round(tokens_seen / wall, 1) if wall > 0 else None, versions=env.versions(),
+                   clock={**env.clock(), **({"loaded": True} if warned else {})},  # what its times depend on
                    parameters=model.num_parameters(), parameters_no_embedding=model.num_parameters(False))
     if tokens_seen == 0 and logged:  # resumed at its end: the run's figures are the logged ones
         summary.update(tokens_per_s=logged.get("tokens_per_s"), wall_s=previous.get("wall_s", logged.get("train_s")))

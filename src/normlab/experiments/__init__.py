@@ -219,6 +219,8 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
             section["notes"].append(f"Cached results that no longer matched their data or code were computed again: "
                                     f"{', '.join(lab.stale)}.")
         section["size"] = lab.size
+        # report.py flags runs trained under different conditions (their times then do not compare)
+        section["clocks"] = {k: [json.loads(c) for c in sorted(v)] for k, v in lab.clocks.items()}
         section["parameters"] = statistics.median(lab.parameters) if lab.parameters else None
         if settings.rung is not None:
             section["rung"] = {"index": settings.rung, "width": LD.WIDTHS[settings.rung], "lr_rule": LD.LR_RULE}

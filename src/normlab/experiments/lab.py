@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from normlab import data as D
+from normlab.env import clock
 from normlab.experiments import cost as CO
 from normlab.experiments import design as DS
 from normlab.experiments import ladder as LD
@@ -113,10 +114,12 @@ class Lab:
         self.pilot: dict = {"arms": {}, "pairs": []}  # --tune: each arm's pilot losses, the equivalences to power
         self.tuned: dict[str, dict] = {}  # the current preset's arms: the learning rate each trained at, and why
         self.parameters: list[int] = []  # the non-embedding parameters of the current preset's runs
+        # the conditions (env.clock, as JSON) its runs were trained under and its timings measured under
+        self.clocks: dict[str, set[str]] = {"runs": set(), "timings": set()}
 
     def begin(self, preset: str) -> None:
         self.preset, self.cost, self.stale, self._measured, self.waiting = preset, 0.0, [], False, False
-        self.tuned, self.parameters = {}, []
+        self.tuned, self.parameters, self.clocks = {}, [], {"runs": set(), "timings": set()}
 
     # -- sizes and seeds
     def pick(self, quick, full, tiny=None):
@@ -307,7 +310,7 @@ class Lab:
                 self.cost += summary.get("wall_s") or 0.0
                 if not (folder / "cache.json").exists():  # trained by a planned `normlab train`
                     (folder / "cache.json").write_text(json.dumps({"config_key": config_key, "key": key}))
-                return _run_result(folder, summary)
+                return self._clocked(_run_result(folder, summary))
             resume = (folder / "checkpoint.pt").exists()
         elif (folder / "checkpoint.pt").exists() and (folder / "config.json").exists():
             resume = True  # killed without a summary: its last checkpoint stands
@@ -327,7 +330,12 @@ class Lab:
         if summary["status"] in ("interrupted", "stopped"):
             raise Interrupted(f"{label} stopped at step {summary['step']}; its checkpoint is in {folder}")
         self.cost += summary.get("wall_s") or 0.0
-        return _run_result(folder, summary)
+        return self._clocked(_run_result(folder, summary))
+
+    def _clocked(self, result: dict) -> dict:
+        if result.get("clock"):
+            self.clocks["runs"].add(json.dumps(result["clock"], sort_keys=True))
+        return result
 
     # -- measurements that are not training runs
     def job(self, name: str, params: dict, fn: Callable[[], dict]) -> dict:
@@ -338,6 +346,7 @@ class Lab:
             raise RunsPending(self.preset)
         if name in TIMING_JOBS:
             params = {**params, "machine": [bench_machine(), torch.get_num_threads()]}
+            self.clocks["timings"].add(json.dumps(clock(), sort_keys=True))
         key, config_key = self._keys(params)
         path = self.out / "jobs" / self.preset / f"{name}-{key}.json"
         if not path.exists():
@@ -430,6 +439,7 @@ def _run_result(folder: Path, summary: dict) -> dict:
         "train_loss": summary.get("loss"), "wall_s": summary.get("wall_s"),
         "step_ms": statistics.median(step_ms[len(step_ms) // 5:]) if step_ms else None,  # past the first fifth
         "tokens_per_s": summary.get("tokens_per_s"), "parameters": summary.get("parameters_no_embedding"),
+        "clock": summary.get("clock"),  # what its times depend on (machine, threads); None before normlab recorded it
         "val_curve": {"step": val_steps, "loss": val_loss, "time_s": val_time},
         "train_curve": {"step": steps[::stride], "loss": losses[::stride]},
     }
