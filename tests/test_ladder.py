@@ -157,6 +157,9 @@ def test_compare_ladder_end_to_end(corpus, tmp_path, capsys):
             results = json.loads((out / E.rung_file(rung, suffix)).read_text())
             assert results["presets"]["shallow"]["rung"]["index"] == rung and not C.recheck(results)
             assert results["meta"]["tokenizer"] == tokenizer
+            # the runs as the rung sized them, not the preset's own steps
+            at = results["presets"]["shallow"]["trained_at"]
+            assert {a["d_model"] for a in at} == {LD.width(16, 2, rung)} and len({a["steps"] for a in at}) == 1
             assert (out / (f"rung{rung}" + (f"-{suffix}" if suffix else "")) / "report.md").exists()
     rows = [line for line in (out / "ladder.md").read_text().splitlines() if line.startswith("| shallow.")]
     assert [r.split(" | ")[1] for r in rows] == ["char", "bpe", "char", "bpe"]

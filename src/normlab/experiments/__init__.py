@@ -222,6 +222,9 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
         # report.py flags runs trained under different conditions (their times then do not compare)
         section["clocks"] = {k: [json.loads(c) for c in sorted(v)] for k, v in lab.clocks.items()}
         section["parameters"] = statistics.median(lab.parameters) if lab.parameters else None
+        if settings.rung is not None or lab.size == "gpu":  # the runs as sized: settings show the preset's own fields
+            section["trained_at"] = [dict(zip(("d_model", "n_layers", "steps", "lr"), t))
+                                     for t in sorted(lab.trained_at, key=lambda t: tuple(str(x) for x in t))]
         if settings.rung is not None:
             section["rung"] = {"index": settings.rung, "width": LD.WIDTHS[settings.rung], "lr_rule": LD.LR_RULE}
         if lab.tuned:

@@ -116,10 +116,12 @@ class Lab:
         self.parameters: list[int] = []  # the non-embedding parameters of the current preset's runs
         # the conditions (env.clock, as JSON) its runs were trained under and its timings measured under
         self.clocks: dict[str, set[str]] = {"runs": set(), "timings": set()}
+        self.trained_at: set[tuple] = set()  # (d_model, n_layers, steps, lr) of its runs as sized (gpu, ladder)
 
     def begin(self, preset: str) -> None:
         self.preset, self.cost, self.stale, self._measured, self.waiting = preset, 0.0, [], False, False
         self.tuned, self.parameters, self.clocks = {}, [], {"runs": set(), "timings": set()}
+        self.trained_at: set[tuple] = set()
 
     # -- sizes and seeds
     def pick(self, quick, full, tiny=None):
@@ -293,6 +295,7 @@ class Lab:
         if arm is not None and arm["lr"] != tf.get("lr"):  # the rate it trains at is the size rule's
             arm.update(lr=tf.get("lr"), how=f"{arm['how']}, times d / d_new = {tf.get('lr')} (the size rule)")
         self.parameters.append(self._non_embedding(tf, mf))
+        self.trained_at.add((mf.get("d_model"), mf.get("n_layers"), tf.get("steps"), tf.get("lr")))
         # stop_at only pauses a run: the same run resumed without it is the same run
         config = [{k: v for k, v in tf.items() if k != "stop_at"}, mf]
         key, config_key = self._keys(config)
