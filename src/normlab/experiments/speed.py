@@ -80,7 +80,8 @@ def preset_speed(lab: Lab) -> dict:
     for key, t in timing.items():
         norm, impl = key.split("|")
         rows.append({"what": "train step", "op": norm, "backend": impl, "dtype": "fp32", "shape": f"{B}x{T}x{model['d_model']}",
-                     "pass": "fwd+bwd+adamw", "ms": _round(t["ms"], 4), "gbps": None, "frac_of_copy": None})
+                     "pass": "fwd+bwd+adamw", "ms": _round(t["ms"], 4), "gbps": None, "frac_of_copy": None,
+                     "flops_per_row": None, "bytes_per_row": None})
         measured[f"{norm}_{impl}_step_ms"] = t["samples"]
     for backend in ("normlab", "torch"):
         measured.update(_round_totals(kern["records"], backend))
@@ -96,7 +97,7 @@ def preset_speed(lab: Lab) -> dict:
     for norm, t in gru_timing.items():
         rows.append({"what": "GRU train step", "op": norm, "backend": "normlab", "dtype": "fp32",
                      "shape": f"{gru_B}x{gru_T}x{gru['d']}", "pass": "fwd+bwd+adamw", "ms": _round(t["ms"], 4),
-                     "gbps": None, "frac_of_copy": None})
+                     "gbps": None, "frac_of_copy": None, "flops_per_row": None, "bytes_per_row": None})
         measured[f"gru_{norm}_step_ms"] = t["samples"]
     flop_ratio, byte_ratio = work_ratios()
     counted = ", ".join(f"{op} {p} {n}d" for (op, p), n in FLOPS_PER_FEATURE.items())
