@@ -47,7 +47,7 @@ def test_every_arm_of_a_rung_trains_on_the_same_tokens(corpus, tmp_path):
     assert len(steps) == 1
 
 
-@pytest.mark.parametrize("preset", ["norms", "depth"])
+@pytest.mark.parametrize("preset", ["norms", "shallow"])
 def test_the_gpu_size_widens_the_full_runs_at_equal_tokens_per_parameter(corpus, tmp_path, preset):
     """--size gpu: each full-size run at d_model 768 with 64-wide heads and its own depth, its
     steps grown by the parameter ratio, its rate by d_full / 768; the plan lists those runs."""
