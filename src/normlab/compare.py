@@ -118,17 +118,22 @@ def _ladder(args: argparse.Namespace, names: list[str], settings, command: str, 
         _costs(pending, Console(stderr=True))
         return 0
     for rung, c, rung_settings in runs:
-        suffix = None if c in (None, "char") else c
+        suffix = _suffix(c)
         console.print(f"[bold magenta]ladder rung {rung}: d_model x{ladder.WIDTHS[rung]:g}"
                       f"{f', {c} tokens' if c else ''}[/bold magenta]")
         rc = _compare_once(args, names, rung_settings, command, console, results_file=experiments.rung_file(rung, suffix),
                            render_to=Path(args.out) / f"rung{rung}{'-' + suffix if suffix else ''}")
         if rc:
             return rc
-    suffixes = tuple(dict.fromkeys(None if c in (None, "char") else c for c in conditions))
+    suffixes = tuple(dict.fromkeys(_suffix(c) for c in conditions))
     paths = report.render_ladder(experiments.ladder_results(names, args.out, settings.per_claim, suffixes), args.out)
     console.print(f"ladder: {paths['markdown']} (trend claims), ladder.json and plots in {args.out}")
     return 0
+
+
+def _suffix(condition: str | None) -> str | None:
+    """A tokenizer condition's suffix on its rung files: none for characters, the presets' own."""
+    return None if condition in (None, "char") else condition
 
 
 def _tokenizers(args: argparse.Namespace, settings) -> list[str | None]:
