@@ -47,6 +47,21 @@ def test_every_arm_of_a_rung_trains_on_the_same_tokens(corpus, tmp_path):
     assert len(steps) == 1
 
 
+def test_the_norms_ladder_trains_the_arms_whose_trends_it_can_decide(corpus, tmp_path):
+    """norms on the ladder: LayerNorm, RMSNorm and no norm at every rung, seeds 0-4 each; at the
+    preset's own size all five arms."""
+    from normlab.experiments.norms import LADDER_NORMS
+
+    def arms(**over):
+        pending = E.plan_presets(["norms"], Settings(out=str(tmp_path / str(over)), size="quick", data=str(corpus), **over))
+        fields = [dict(a.split("=", 1) for a in r.argv if "=" in a) for r in pending]
+        return {(f["norm"], int(f["seed"])) for f in fields}
+
+    assert {n for n, _ in arms()} == {"layernorm", "rmsnorm", "prmsnorm", "batchnorm", "none"}
+    for rung in range(len(LD.WIDTHS)):
+        assert arms(rung=rung) == {(n, s) for n in LADDER_NORMS for s in range(LD.SEEDS)}
+
+
 @pytest.mark.parametrize("preset", ["norms", "shallow"])
 def test_the_gpu_size_widens_the_full_runs_at_equal_tokens_per_parameter(corpus, tmp_path, preset):
     """--size gpu: each full-size run at d_model 768 with 64-wide heads and its own depth, its
