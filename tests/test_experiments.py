@@ -114,6 +114,10 @@ def _seeds(mean, spread=0.005):
      {"pre_warm_qknorm_max_logit_top_lr": _seeds(40.0, 0.1), "pre_warm_max_logit_top_lr": _seeds(30.0, 0.1)}),
     ("warmup.qk_norm_sensitivity", {"pre_warm_qknorm_sensitivity": _seeds(0.3, 0.01), "pre_warm_sensitivity": _seeds(0.5, 0.01)},
      {"pre_warm_qknorm_sensitivity": _seeds(0.6, 0.01), "pre_warm_sensitivity": _seeds(0.5, 0.01)}),
+    ("warmup.embed_norm_stable", {"pre_warm_embednorm_diverged_high": [0] * 9, "pre_warm_diverged_high": [1] * 6 + [0] * 3},
+     {"pre_warm_embednorm_diverged_high": [1] * 6 + [0] * 3, "pre_warm_diverged_high": [0] * 9}),
+    ("warmup.embed_norm_quality", {"pre_warm_embednorm_best_val": _seeds(2.0), "pre_warm_best_val": _seeds(2.005), "unigram_loss": 3.4},
+     {"pre_warm_embednorm_best_val": _seeds(2.2), "pre_warm_best_val": _seeds(2.0), "unigram_loss": 3.4}),
     ("gradients.post_grows", {"xiong_post_growth": _seeds(3.0, 0.2)}, {"xiong_post_growth": _seeds(0.8, 0.05)}),
     ("gradients.pre_flat.llama", {"llama_pre_growth": _seeds(1.1, 0.05)}, {"llama_pre_growth": _seeds(0.25, 0.02)}),
     ("gradients.post_last_constant", {"xiong_post_last_slope": _seeds(0.02, 0.03)}, {"xiong_post_last_slope": _seeds(-0.5, 0.03)}),
@@ -248,6 +252,11 @@ def test_the_stability_sweep_records_its_settings_and_measures(finished):
         assert all(math.isfinite(v) and v >= 0 for v in m.get(f"{key}_sensitivity", [])) and m.get(f"{key}_sensitivity")
     assert all(v > 0 for v in m["pre_warm_max_logit_top_lr"] + m["pre_warm_qknorm_max_logit_top_lr"])
     assert set(section["series"]["curves"]) == set(E.SWEEP)
+    embed = json.loads(next((finished[0] / "runs").glob("pre-warm-embednorm-lr*-s0-*/config.json")).read_text())
+    assert embed["model_resolved"]["embed_norm"] is True and run["model_resolved"]["embed_norm"] is False
+    high = sorted(lrs)[len(lrs) // 2:]
+    assert len(m["pre_warm_embednorm_diverged_high"]) == len(high) * len(section["settings"]["seeds"])
+    assert all(v is None or math.isfinite(v) for v in m["pre_warm_embednorm_best_val"]) and m["pre_warm_embednorm_best_val"]
 
 
 def test_lr_sensitivity_follows_wortsman():
@@ -576,6 +585,17 @@ def test_the_pilot_tunes_each_arm_and_sizes_the_seeds(corpus, env, tmp_path):
         n = DS.seeds_for(p["pilot_sd_log_ratio"], 0.02, p["alpha_per_test"], DS.MAX_SEEDS["tiny"])[0]
         assert p["seeds"] == n and p["alpha_per_test"] == pytest.approx(0.05 / DS.FAMILY["demo"])
     assert design["seeds"]["norms"]["seeds"] == max(p["seeds"] for p in pairs)
+    # tuning another preset that shares an arm (scale's rmsnorm) adds its own arms and seeds and keeps
+    # the arm its owner tuned (a marked rate stands in for it, so that a re-tune cannot look the same)
+    path = tmp_path / "tune" / "design.json"
+    marked = json.loads(path.read_text())
+    marked["tiny"]["arms"]["rmsnorm"]["lr"] = 0.00123
+    path.write_text(json.dumps(marked))
+    both = E.tune_presets(["scale"], settings, command="normlab compare scale --size tiny --tune")["tiny"]
+    assert both["arms"]["rmsnorm"]["lr"] == 0.00123 and both["arms"]["rmsnorm"]["preset"] == "norms"
+    assert {both["arms"][a]["preset"] for a in ("l2", "scalenorm")} == {"scale"}
+    assert set(both["seeds"]) == {"norms", "scale"} and both["seeds"]["norms"] == design["seeds"]["norms"]
+    assert [(p["a"], p["b"]) for p in both["seeds"]["scale"]["pairs"]] == [("scalenorm", "rmsnorm")]
 
 
 def _no_clocks(monkeypatch):

@@ -361,6 +361,30 @@ def test_the_embedding_gain_is_a_learned_scalar_started_where_asked(gen):
     assert model(gen, d_model=64, n_heads=2).embed_gain is None
 
 
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm", "batchnorm"])
+def test_the_embedding_norm_normalizes_what_the_first_block_sees(gen, norm):
+    """embed_norm (Bloom's LayerNorm after the embedding): the first block's input is the norm of
+    the embeddings (every real token at RMS 1 with the norm's initial weight), of the model's kind,
+    and the logits are the same model's with that norm applied by hand."""
+    m = model(gen, norm=norm, embed_norm=True, n_layers=2, norm_eps=1e-10)  # embeddings at std 0.02: eps would show
+    assert type(m.embed_norm) is type(m.blocks[0].attn_norm) and "embed_norm.weight" in m.state_dict()
+    seen = []
+    m.blocks[0].register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach()))
+    idx = tokens(gen)
+    logits, _ = m(idx)
+    if norm == "batchnorm":  # each feature over the batch's tokens
+        flat = seen[0].reshape(-1, seen[0].shape[-1])
+        assert flat.mean(0).abs().max() < 1e-4 and (flat.var(0, unbiased=False) - 1).abs().max() < 1e-3
+    else:
+        assert torch.allclose(_token_rms(seen[0]), torch.ones(()), atol=1e-3)
+    assert torch.allclose(seen[0], m.embed_norm(m.embed(idx)), atol=1e-6)
+    plain = model(gen, norm=norm, n_layers=2, norm_eps=1e-10)
+    plain.load_state_dict({k: v for k, v in m.state_dict().items() if not k.startswith("embed_norm")})
+    assert plain.embed_norm is None and not torch.allclose(plain(idx)[0], logits, atol=1e-3)
+    with pytest.raises(ValueError, match="embed_norm must be true or false, got 'yes'"):
+        ModelConfig.preset("tiny", embed_norm="yes")
+
+
 @pytest.mark.parametrize("kw, message", [
     ({"embed_gain": 0.0}, r"embed_gain must be a finite number > 0 or None \(None: no gain\), got 0.0"),
     ({"embed_gain": 8.0, "embed_scale": True}, r"embed_gain and embed_scale both scale the token embeddings; set one"),

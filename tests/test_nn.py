@@ -5,7 +5,7 @@ import torch
 
 import normlab
 from normlab import functional as F
-from normlab.nn import DyT, LayerNorm, RMSNorm, SequenceBatchNorm, build_norm
+from normlab.nn import DyT, L2Norm, LayerNorm, RMSNorm, ScaleNorm, SequenceBatchNorm, build_norm
 
 
 def test_layer_norm_state_dict_moves_both_ways_with_torch(gen):
@@ -99,8 +99,8 @@ def test_sequence_batch_norm_padding_does_not_matter_but_batch_mates_do(gen):
 
 @pytest.mark.parametrize(
     "kind, cls",
-    [("layernorm", LayerNorm), ("rmsnorm", RMSNorm), ("prmsnorm", RMSNorm), ("batchnorm", SequenceBatchNorm), ("dyt", DyT),
-     ("none", torch.nn.Identity)],
+    [("layernorm", LayerNorm), ("rmsnorm", RMSNorm), ("prmsnorm", RMSNorm), ("l2", L2Norm), ("scalenorm", ScaleNorm),
+     ("batchnorm", SequenceBatchNorm), ("dyt", DyT), ("none", torch.nn.Identity)],
 )
 def test_build_norm_kinds(kind, cls):
     m = build_norm(kind, 64)
@@ -123,7 +123,7 @@ def test_build_norm_options():
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda: build_norm("groupnorm", 8), r"kind must be one of 'layernorm', 'rmsnorm', 'prmsnorm', 'batchnorm', 'dyt', 'none'; got 'groupnorm'"),
+        (lambda: build_norm("groupnorm", 8), r"kind must be one of 'layernorm', 'rmsnorm', 'prmsnorm', 'l2', 'scalenorm', 'batchnorm', 'dyt', 'none'; got 'groupnorm'"),
         (lambda: build_norm("rmsnorm", 8, partial=0.5), r"partial is an option of kind='prmsnorm'"),
         (lambda: build_norm("layernorm", 8, cast="gemma"), r"unknown option\(s\) cast for norm kind 'layernorm'; valid options: "),
         (lambda: build_norm("none", 8, eps=1e-5), r"unknown option\(s\) eps for norm kind 'none'"),
@@ -143,3 +143,56 @@ def test_module_errors(call, message):
 def test_module_forward_rejects_wrong_width():
     with pytest.raises(ValueError, match=r"weight has shape \(16,\), expected \(12,\) to match the last dimension of x"):
         RMSNorm(16)(torch.randn(2, 12))
+
+
+def _sphere_truth(x, scale, eps, g):
+    """The float64 math of the Euclidean-norm kinds: scale * x / sqrt(||x||^2 + eps), and its gradients."""
+    x = x.detach().double().requires_grad_()
+    scale = scale.detach().double().requires_grad_()
+    y = scale * x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+    return (y, *torch.autograd.grad(y, (x, scale), g.double()))
+
+
+@pytest.mark.parametrize("kind", ["l2", "scalenorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [48, 200])
+def test_the_euclidean_norm_kinds_match_the_float64_math(gen, kind, dtype, d):
+    """l2 (w * x / ||x||) and scalenorm (g * x / ||x||, g started at sqrt(d)): output and the
+    gradients of x and of the scale, on the default backend, within the bound of the reference
+    backend in the same dtype."""
+    from normlab.testing import assert_close
+
+    x = (torch.randn(6, 5, d, generator=gen, dtype=torch.float64) * 4).to(dtype)
+    g = torch.randn(6, 5, d, generator=gen, dtype=torch.float64).to(dtype)
+    trained = (torch.randn(d if kind == "l2" else 1, generator=gen, dtype=torch.float64) + 2).to(dtype)
+    outs = {}
+    for backend in (None, "reference"):
+        m = build_norm(kind, d, eps=1e-5, backend=backend, dtype=dtype)
+        with torch.no_grad():  # a trained scale, not the initial one
+            p = m.weight if kind == "l2" else m.g
+            p.copy_(trained)
+        xi = x.clone().requires_grad_()
+        y = m(xi)
+        outs[backend] = (y, *torch.autograd.grad(y, (xi, p), g))
+    scale = p if kind == "l2" else p.expand(d)
+    truth = _sphere_truth(x, scale, 1e-5, g)
+    truth = (truth[0], truth[1], truth[2] if kind == "l2" else truth[2].sum().reshape(1))
+    for name, f, lp, t, rule in zip(("output", "dx", "dscale"), outs[None], outs["reference"], truth,
+                                    ("element", "row", "tensor")):
+        assert f.dtype == dtype
+        assert_close(f, t, lowp=lp, dtype=dtype, name=f"{kind} {name}", rule=rule)
+    # the scale the kind keeps: rows leave with norm |g| (scalenorm) or 1 (l2 with w = 1)
+    rows = build_norm(kind, d, dtype=torch.float64)(x.double()).norm(dim=-1)
+    assert torch.allclose(rows, torch.full_like(rows, d**0.5 if kind == "scalenorm" else 1.0), rtol=1e-6)
+
+
+def test_the_euclidean_norm_kinds_refuse_what_they_do_not_have():
+    with pytest.raises(ValueError, match="weightless: a scalenorm has one scalar gain"):
+        build_norm("scalenorm", 8, weightless=True)
+    with pytest.raises(ValueError, match=r"unknown option\(s\) cast for norm kind 'l2'"):
+        build_norm("l2", 8, cast="gemma")
+    assert build_norm("l2", 8, weightless=True).weight is None
+    from normlab.model import ModelConfig
+
+    with pytest.raises(ValueError, match="norm_weightless: norm='scalenorm' has one scalar gain"):
+        ModelConfig(norm="scalenorm", norm_weightless=True)

@@ -65,7 +65,7 @@ class ModelConfig:
     embed_gain: float | None = None  # token embeddings times a learned scalar started here (Zhu et al.'s Llama with DyT: sqrt(d))
     rope_theta: float = 10000.0  # rotary base
     tie_embeddings: bool = True  # the LM head shares the embedding matrix
-    norm: str = "rmsnorm"  # layernorm, rmsnorm, prmsnorm, batchnorm, dyt (not a norm: its replacement) or none
+    norm: str = "rmsnorm"  # layernorm, rmsnorm, prmsnorm, l2, scalenorm, batchnorm, dyt (not a norm: its replacement) or none
     norm_eps: float = 1e-5  # epsilon of every norm
     norm_cast: str = "llama"  # RMSNorm cast order: "llama" or "gemma"
     norm_partial: float | None = None  # pRMSNorm's p; None: 0.0625 for prmsnorm (only prmsnorm takes it)
@@ -76,6 +76,7 @@ class ModelConfig:
     norm_shift_noise: float = 0.0
     placement: str = "pre"  # post, pre, sandwich or deepnorm
     final_norm: bool | None = None  # a norm before the LM head; None: the placement's default
+    embed_norm: bool = False  # a norm (the model's kind) on the embeddings before the first block (Bloom's)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3, OLMo 2)
     deepnorm_alpha: float | None = None  # residual scale; None: (2 L)^(1/4)
     deepnorm_beta: float | None = None  # init gain; None: (8 L)^(-1/4)
@@ -141,7 +142,12 @@ class ModelConfig:
         number("dyt_alpha0", note=" (DyT's initial alpha)")
         number("norm_shift_noise", zero_ok=True, note=" (0: none)")
         choice("norm_impl", ("normlab", "torch"))
+        for name in ("embed_norm", "qk_norm", "norm_weightless", "embed_scale", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         choice("init", INITS)
+        if self.norm_weightless and self.norm == "scalenorm":
+            raise ValueError("norm_weightless: norm='scalenorm' has one scalar gain and no per-feature weights to drop")
         if self.norm_impl == "torch" and self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"norm_impl='torch' exists for layernorm and rmsnorm only, not {self.norm!r}")
         if self.d_ff is not None and (isinstance(self.d_ff, bool) or not isinstance(self.d_ff, int) or self.d_ff < 1):
@@ -183,7 +189,7 @@ class ModelConfig:
             opts.update(cast=self.norm_cast, eps_mode=self.norm_eps_mode)
             if self.norm == "prmsnorm" and self.norm_partial is not None:
                 opts["partial"] = self.norm_partial
-        if self.norm in ("layernorm", "rmsnorm", "prmsnorm", "dyt") and self.backend is not None:
+        if self.norm in ("layernorm", "rmsnorm", "prmsnorm", "l2", "scalenorm", "dyt") and self.backend is not None:
             opts["backend"] = self.backend
         if self.norm_weightless:
             opts["weightless"] = True
@@ -382,6 +388,7 @@ class Decoder(nn.Module):
         if cfg.positions == "sinusoidal":
             self.register_buffer("pos_table", sinusoid_table(cfg.max_seq_len, cfg.d_model), persistent=False)
         self.drop = nn.Dropout(cfg.dropout)
+        self.embed_norm = make_norm(cfg) if cfg.embed_norm else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.final_norm = make_norm(cfg) if cfg.has_final_norm else None
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -464,6 +471,8 @@ class Decoder(nn.Module):
             x = x + self.pos_embed.weight[past : past + T]
         elif self.cfg.positions == "sinusoidal":
             x = x + self.pos_table[past : past + T]
+        if self.embed_norm is not None:
+            x = _norm(self.embed_norm, x, mask)
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, mask, attn_mask, caches[i] if caches is not None else None)

@@ -14,9 +14,9 @@ from torch import Tensor, nn
 from normlab import functional as F
 from normlab.kernels import check_name
 
-__all__ = ["LayerNorm", "RMSNorm", "SequenceBatchNorm", "DyT", "build_norm", "NORM_KINDS"]
+__all__ = ["LayerNorm", "RMSNorm", "L2Norm", "ScaleNorm", "SequenceBatchNorm", "DyT", "build_norm", "NORM_KINDS"]
 
-NORM_KINDS = ("layernorm", "rmsnorm", "prmsnorm", "batchnorm", "dyt", "none")
+NORM_KINDS = ("layernorm", "rmsnorm", "prmsnorm", "l2", "scalenorm", "batchnorm", "dyt", "none")
 
 # pRMSNorm's p in Zhang & Sennrich's experiments.
 DEFAULT_PARTIAL = 0.0625
@@ -177,6 +177,72 @@ class SequenceBatchNorm(nn.Module):
         )
 
 
+class L2Norm(nn.Module):
+    """The Euclidean norm in place of RMS: weight * x / sqrt(||x||^2 + eps) over the last dimension.
+
+    RMSNorm without its sqrt(d): each row leaves with norm 1 instead of sqrt(d). It is the variant
+    the RMSNorm paper reports does not work, kept to show that the scale is what matters. Computed
+    by the RMSNorm kernels, since x / sqrt(||x||^2 + eps) = x / sqrt(mean(x^2) + eps / d) / sqrt(d).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        *,
+        elementwise_affine: bool = True,
+        backend: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.dim = _check_dim(dim)
+        self.eps = F.check_eps(eps)
+        self.elementwise_affine = bool(elementwise_affine)
+        self.backend = _check_backend(backend)
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype)) if elementwise_affine else None
+        # the 1/sqrt(d) that turns RMS into the norm; not saved: it follows from dim
+        self.register_buffer("root", torch.full((dim,), dim**-0.5, device=device, dtype=dtype), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        scale = self.root if self.weight is None else self.weight * self.root
+        return F.rms_norm(x, scale, self.eps / self.dim, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        s = f"{self.dim}, eps={self.eps:g}, elementwise_affine={self.elementwise_affine}"
+        return s + (f", backend={self.backend!r}" if self.backend else "")
+
+
+class ScaleNorm(nn.Module):
+    """ScaleNorm (Nguyen & Salazar 2019): g * x / sqrt(||x||^2 + eps) with one learned scalar g.
+
+    ``g`` (1,) starts at sqrt(dim), so at initialization ScaleNorm is weightless RMSNorm: it keeps
+    RMSNorm's scale and drops its per-feature weights. Computed by the RMSNorm kernels.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        *,
+        backend: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.dim = _check_dim(dim)
+        self.eps = F.check_eps(eps)
+        self.backend = _check_backend(backend)
+        self.g = nn.Parameter(torch.full((1,), dim**0.5, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        scale = (self.g * self.dim**-0.5).expand(self.dim).contiguous()
+        return F.rms_norm(x, scale, self.eps / self.dim, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps:g}" + (f", backend={self.backend!r}" if self.backend else "")
+
+
 class DyT(nn.Module):
     """DyT (Zhu et al. 2025): weight * tanh(alpha * x) + bias over the last dimension, in place of a norm.
 
@@ -220,18 +286,23 @@ def build_norm(kind: str, dim: int, **options) -> nn.Module:
 
     kind: "layernorm" (options: eps, bias, elementwise_affine, backend), "rmsnorm" (eps,
     elementwise_affine, cast, offset, eps_mode, backend), "prmsnorm" (as rmsnorm plus
-    ``partial``, default 0.0625), "batchnorm" (eps, momentum, affine, track_running_stats),
-    "none" (identity; no options). ``weightless=True`` is accepted by every norm as
+    ``partial``, default 0.0625), "l2" (eps, elementwise_affine, backend), "scalenorm" (eps,
+    backend), "batchnorm" (eps, momentum, affine, track_running_stats),
+    "none" (identity; no options). ``weightless=True`` is accepted by every norm with weights as
     ``elementwise_affine=False`` (``affine=False`` for batchnorm). Unknown options are errors.
     """
     kind = F.check_choice(kind, "kind", NORM_KINDS)
     options = dict(options)
     if options.pop("weightless", False) and kind != "none":
+        if kind == "scalenorm":
+            raise ValueError("weightless: a scalenorm has one scalar gain and no per-feature weights to drop")
         options.setdefault("affine" if kind == "batchnorm" else "elementwise_affine", False)
     allowed = {
         "layernorm": {"eps", "bias", "elementwise_affine", "backend", "device", "dtype"},
         "rmsnorm": {"eps", "elementwise_affine", "cast", "offset", "eps_mode", "backend", "device", "dtype"},
         "prmsnorm": {"eps", "elementwise_affine", "cast", "offset", "eps_mode", "partial", "backend", "device", "dtype"},
+        "l2": {"eps", "elementwise_affine", "backend", "device", "dtype"},
+        "scalenorm": {"eps", "backend", "device", "dtype"},
         "batchnorm": {"eps", "momentum", "affine", "track_running_stats", "device", "dtype"},
         "dyt": {"alpha0", "elementwise_affine", "backend", "device", "dtype"},
         "none": set(),
@@ -249,6 +320,10 @@ def build_norm(kind: str, dim: int, **options) -> nn.Module:
     if kind == "prmsnorm":
         options.setdefault("partial", DEFAULT_PARTIAL)
         return RMSNorm(dim, **options)
+    if kind == "l2":
+        return L2Norm(dim, **options)
+    if kind == "scalenorm":
+        return ScaleNorm(dim, **options)
     if kind == "batchnorm":
         return SequenceBatchNorm(dim, **options)
     if kind == "dyt":

@@ -3,7 +3,7 @@ results.json alone (``PLOTS``: preset -> function(section, plt) -> {filename: fi
 
 from __future__ import annotations
 
-NORM_COLOURS = {"layernorm": "C0", "rmsnorm": "C1", "prmsnorm": "C2", "batchnorm": "C3", "none": "C7"}
+NORM_COLOURS = {"layernorm": "C0", "rmsnorm": "C1", "prmsnorm": "C2", "batchnorm": "C3", "none": "C7", "l2": "C5", "scalenorm": "C6"}
 PLACEMENT_COLOURS = {"post": "C3", "pre": "C0", "sandwich": "C2", "deepnorm": "C4"}
 
 
@@ -73,6 +73,11 @@ def plot_norms(section: dict, plt) -> dict:
     return {"norms_loss.png": fig}
 
 
+def plot_scale(section: dict, plt) -> dict:
+    """The scale preset's curves: the norms preset's plot of its three arms."""
+    return {"scale_loss.png": plot_norms(section, plt)["norms_loss.png"]}
+
+
 def _trim_y(ax, section):
     """Zoom in on the part of the curves where the norms differ (the first evaluations dwarf it)."""
     finals = [r["val_loss"] for r in section["rows"] if r.get("val_loss") is not None]
@@ -82,7 +87,7 @@ def _trim_y(ax, section):
 
 
 SWEEP_STYLES = {"post|warm": ("C3", "-"), "post|nowarm": ("C3", "--"), "pre|warm": ("C0", "-"), "pre|nowarm": ("C0", "--"),
-                "pre|warm|qknorm": ("C2", "-")}
+                "pre|warm|qknorm": ("C2", "-"), "pre|warm|embednorm": ("C1", "-")}
 
 
 def plot_warmup(section: dict, plt) -> dict:
@@ -463,7 +468,7 @@ def plot_dyt(section: dict, plt) -> dict:
 PLOTS = {"norms": plot_norms, "warmup": plot_warmup, "gradients": plot_gradients, "depth": plot_depth,
          "batchnorm": plot_batchnorm, "precision": plot_precision, "speed": plot_speed, "eps": plot_eps, "stability": plot_stability,
          "invariance": plot_invariance, "final-norm": plot_final_norm, "shallow": plot_shallow, "sandwich": plot_sandwich,
-         "dyt": plot_dyt}
+         "dyt": plot_dyt, "scale": plot_scale}
 
 
 def plot_ladder(ladder: dict, plt) -> dict:

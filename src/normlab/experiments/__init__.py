@@ -75,6 +75,7 @@ from normlab.experiments.lab import SIZES, Interrupted, Lab, Pending, RunsPendin
 from normlab.experiments.norms import preset_norms
 from normlab.experiments.precision import preset_precision
 from normlab.experiments.sandwich import preset_sandwich
+from normlab.experiments.scale import preset_scale
 from normlab.experiments.shallow import preset_shallow
 from normlab.experiments.speed import preset_speed
 from normlab.experiments.stability import preset_stability
@@ -98,11 +99,12 @@ PRESETS: dict[str, Callable[[Lab], dict]] = {
     "shallow": preset_shallow,
     "sandwich": preset_sandwich,
     "dyt": preset_dyt,
+    "scale": preset_scale,
 }
 GROUPS = {"all": tuple(PRESETS), "demo": ("norms", "gradients", "batchnorm", "precision")}
 # The fields a preset compares: the user cannot override them for it.
-VARIES = {"norms": {"norm", "seed"},
-          "warmup": {"placement", "lr", "min_lr", "warmup", "seed", "qk_norm", "beta2", "grad_clip", "norm", "mlp", "positions"},
+VARIES = {"norms": {"norm", "seed"}, "scale": {"norm", "seed"},
+          "warmup": {"placement", "lr", "min_lr", "warmup", "seed", "qk_norm", "embed_norm", "beta2", "grad_clip", "norm", "mlp", "positions"},
           "gradients": {"placement", "n_layers", "norm", "mlp", "positions", "tie_embeddings", "embed_scale", "init"}, "depth": {"placement", "lr", "min_lr", "warmup", "seed", "norm", "mlp", "positions"},
           "batchnorm": {"norm", "seed", "batch_size", "batching", "steps"}, "precision": set(), "speed": {"norm", "norm_impl"}, "eps": set(), "stability": set(),
           "invariance": {"norm", "seed", "norm_shift_noise", "placement", "norm_eps", "backend"},
@@ -186,7 +188,13 @@ def tune_presets(names: list[str], settings: Settings, console=None, command: st
     old = json.loads(path.read_text()) if path.exists() else {}
     merged = {**old, **design}
     if lab.size in old:  # tuning some presets again keeps the others' arms and seeds
-        merged[lab.size] = {**design[lab.size], "arms": {**old[lab.size].get("arms", {}), **design[lab.size]["arms"]},
+        arms = old[lab.size].get("arms", {})
+        # an arm another preset owns (a baseline a new preset shares, e.g. rmsnorm) keeps its rate:
+        # tuning one preset must not move the runs another preset's verdicts stand on
+        kept = {a: v for a, v in arms.items() if a in design[lab.size]["arms"] and v.get("preset") not in presets}
+        if kept and console is not None:
+            console.print(f"kept the design's rates of {', '.join(kept)} (tuned with {', '.join(sorted({v['preset'] for v in kept.values()}))})")
+        merged[lab.size] = {**design[lab.size], "arms": {**arms, **design[lab.size]["arms"], **kept},
                             "seeds": {**old[lab.size].get("seeds", {}), **design[lab.size]["seeds"]}}
     write_json(path, merged)
     return merged

@@ -22,6 +22,8 @@ SHEN20 = "Shen et al. (2020), PowerNorm: Rethinking Batch Normalization in Trans
 MICIK18 = "Micikevicius et al. (2018), Mixed Precision Training, ICLR"
 WORTSMAN23 = ("Wortsman et al. (2023), Small-scale proxies for large-scale Transformer training instabilities; "
               "Dehghani et al. (2023), Scaling Vision Transformers to 22 Billion Parameters")
+BLOOM22 = ("BigScience (2022), BLOOM: A 176B-Parameter Open-Access Multilingual Language Model, sec. 3.2.3 (the "
+           "embedding LayerNorm improved training stability in their 104B pilot, and penalized zero-shot generalization)")
 NORMLAB = "normlab's aim (DESIGN.md): fused kernels faster than the framework's own norms"
 
 NORMS = ("layernorm", "rmsnorm", "prmsnorm", "batchnorm", "none")
@@ -69,10 +71,10 @@ def lm_sizes(lab: Lab) -> tuple[dict, dict]:
     return train_fields, model
 
 
-def train_norms(lab: Lab, norms, seeds) -> dict[str, list[dict]]:
+def train_norms(lab: Lab, norms, seeds, preset: str = "norms") -> dict[str, list[dict]]:
     train_fields, model = lm_sizes(lab)
     return {norm: [lab.run(f"{norm}-s{seed}", train_fields, {**model, "placement": "pre"}, {"norm": norm, "seed": seed},
-                           tune=True) for seed in lab.arm_seeds(norm, seeds, LM_SEEDS, preset="norms")] for norm in norms}
+                           tune=True) for seed in lab.arm_seeds(norm, seeds, LM_SEEDS, preset=preset)] for norm in norms}
 
 
 def deep_sizes(lab: Lab, depth_quick: int, depth_full: int) -> tuple[dict, dict]:

@@ -1,4 +1,5 @@
-"""Preset ``warmup``: learning-rate sweeps of Post-LN and Pre-LN with and without warmup and qk-norm."""
+"""Preset ``warmup``: learning-rate sweeps of Post-LN and Pre-LN with and without warmup, qk-norm
+and a norm after the embedding."""
 
 from __future__ import annotations
 
@@ -10,13 +11,25 @@ import torch
 
 from normlab import claims as C
 from normlab import data as D
-from normlab.experiments.common import WORTSMAN23, XIONG20, XIONG_MODEL, _pick, _round, stats, trains, unigram_loss
+from normlab.experiments.common import (
+    BLOOM22,
+    COMPARABLE,
+    WORTSMAN23,
+    XIONG20,
+    XIONG_MODEL,
+    _pick,
+    _round,
+    stats,
+    trains,
+    unigram_loss,
+)
 from normlab.experiments.lab import Lab
 from normlab.train import load_run
 
-# The settings of the stability sweep: (placement, warmup on, qk-norm).
-SWEEP = {"post|warm": ("post", True, False), "post|nowarm": ("post", False, False), "pre|warm": ("pre", True, False),
-         "pre|nowarm": ("pre", False, False), "pre|warm|qknorm": ("pre", True, True)}
+# The settings of the stability sweep: (placement, warmup on, qk-norm, a norm after the embedding).
+SWEEP = {"post|warm": ("post", True, False, False), "post|nowarm": ("post", False, False, False),
+         "pre|warm": ("pre", True, False, False), "pre|nowarm": ("pre", False, False, False),
+         "pre|warm|qknorm": ("pre", True, True, False), "pre|warm|embednorm": ("pre", True, False, True)}
 STABILITY_CONDITIONS = [
     "matches (Xiong et al.): Post-LN and Pre-LN Transformers with LayerNorm, a ReLU FFN, learned positions and xavier "
     "init; Adam beta2 = 0.98; no gradient clipping (clipping hides the instability measured); warmup against none",
@@ -27,6 +40,11 @@ STABILITY_CONDITIONS = [
     "differs: cosine decay after the warmup (Xiong et al.: inverse square root)",
 ]
 
+
+EMBED_NORM_CONDITIONS = [
+    "differs (Bloom): a 176B-parameter model with ALiBi, where the norm sees the token embeddings alone; here it sees "
+    "the embeddings plus learned positions, in Xiong et al.'s model (embed_norm=true)",
+]
 
 TRAINS_ON_GRID = ("precondition: the baseline's best learning rate on the grid trains (10% below the unigram loss); a "
                   "sensitivity of runs that learned nothing measures nothing")
@@ -87,11 +105,12 @@ def preset_warmup(lab: Lab) -> dict:
     seeds = lab.seeds(3, 3)
     tf = {**train_fields, **lab.train_over}
     runs = {}  # (setting, lr) -> one result per seed
-    for key, (placement, warmup, qk) in SWEEP.items():
+    for key, (placement, warmup, qk, embed_norm) in SWEEP.items():
         for lr in lrs:
             runs[key, lr] = [lab.run(f"{key.replace('|', '-')}-lr{lr:g}-s{seed}", train_fields, model,
                                      {"placement": placement, "lr": lr, "min_lr": lr / 10, "warmup": warm if warmup else 0,
-                                      "qk_norm": qk, "seed": seed}) for seed in seeds]
+                                      "qk_norm": qk, "seed": seed, **({"embed_norm": True} if embed_norm else {})})
+                             for seed in seeds]
     logits = {}  # the largest attention logit of every pre|warm run, with and without qk-norm
     for key in ("pre|warm", "pre|warm|qknorm"):
         for lr in lrs:
@@ -124,6 +143,10 @@ def preset_warmup(lab: Lab) -> dict:
                          "max_logit": _round(statistics.fmean(logits[key, lr]), 4) if (key, lr) in logits else None,
                          **per_setting})
     measured["unigram_loss"] = unigram_loss(lab.dataset.train)
+    high = lrs[len(lrs) // 2:]  # "the high learning rates": the sweep's top half, fixed with the grid
+    for key in ("pre|warm", "pre|warm|embednorm"):  # one entry per (seed, high rate), in the same order: the pairs
+        measured[f"{key.replace('|', '_')}_diverged_high"] = [int(runs[key, lr][i]["status"] == "diverged")
+                                                              for lr in high for i in range(len(seeds))]
     top = lrs[-1]
     measured["pre_warm_max_logit_top_lr"] = logits["pre|warm", top]
     measured["pre_warm_qknorm_max_logit_top_lr"] = logits["pre|warm|qknorm", top]
@@ -153,10 +176,25 @@ def preset_warmup(lab: Lab) -> dict:
                 _pick(measured, "pre_warm_qknorm_sensitivity", "pre_warm_sensitivity", "pre_warm_best_val", "unigram_loss"),
                 C.given(trains("pre_warm_best_val"), C.below("pre_warm_qknorm_sensitivity", "pre_warm_sensitivity", paired=True)),
                 STABILITY_CONDITIONS + ["differs: qk-norm is RMSNorm over head_dim (Wortsman et al.: LayerNorm)", TRAINS_ON_GRID]),
+        C.claim("warmup.embed_norm_stable", "a LayerNorm after the embedding (Bloom's) makes fewer runs diverge at the high "
+                f"learning rates ({', '.join(f'{v:g}' for v in high)}; Pre-LN with warmup)", BLOOM22,
+                _pick(measured, "pre_warm_embednorm_diverged_high", "pre_warm_diverged_high"),
+                C.below("pre_warm_embednorm_diverged_high", "pre_warm_diverged_high", paired=True, absolute=True, test="sign"),
+                STABILITY_CONDITIONS + EMBED_NORM_CONDITIONS + [
+                    "measured: diverged (1) or not (0) for each seed at each rate of the sweep's top half, paired by seed and "
+                    "rate; judged by the exact sign test over the pairs that differ"]),
+        C.claim("warmup.embed_norm_quality", "a LayerNorm after the embedding keeps the quality: at each setting's best "
+                "learning rate on the grid its loss is within 2% of Pre-LN's without it (the article: Bloom's, possibly at "
+                "some loss of quality; failing above the margin is that loss)", BLOOM22,
+                _pick(measured, "pre_warm_embednorm_best_val", "pre_warm_best_val", "unigram_loss"),
+                C.given(trains("pre_warm_best_val"),
+                        C.within("pre_warm_embednorm_best_val", "pre_warm_best_val", 0.02, origin=COMPARABLE, paired=True)),
+                STABILITY_CONDITIONS + EMBED_NORM_CONDITIONS + [TRAINS_ON_GRID]),
     ]
     return {
         "title": f"Stability: learning-rate sweeps with and without warmup ({model['n_layers']} layers, Xiong et al.'s model)",
-        "question": "Does Post-LN need warmup where Pre-LN does not, and does qk-norm keep high learning rates stable?",
+        "question": "Does Post-LN need warmup where Pre-LN does not, and do qk-norm and a norm after the embedding keep high "
+                    "learning rates stable?",
         "settings": {"train": tf, "model": {**model, **lab.model_over}, "lrs": list(lrs), "warmup_steps": warm,
                      "seeds": seeds, "beta2": tf["beta2"], "grad_clip": tf["grad_clip"], "sweep": {k: list(v) for k, v in SWEEP.items()}},
         "columns": ["setting", "lr", "diverged", "val_loss", "val_std", "max_logit", "sensitivity", "best_lr"],
