@@ -107,6 +107,18 @@ def _round(x, digits=4):
     return None if x is None else float(f"{x:.{digits}g}")
 
 
+def arm_losses(name: str, runs: list[dict], measured: dict) -> dict:
+    """One arm's loss columns over its seeds (final validation loss: mean, std, min, max; seeds;
+    diverged), recording its per-seed losses and diverged count in ``measured`` as <name>_val and
+    <name>_diverged, the keys the claims read."""
+    val = stats([r["val_loss"] for r in runs])
+    diverged = sum(r["status"] == "diverged" for r in runs)
+    measured[f"{name}_val"] = [r["val_loss"] for r in runs]
+    measured[f"{name}_diverged"] = diverged
+    return {"val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2), "val_min": _round(val["min"]),
+            "val_max": _round(val["max"]), "seeds": len(runs), "diverged": diverged}
+
+
 def _pick(measured: dict, *keys) -> dict:
     """The measured values a claim uses."""
     return {k: measured.get(k) for k in keys}

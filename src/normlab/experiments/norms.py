@@ -17,8 +17,8 @@ from normlab.experiments.common import (
     _curves,
     _pick,
     _round,
+    arm_losses,
     lm_sizes,
-    stats,
     train_norms,
     trains,
     unigram_loss,
@@ -96,17 +96,12 @@ def preset_norms(lab: Lab) -> dict:
     rows, measured = [], {"unigram_loss": unigram_loss(lab.dataset.train)}
     for norm in norms:
         rs = runs[norm]
-        val = stats([r["val_loss"] for r in rs])
-        diverged = sum(r["status"] == "diverged" for r in rs)
         rows.append({
-            "norm": norm, "lr": lab.arm_lr(norm), "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2),
-            "val_min": _round(val["min"]), "val_max": _round(val["max"]), "seeds": len(rs), "diverged": diverged,
+            "norm": norm, "lr": lab.arm_lr(norm), **arm_losses(norm, rs, measured),
             "run_step_ms": _round(statistics.median([r["step_ms"] for r in rs if r["step_ms"]]), 3),
             "tokens_per_s": _round(statistics.median([r["tokens_per_s"] for r in rs if r["tokens_per_s"]]), 4),
             "step_ms": _round(timing[norm]["ms"], 4), "step_vs_layernorm": _round(timing[norm]["ms"] / ln_ms, 3),
         })
-        measured[f"{norm}_val"] = [r["val_loss"] for r in rs]
-        measured[f"{norm}_diverged"] = diverged
         measured[f"{norm}_step_ms"] = timing[norm]["samples"]
     claims = [
         C.claim("norms.rms_quality", "RMSNorm reaches the same quality as LayerNorm, where LayerNorm trains", ZHANG19,

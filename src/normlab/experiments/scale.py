@@ -13,9 +13,8 @@ from normlab.experiments.common import (
     ZHANG19,
     _curves,
     _pick,
-    _round,
+    arm_losses,
     lm_sizes,
-    stats,
     train_norms,
     trains,
     unigram_loss,
@@ -38,13 +37,7 @@ def preset_scale(lab: Lab) -> dict:
     train_fields, model = lm_sizes(lab)
     rows, measured = [], {"unigram_loss": unigram_loss(lab.dataset.train)}
     for norm in ARMS:
-        rs = runs[norm]
-        val = stats([r["val_loss"] for r in rs])
-        diverged = sum(r["status"] == "diverged" for r in rs)
-        rows.append({"norm": norm, "lr": lab.arm_lr(norm), "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2),
-                     "val_min": _round(val["min"]), "val_max": _round(val["max"]), "seeds": len(rs), "diverged": diverged})
-        measured[f"{norm}_val"] = [r["val_loss"] for r in rs]
-        measured[f"{norm}_diverged"] = diverged
+        rows.append({"norm": norm, "lr": lab.arm_lr(norm), **arm_losses(norm, runs[norm], measured)})
     claims = [
         C.claim("scale.l2_worse", "the Euclidean norm in place of RMS (w * x / ||x||, without RMSNorm's sqrt(d)) trains "
                 "worse than RMSNorm (diverges, or ends at least 2% above it), where RMSNorm trains", ZHANG19,
