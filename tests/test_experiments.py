@@ -118,6 +118,8 @@ def _seeds(mean, spread=0.005):
      {"pre_warm_embednorm_diverged_high": [1] * 6 + [0] * 3, "pre_warm_diverged_high": [0] * 9}),
     ("warmup.embed_norm_quality", {"pre_warm_embednorm_best_val": _seeds(2.0), "pre_warm_best_val": _seeds(2.005), "unigram_loss": 3.4},
      {"pre_warm_embednorm_best_val": _seeds(2.2), "pre_warm_best_val": _seeds(2.0), "unigram_loss": 3.4}),
+    ("warmup.sandwich_unstable", {"pre_warm_sandwich_diverged": [1] * 6 + [0] * 12, "pre_warm_diverged": [0] * 18},
+     {"pre_warm_sandwich_diverged": [0] * 18, "pre_warm_diverged": [0] * 12 + [1] * 6}),
     ("gradients.post_grows", {"xiong_post_growth": _seeds(3.0, 0.2)}, {"xiong_post_growth": _seeds(0.8, 0.05)}),
     ("gradients.pre_flat.llama", {"llama_pre_growth": _seeds(1.1, 0.05)}, {"llama_pre_growth": _seeds(0.25, 0.02)}),
     ("gradients.post_last_constant", {"xiong_post_last_slope": _seeds(0.02, 0.03)}, {"xiong_post_last_slope": _seeds(-0.5, 0.03)}),
@@ -257,6 +259,12 @@ def test_the_stability_sweep_records_its_settings_and_measures(finished):
     high = sorted(lrs)[len(lrs) // 2:]
     assert len(m["pre_warm_embednorm_diverged_high"]) == len(high) * len(section["settings"]["seeds"])
     assert all(v is None or math.isfinite(v) for v in m["pre_warm_embednorm_best_val"]) and m["pre_warm_embednorm_best_val"]
+    sandwich = json.loads(next((finished[0] / "runs").glob("pre-warm-sandwich-lr*-s0-*/config.json")).read_text())
+    assert sandwich["model_resolved"]["placement"] == "sandwich" and sandwich["train"]["warmup"] > 0
+    # the exact counts: one 0/1 per (rate, seed), summing to the table's diverged column at each rate
+    n = len(section["settings"]["seeds"])
+    per_rate = [sum(m["pre_warm_sandwich_diverged"][j * n:(j + 1) * n]) for j in range(len(lrs))]
+    assert per_rate == [r["diverged"] for r in section["rows"] if r["setting"] == "pre|warm|sandwich"]
 
 
 def test_lr_sensitivity_follows_wortsman():

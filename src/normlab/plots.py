@@ -87,7 +87,8 @@ def _trim_y(ax, section):
 
 
 SWEEP_STYLES = {"post|warm": ("C3", "-"), "post|nowarm": ("C3", "--"), "pre|warm": ("C0", "-"), "pre|nowarm": ("C0", "--"),
-                "pre|warm|qknorm": ("C2", "-"), "pre|warm|embednorm": ("C1", "-")}
+                "pre|warm|qknorm": ("C2", "-"), "pre|warm|embednorm": ("C1", "-"),
+                "pre|warm|sandwich": ("C4", "-")}
 
 
 def plot_warmup(section: dict, plt) -> dict:

@@ -24,6 +24,8 @@ WORTSMAN23 = ("Wortsman et al. (2023), Small-scale proxies for large-scale Trans
               "Dehghani et al. (2023), Scaling Vision Transformers to 22 Billion Parameters")
 BLOOM22 = ("BigScience (2022), BLOOM: A 176B-Parameter Open-Access Multilingual Language Model, sec. 3.2.3 (the "
            "embedding LayerNorm improved training stability in their 104B pilot, and penalized zero-shot generalization)")
+GLM22 = ("Zeng et al. (2022), GLM-130B: An Open Bilingual Pre-trained Model (their trials of LayerNorm placements, "
+         "Sandwich-LN among them, for the 130B model: DeepNorm was the most stable)")
 NORMLAB = "normlab's aim (DESIGN.md): fused kernels faster than the framework's own norms"
 
 NORMS = ("layernorm", "rmsnorm", "prmsnorm", "batchnorm", "none")

@@ -1,5 +1,5 @@
-"""Preset ``warmup``: learning-rate sweeps of Post-LN and Pre-LN with and without warmup, qk-norm
-and a norm after the embedding."""
+"""Preset ``warmup``: learning-rate sweeps of Post-LN and Pre-LN with and without warmup, qk-norm,
+a norm after the embedding and Sandwich-LN."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from normlab import data as D
 from normlab.experiments.common import (
     BLOOM22,
     COMPARABLE,
+    GLM22,
     WORTSMAN23,
     XIONG20,
     XIONG_MODEL,
@@ -29,7 +30,8 @@ from normlab.train import load_run
 # The settings of the stability sweep: (placement, warmup on, qk-norm, a norm after the embedding).
 SWEEP = {"post|warm": ("post", True, False, False), "post|nowarm": ("post", False, False, False),
          "pre|warm": ("pre", True, False, False), "pre|nowarm": ("pre", False, False, False),
-         "pre|warm|qknorm": ("pre", True, True, False), "pre|warm|embednorm": ("pre", True, False, True)}
+         "pre|warm|qknorm": ("pre", True, True, False), "pre|warm|embednorm": ("pre", True, False, True),
+         "pre|warm|sandwich": ("sandwich", True, False, False)}
 STABILITY_CONDITIONS = [
     "matches (Xiong et al.): Post-LN and Pre-LN Transformers with LayerNorm, a ReLU FFN, learned positions and xavier "
     "init; Adam beta2 = 0.98; no gradient clipping (clipping hides the instability measured); warmup against none",
@@ -147,6 +149,9 @@ def preset_warmup(lab: Lab) -> dict:
     for key in ("pre|warm", "pre|warm|embednorm"):  # one entry per (seed, high rate), in the same order: the pairs
         measured[f"{key.replace('|', '_')}_diverged_high"] = [int(runs[key, lr][i]["status"] == "diverged")
                                                               for lr in high for i in range(len(seeds))]
+    for key in ("pre|warm", "pre|warm|sandwich"):  # every (seed, rate) of the sweep, in the same order: the pairs
+        measured[f"{key.replace('|', '_')}_diverged"] = [int(runs[key, lr][i]["status"] == "diverged")
+                                                         for lr in lrs for i in range(len(seeds))]
     top = lrs[-1]
     measured["pre_warm_max_logit_top_lr"] = logits["pre|warm", top]
     measured["pre_warm_qknorm_max_logit_top_lr"] = logits["pre|warm|qknorm", top]
@@ -190,11 +195,22 @@ def preset_warmup(lab: Lab) -> dict:
                 C.given(trains("pre_warm_best_val"),
                         C.within("pre_warm_embednorm_best_val", "pre_warm_best_val", 0.02, origin=COMPARABLE, paired=True)),
                 STABILITY_CONDITIONS + EMBED_NORM_CONDITIONS + [TRAINS_ON_GRID]),
+        C.claim("warmup.sandwich_unstable", "Sandwich-LN (a norm on each branch's input and output) makes more runs diverge "
+                "than Pre-LN over the learning-rate sweep (both with warmup): the article's 'Sandwich-LN can make training "
+                "unstable and collapse'", GLM22,
+                _pick(measured, "pre_warm_sandwich_diverged", "pre_warm_diverged"),
+                C.above("pre_warm_sandwich_diverged", "pre_warm_diverged", paired=True, absolute=True, test="sign"),
+                STABILITY_CONDITIONS + [
+                    "measured: diverged (1) or not (0) for each seed at each rate of the sweep, paired by seed and rate (the "
+                    "table's diverged column: the exact count at each rate); judged by the exact sign test over the pairs "
+                    "that differ",
+                    "differs (GLM-130B): a 130B-parameter model whose collapse came after many steps; here a 6-layer model "
+                    "over a few hundred steps"]),
     ]
     return {
         "title": f"Stability: learning-rate sweeps with and without warmup ({model['n_layers']} layers, Xiong et al.'s model)",
-        "question": "Does Post-LN need warmup where Pre-LN does not, and do qk-norm and a norm after the embedding keep high "
-                    "learning rates stable?",
+        "question": "Does Post-LN need warmup where Pre-LN does not, do qk-norm and a norm after the embedding keep high "
+                    "learning rates stable, and does Sandwich-LN?",
         "settings": {"train": tf, "model": {**model, **lab.model_over}, "lrs": list(lrs), "warmup_steps": warm,
                      "seeds": seeds, "beta2": tf["beta2"], "grad_clip": tf["grad_clip"], "sweep": {k: list(v) for k, v in SWEEP.items()}},
         "columns": ["setting", "lr", "diverged", "val_loss", "val_std", "max_logit", "sensitivity", "best_lr"],
