@@ -126,6 +126,9 @@ def _seeds(mean, spread=0.005):
     ("gradients.pre_last_scaling", {"xiong_pre_last_slope": _seeds(-0.48, 0.03)}, {"xiong_pre_last_slope": _seeds(0.0, 0.03)}),
     ("depth.deepnorm_trains", {"deepnorm_val": _seeds(2.0), "pre_val": _seeds(1.95), "deepnorm_diverged": 0, "unigram_loss": 3.4},
      {"deepnorm_val": [None] * 3, "pre_val": _seeds(1.95), "deepnorm_diverged": 3, "unigram_loss": 3.4}),
+    ("depth.deepnorm_article_trains", {"deepnorm_article_val": _seeds(2.0), "pre_val": _seeds(1.95), "deepnorm_article_diverged": 0,
+                                       "unigram_loss": 3.4},
+     {"deepnorm_article_val": _seeds(2.0), "pre_val": _seeds(1.95), "deepnorm_article_diverged": 1, "unigram_loss": 3.4}),
     ("depth.post_fails", {"post_val": [None] * 3, "pre_val": _seeds(1.95), "post_diverged": 3, "unigram_loss": 3.4},
      {"post_val": _seeds(1.95), "pre_val": _seeds(2.0), "post_diverged": 0, "unigram_loss": 3.4}),
     ("batchnorm.gap_grows", {"batchnorm_gap_b2": _seeds(0.05, 0.002), "batchnorm_gap_b32": _seeds(0.01, 0.002)},
@@ -532,6 +535,17 @@ def test_depth_claims_need_a_pre_ln_baseline_that_trains(finished):
     untrained = {"deepnorm_val": _seeds(3.3), "pre_val": _seeds(3.35), "deepnorm_diverged": 0, "unigram_loss": 3.4}
     verdict, lines = C.evaluate(c["rule"], {**c["measured"], **untrained})
     assert verdict == "inconclusive" and lines[0].startswith("precondition does not hold")
+
+
+def test_the_depth_preset_trains_deepnorm_with_both_inits(finished):
+    section = finished[1]["presets"]["depth"]
+    assert [(r["placement"], r["init"]) for r in section["rows"]] == [
+        ("post", "xavier"), ("deepnorm", "deepnet"), ("deepnorm", "article"), ("pre", "xavier")]
+    runs = finished[0] / "runs"
+    article = json.loads(next(runs.glob("deepnorm-article-deep-s0-*/config.json")).read_text())["model_resolved"]
+    deepnet = json.loads(next(runs.glob("deepnorm-deep-s0-*/config.json")).read_text())["model_resolved"]
+    assert (article["deepnorm_init"], deepnet["deepnorm_init"]) == ("article", "deepnet")
+    assert {c["id"] for c in section["claims"]} >= {"depth.deepnorm_trains", "depth.deepnorm_article_trains"}
 
 
 def test_every_claim_lists_its_conditions(finished):

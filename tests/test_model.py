@@ -99,6 +99,29 @@ def test_deepnorm_alpha_and_init_follow_deepnet(gen):
     assert abs(pre.blocks[0].attn.wo.weight.std().item() - 0.02 / math.sqrt(2 * L)) < 0.001
 
 
+def test_the_articles_deepnorm_init_divides_xavier_by_the_depth(gen):
+    L = 6
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny", placement="deepnorm", n_layers=L, d_model=64, n_heads=4, deepnorm_init="article")
+    m = Decoder(cfg)
+    assert all(b.alpha == pytest.approx((2 * L) ** 0.25) for b in m.blocks)  # the residual scale is DeepNet's either way
+
+    def xavier_std(w):
+        fan_out, fan_in = w.shape
+        return math.sqrt(2.0 / (fan_in + fan_out))
+
+    groups = {"q, k (xavier)": ([w for b in m.blocks for w in (b.attn.wq.weight, b.attn.wk.weight)], 1.0),
+              "v, o (/ sqrt(2L))": ([w for b in m.blocks for w in (b.attn.wv.weight, b.attn.wo.weight)], (2 * L) ** -0.5),
+              "mlp (/ sqrt(L))": ([w for b in m.blocks for w in (b.mlp.up.weight, b.mlp.gate.weight, b.mlp.down.weight)],
+                                  L ** -0.5)}
+    for name, (weights, scale) in groups.items():
+        for w in weights:
+            assert abs(w.std().item() / (scale * xavier_std(w)) - 1) < 5 / math.sqrt(2 * w.numel()), name
+    # and it is not DeepNet's: beta = (8L)^(-1/4) = 0.38 on v, o and the MLP, where the article's gives 0.29 and 0.41
+    deepnet = Decoder(ModelConfig.preset("tiny", placement="deepnorm", n_layers=L, d_model=64, n_heads=4))
+    assert abs(deepnet.blocks[0].attn.wv.weight.std().item() / m.blocks[0].attn.wv.weight.std().item() - 1) > 0.2
+
+
 def test_deepnorm_init_picks_weights_by_role_not_by_name(gen):
     # renaming a projection must not change which init it gets: the init walks the modules
     m = model(gen, placement="deepnorm")
@@ -392,6 +415,8 @@ def test_the_embedding_norm_normalizes_what_the_first_block_sees(gen, norm):
     ({"rope_theta": -1.0}, r"rope_theta must be a finite number > 0, got -1.0"),
     ({"init_std": float("nan")}, r"init_std must be a finite number > 0, got nan"),
     ({"deepnorm_alpha": -2.0}, r"deepnorm_alpha must be a finite number > 0 or None"),
+    ({"deepnorm_init": "xavier"}, r"deepnorm_init must be one of 'deepnet', 'article'; got 'xavier'"),
+    ({"deepnorm_init": "article"}, r"deepnorm_init='article' applies to placement='deepnorm' only, not 'pre'"),
     ({"d_ff": 2.5}, r"d_ff must be a positive int or None, got 2.5"),
     ({"dropout": "0.1"}, r"dropout must be a number in \[0, 1\), got '0.1'"),
     ({"norm_shift_noise": -0.5}, r"norm_shift_noise must be a finite number >= 0 \(0: none\), got -0.5"),

@@ -14,6 +14,9 @@ of each block (attention's ``wo``, the MLP's ``down``) ~ N(0, 0.02 / sqrt(2 L)) 
 init). DeepNorm replaces that with the DeepNet init: xavier_normal_ with gain beta =
 (8L)^(-1/4) on the value, output projection and all MLP weights, gain 1 on query and key, chosen
 by the module's role (attributes of Attention and MLP), never by the text of a parameter name.
+``deepnorm_init="article"`` is the init as the article on LayerNorm vs RMSNorm writes it instead:
+xavier_normal_ (gain 1) on every block matrix, then the MLP's weights divided by sqrt(L) and
+attention's value and output projections by sqrt(2L).
 ``init="xavier"`` gives every block matrix xavier_normal_ without depth scaling, the setting of
 Xiong et al. (2020) and of DeepNet's Post-LN baselines (the lab's warmup, gradients and depth
 presets use it: with GPT-2's small scaled init the branches start so small that Post-LN's
@@ -45,6 +48,7 @@ PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
 MLPS = ("swiglu", "gelu", "relu")
 POSITIONS = ("rope", "learned", "sinusoidal")
 INITS = ("gpt2", "xavier")
+DEEPNORM_INITS = ("deepnet", "article")  # DeepNet's gain (8L)^(-1/4), or W / sqrt(L) and / sqrt(2L)
 # Whether a final norm sits before the LM head by default (DESIGN.md's placement table).
 FINAL_NORM_DEFAULT = {"post": False, "pre": True, "sandwich": True, "deepnorm": False}
 
@@ -80,6 +84,7 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3, OLMo 2)
     deepnorm_alpha: float | None = None  # residual scale; None: (2 L)^(1/4)
     deepnorm_beta: float | None = None  # init gain; None: (8 L)^(-1/4)
+    deepnorm_init: str = "deepnet"  # "deepnet" (xavier, gain beta) or "article" (xavier / sqrt(L), / sqrt(2L))
     backend: str | None = None  # normlab backend for the norms; None: auto
     norm_impl: str = "normlab"  # "torch": torch.nn.LayerNorm / nn.RMSNorm instead (speed comparisons)
     init_std: float = 0.02  # std of the normal init (not used by deepnorm's xavier groups)
@@ -146,6 +151,10 @@ class ModelConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         choice("init", INITS)
+        choice("deepnorm_init", DEEPNORM_INITS)
+        if self.deepnorm_init != "deepnet" and self.placement != "deepnorm":
+            raise ValueError(f"deepnorm_init={self.deepnorm_init!r} applies to placement='deepnorm' only, "
+                             f"not {self.placement!r}")
         if self.norm_weightless and self.norm == "scalenorm":
             raise ValueError("norm_weightless: norm='scalenorm' has one scalar gain and no per-feature weights to drop")
         if self.norm_impl == "torch" and self.norm not in ("layernorm", "rmsnorm"):
@@ -426,6 +435,16 @@ class Decoder(nn.Module):
     def _deepnorm_init(self, block: Block) -> None:
         beta = self.cfg.beta
         attn, mlp = block.attn, block.mlp
+        if self.cfg.deepnorm_init == "article":
+            L = self.cfg.n_layers
+            for module in block.modules():
+                if isinstance(module, nn.Linear):
+                    nn.init.xavier_normal_(module.weight)
+            for proj in (mlp.up, mlp.down) + ((mlp.gate,) if mlp.gate is not None else ()):
+                proj.weight.div_(math.sqrt(L))
+            for proj in (attn.wv, attn.wo):
+                proj.weight.div_(math.sqrt(2 * L))
+            return
         for proj in (attn.wq, attn.wk):
             nn.init.xavier_normal_(proj.weight, gain=1.0)
         for proj in (attn.wv, attn.wo, mlp.up, mlp.down) + ((mlp.gate,) if mlp.gate is not None else ()):

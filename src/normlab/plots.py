@@ -4,7 +4,7 @@ results.json alone (``PLOTS``: preset -> function(section, plt) -> {filename: fi
 from __future__ import annotations
 
 NORM_COLOURS = {"layernorm": "C0", "rmsnorm": "C1", "prmsnorm": "C2", "batchnorm": "C3", "none": "C7", "l2": "C5", "scalenorm": "C6"}
-PLACEMENT_COLOURS = {"post": "C3", "pre": "C0", "sandwich": "C2", "deepnorm": "C4"}
+PLACEMENT_COLOURS = {"post": "C3", "pre": "C0", "sandwich": "C2", "deepnorm": "C4", "deepnorm_article": "C5"}
 
 
 def pyplot():

@@ -105,7 +105,7 @@ GROUPS = {"all": tuple(PRESETS), "demo": ("norms", "gradients", "batchnorm", "pr
 # The fields a preset compares: the user cannot override them for it.
 VARIES = {"norms": {"norm", "seed"}, "scale": {"norm", "seed"},
           "warmup": {"placement", "lr", "min_lr", "warmup", "seed", "qk_norm", "embed_norm", "beta2", "grad_clip", "norm", "mlp", "positions"},
-          "gradients": {"placement", "n_layers", "norm", "mlp", "positions", "tie_embeddings", "embed_scale", "init"}, "depth": {"placement", "lr", "min_lr", "warmup", "seed", "norm", "mlp", "positions"},
+          "gradients": {"placement", "n_layers", "norm", "mlp", "positions", "tie_embeddings", "embed_scale", "init"}, "depth": {"placement", "lr", "min_lr", "warmup", "seed", "norm", "mlp", "positions", "deepnorm_init"},
           "batchnorm": {"norm", "seed", "batch_size", "batching", "steps"}, "precision": set(), "speed": {"norm", "norm_impl"}, "eps": set(), "stability": set(),
           "invariance": {"norm", "seed", "norm_shift_noise", "placement", "norm_eps", "backend"},
           "final-norm": {"final_norm", "lr", "min_lr", "seed", "placement", "norm"},

@@ -1,13 +1,23 @@
-"""Preset ``depth``: DeepNorm keeps a deep Post-LN model trainable where Pre-LN trains."""
+"""Preset ``depth``: DeepNorm keeps a deep Post-LN model trainable where Pre-LN trains, with
+DeepNet's init and with the init as the article on LayerNorm vs RMSNorm writes it."""
 
 from __future__ import annotations
 
 from normlab import claims as C
-from normlab.experiments.common import DIVERGED, WANG22, XIONG_MODEL, _curves, _pick, _round, deep_sizes, stats, trains, unigram_loss
+from normlab.experiments.common import (
+    DIVERGED,
+    WANG22,
+    XIONG_MODEL,
+    _curves,
+    _pick,
+    _round,
+    arm_losses,
+    deep_sizes,
+    stats,
+    trains,
+    unigram_loss,
+)
 from normlab.experiments.lab import Lab
-
-# ======================================================================================= depth
-
 
 DEPTH_CONDITIONS = [
     "matches (DeepNet): Post-LN, DeepNorm and Pre-LN at the same depth with LayerNorm; DeepNorm's decoder-only "
@@ -20,6 +30,12 @@ DEPTH_CONDITIONS = [
 ]
 
 
+ARTICLE_INIT = ("the article on LayerNorm vs RMSNorm (its summary of DeepNorm's init), after " + WANG22)
+# arm -> (placement, DeepNorm's init)
+ARMS = {"post": ("post", "deepnet"), "deepnorm": ("deepnorm", "deepnet"), "deepnorm_article": ("deepnorm", "article"),
+        "pre": ("pre", "deepnet")}
+
+
 def preset_depth(lab: Lab) -> dict:
     train_fields, model = deep_sizes(lab, 24, 64)
     model = {**model, **XIONG_MODEL, **lab.pick(dict(d_model=32, n_heads=2), dict(d_model=64, n_heads=4), tiny={"n_layers": 4})}
@@ -27,18 +43,18 @@ def preset_depth(lab: Lab) -> dict:
     lr = 3e-3  # the pilot grid's centre: high for a model this deep without warmup; each arm then trains at its best
     seeds = lab.seeds(3, 3)
     runs, rows, measured = {}, [], {}
-    for placement in ("post", "deepnorm", "pre"):
-        rs = [lab.run(f"{placement}-deep-s{seed}", train_fields, model,
-                      {"placement": placement, "lr": lr, "min_lr": lr / 10, "warmup": 0, "seed": seed}, tune=True)
+    # the ladder trains the arms its trend claims were planned for (the article's init came later)
+    arms = {k: v for k, v in ARMS.items() if lab.s.rung is None or k != "deepnorm_article"}
+    for arm, (placement, init) in arms.items():
+        label = arm.replace("_", "-")
+        rs = [lab.run(f"{label}-deep-s{seed}", train_fields, model,
+                      {"placement": placement, "lr": lr, "min_lr": lr / 10, "warmup": 0, "seed": seed,
+                       **({"deepnorm_init": init} if init != "deepnet" else {})}, tune=True)
               for seed in seeds]
-        runs[placement] = rs[0]
-        val = stats([r["val_loss"] for r in rs])
-        diverged = sum(r["status"] == "diverged" for r in rs)
-        rows.append({"placement": placement, "lr": lab.arm_lr(f"{placement}-deep"), "seeds": len(rs), "diverged": diverged, "steps": min(r["steps"] for r in rs),
-                     "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2),
-                     "train_loss": _round(stats([r["train_loss"] for r in rs])["mean"])})
-        measured[f"{placement}_val"] = [r["val_loss"] for r in rs]
-        measured[f"{placement}_diverged"] = diverged
+        runs[arm] = rs[0]
+        rows.append({"placement": placement, "init": init if placement == "deepnorm" else model["init"],
+                     "lr": lab.arm_lr(f"{label}-deep"), "steps": min(r["steps"] for r in rs),
+                     **arm_losses(arm, rs, measured), "train_loss": _round(stats([r["train_loss"] for r in rs])["mean"])})
     measured["unigram_loss"] = unigram_loss(lab.dataset.train)
     layers = lab.model_over.get("n_layers", model["n_layers"])
     count = "a count of diverged seeds"
@@ -55,17 +71,28 @@ def preset_depth(lab: Lab) -> dict:
                 C.given(trains("pre_val"), C.all_of(C.at_most("deepnorm_diverged", 0, point=count, origin=DIVERGED),
                                                     C.at_most("deepnorm_val", "pre_val", 0.05, origin=clearly, paired=True))),
                 DEPTH_CONDITIONS),
+        *([C.claim("depth.deepnorm_article_trains", "DeepNorm with the init as the article writes it (xavier, then the FFN's "
+                   "weights / sqrt(L) and attention's W_V, W_out / sqrt(2L)) also keeps the Post-LN model trainable: no "
+                   "divergence, at most 5% above Pre-LN, where Pre-LN trains", ARTICLE_INIT,
+                   _pick(measured, "deepnorm_article_val", "pre_val", "deepnorm_article_diverged", "unigram_loss"),
+                   C.given(trains("pre_val"),
+                           C.all_of(C.at_most("deepnorm_article_diverged", 0, point=count, origin=DIVERGED),
+                                    C.at_most("deepnorm_article_val", "pre_val", 0.05, origin=clearly, paired=True))),
+                   DEPTH_CONDITIONS[1:] + ["differs: the init of the article on LayerNorm vs RMSNorm, not DeepNet's; "
+                                           "alpha = (2L)^(1/4) as DeepNet's"])]
+          if "deepnorm_article" in arms else []),
     ]
     return {
         "title": f"Depth: Post-LN vs DeepNorm vs Pre-LN at {layers} layers without warmup",
         "question": "Does DeepNorm keep a deep Post-LN model trainable?",
         "settings": {"train": {**train_fields, **lab.train_over, "lr": lr, "warmup": 0}, "model": {**model, **lab.model_over},
                      "seeds": seeds},
-        "columns": ["placement", "lr", "seeds", "diverged", "steps", "val_loss", "val_std", "train_loss"],
+        "columns": ["placement", "init", "lr", "seeds", "diverged", "steps", "val_loss", "val_std", "train_loss"],
         "rows": rows, "claims": claims, "series": {"runs": {k: _curves(r) for k, r in runs.items()}},
         "notes": [f"{len(seeds)} seeds per placement, cosine schedule without warmup; curves: seed 0. Unigram loss "
-                  f"{measured['unigram_loss']:.3f}: a model that learned only character frequencies."],
+                  f"{measured['unigram_loss']:.3f}: a model that learned only character frequencies.",
+                  "init: deepnet = xavier with gain (8L)^(-1/4) on W_V, W_out and the FFN (DeepNet); article = xavier, "
+                  "then the FFN / sqrt(L) and W_V, W_out / sqrt(2L); xavier = every block matrix xavier (Xiong et al.), "
+                  "the Post-LN and Pre-LN baselines'. The two DeepNorm claims say which init keeps the model trainable."],
     }
 
-
-# =================================================================================== batchnorm
