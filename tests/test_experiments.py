@@ -135,6 +135,10 @@ def _seeds(mean, spread=0.005):
      {"batchnorm_gap_b2": _seeds(0.005, 0.0001), "batchnorm_gap_b32": _seeds(0.01, 0.0001)}),
     ("batchnorm.small_batch_worse", {"batchnorm_excess_b2": _seeds(0.08, 0.002), "batchnorm_excess_b32": _seeds(0.02, 0.002)},
      {"batchnorm_excess_b2": _seeds(0.01, 0.001), "batchnorm_excess_b32": _seeds(0.03, 0.001)}),
+    ("batchnorm.accumulation_worse", {"batchnorm_excess_accum": _seeds(0.08, 0.002), "batchnorm_excess_b32": _seeds(0.02, 0.002),
+                                      "layernorm_val_accum": _seeds(2.0), "layernorm_val_b32": _seeds(2.0), "unigram_loss": 3.4},
+     {"batchnorm_excess_accum": _seeds(0.01, 0.001), "batchnorm_excess_b32": _seeds(0.03, 0.001),
+      "layernorm_val_accum": _seeds(2.0), "layernorm_val_b32": _seeds(2.0), "unigram_loss": 3.4}),
     ("precision.naive_bf16_worse", {"rms_norm_bf16_naive_median_eps": _seeds(0.5, 0.01), "rms_norm_bf16_normlab_median_eps": _seeds(0.2, 0.01),
                                     "layer_norm_bf16_naive_median_eps": _seeds(0.6, 0.01), "layer_norm_bf16_normlab_median_eps": _seeds(0.2, 0.01)},
      {"rms_norm_bf16_naive_median_eps": _seeds(0.2, 0.01), "rms_norm_bf16_normlab_median_eps": _seeds(0.3, 0.01)}),
@@ -328,6 +332,15 @@ def test_batchnorm_trend_trains_on_padded_batches_of_each_size(finished):
             assert r["train_eval_gap"] == 0  # no dropout, no batch statistics
     run = json.loads(next((finished[0] / "runs").glob("pad-batchnorm-b2-s0-*/config.json")).read_text())
     assert run["train"]["batching"] == "paragraphs" and run["train"]["batch_size"] == 2
+    # the batch of 32 again by accumulation: 8 micro-batches of 4, at the true batch's rate
+    accum = [r for r in section["rows"] if r["batching"] == "paragraphs, 8 x 4 accumulated"]
+    assert [(r["norm"], r["batch_size"]) for r in accum] == [("batchnorm", 32), ("layernorm", 32)]
+    for norm in ("batchnorm", "layernorm"):
+        run = json.loads(next((finished[0] / "runs").glob(f"pad-{norm}-b4x8-s0-*/config.json")).read_text())["train"]
+        true = json.loads(next((finished[0] / "runs").glob(f"pad-{norm}-b32-s0-*/config.json")).read_text())["train"]
+        assert (run["batch_size"], run["grad_accum"], run["lr"]) == (4, 8, true["lr"])
+    m = _claim(finished[1], "batchnorm.accumulation_worse")["measured"]
+    assert len(m["batchnorm_excess_accum"]) == len(section["settings"]["trend"]["seeds"])
 
 
 def test_every_batch_size_of_the_trend_trains_the_same_steps(finished):
@@ -335,7 +348,7 @@ def test_every_batch_size_of_the_trend_trains_the_same_steps(finished):
     steps = {}
     for path in (finished[0] / "runs").glob("pad-*-b*-s0-*/config.json"):
         train = json.loads(path.read_text())["train"]
-        steps[train["batch_size"]] = train["steps"]
+        steps[train["batch_size"] * train["grad_accum"]] = train["steps"]  # the accumulated runs: the batch of 32
     assert set(steps) == set(E.BATCH_SIZES) and len(set(steps.values())) == 1, steps
     assert finished[1]["presets"]["batchnorm"]["settings"]["trend"]["steps"] == next(iter(steps.values()))
 
@@ -807,7 +820,8 @@ def test_two_jobs_at_once_give_the_verdicts_of_one(finished, tmp_path, capsys):
     args = ["compare", "norms", "batchnorm", "--size", "tiny", "--data", results["meta"]["data"], "--out", str(tmp_path), "--quiet"]
     assert main([*args, "--jobs", "2"]) == 0
     logs = list((tmp_path / "logs").iterdir())
-    assert len(logs) == 11 and all("completed" in log.read_text() for log in logs)
+    # norms' 5 arms at one seed, and the trend's 2 norms at each batch size and once accumulated
+    assert len(logs) == 5 + 2 * (len(E.BATCH_SIZES) + 1) and all("completed" in log.read_text() for log in logs)
     two = json.loads((tmp_path / "results.json").read_text())
     # the verdicts of what was trained; a clock's (the speed claim's) can differ between any two runs
 

@@ -218,6 +218,12 @@ def plot_batchnorm(section: dict, plt) -> dict:
                         label=f"{norm} (n = {max(len(v) for _, v in pts)} seeds)")
                 ax.fill_between([bs for bs, _ in pts], [b[1] for b in bands], [b[2] for b in bands],
                                 color=NORM_COLOURS[norm], alpha=0.15)
+            accum = section["series"].get("accumulation")  # the largest batch again, by accumulated micro-batches
+            vals = [v for v in trend.get(f"{norm}|{accum['key']}", {}).get(key, []) if v is not None] if accum else []
+            if vals:
+                mean, lo, hi = band(vals)
+                ax.errorbar([accum["batch"]], [mean], yerr=[[mean - lo], [hi - mean]], marker="x", markersize=9, capsize=3,
+                            linestyle="none", color=NORM_COLOURS[norm], label=f"{norm}, {accum['label']}")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(s) for s in sizes])
         ax.set_xlabel("batch size (padded variable-length sequences)")

@@ -68,6 +68,8 @@ def accumulation_change(kind: str, d: int, seq_len: int, seed: int, micro: int =
 
 
 BATCH_SIZES = (2, 8, 32)
+ACCUM = (8, 4)  # (micro-batches, sequences each): the batch of 32 by gradient accumulation
+ACCUM_KEY = f"{ACCUM[1]}x{ACCUM[0]}"
 BATCHNORM_CONDITIONS = [
     "matches (Shen et al.): variable-length sequences padded per batch, BatchNorm's statistics over the real tokens "
     "only, small and large batches, LayerNorm as the control at every batch size",
@@ -126,6 +128,14 @@ def preset_batchnorm(lab: Lab) -> dict:
                       "eval_every": max(1, steps // 4)}
             trend_runs[norm, bs] = fields, [lab.run(f"pad-{norm}-b{bs}-s{seed}", fields, trend_model, {"norm": norm, "seed": seed},
                                                     tune=True) for seed in trend_seeds]
+        # the largest batch again, reached as NLP training reaches it: micro-batches with their gradients
+        # accumulated, at the true batch's rate (the recipe unchanged: for LayerNorm the same gradients)
+        fields, _ = trend_runs[norm, ACCUM[0] * ACCUM[1]]
+        lr = lab.arm_lr(f"pad-{norm}-b{ACCUM[0] * ACCUM[1]}")
+        trend_runs[norm, ACCUM_KEY] = ({**fields, "batch_size": ACCUM[1], "grad_accum": ACCUM[0]},
+                                   [lab.run(f"pad-{norm}-b{ACCUM_KEY}-s{seed}",
+                                            {**fields, "batch_size": ACCUM[1], "grad_accum": ACCUM[0]}, trend_model,
+                                            {"norm": norm, "seed": seed, "lr": lr, "min_lr": lr / 10}) for seed in trend_seeds])
     effects = {}  # the measurements, once every run is asked for (--plan lists runs up to the first one)
     for norm in norms:
         effects[norm] = [lab.job(f"effects-{norm}", {"run": r["run"], "bs": tf["batch_size"], "T": tf["seq_len"]},
@@ -151,7 +161,10 @@ def preset_batchnorm(lab: Lab) -> dict:
         gaps = [abs(x["train_mode_loss"] - x["eval_loss"]) / x["eval_loss"] for x in losses]
         trend[norm, bs] = {"val": [r["val_loss"] for r in rs], "gap": gaps}
         val = stats(trend[norm, bs]["val"])
-        rows.append({"norm": norm, "batch_size": bs, "batching": "paragraphs", "lr": lab.arm_lr(f"pad-{norm}-b{bs}"),
+        accumulated = bs == ACCUM_KEY
+        rows.append({"norm": norm, "batch_size": ACCUM[0] * ACCUM[1] if accumulated else bs,
+                     "batching": f"paragraphs, {ACCUM[0]} x {ACCUM[1]} accumulated" if accumulated else "paragraphs",
+                     "lr": lab.arm_lr(f"pad-{norm}-b{ACCUM[0] * ACCUM[1] if accumulated else bs}"),
                      "val_loss": _round(val["mean"]),
                      "val_std": _round(val["std"], 2), "eval_loss": _round(statistics.fmean(x["eval_loss"] for x in losses)),
                      "train_mode_loss": _round(statistics.fmean(x["train_mode_loss"] for x in losses)),
@@ -162,6 +175,10 @@ def preset_batchnorm(lab: Lab) -> dict:
         measured[f"layernorm_val_b{bs}"] = trend["layernorm", bs]["val"]
         measured[f"batchnorm_excess_b{bs}"] = [None if b is None or ln is None else b / ln - 1
                                                for b, ln in zip(trend["batchnorm", bs]["val"], trend["layernorm", bs]["val"])]
+    if trend:
+        measured["layernorm_val_accum"] = trend["layernorm", ACCUM_KEY]["val"]
+        measured["batchnorm_excess_accum"] = [None if b is None or ln is None else b / ln - 1
+                                              for b, ln in zip(trend["batchnorm", ACCUM_KEY]["val"], trend["layernorm", ACCUM_KEY]["val"])]
     worst = "the largest change over seeds: one sequence whose output moves proves the dependence"
     none_moves = "the largest change over seeds: no sequence's output may move"
     moves = C.ours("1e-3 of the logits' RMS: 100x above float32 rounding's 1e-7-1e-5, so rounding cannot pass it")
@@ -204,6 +221,17 @@ def preset_batchnorm(lab: Lab) -> dict:
                 C.given(C.all_of(trains(f"layernorm_val_b{small}"), trains(f"layernorm_val_b{large}")),
                         C.above(f"batchnorm_excess_b{small}", f"batchnorm_excess_b{large}", paired=True, absolute=True)),
                 trend_cond),
+        C.claim("batchnorm.accumulation_worse", f"BatchNorm falls further behind LayerNorm when the batch of {large} is "
+                f"reached by accumulating {ACCUM[0]} micro-batches of {ACCUM[1]} than with the true batch: its excess loss "
+                "over LayerNorm is larger, where LayerNorm trains at both", "the BatchNorm article: 'NLP training uses "
+                "small batches with gradient accumulation, so BatchNorm's statistics are unreliable'",
+                _pick(measured, "batchnorm_excess_accum", f"batchnorm_excess_b{large}", "layernorm_val_accum",
+                      f"layernorm_val_b{large}", "unigram_loss"),
+                C.given(C.all_of(trains("layernorm_val_accum"), trains(f"layernorm_val_b{large}")),
+                        C.above("batchnorm_excess_accum", f"batchnorm_excess_b{large}", paired=True, absolute=True)),
+                trend_cond + [f"matches: the accumulated runs train at the true batch's rate, each norm at its own (the "
+                              f"recipe unchanged, as when accumulation stands in for a batch that does not fit; for "
+                              f"LayerNorm the very same gradients up to summation order): not tuned again"]),
     ]
     brief = [] if trend else ["The demo leaves out the batch-size trend on padded sequences (1.5 minutes on 2 cores): "
                               "`normlab compare batchnorm --quick` runs it, reusing the demo's runs."]
@@ -217,12 +245,15 @@ def preset_batchnorm(lab: Lab) -> dict:
                                                             "batch_sizes": list(BATCH_SIZES), "seeds": trend_seeds}},
         "columns": columns, "rows": rows, "claims": claims,
         "series": {"rows": [r for r in rows if r["batching"] == "windows"],
-                   "trend": {f"{n}|{bs}": v for (n, bs), v in trend.items()}, "batch_sizes": list(BATCH_SIZES)},
+                   "trend": {f"{n}|{bs}": v for (n, bs), v in trend.items()}, "batch_sizes": list(BATCH_SIZES),
+                   "accumulation": {"key": ACCUM_KEY, "batch": ACCUM[0] * ACCUM[1],
+                                    "label": f"{ACCUM[0]} x {ACCUM[1]} accumulated"}},
         "notes": ["mates_change / padding_change (windows rows): largest change of one sequence's logits, relative to their "
                   "RMS, when its batch-mates are swapped for others / half padded (training mode: batch statistics; largest "
                   "over seeds). In a causal LM, training-mode BatchNorm also pools statistics over future positions."]
                  + ([f"paragraphs rows: trained on the text between blank lines, padded per batch with a mask, {steps} "
                      "steps per run whatever the batch size; val_loss in eval mode (running statistics); train_eval_gap: "
                      "|training-mode loss - eval-mode loss| / eval-mode loss on fixed padded validation batches of the "
-                     "run's own batch size."] if trend else brief),
+                     "run's own batch size. The accumulated rows: the batch of 32 as 8 micro-batches of 4 with their gradients "
+                     "summed, so BatchNorm's statistics come from 4 sequences; each norm at its batch-32 rate."] if trend else brief),
     }
