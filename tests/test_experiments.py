@@ -19,6 +19,7 @@ import torch
 from scipy import stats
 
 from normlab import claims as C
+from normlab import data as D
 from normlab import experiments as E
 from normlab import report
 from normlab.cli import main
@@ -139,6 +140,15 @@ def _seeds(mean, spread=0.005):
                                       "layernorm_val_accum": _seeds(2.0), "layernorm_val_b32": _seeds(2.0), "unigram_loss": 3.4},
      {"batchnorm_excess_accum": _seeds(0.01, 0.001), "batchnorm_excess_b32": _seeds(0.03, 0.001),
       "layernorm_val_accum": _seeds(2.0), "layernorm_val_b32": _seeds(2.0), "unigram_loss": 3.4}),
+    ("curse.pre_deep_weaker", {"pre_deep_share": [0.30, 0.33, 0.31], "pre_val": _seeds(2.0), "unigram_loss": 3.4},
+     {"pre_deep_share": [0.60, 0.62, 0.61], "pre_val": _seeds(2.0), "unigram_loss": 3.4}),
+    ("curse.post_deep_not_weaker", {"post_deep_share": [0.55, 0.56, 0.54], "post_val": _seeds(2.0), "unigram_loss": 3.4},
+     {"post_deep_share": [0.30, 0.31, 0.29], "post_val": _seeds(2.0), "unigram_loss": 3.4}),
+    ("curse.lns_deeper", {"lns_deep_share": [0.45, 0.47, 0.46], "pre_deep_share": [0.30, 0.33, 0.31], "pre_val": _seeds(2.0),
+                          "unigram_loss": 3.4},
+     {"lns_deep_share": [0.20, 0.23, 0.21], "pre_deep_share": [0.30, 0.33, 0.31], "pre_val": _seeds(2.0), "unigram_loss": 3.4}),
+    ("curse.lns_loss", {"lns_val": _seeds(1.9), "pre_val": _seeds(2.0), "unigram_loss": 3.4},
+     {"lns_val": _seeds(2.1), "pre_val": _seeds(2.0), "unigram_loss": 3.4}),
     ("precision.naive_bf16_worse", {"rms_norm_bf16_naive_median_eps": _seeds(0.5, 0.01), "rms_norm_bf16_normlab_median_eps": _seeds(0.2, 0.01),
                                     "layer_norm_bf16_naive_median_eps": _seeds(0.6, 0.01), "layer_norm_bf16_normlab_median_eps": _seeds(0.2, 0.01)},
      {"rms_norm_bf16_naive_median_eps": _seeds(0.2, 0.01), "rms_norm_bf16_normlab_median_eps": _seeds(0.3, 0.01)}),
@@ -559,6 +569,32 @@ def test_the_depth_preset_trains_deepnorm_with_both_inits(finished):
     deepnet = json.loads(next(runs.glob("deepnorm-deep-s0-*/config.json")).read_text())["model_resolved"]
     assert (article["deepnorm_init"], deepnet["deepnorm_init"]) == ("article", "deepnet")
     assert {c["id"] for c in section["claims"]} >= {"depth.deepnorm_trains", "depth.deepnorm_article_trains"}
+
+
+def test_a_layers_contribution_is_the_loss_of_the_model_without_its_block(finished):
+    from normlab.experiments.curse import deep_share, layer_contributions
+    from normlab.train import load_run
+
+    section = finished[1]["presets"]["curse"]
+    folder = next((finished[0] / "runs").glob("pre-curse-s0-*"))
+    val = E.Lab(E.Settings(out=str(finished[0]), size="tiny", data=finished[1]["meta"]["data"], quiet=True)).dataset.val
+    got = layer_contributions(folder, val, 4, 16, 2)
+    model, _ = load_run(folder)
+    model.eval()
+    gen = D.Batches(val, 4, 16, seed=606)
+    batches = [gen.next() for _ in range(2)]
+    blocks = list(model.blocks)
+    for i in range(len(blocks)):  # the model rebuilt without block i: an independent skip
+        model.blocks = torch.nn.ModuleList(blocks[:i] + blocks[i + 1:])
+        with torch.no_grad():
+            loss = sum(model(x, y)[1].item() for x, y in batches) / len(batches)
+        assert loss - got["loss"] == pytest.approx(got["rise"][i], abs=1e-6)
+    assert len(got["cos"]) == len(blocks) and all(-1 <= c <= 1 for c in got["cos"])
+    assert deep_share([1.0, 1.0, 0.0, 2.0]) == 0.5 and deep_share([1.0, -1.0, 3.0, 0.0]) == 0.75
+    assert deep_share([-1.0, 0.0]) is None
+    lns = json.loads(next((finished[0] / "runs").glob("lns-curse-s0-*/config.json")).read_text())["model_resolved"]
+    assert lns["ln_scaling"] is True and lns["placement"] == "pre" and lns["n_layers"] >= 4
+    assert [r["arm"] for r in section["rows"]] == ["pre", "post", "lns"]
 
 
 def test_every_claim_lists_its_conditions(finished):

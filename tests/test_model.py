@@ -122,6 +122,27 @@ def test_the_articles_deepnorm_init_divides_xavier_by_the_depth(gen):
     assert abs(deepnet.blocks[0].attn.wv.weight.std().item() / m.blocks[0].attn.wv.weight.std().item() - 1) > 0.2
 
 
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+def test_layernorm_scaling_is_each_layers_norm_weights_times_one_over_sqrt_l(gen, norm):
+    # an independent construction: without the field, layer l's norm weights (and biases) times 1/sqrt(l)
+    torch.manual_seed(0)
+    kw = dict(n_layers=5, d_model=32, n_heads=4, norm=norm)
+    scaled = Decoder(ModelConfig.preset("tiny", ln_scaling=True, **kw)).double()
+    plain = Decoder(ModelConfig.preset("tiny", **kw)).double()
+    plain.load_state_dict(scaled.state_dict())
+    with torch.no_grad():
+        for layer, block in enumerate(plain.blocks, 1):
+            for n in (block.attn_norm, block.mlp_norm):
+                for p in n.parameters():
+                    p.mul_(layer ** -0.5)
+    idx = tokens(gen, B=2, T=10)
+    out, ref = scaled(idx)[0], plain(idx)[0]
+    assert torch.allclose(out, ref, rtol=1e-10, atol=1e-10)
+    unscaled = Decoder(ModelConfig.preset("tiny", **kw)).double()
+    unscaled.load_state_dict(scaled.state_dict())
+    assert (out - unscaled(idx)[0]).abs().max() > 1e-3  # the same weights without the field: another model
+
+
 def test_deepnorm_init_picks_weights_by_role_not_by_name(gen):
     # renaming a projection must not change which init it gets: the init walks the modules
     m = model(gen, placement="deepnorm")
@@ -415,6 +436,8 @@ def test_the_embedding_norm_normalizes_what_the_first_block_sees(gen, norm):
     ({"rope_theta": -1.0}, r"rope_theta must be a finite number > 0, got -1.0"),
     ({"init_std": float("nan")}, r"init_std must be a finite number > 0, got nan"),
     ({"deepnorm_alpha": -2.0}, r"deepnorm_alpha must be a finite number > 0 or None"),
+    ({"ln_scaling": True, "placement": "post"}, r"ln_scaling scales Pre-LN's norm outputs and applies to placement='pre' only, not 'post'"),
+    ({"ln_scaling": 1}, r"ln_scaling must be true or false, got 1"),
     ({"deepnorm_init": "xavier"}, r"deepnorm_init must be one of 'deepnet', 'article'; got 'xavier'"),
     ({"deepnorm_init": "article"}, r"deepnorm_init='article' applies to placement='deepnorm' only, not 'pre'"),
     ({"d_ff": 2.5}, r"d_ff must be a positive int or None, got 2.5"),

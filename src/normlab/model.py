@@ -9,6 +9,9 @@ placements of a norm side by side (F = attention or MLP, N = a norm):
     sandwich  x = x + N_b(F(N_a(x)))            CogView, Gemma 2/3 (Peri-LN)
     deepnorm  x = N(alpha * x + F(x))           DeepNet (Wang et al., 2022)
 
+``ln_scaling=True`` (Pre-LN only) multiplies the output of layer l's two norms by 1/sqrt(l), as
+LayerNorm Scaling does (Sun et al. 2025, "The Curse of Depth in Large Language Models").
+
 Initialization: every linear and embedding weight ~ N(0, 0.02), and the two output projections
 of each block (attention's ``wo``, the MLP's ``down``) ~ N(0, 0.02 / sqrt(2 L)) (GPT-2's scaled
 init). DeepNorm replaces that with the DeepNet init: xavier_normal_ with gain beta =
@@ -82,6 +85,7 @@ class ModelConfig:
     final_norm: bool | None = None  # a norm before the LM head; None: the placement's default
     embed_norm: bool = False  # a norm (the model's kind) on the embeddings before the first block (Bloom's)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3, OLMo 2)
+    ln_scaling: bool = False  # pre only: layer l's norms' outputs times 1/sqrt(l) (Sun et al. 2025's LayerNorm Scaling)
     deepnorm_alpha: float | None = None  # residual scale; None: (2 L)^(1/4)
     deepnorm_beta: float | None = None  # init gain; None: (8 L)^(-1/4)
     deepnorm_init: str = "deepnet"  # "deepnet" (xavier, gain beta) or "article" (xavier / sqrt(L), / sqrt(2L))
@@ -147,11 +151,14 @@ class ModelConfig:
         number("dyt_alpha0", note=" (DyT's initial alpha)")
         number("norm_shift_noise", zero_ok=True, note=" (0: none)")
         choice("norm_impl", ("normlab", "torch"))
-        for name in ("embed_norm", "qk_norm", "norm_weightless", "embed_scale", "tie_embeddings"):
+        for name in ("embed_norm", "qk_norm", "ln_scaling", "norm_weightless", "embed_scale", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         choice("init", INITS)
         choice("deepnorm_init", DEEPNORM_INITS)
+        if self.ln_scaling and self.placement != "pre":
+            raise ValueError(f"ln_scaling scales Pre-LN's norm outputs and applies to placement='pre' only, "
+                             f"not {self.placement!r}")
         if self.deepnorm_init != "deepnet" and self.placement != "deepnorm":
             raise ValueError(f"deepnorm_init={self.deepnorm_init!r} applies to placement='deepnorm' only, "
                              f"not {self.placement!r}")
@@ -348,10 +355,13 @@ def _norm(module: nn.Module, x: Tensor, mask: Tensor | None) -> Tensor:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 1) -> None:
         super().__init__()
         self.placement = cfg.placement
         self.alpha = cfg.alpha if cfg.placement == "deepnorm" else 1.0
+        # LayerNorm Scaling (Sun et al. 2025): damp what deep layers' norms feed their branches, so
+        # that the residual stream's variance stops growing with depth
+        self.norm_scale = layer ** -0.5 if cfg.ln_scaling else 1.0
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg)
         self.attn_norm, self.mlp_norm = make_norm(cfg), make_norm(cfg)
@@ -369,6 +379,9 @@ class Block(nn.Module):
         if self.placement == "post":
             x = _norm(self.attn_norm, x + attn(x), mask)
             x = _norm(self.mlp_norm, x + mlp(x), mask)
+        elif self.placement == "pre" and self.norm_scale != 1.0:
+            x = x + attn(_norm(self.attn_norm, x, mask) * self.norm_scale)
+            x = x + mlp(_norm(self.mlp_norm, x, mask) * self.norm_scale)
         elif self.placement == "pre":
             x = x + attn(_norm(self.attn_norm, x, mask))
             x = x + mlp(_norm(self.mlp_norm, x, mask))
@@ -398,7 +411,7 @@ class Decoder(nn.Module):
             self.register_buffer("pos_table", sinusoid_table(cfg.max_seq_len, cfg.d_model), persistent=False)
         self.drop = nn.Dropout(cfg.dropout)
         self.embed_norm = make_norm(cfg) if cfg.embed_norm else None
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(1, cfg.n_layers + 1))
         self.final_norm = make_norm(cfg) if cfg.has_final_norm else None
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head_rms: Tensor | None = None  # diagnostics: see record_activations

@@ -438,6 +438,30 @@ def plot_sandwich(section: dict, plt) -> dict:
     return {"sandwich.png": fig}
 
 
+CURSE_COLOURS = {"pre": PLACEMENT_COLOURS["pre"], "post": PLACEMENT_COLOURS["post"], "lns": "C1"}
+
+
+def plot_curse(section: dict, plt) -> dict:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for arm, per_layer in section["series"]["layers"].items():
+        for ax, key in zip(axes, ("rise", "cos")):
+            if per_layer[key]:
+                ax.plot(range(1, len(per_layer[key]) + 1), per_layer[key], marker="o", color=CURSE_COLOURS.get(arm), label=arm)
+    n = section["settings"]["model"]["n_layers"]
+    for ax, label in zip(axes, ("validation loss rise when the layer is skipped", "cosine(block input, block output)")):
+        ax.axvline(n // 2 + 0.5, color="grey", lw=0.8, ls=":")  # the halves the claims compare
+        ax.set_xlabel("layer")
+        ax.set_xticks(range(1, n + 1))
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    axes[0].set_yscale("symlog", linthresh=1e-3)
+    axes[0].set_title("each layer's contribution (mean over seeds)", fontsize=10)
+    axes[1].set_title("how much each block turns the stream (1: not at all)", fontsize=10)
+    fig.suptitle("The curse of depth: Pre-LN, Post-LN and LayerNorm Scaling (lns)")
+    fig.tight_layout()
+    return {"curse.png": fig}
+
+
 def plot_dyt(section: dict, plt) -> dict:
     budgets = list(section["settings"]["budgets"])
     runs = section["series"]["runs"]
@@ -475,7 +499,7 @@ def plot_dyt(section: dict, plt) -> dict:
 PLOTS = {"norms": plot_norms, "warmup": plot_warmup, "gradients": plot_gradients, "depth": plot_depth,
          "batchnorm": plot_batchnorm, "precision": plot_precision, "speed": plot_speed, "eps": plot_eps, "stability": plot_stability,
          "invariance": plot_invariance, "final-norm": plot_final_norm, "shallow": plot_shallow, "sandwich": plot_sandwich,
-         "dyt": plot_dyt, "scale": plot_scale}
+         "dyt": plot_dyt, "scale": plot_scale, "curse": plot_curse}
 
 
 def plot_ladder(ladder: dict, plt) -> dict:

@@ -65,6 +65,7 @@ from normlab.experiments import design as DS
 from normlab.experiments import ladder as LD
 from normlab.experiments.batchnorm import BATCH_SIZES, preset_batchnorm
 from normlab.experiments.common import lm_sizes
+from normlab.experiments.curse import preset_curse
 from normlab.experiments.depth import preset_depth
 from normlab.experiments.dyt import preset_dyt
 from normlab.experiments.eps import preset_eps
@@ -100,6 +101,7 @@ PRESETS: dict[str, Callable[[Lab], dict]] = {
     "sandwich": preset_sandwich,
     "dyt": preset_dyt,
     "scale": preset_scale,
+    "curse": preset_curse,
 }
 GROUPS = {"all": tuple(PRESETS), "demo": ("norms", "gradients", "batchnorm", "precision")}
 # The fields a preset compares: the user cannot override them for it.
@@ -111,7 +113,8 @@ VARIES = {"norms": {"norm", "seed"}, "scale": {"norm", "seed"},
           "final-norm": {"final_norm", "lr", "min_lr", "seed", "placement", "norm"},
           "shallow": {"placement", "n_layers", "lr", "min_lr", "warmup", "seed"},
           "sandwich": {"placement", "norm", "seed"},
-          "dyt": {"norm", "dyt_alpha0", "seed", "steps", "warmup", "eval_every", "placement"}}
+          "dyt": {"norm", "dyt_alpha0", "seed", "steps", "warmup", "eval_every", "placement"},
+          "curse": {"placement", "ln_scaling", "lr", "min_lr", "warmup", "seed"}}
 
 
 def expand(names: list[str]) -> list[str]:
