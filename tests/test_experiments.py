@@ -8,12 +8,14 @@ import dataclasses
 import html
 import json
 import math
+import random
 import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from scipy import stats
@@ -140,6 +142,12 @@ def _seeds(mean, spread=0.005):
                                       "layernorm_val_accum": _seeds(2.0), "layernorm_val_b32": _seeds(2.0), "unigram_loss": 3.4},
      {"batchnorm_excess_accum": _seeds(0.01, 0.001), "batchnorm_excess_b32": _seeds(0.03, 0.001),
       "layernorm_val_accum": _seeds(2.0), "layernorm_val_b32": _seeds(2.0), "unigram_loss": 3.4}),
+    ("batchnorm.late_positions_noisier", {"late_position_tokens": 400.0, "early_position_tokens": 800.0,
+                                          "late_position_spread": [0.09, 0.093, 0.088, 0.095],
+                                          "early_position_spread": [0.07, 0.071, 0.0695, 0.072]},
+     {"late_position_tokens": 400.0, "early_position_tokens": 800.0,
+      "late_position_spread": [0.05, 0.052, 0.049, 0.051], "early_position_spread": [0.07, 0.071, 0.0695, 0.072]}),
+    ("batchnorm.position_unseen_refused", {"position_unseen_refused": 1}, {"position_unseen_refused": 0}),
     ("curse.pre_deep_weaker", {"pre_deep_share": [0.30, 0.33, 0.31], "pre_val": _seeds(2.0), "unigram_loss": 3.4},
      {"pre_deep_share": [0.60, 0.62, 0.61], "pre_val": _seeds(2.0), "unigram_loss": 3.4}),
     ("curse.post_deep_not_weaker", {"post_deep_share": [0.55, 0.56, 0.54], "post_val": _seeds(2.0), "unigram_loss": 3.4},
@@ -351,6 +359,26 @@ def test_batchnorm_trend_trains_on_padded_batches_of_each_size(finished):
         assert (run["batch_size"], run["grad_accum"], run["lr"]) == (4, 8, true["lr"])
     m = _claim(finished[1], "batchnorm.accumulation_worse")["measured"]
     assert len(m["batchnorm_excess_accum"]) == len(section["settings"]["trend"]["seeds"])
+    # per-position statistics: fewer tokens at the last positions of padded paragraphs, a refusal past them
+    m = _claim(finished[1], "batchnorm.late_positions_noisier")["measured"]
+    assert m["late_position_tokens"] <= m["early_position_tokens"]  # this corpus's paragraphs fill the window
+    assert len(m["late_position_spread"]) == len(m["early_position_spread"]) == 32
+    assert _claim(finished[1], "batchnorm.position_unseen_refused")["verdict"] == "holds"
+
+
+def test_per_position_statistics_count_the_real_tokens_of_padded_paragraphs():
+    from normlab.experiments.batchnorm import position_statistics
+
+    rng = random.Random(torch.seed())
+    tokens = []
+    for _ in range(60):  # paragraphs of 2 to 20 tokens (ids 2-9), each followed by a blank line (0 0)
+        tokens += [rng.randint(2, 9) for _ in range(rng.randint(2, 20))] + [0, 0]
+    got = position_statistics(np.array(tokens), 0, batch_size=4, seq_len=12, steps=6, seeds=[0, 1])
+    seen = got["seen"]
+    assert seen[0] == 4 * 6  # every sequence has a first token
+    assert all(a >= b for a, b in zip(seen, seen[1:])) and seen[-1] < seen[0]  # fewer real tokens later
+    assert got["refused"] == 1 and 1 <= got["longest"] <= 12
+    assert len(got["spread"]) == 12 and all(len(row) == 32 for row in got["spread"])
 
 
 def test_every_batch_size_of_the_trend_trains_the_same_steps(finished):
@@ -420,7 +448,7 @@ def test_report_renders(finished):
             assert c["evidence"]
             for line in c["evidence"] + c["origins"]:
                 assert line in md and html.escape(line) in page, line
-            assert all(any(w in x for w in ("seed", "process", "round", "draw", "exact", "not measured"))
+            assert all(any(w in x for w in ("seed", "process", "round", "draw", "feature", "exact", "not measured"))
                        for x in c["evidence"]), c["evidence"]
     assert "Machine and versions" in md and "normlab compare all --size tiny" in md
     family = results["presets"]["norms"]["family"]
@@ -967,7 +995,6 @@ def test_dyt_compares_a_small_repeated_set_with_the_whole_split_and_measures_sat
 def test_dyt_small_budget_is_a_set_gone_over_as_often_as_the_study_s(tmp_path):
     from types import SimpleNamespace
 
-    import numpy as np
 
     from normlab.experiments import dyt
 

@@ -196,3 +196,65 @@ def test_the_euclidean_norm_kinds_refuse_what_they_do_not_have():
 
     with pytest.raises(ValueError, match="norm_weightless: norm='scalenorm' has one scalar gain"):
         ModelConfig(norm="scalenorm", norm_weightless=True)
+
+
+def _per_position_loop(x, mask, steps_seen, running_mean, running_var, momentum, eps):
+    """float64, one position and one sequence at a time: the per-position BatchNorm of the article."""
+    B, T, d = x.shape
+    out = torch.empty_like(x, dtype=torch.float64)
+    for t in range(T):
+        real = [x[b, t].double() for b in range(B) if mask[b, t]]
+        if real:
+            rows = torch.stack(real)
+            mean, var = rows.mean(0), rows.var(0, unbiased=False)
+            n = len(real)
+            unbiased = var * n / (n - 1) if n > 1 else var
+            running_mean[t] = (1 - momentum) * running_mean[t] + momentum * mean
+            running_var[t] = (1 - momentum) * running_var[t] + momentum * unbiased
+            steps_seen[t] += n
+        else:
+            mean, var = torch.zeros(d, dtype=torch.float64), torch.ones(d, dtype=torch.float64)
+        for b in range(B):
+            out[b, t] = (x[b, t].double() - mean) / torch.sqrt(var + eps)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_position_batchnorm_matches_the_float64_loop(dtype):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    B, T, d = 5, 7, 6
+    bn = SequenceBatchNorm(d, per_position=True, max_positions=10)
+    rm, rv, seen = torch.zeros(10, d, dtype=torch.float64), torch.ones(10, d, dtype=torch.float64), torch.zeros(10)
+    for _ in range(3):  # padded to different lengths; the last positions are real in one sequence, then none
+        lengths = torch.randint(1, T + 1, (B,), generator=gen)
+        lengths[0] = T - 2
+        mask = torch.arange(T)[None, :] < lengths[:, None]
+        x = (torch.randn(B, T, d, generator=gen) * 3 + 1).to(dtype)
+        got = bn(x, mask)
+        want = _per_position_loop(x, mask, seen, rm, rv, 0.1, bn.eps)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        assert torch.allclose(got.double()[mask], want[mask], rtol=tol, atol=tol)
+    assert torch.allclose(bn.running_mean.double(), rm, atol=1e-5) and torch.allclose(bn.running_var.double(), rv, atol=1e-4)
+    assert torch.equal(bn.seen, seen.long())
+    bn.eval()  # eval uses each position's running statistics
+    x = torch.randn(2, 3, d, generator=gen)
+    want = (x.double() - rm[:3]) / torch.sqrt(rv[:3] + bn.eps)
+    assert torch.allclose(bn(x).double(), want, atol=1e-5)
+
+
+def test_per_position_batchnorm_refuses_a_position_training_never_reached():
+    bn = SequenceBatchNorm(4, per_position=True, max_positions=16)
+    mask = torch.tensor([[True] * 5 + [False] * 3, [True] * 3 + [False] * 5])  # the longest: 5 positions
+    bn(torch.randn(2, 8, 4), mask)
+    bn.eval()
+    assert bn(torch.randn(1, 5, 4)).isfinite().all()
+    with pytest.raises(ValueError, match=r"position 5 has no running statistics: .*the longest training sequence had 5 positions"):
+        bn(torch.randn(1, 6, 4))
+    # a padded position past it is not a token: nothing to normalize, nothing refused
+    assert bn(torch.randn(1, 6, 4), torch.tensor([[True] * 5 + [False]])).shape == (1, 6, 4)
+    with pytest.raises(ValueError, match=r"position 16 \(of 17\) is past the last position with statistics"):
+        bn(torch.randn(1, 17, 4))
+    with pytest.raises(ValueError, match=r"max_positions must be a positive int with per_position=True"):
+        SequenceBatchNorm(4, per_position=True)
+    with pytest.raises(ValueError, match=r"max_positions applies with per_position=True only"):
+        SequenceBatchNorm(4, max_positions=8)

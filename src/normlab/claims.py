@@ -274,8 +274,9 @@ def _judge_leaf(rule: dict, measured: dict, adjust) -> tuple[str, str, float | N
     ci = interval(va, vb, paired=rule.get("paired", False), absolute=rule.get("absolute", False))
     if ci is None or "none" in ci:
         n = len(_finite(va))
-        why = (ci or {}).get("none") or (f"{n} {over if n != 1 else over.rstrip('s')} {'give' if n != 1 else 'gives'} no "
-                                          "interval (at least 2 needed on each side)")
+        unit = over if n != 1 else over.rstrip("s")
+        why = (f"{n} {unit}: " + ci["none"]) if ci else (f"{n} {unit} {'give' if n != 1 else 'gives'} no interval (at "
+                                                          "least 2 needed on each side)")
         return UNSURE, f"{a} vs {_b_text(b)}: {why}: inconclusive", 1.0
     p_hold, p_fail = _p_sides(rule, ci)
     verdict, p = _decided(p_hold, p_fail, ALPHA)

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from normlab import functional as F
+from normlab import reference
 from normlab.kernels import check_name
 
 __all__ = ["LayerNorm", "RMSNorm", "L2Norm", "ScaleNorm", "SequenceBatchNorm", "DyT", "build_norm", "NORM_KINDS"]
@@ -133,6 +134,11 @@ class SequenceBatchNorm(nn.Module):
     those of ``torch.nn.BatchNorm1d(dim)`` (weight, bias, running_mean, running_var,
     num_batches_tracked), so its state_dict loads both ways. The baseline that shows why text
     models left BatchNorm; see :func:`normlab.reference.seq_batch_norm`.
+
+    ``per_position=True`` keeps statistics per position instead (the BatchNorm article's figure):
+    running statistics of shape (max_positions, dim) and a ``seen`` count of the real tokens each
+    came from; in eval a real token at a position that training never reached raises an error
+    naming the position. See :func:`normlab.reference.seq_batch_norm_per_position`.
     """
 
     def __init__(
@@ -143,6 +149,8 @@ class SequenceBatchNorm(nn.Module):
         *,
         affine: bool = True,
         track_running_stats: bool = True,
+        per_position: bool = False,
+        max_positions: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -152,10 +160,23 @@ class SequenceBatchNorm(nn.Module):
         self.eps = F.check_eps(eps)
         self.affine = bool(affine)
         self.track_running_stats = bool(track_running_stats)
+        self.per_position = bool(per_position)
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.ones(dim, **kw)) if affine else None
         self.bias = nn.Parameter(torch.zeros(dim, **kw)) if affine else None
-        if track_running_stats:
+        if per_position:
+            if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
+                raise ValueError(f"max_positions must be a positive int with per_position=True (the longest sequence "
+                                 f"it will see), got {max_positions!r}")
+            if not track_running_stats:
+                raise ValueError("per_position=True keeps running statistics per position: track_running_stats must be True")
+            self.register_buffer("running_mean", torch.zeros(max_positions, dim, **kw))
+            self.register_buffer("running_var", torch.ones(max_positions, dim, **kw))
+            self.register_buffer("seen", torch.zeros(max_positions, dtype=torch.long, device=device))
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
+        elif max_positions is not None:
+            raise ValueError("max_positions applies with per_position=True only")
+        elif track_running_stats:
             self.register_buffer("running_mean", torch.zeros(dim, **kw))
             self.register_buffer("running_var", torch.ones(dim, **kw))
             self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
@@ -165,6 +186,15 @@ class SequenceBatchNorm(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         if self.training and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
+        if self.per_position:
+            if x.dim() != 3 or x.shape[-1] != self.dim:
+                raise ValueError(f"x has shape {tuple(x.shape)}; per-position BatchNorm expects (B, T, {self.dim})")
+            if mask is not None and (mask.dtype != torch.bool or mask.shape != x.shape[:-1]):
+                raise ValueError(f"mask must be a bool tensor of shape {tuple(x.shape[:-1])} (True at real tokens)")
+            return reference.seq_batch_norm_per_position(
+                x, mask, self.running_mean, self.running_var, self.seen, self.weight, self.bias,
+                training=self.training, momentum=self.momentum, eps=self.eps,
+            )
         return F.seq_batch_norm(
             x, mask, self.running_mean, self.running_var, self.weight, self.bias,
             training=self.training, momentum=self.momentum, eps=self.eps,
@@ -174,6 +204,7 @@ class SequenceBatchNorm(nn.Module):
         return (
             f"{self.dim}, eps={self.eps:g}, momentum={self.momentum:g}, affine={self.affine}, "
             f"track_running_stats={self.track_running_stats}"
+            + (f", per_position=True, max_positions={self.running_mean.shape[0]}" if self.per_position else "")
         )
 
 

@@ -240,6 +240,63 @@ def seq_batch_norm(
     return y.reshape(x.shape).to(x.dtype)
 
 
+def seq_batch_norm_per_position(
+    x: Tensor,
+    mask: Tensor | None,
+    running_mean: Tensor,
+    running_var: Tensor,
+    seen: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    *,
+    training: bool,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
+    """BatchNorm with statistics per position, as the BatchNorm article's figure draws it: position
+    t of a (B, T, d) batch is normalized over the batch's real tokens at t alone. ``running_mean``
+    and ``running_var`` are (max_positions, d) and ``seen`` (max_positions,) counts the real
+    tokens each position's running statistics came from; all three are updated in place in
+    training (a position without real tokens in the batch keeps its statistics). In eval a
+    position that never saw a real token in training has no statistics, and a real token there
+    raises an error that names it. Padded positions are normalized like the others."""
+    B, T, d = x.shape
+    if T > running_mean.shape[0]:
+        raise ValueError(f"position {running_mean.shape[0]} (of {T}) is past the last position with statistics: "
+                         f"per-position BatchNorm was built for max_positions={running_mean.shape[0]}")
+    sdt = stat_dtype(x.dtype)
+    xs = x.to(sdt)
+    m = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask
+    if training:
+        w = m.to(sdt).unsqueeze(-1)  # (B, T, 1)
+        n = w.sum(dim=0)  # (T, 1): real tokens at each position
+        mean = (xs * w).sum(dim=0) / n.clamp(min=1)
+        var = (((xs - mean) ** 2) * w).sum(dim=0) / n.clamp(min=1)
+        has = n.squeeze(-1) > 0
+        with torch.no_grad():
+            unbiased = torch.where(n > 1, var * n / (n - 1).clamp(min=1), var)
+            rm, rv = running_mean[:T], running_var[:T]
+            rm[has] = ((1 - momentum) * rm[has] + momentum * mean[has].detach().to(rm.dtype))
+            rv[has] = ((1 - momentum) * rv[has] + momentum * unbiased[has].detach().to(rv.dtype))
+            seen[:T] += n.squeeze(-1).to(seen.dtype)
+        mean = torch.where(has.unsqueeze(-1), mean, torch.zeros_like(mean))
+        var = torch.where(has.unsqueeze(-1), var, torch.ones_like(var))
+    else:
+        unseen = (seen[:T] == 0) & m.any(dim=0)
+        if bool(unseen.any()):
+            t = int(unseen.nonzero()[0])
+            longest = int((seen > 0).nonzero().max()) + 1 if bool((seen > 0).any()) else 0
+            raise ValueError(f"position {t} has no running statistics: no training batch had a real token there (the "
+                             f"longest training sequence had {longest} positions)")
+        mean, var = running_mean[:T].to(sdt), running_var[:T].to(sdt)
+    y = (xs - mean) * torch.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight.to(sdt)
+    if bias is not None:
+        y = y + bias.to(sdt)
+    return y.to(x.dtype)
+
+
 def dyt(x: Tensor, alpha: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, *, upcast: bool = True) -> Tensor:
     """DyT (Zhu et al. 2025, "Transformers without Normalization"): weight * tanh(alpha * x) + bias,
     elementwise, with one learned scalar ``alpha`` (shape (1,) or ()). No statistics: computed in

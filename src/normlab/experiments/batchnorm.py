@@ -11,6 +11,7 @@ from normlab import claims as C
 from normlab import data as D
 from normlab.experiments.common import LM_SEEDS, SHEN20, _pick, _round, lm_sizes, stats, train_norms, trains, unigram_loss
 from normlab.experiments.lab import Lab
+from normlab.nn import SequenceBatchNorm
 from normlab.train import load_run
 
 
@@ -80,6 +81,37 @@ BATCHNORM_CONDITIONS = [
 ]
 
 
+@torch.no_grad()
+def position_statistics(tokens, newline: int, batch_size: int, seq_len: int, steps: int, seeds, d: int = 32) -> dict:
+    """Per-position BatchNorm (statistics per position over the batch's real tokens) on padded
+    paragraph batches, as a model's first norm sees them at init: a fixed random embedding of the
+    tokens (the same for every seed), ``steps`` training-mode batches per seed of data order.
+    Returns per position the real tokens its running statistics came from (mean over seeds), the
+    spread over seeds of the running mean (per feature), and whether a position past the longest
+    training sequence is refused by name."""
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(int(max(tokens)) + 1, d)
+    means, seen = [], []
+    for seed in seeds:
+        bn = SequenceBatchNorm(d, per_position=True, max_positions=2 * seq_len)
+        gen = D.ParagraphBatches(tokens, batch_size, seq_len, seed, newline)
+        for _ in range(steps):
+            x, _, mask = gen.next()
+            bn(embed(x), mask)
+        means.append(bn.running_mean[:seq_len].double())
+        seen.append(bn.seen[:seq_len].double())
+    bn.eval()
+    longest = int((bn.seen > 0).nonzero().max()) + 1
+    try:  # one real token past the longest training sequence
+        bn(embed(torch.zeros(1, longest + 1, dtype=torch.long)))
+        refused = 0
+    except ValueError as err:
+        refused = int(f"position {longest} " in str(err))
+    spread = torch.stack(means).std(dim=0)  # (positions, features): over seeds
+    return {"seen": torch.stack(seen).mean(dim=0).tolist(), "spread": spread.tolist(), "longest": longest,
+            "refused": refused}
+
+
 def trend_sizes(lab: Lab) -> tuple[dict, dict, int]:
     """Training and model fields of the batch-size trend, and the steps every run trains."""
     train_fields = dict(preset="small", tokenizer="char", ckpt_every=0, diverge_factor=3.0, batching="paragraphs",
@@ -144,6 +176,21 @@ def preset_batchnorm(lab: Lab) -> dict:
     accumulation = lab.job("accumulation", {"d": 32, "T": 8, "micro": 4, "batch": 32},
                            lambda: {n: accumulation_change(n, 32, 8, seed=71) for n in ("layernorm", "batchnorm")})
     rows, measured = [], {f"{n}_accumulation_change": v for n, v in accumulation.items()}
+    if trend_runs:  # with the trend (left out of the demo, whose family was planned without it)
+        pos_seeds, pos_steps = lab.pick(5, 5, tiny=3), lab.pick(100, 300, tiny=4)
+        positions = lab.job("positions", {"B": BATCH_SIZES[1], "T": trend_train["seq_len"], "steps": pos_steps,
+                                          "seeds": pos_seeds},
+                            lambda: position_statistics(lab.dataset.train, D.newline_id(lab.dataset.tokenizer), BATCH_SIZES[1],
+                                                        trend_train["seq_len"], pos_steps, range(pos_seeds)))
+        quarter = max(1, len(positions["seen"]) // 4)
+        early, late = positions["spread"][:quarter], positions["spread"][-quarter:]
+        measured.update({
+            "early_position_tokens": statistics.fmean(positions["seen"][:quarter]),
+            "late_position_tokens": statistics.fmean(positions["seen"][-quarter:]),
+            # per feature, the spread over seeds averaged over the quarter's positions: paired by feature
+            "early_position_spread": [statistics.fmean(col) for col in zip(*early)],
+            "late_position_spread": [statistics.fmean(col) for col in zip(*late)],
+            "position_unseen_refused": positions["refused"]})
     for norm in norms:
         e = effects[norm]
         mates = max(x["mates_change"] for x in e)
@@ -209,7 +256,27 @@ def preset_batchnorm(lab: Lab) -> dict:
          "tokens, once whole and once as 8 accumulated micro-batches of 4 (float64, training mode)",
          "differs: a layer, not a trained language model; the loss gap it would cause in training is not measured here"]))
     measured["unigram_loss"] = unigram_loss(lab.dataset.train)
+    article = "the BatchNorm article (its figure normalizes each position over the batch)"
+    pos_cond = [f"matches: statistics per position over the real tokens of padded paragraph batches of "
+                f"{BATCH_SIZES[1]} (SequenceBatchNorm(per_position=True)), as the article's figure draws them",
+                "differs: the first norm's input at init (a fixed random embedding of the tokens, 32 features), "
+                "not a trained model's; the seeds vary the data order"]
     claims += [] if not trend else [
+        C.claim("batchnorm.position_unseen_refused", "per-position BatchNorm has no statistics for a position past the "
+                "longest training sequence: a real token there is refused with an error that names the position", article,
+                _pick(measured, "position_unseen_refused"),
+                C.at_least("position_unseen_refused", 1, point="whether the error was raised and named the position",
+                           origin=C.ours("1: the refusal happened (0: it did not)")), pos_cond),
+        C.claim("batchnorm.late_positions_noisier", "per position, late positions' running statistics come from fewer "
+                "tokens and vary more across seeds than early positions' (the last quarter of positions against the "
+                "first)", article,
+                _pick(measured, "late_position_tokens", "early_position_tokens", "late_position_spread",
+                      "early_position_spread"),
+                C.all_of(C.below("late_position_tokens", "early_position_tokens",
+                                 point="the real tokens per position, counted (mean over seeds)"),
+                         C.above("late_position_spread", "early_position_spread", paired=True, absolute=True,
+                                 over="features")),
+                pos_cond),
         C.claim("batchnorm.gap_grows", f"BatchNorm's train/eval mismatch grows as the batch shrinks: its loss in training "
                 f"mode differs more from eval mode at batch {small} than at {large}", SHEN20,
                 _pick(measured, f"batchnorm_gap_b{small}", f"batchnorm_gap_b{large}"),
