@@ -177,10 +177,15 @@ def test_the_euclidean_norm_kinds_match_the_float64_math(gen, kind, dtype, d):
     scale = p if kind == "l2" else p.expand(d)
     truth = _sphere_truth(x, scale, 1e-5, g)
     truth = (truth[0], truth[1], truth[2] if kind == "l2" else truth[2].sum().reshape(1))
-    for name, f, lp, t, rule in zip(("output", "dx", "dscale"), outs[None], outs["reference"], truth,
-                                    ("element", "row", "tensor")):
+    # scalenorm's dscale is one sum of every element's term g * xhat / sqrt(d), which nearly cancel:
+    # its rounding error grows as the root of the summed squared terms, not as the result, and one
+    # draw of the reference's error is no bound for it (a coin toss, as for a single element)
+    terms = g.double() * x.double() / x.double().norm(dim=-1, keepdim=True)
+    magnitude = [None, None, None if kind == "l2" else terms.pow(2).sum().sqrt().reshape(1)]
+    for name, f, lp, t, rule, mag in zip(("output", "dx", "dscale"), outs[None], outs["reference"], truth,
+                                         ("element", "row", "tensor"), magnitude):
         assert f.dtype == dtype
-        assert_close(f, t, lowp=lp, dtype=dtype, name=f"{kind} {name}", rule=rule)
+        assert_close(f, t, lowp=lp, dtype=dtype, name=f"{kind} {name}", rule=rule, magnitude=mag)
     # the scale the kind keeps: rows leave with norm |g| (scalenorm) or 1 (l2 with w = 1)
     rows = build_norm(kind, d, dtype=torch.float64)(x.double()).norm(dim=-1)
     assert torch.allclose(rows, torch.full_like(rows, d**0.5 if kind == "scalenorm" else 1.0), rtol=1e-6)

@@ -267,7 +267,9 @@ class ScaleNorm(nn.Module):
         self.g = nn.Parameter(torch.full((1,), dim**0.5, device=device, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
-        scale = (self.g * self.dim**-0.5).expand(self.dim).contiguous()
+        # the per-feature scale in fp32 (at least), so that g's gradient sums d fp32 partial sums,
+        # not d values each rounded to a 16-bit dtype first
+        scale = (self.g.to(torch.promote_types(self.g.dtype, torch.float32)) * self.dim**-0.5).expand(self.dim).contiguous()
         return F.rms_norm(x, scale, self.eps / self.dim, backend=self.backend)
 
     def extra_repr(self) -> str:
