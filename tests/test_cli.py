@@ -84,3 +84,19 @@ def test_a_bad_flag_shows_its_subcommands_usage(capsys):
         main(["bench", "--nosuchflag"])
     err = capsys.readouterr().err
     assert err.startswith("usage: normlab bench") and "unrecognized arguments: --nosuchflag" in err
+
+
+@pytest.mark.parametrize("stop", ["interrupted", "ctrl-c"])
+def test_an_interrupted_pilot_says_what_is_kept_and_exits_130(monkeypatch, capsys, tmp_path, stop):
+    # --tune took a path of its own, where a stopped run printed a traceback
+    from normlab import experiments
+
+    def tune_presets(*args, **kwargs):
+        raise experiments.Interrupted("pilot-pre-curse-lr0.006-s100 stopped at step 113") if stop == "interrupted" \
+            else KeyboardInterrupt()
+
+    monkeypatch.setattr(experiments, "tune_presets", tune_presets)
+    assert main(["compare", "curse", "--size", "tiny", "--tune", "--out", str(tmp_path)]) == 130
+    said = " ".join(capsys.readouterr().out.split())
+    assert "run the same command again to resume" in said and "Traceback" not in said
+    assert ("stopped at step 113" in said) == (stop == "interrupted")

@@ -86,13 +86,8 @@ def _compare_once(args: argparse.Namespace, names: list[str], settings, command:
         if err.results["presets"]:
             report.render(err.results, render_to)
         return 1
-    except experiments.Interrupted as err:
-        console.print(f"[yellow]interrupted:[/yellow] {escape(str(err))}. Finished runs are kept: run the same command again to resume.")
-        return 130
-    except KeyboardInterrupt:
-        console.print(f"[yellow]interrupted.[/yellow] Finished runs and measurements are kept in {args.out}: "
-                      "run the same command again to resume.")
-        return 130
+    except (experiments.Interrupted, KeyboardInterrupt) as err:
+        return _interrupted(err, args.out, console)
     _print_verdicts(results, experiments.expand(names), report.render(results, render_to), render_to, console)
     return 0
 
@@ -165,13 +160,27 @@ def _compare_argv(args: argparse.Namespace) -> str:
     return shlex.join(["normlab", "compare", *args.items, *flags])
 
 
+def _interrupted(err: BaseException, out: str, console: Console) -> int:
+    """Ctrl-C (or a run stopped by a signal): say what is kept and how to resume; exit 130."""
+    if isinstance(err, KeyboardInterrupt):
+        console.print(f"[yellow]interrupted.[/yellow] Finished runs and measurements are kept in {out}: "
+                      "run the same command again to resume.")
+    else:
+        console.print(f"[yellow]interrupted:[/yellow] {escape(str(err))}. Finished runs are kept: run the same command "
+                      "again to resume.")
+    return 130
+
+
 def _tune(names: list[str], settings, command: str, console: Console) -> int:
     """--tune: the pilot runs, then each arm's learning rate and each preset's seeds."""
     from rich.table import Table
 
     from normlab import experiments
 
-    design = experiments.tune_presets(names, settings, console, command=f"{command} --tune")
+    try:
+        design = experiments.tune_presets(names, settings, console, command=f"{command} --tune")
+    except (experiments.Interrupted, KeyboardInterrupt) as err:
+        return _interrupted(err, settings.out, console)
     size = "quick" if "demo" in names and settings.size != "tiny" else settings.size  # demo implies quick
     table = Table(title=f"pilot: each arm's learning rate (seeds {', '.join(map(str, design[size]['pilot_seeds']))})")
     for col in ("preset", "arm", "learning rate", "grid", "mean pilot loss"):
