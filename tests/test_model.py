@@ -138,6 +138,13 @@ def test_layernorm_scaling_is_each_layers_norm_weights_times_one_over_sqrt_l(gen
     idx = tokens(gen, B=2, T=10)
     out, ref = scaled(idx)[0], plain(idx)[0]
     assert torch.allclose(out, ref, rtol=1e-10, atol=1e-10)
+    # and the gradients of every weight outside the norms (the norms' own differ by the 1/sqrt(l) they carry)
+    up = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    out.backward(up)
+    ref.backward(up)
+    for (name, a), (_, b) in zip(scaled.named_parameters(), plain.named_parameters()):
+        if "norm" not in name:
+            assert torch.allclose(a.grad, b.grad, rtol=1e-9, atol=1e-12), name
     unscaled = Decoder(ModelConfig.preset("tiny", **kw)).double()
     unscaled.load_state_dict(scaled.state_dict())
     assert (out - unscaled(idx)[0]).abs().max() > 1e-3  # the same weights without the field: another model

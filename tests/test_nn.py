@@ -241,6 +241,17 @@ def test_per_position_batchnorm_matches_the_float64_loop(dtype):
         assert torch.allclose(got.double()[mask], want[mask], rtol=tol, atol=tol)
     assert torch.allclose(bn.running_mean.double(), rm, atol=1e-5) and torch.allclose(bn.running_var.double(), rv, atol=1e-4)
     assert torch.equal(bn.seen, seen.long())
+    # the input gradient in float64, against the loop's (autograd through the same float64 math)
+    x = (torch.randn(B, T, d, generator=gen, dtype=torch.float64) * 3 + 1).requires_grad_()
+    mask = torch.arange(T)[None, :] < torch.randint(1, T + 1, (B,), generator=gen)[:, None]
+    up = torch.randn(B, T, d, generator=gen, dtype=torch.float64)
+    fresh = SequenceBatchNorm(d, per_position=True, max_positions=10, affine=False, dtype=torch.float64)
+    (got,) = torch.autograd.grad(fresh(x, mask), x, up * mask[..., None])  # padded outputs feed nothing back
+    xl = x.detach().clone().requires_grad_()
+    loop = _per_position_loop(xl, mask, torch.zeros(10), torch.zeros(10, d, dtype=torch.float64),
+                              torch.ones(10, d, dtype=torch.float64), 0.1, fresh.eps)
+    (want,) = torch.autograd.grad(loop, xl, up * mask[..., None])
+    assert torch.allclose(got * mask[..., None], want, atol=1e-10)
     bn.eval()  # eval uses each position's running statistics
     x = torch.randn(2, 3, d, generator=gen)
     want = (x.double() - rm[:3]) / torch.sqrt(rv[:3] + bn.eps)
