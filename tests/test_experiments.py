@@ -967,7 +967,7 @@ def test_dyt_compares_a_small_repeated_set_with_the_whole_split_and_measures_sat
     budgets, passes, train = section["settings"]["budgets"], section["settings"]["passes"], section["settings"]["train"]
     assert budgets["large"] >= 10 * budgets["small"]
     settings = {r["setting"] for r in section["rows"]}
-    assert settings == {"rmsnorm", "layernorm", "dyt0.2", "dyt0.5", "dyt1", "dyt0.5-nogain"}
+    assert settings == {"rmsnorm", "layernorm", "dyt0.2", "dyt0.5", "dyt1", "dyt0.5-nogain", "derf0.5"}
     for key, shares in section["series"]["saturated"].items():
         assert key.startswith("dyt") and all(0.0 <= s <= 1.0 for s in shares), key
     # both budgets train the same steps; what differs is the data they draw from
@@ -982,14 +982,17 @@ def test_dyt_compares_a_small_repeated_set_with_the_whole_split_and_measures_sat
     gains, data = {}, {}
     for config in (out / "runs").glob("*/config.json"):
         name = config.parent.name
-        if name.startswith(("dyt", "rmsnorm-", "layernorm-")) and "steps" in name:
+        if name.startswith(("dyt", "derf", "rmsnorm-", "layernorm-")) and "steps" in name:
             saved = json.loads(config.read_text())
             setting = name.split("-")[0] + ("-nogain" if "-nogain-" in name else "")
             gains.setdefault(setting, set()).add(saved["model"].get("embed_gain"))
             data.setdefault("small" if "tokens-s" in name else "large", set()).add(saved["train"].get("train_tokens", 0))
     assert data == {"small": {budgets["small"]}, "large": {0}}
-    assert gains["dyt0.5"] == gains["dyt0.2"] == gains["dyt1"] == {section["settings"]["dyt_embed_gain"]} == {64.0}
+    assert gains["dyt0.5"] == gains["dyt0.2"] == gains["dyt1"] == gains["derf0.5"] == {section["settings"]["dyt_embed_gain"]} == {64.0}
     assert gains["dyt0.5-nogain"] == gains["rmsnorm"] == gains["layernorm"] == {None}
+    norms = {json.loads(c.read_text())["model"]["norm"] for c in (out / "runs").glob("derf0.5-*/config.json")}
+    assert norms == {"derf"}
+    assert next(c for c in section["claims"] if c["id"] == "dyt.derf_beats_dyt")["verdict"] in C.VERDICTS
 
 
 def test_dyt_small_budget_is_a_set_gone_over_as_often_as_the_study_s(tmp_path):

@@ -56,9 +56,15 @@ def load(src: str, name: str):
     sys.modules[name] = parent
     rms, ln = (importlib.import_module(f"{name}.{op}") for op in ("rmsnorm", "layernorm"))
     kernels = types.SimpleNamespace(rms_fwd=rms.rms_fwd, ln_fwd=ln.ln_fwd, rms_bwd=rms.rms_bwd, ln_bwd=ln.ln_bwd)
-    if (package / "dynamic_tanh.py").is_file():
+    if (package / "pointwise.py").is_file():  # DyT and Derf in one kernel: s (the shift) None for DyT
+        pw = importlib.import_module(f"{name}.pointwise")
+        kernels.dyt_fwd = lambda x, a, *rest: pw.pointwise_fwd(x, a, None, *rest)
+        kernels.dyt_bwd = lambda dy, x, a, w, dx, da, *rest: pw.pointwise_bwd(dy, x, a, None, w, dx, np.zeros((da.shape[0], 2)), *rest)
+        dyt = pw
+    elif (package / "dynamic_tanh.py").is_file():
         dyt = importlib.import_module(f"{name}.dynamic_tanh")
         kernels.dyt_fwd, kernels.dyt_bwd = dyt.dyt_fwd, dyt.dyt_bwd
+    if (package / "pointwise.py").is_file() or (package / "dynamic_tanh.py").is_file():
         # the table argument, made per call as the launcher makes it (trees before tables: none)
         table_for = getattr(dyt, "table_for", None)
         kernels.dyt_table = (lambda x, grad: (table_for(x, grad),)) if table_for else (lambda x, grad: ())

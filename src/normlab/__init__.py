@@ -6,10 +6,10 @@ fused backends (:mod:`normlab.functional`), and modules (:mod:`normlab.nn`).
 
 from importlib.metadata import PackageNotFoundError, version
 
-from normlab.functional import add_layer_norm, add_rms_norm, dyt, layer_norm, rms_norm, seq_batch_norm
+from normlab.functional import add_layer_norm, add_rms_norm, derf, dyt, layer_norm, rms_norm, seq_batch_norm
 from normlab.kernels import available_backends, use_backend
 from normlab.model import Decoder, ModelConfig
-from normlab.nn import DyT, NORM_KINDS, LayerNorm, RMSNorm, SequenceBatchNorm, build_norm
+from normlab.nn import Derf, DyT, NORM_KINDS, LayerNorm, RMSNorm, SequenceBatchNorm, build_norm
 
 try:
     __version__ = version("normlab")
@@ -23,10 +23,12 @@ __all__ = [
     "add_rms_norm",
     "seq_batch_norm",
     "dyt",
+    "derf",
     "LayerNorm",
     "RMSNorm",
     "SequenceBatchNorm",
     "DyT",
+    "Derf",
     "build_norm",
     "NORM_KINDS",
     "ModelConfig",

@@ -34,7 +34,7 @@ import torch.nn.functional as TF
 
 from normlab import functional as F
 
-OPS = ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "prms_norm", "dyt")
+OPS = ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "prms_norm", "dyt", "derf")
 PASSES = ("fwd", "bwd", "fwdbwd")
 ALLOCS = ("alloc", "prealloc")
 # Rounds are round-robin over a group's cases, so drift in the machine's memory bandwidth (2x
@@ -99,7 +99,7 @@ def _is_add(op: str) -> bool:
 
 
 def _norm_kind(op: str) -> str:
-    return "dyt" if op == "dyt" else "layer" if "layer" in op else "rms"
+    return "pointwise" if op in ("dyt", "derf") else "layer" if "layer" in op else "rms"
 
 
 def moved_bytes(op: str, pass_: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -107,7 +107,7 @@ def moved_bytes(op: str, pass_: str, shape: tuple[int, ...], dtype: torch.dtype)
     n = math.prod(shape)
     e = torch.finfo(dtype).bits // 8
     d = shape[-1]
-    params = (1 if _norm_kind(op) == "rms" else 2) * d * e  # weight, and bias (LayerNorm, DyT)
+    params = (1 if _norm_kind(op) == "rms" else 2) * d * e  # weight, and bias (LayerNorm, DyT, Derf)
     fwd = (4 if _is_add(op) else 2) * n * e + params
     bwd = (4 if _is_add(op) else 3) * n * e + 2 * params  # read weights, write their grads
     return {"fwd": fwd, "bwd": bwd, "fwdbwd": fwd + bwd}[pass_]
@@ -118,9 +118,9 @@ def moved_bytes(op: str, pass_: str, shape: tuple[int, ...], dtype: torch.dtype)
 
 def _weights(op: str, d: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     w = torch.ones(d, dtype=dtype, device=device, requires_grad=True)
-    if _norm_kind(op) == "dyt":  # alpha, weight, bias
-        return [torch.full((1,), 0.5, device=device, requires_grad=True), w,
-                torch.zeros(d, dtype=dtype, device=device, requires_grad=True)]
+    if _norm_kind(op) == "pointwise":  # alpha, (Derf's shift,) weight, bias
+        scalars = [torch.full((1,), v, device=device, requires_grad=True) for v in ((0.5,) if op == "dyt" else (0.5, 0.1))]
+        return [*scalars, w, torch.zeros(d, dtype=dtype, device=device, requires_grad=True)]
     if _norm_kind(op) == "layer":
         return [w, torch.zeros(d, dtype=dtype, device=device, requires_grad=True)]
     return [w]
@@ -129,9 +129,12 @@ def _weights(op: str, d: int, dtype: torch.dtype, device: torch.device) -> list[
 def _reference_call(op: str, backend: str | None) -> Callable:
     """The op through normlab's functional API on ``backend`` (None: auto)."""
 
-    def call(x, r, w, b=None, c=None):
+    def call(x, r, w, *more):
         if op == "dyt":  # (alpha, weight, bias)
-            return F.dyt(x, w, b, c, backend=backend)
+            return F.dyt(x, w, *more, backend=backend)
+        if op == "derf":  # (alpha, shift, weight, bias)
+            return F.derf(x, w, *more, backend=backend)
+        b = more[0] if more else None
         if op == "rms_norm":
             return F.rms_norm(x, w, EPS, backend=backend)
         if op == "prms_norm":
@@ -160,7 +163,7 @@ def make_peer(name: str, op: str, d: int, dtype: torch.dtype, device: torch.devi
     if name in ("normlab", "reference"):
         call = _reference_call(op, None if name == "normlab" else "reference")
         out_fn = None
-        if name == "normlab" and not add and op != "dyt":
+        if name == "normlab" and not add and _norm_kind(op) != "pointwise":
             def out_fn(x, r, out):
                 with torch.no_grad():
                     if op == "layer_norm":
@@ -182,6 +185,11 @@ def make_peer(name: str, op: str, d: int, dtype: torch.dtype, device: torch.devi
             return "no DyT of its own (torch: the paper's module math in eager torch)"
         alpha, weight, bias = params
         return Peer(lambda x, r: weight * torch.tanh(alpha * x) + bias, params)
+    if op == "derf":
+        if name != "torch":
+            return "no Derf of its own (torch: the paper's module math in eager torch)"
+        alpha, shift, weight, bias = params
+        return Peer(lambda x, r: weight * torch.erf(alpha * x + shift) + bias, params)
     if name == "torch":
         if _norm_kind(op) == "rms":
             norm = lambda s: TF.rms_norm(s, (d,), params[0], EPS)  # noqa: E731

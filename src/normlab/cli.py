@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("warmup", help="compile the fused CPU kernels into numba's cache now (for a container build or before a job)",
                        description="Compile the fused CPU kernels for these ops and dtypes into numba's on-disk cache, so that "
                                    "the first call of a later process loads them instead of compiling (seconds per kernel).")
-    p.add_argument("--ops", default="rms_norm,layer_norm,add_rms_norm,add_layer_norm,dyt", help="comma-separated")
+    p.add_argument("--ops", default="rms_norm,layer_norm,add_rms_norm,add_layer_norm,dyt,derf", help="comma-separated")
     p.add_argument("--dtypes", default="fp32,bf16,fp16", help="comma-separated, from fp32,bf16,fp16")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_warmup)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from normlab import kernels, reference
 
-__all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "seq_batch_norm", "dyt"]
+__all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "seq_batch_norm", "dyt", "derf"]
 
 CASTS = ("llama", "gemma")
 EPS_MODES = ("inside", "outside")
@@ -280,13 +280,39 @@ def dyt(
     The output has x's dtype. See :func:`normlab.reference.dyt`.
     """
     check_x(x)
-    if not isinstance(alpha, Tensor) or alpha.numel() != 1 or not alpha.is_floating_point():
-        got = f"a tensor of shape {_shape(alpha)}, dtype {alpha.dtype}" if isinstance(alpha, Tensor) else type(alpha).__name__
-        raise ValueError(f"alpha must be a floating-point tensor of one element (DyT's learned scalar), got {got}")
-    _check_device(alpha, "alpha", x)
+    _check_scalar(alpha, "alpha", "DyT's learned scalar", x)
     _check_param(weight, "weight", x)
     _check_param(bias, "bias", x)
     return _backend(backend, x).dyt(x, alpha, weight, bias)
+
+
+def derf(
+    x: Tensor,
+    alpha: Tensor,
+    shift: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> Tensor:
+    """Derf, DyT with erf (Chen et al. 2025): weight * erf(alpha * x + shift) + bias.
+
+    ``alpha`` and ``shift``: one-element tensors (the learned scalars); ``weight`` and ``bias``
+    optional, (d,). The output has x's dtype. See :func:`normlab.reference.derf`.
+    """
+    check_x(x)
+    _check_scalar(alpha, "alpha", "Derf's learned scale", x)
+    _check_scalar(shift, "shift", "Derf's learned shift", x)
+    _check_param(weight, "weight", x)
+    _check_param(bias, "bias", x)
+    return _backend(backend, x).derf(x, alpha, shift, weight, bias)
+
+
+def _check_scalar(t, name: str, what: str, x: Tensor) -> None:
+    if not isinstance(t, Tensor) or t.numel() != 1 or not t.is_floating_point():
+        got = f"a tensor of shape {_shape(t)}, dtype {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a floating-point tensor of one element ({what}), got {got}")
+    _check_device(t, name, x)
 
 
 def seq_batch_norm(

@@ -72,13 +72,13 @@ class ModelConfig:
     embed_gain: float | None = None  # token embeddings times a learned scalar started here (Zhu et al.'s Llama with DyT: sqrt(d))
     rope_theta: float = 10000.0  # rotary base
     tie_embeddings: bool = True  # the LM head shares the embedding matrix
-    norm: str = "rmsnorm"  # layernorm, rmsnorm, prmsnorm, l2, scalenorm, batchnorm, dyt (not a norm: its replacement) or none
+    norm: str = "rmsnorm"  # layernorm, rmsnorm, prmsnorm, l2, scalenorm, batchnorm, dyt or derf (not norms: their replacements), none
     norm_eps: float = 1e-5  # epsilon of every norm
     norm_cast: str = "llama"  # RMSNorm cast order: "llama" or "gemma"
     norm_partial: float | None = None  # pRMSNorm's p; None: 0.0625 for prmsnorm (only prmsnorm takes it)
     norm_eps_mode: str = "inside"  # RMSNorm: eps inside or outside the square root
     norm_weightless: bool = False  # norms without a learned scale (and bias)
-    dyt_alpha0: float = 0.5  # norm="dyt": the initial alpha of every DyT (Zhu et al. 2025's default)
+    dyt_alpha0: float = 0.5  # norm="dyt" or "derf": the initial alpha of every DyT or Derf (Zhu et al. 2025's default)
     # in training, shift every norm's input row by N(0, (this * the row's RMS)^2), one draw per row (invariance preset)
     norm_shift_noise: float = 0.0
     placement: str = "pre"  # post, pre, sandwich or deepnorm
@@ -148,7 +148,7 @@ class ModelConfig:
             raise ValueError("embed_gain and embed_scale both scale the token embeddings; set one of them")
         if self.norm_eps < 0 or not math.isfinite(self.norm_eps):
             raise ValueError(f"norm_eps must be a finite number >= 0, got {self.norm_eps}")
-        number("dyt_alpha0", note=" (DyT's initial alpha)")
+        number("dyt_alpha0", note=" (DyT's and Derf's initial alpha)")
         number("norm_shift_noise", zero_ok=True, note=" (0: none)")
         choice("norm_impl", ("normlab", "torch"))
         for name in ("embed_norm", "qk_norm", "ln_scaling", "norm_weightless", "embed_scale", "tie_embeddings"):
@@ -200,12 +200,12 @@ class ModelConfig:
         return (8 * self.n_layers) ** -0.25 if self.deepnorm_beta is None else self.deepnorm_beta
 
     def norm_options(self) -> dict:
-        opts: dict = {"eps": self.norm_eps} if self.norm != "dyt" else {"alpha0": self.dyt_alpha0}
+        opts: dict = {"eps": self.norm_eps} if self.norm not in ("dyt", "derf") else {"alpha0": self.dyt_alpha0}
         if self.norm in ("rmsnorm", "prmsnorm"):
             opts.update(cast=self.norm_cast, eps_mode=self.norm_eps_mode)
             if self.norm == "prmsnorm" and self.norm_partial is not None:
                 opts["partial"] = self.norm_partial
-        if self.norm in ("layernorm", "rmsnorm", "prmsnorm", "l2", "scalenorm", "dyt") and self.backend is not None:
+        if self.norm in ("layernorm", "rmsnorm", "prmsnorm", "l2", "scalenorm", "dyt", "derf") and self.backend is not None:
             opts["backend"] = self.backend
         if self.norm_weightless:
             opts["weightless"] = True

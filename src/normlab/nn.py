@@ -8,6 +8,8 @@ the norm a model asks for by name.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -15,9 +17,9 @@ from normlab import functional as F
 from normlab import reference
 from normlab.kernels import check_name
 
-__all__ = ["LayerNorm", "RMSNorm", "L2Norm", "ScaleNorm", "SequenceBatchNorm", "DyT", "build_norm", "NORM_KINDS"]
+__all__ = ["LayerNorm", "RMSNorm", "L2Norm", "ScaleNorm", "SequenceBatchNorm", "DyT", "Derf", "build_norm", "NORM_KINDS"]
 
-NORM_KINDS = ("layernorm", "rmsnorm", "prmsnorm", "l2", "scalenorm", "batchnorm", "dyt", "none")
+NORM_KINDS = ("layernorm", "rmsnorm", "prmsnorm", "l2", "scalenorm", "batchnorm", "dyt", "derf", "none")
 
 # pRMSNorm's p in Zhang & Sennrich's experiments.
 DEFAULT_PARTIAL = 0.0625
@@ -297,7 +299,7 @@ class DyT(nn.Module):
         super().__init__()
         self.dim = _check_dim(dim)
         if isinstance(alpha0, bool) or not isinstance(alpha0, (int, float)) or not (0 < alpha0 < float("inf")):
-            raise ValueError(f"alpha0 must be a finite number > 0 (DyT's initial alpha), got {alpha0!r}")
+            raise ValueError(f"alpha0 must be a finite number > 0 ({type(self).__name__}'s initial alpha), got {alpha0!r}")
         self.alpha0 = float(alpha0)
         self.elementwise_affine = bool(elementwise_affine)
         self.backend = _check_backend(backend)
@@ -314,13 +316,36 @@ class DyT(nn.Module):
         return s + (f", backend={self.backend!r}" if self.backend else "")
 
 
+class Derf(DyT):
+    """Derf (Chen et al. 2025, "Stronger Normalization-Free Transformers"): weight * erf(alpha * x +
+    shift) + bias over the last dimension, DyT with erf and a learned shift.
+
+    ``shift`` (1,) starts at ``shift0`` (0: the function is centred on zero at the start, the first
+    of the properties the paper's search asks of a point-wise function); the rest as :class:`DyT`.
+    """
+
+    def __init__(self, dim: int, alpha0: float = 0.5, shift0: float = 0.0, **kwargs) -> None:
+        super().__init__(dim, alpha0, **kwargs)
+        if isinstance(shift0, bool) or not isinstance(shift0, (int, float)) or not math.isfinite(shift0):
+            raise ValueError(f"shift0 must be a finite number (Derf's initial shift), got {shift0!r}")
+        self.shift0 = float(shift0)
+        self.shift = nn.Parameter(torch.full((1,), self.shift0, device=self.alpha.device, dtype=self.alpha.dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.derf(x, self.alpha, self.shift, self.weight, self.bias, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr().replace(", elementwise", f", shift0={self.shift0:g}, elementwise", 1)
+
+
 def build_norm(kind: str, dim: int, **options) -> nn.Module:
     """The norm a model asks for by name.
 
     kind: "layernorm" (options: eps, bias, elementwise_affine, backend), "rmsnorm" (eps,
     elementwise_affine, cast, offset, eps_mode, backend), "prmsnorm" (as rmsnorm plus
     ``partial``, default 0.0625), "l2" (eps, elementwise_affine, backend), "scalenorm" (eps,
-    backend), "batchnorm" (eps, momentum, affine, track_running_stats),
+    backend), "batchnorm" (eps, momentum, affine, track_running_stats), "dyt" (alpha0,
+    elementwise_affine, backend), "derf" (as dyt plus shift0),
     "none" (identity; no options). ``weightless=True`` is accepted by every norm with weights as
     ``elementwise_affine=False`` (``affine=False`` for batchnorm). Unknown options are errors.
     """
@@ -338,6 +363,7 @@ def build_norm(kind: str, dim: int, **options) -> nn.Module:
         "scalenorm": {"eps", "backend", "device", "dtype"},
         "batchnorm": {"eps", "momentum", "affine", "track_running_stats", "device", "dtype"},
         "dyt": {"alpha0", "elementwise_affine", "backend", "device", "dtype"},
+        "derf": {"alpha0", "shift0", "elementwise_affine", "backend", "device", "dtype"},
         "none": set(),
     }[kind]
     unknown = sorted(set(options) - allowed)
@@ -361,5 +387,7 @@ def build_norm(kind: str, dim: int, **options) -> nn.Module:
         return SequenceBatchNorm(dim, **options)
     if kind == "dyt":
         return DyT(dim, **options)
+    if kind == "derf":
+        return Derf(dim, **options)
     _check_dim(dim)
     return nn.Identity()

@@ -467,7 +467,8 @@ def plot_dyt(section: dict, plt) -> dict:
     runs = section["series"]["runs"]
     fig, axes = plt.subplots(1, len(budgets) + 1, figsize=(5 * (len(budgets) + 1), 4))
     settings = list(dict.fromkeys(k.split("|")[0] for k in runs))
-    colours = {**NORM_COLOURS, **{s: f"C{4 + i}" for i, s in enumerate(x for x in settings if x.startswith("dyt"))}}
+    pointwise = [x for x in settings if x.startswith(("dyt", "derf"))]
+    colours = {**NORM_COLOURS, **{s: f"C{4 + i}" for i, s in enumerate(pointwise)}}
     for ax, budget in zip(axes, budgets):
         for setting in settings:
             xs, mean, lo, hi = _mean_curve(runs[f"{setting}|{budget}"], "step")
@@ -491,7 +492,7 @@ def plot_dyt(section: dict, plt) -> dict:
     ax.set_ylabel("share of DyT inputs with |alpha x| > 2")
     ax.set_title("saturation after training (on training data)", fontsize=10)
     ax.legend(fontsize=8)
-    fig.suptitle("DyT against RMSNorm and LayerNorm")
+    fig.suptitle("DyT and Derf against RMSNorm and LayerNorm")
     fig.tight_layout()
     return {"dyt.png": fig}
 

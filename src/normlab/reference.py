@@ -25,6 +25,7 @@ __all__ = [
     "add_rms_norm",
     "seq_batch_norm",
     "dyt",
+    "derf",
     "partial_size",
     "stat_dtype",
 ]
@@ -303,6 +304,20 @@ def dyt(x: Tensor, alpha: Tensor, weight: Tensor | None = None, bias: Tensor | N
     float32 (float64 for float64 input) and cast to x's dtype."""
     dt = stat_dtype(x.dtype, upcast)
     y = torch.tanh(alpha.to(dt) * x.to(dt))
+    if weight is not None:
+        y = y * weight.to(dt)
+    if bias is not None:
+        y = y + bias.to(dt)
+    return y.to(x.dtype)
+
+
+def derf(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, *,
+         upcast: bool = True) -> Tensor:
+    """Derf (Chen et al. 2025, "Stronger Normalization-Free Transformers"): weight * erf(alpha * x +
+    shift) + bias, elementwise, with two learned scalars ``alpha`` and ``shift`` (shape (1,) or ()).
+    Computed as :func:`dyt` is, in float32 (float64 for float64 input), cast to x's dtype."""
+    dt = stat_dtype(x.dtype, upcast)
+    y = torch.erf(alpha.to(dt) * x.to(dt) + shift.to(dt))
     if weight is not None:
         y = y * weight.to(dt)
     if bias is not None:

@@ -1,4 +1,5 @@
-"""Preset ``dyt``: norm-free Transformers with DyT (Zhu et al. 2025) against RMSNorm and LayerNorm.
+"""Preset ``dyt``: norm-free Transformers with DyT (Zhu et al. 2025) against RMSNorm and LayerNorm,
+and Derf (Chen et al. 2025), DyT with erf(alpha x + s) in place of tanh(alpha x).
 
 DyT(x) = weight * tanh(alpha * x) + bias replaces every norm, with one learned alpha per layer
 started at alpha0. Zhu et al. report that it matches LayerNorm and RMSNorm "mostly without
@@ -12,7 +13,9 @@ DyT is not scale-invariant, so what it sees matters. The paper's Llama code mult
 embeddings (std 0.02) by a learned scalar started at sqrt(d): 64 at 7B, so that the first DyT sees
 values of RMS 1.28. The DyT runs here do the same with the gain started at 64 (sqrt(d) of this
 width would give 0.2); one more setting, at the default alpha0 without the gain, shows what
-happens without it. The baselines are the paper's: RMSNorm and LayerNorm without the gain.
+happens without it. The baselines are the paper's: RMSNorm and LayerNorm without the gain. Derf
+runs as the DyT setting at the default alpha0 does (the same gain, shift started at 0), so the two
+differ only in the function.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from normlab.nn import DyT
 from normlab.train import load_run, train_split
 
 ZHU25 = "Zhu, Chen, He, LeCun & Liu (2025), Transformers without Normalization, CVPR"
+CHEN25 = ("Chen, Lu, Zhu, Sun & Liu (2025), Stronger Normalization-Free Transformers (arXiv 2512.10938): Derf "
+          "improves on DyT in every domain tried, GPT-2 language modelling among them")
 REGIME26 = ("When Does Removing LayerNorm Help? Activation Bounding as a Regime-Dependent Implicit Regularizer "
             "(arXiv 2604.23434, 2026): DyT 27% better at 1M tokens, 19% worse at 118M (64M parameters)")
 ALPHA0S = (0.2, 0.5, 1.0)  # the paper's default 0.5, and a factor 2.5 and 2 either side
@@ -64,8 +69,9 @@ def saturation(folder, tokens, batch_size: int, seq_len: int) -> float:
 
 
 def settings_of(norm: str, alpha0: float | None, gain: bool = True) -> str:
-    """A row's name: the norm for a baseline, dyt and alpha0 for DyT (-nogain: no embedding gain)."""
-    return norm if alpha0 is None else f"dyt{alpha0:g}" + ("" if gain else "-nogain")
+    """A row's name: the norm for a baseline, dyt (derf) and alpha0 for DyT (Derf) (-nogain: no
+    embedding gain)."""
+    return norm if alpha0 is None else f"{norm}{alpha0:g}" + ("" if gain else "-nogain")
 
 
 def data_budgets(lab: Lab, steps: int, batch_size: int, seq_len: int) -> dict:
@@ -89,7 +95,7 @@ def preset_dyt(lab: Lab) -> dict:
     passes = {b: steps * tf["batch_size"] * tf["seq_len"] / n for b, n in budgets.items()}
     seeds = lab.seeds(3, 3)
     cells = [("rmsnorm", None, False), ("layernorm", None, False)] + [("dyt", a, True) for a in ALPHA0S]
-    cells.append(("dyt", DEFAULT_ALPHA0, False))
+    cells += [("dyt", DEFAULT_ALPHA0, False), ("derf", DEFAULT_ALPHA0, True)]
     fields = {**train_fields, "steps": steps, "warmup": max(1, steps // 10), "eval_every": max(1, steps // 4)}
     runs = {}
     train_tokens = {"small": budgets["small"], "large": 0}  # 0: the whole split, as the runs before it
@@ -110,7 +116,7 @@ def preset_dyt(lab: Lab) -> dict:
                        lambda: saturation(lab.out / "runs" / run["run"], data, tf["batch_size"], tf["seq_len"]))
 
     saturated = {(setting, budget): [saturated_in(r, budget) for r in rs]
-                 for (setting, budget), rs in runs.items() if setting.startswith("dyt")}
+                 for (setting, budget), rs in runs.items() if setting.startswith("dyt")}  # (tanh's threshold: not Derf)
     rows, measured = [], {"unigram_loss": unigram_loss(lab.dataset.train)}
     for (setting, budget), rs in runs.items():
         measured[f"{setting}_{budget}_val"] = [r["val_loss"] for r in rs]
@@ -128,7 +134,7 @@ def preset_dyt(lab: Lab) -> dict:
     worst = max(finite, key=finite.get) if finite else ALPHA0S[-1]
     measured["dyt_best_alpha0_large_val"] = measured[f"dyt{best:g}_large_val"]
     measured["dyt_worst_alpha0_large_val"] = measured[f"dyt{worst:g}_large_val"]
-    default = f"dyt{DEFAULT_ALPHA0:g}"
+    default, derf = settings_of("dyt", DEFAULT_ALPHA0), settings_of("derf", DEFAULT_ALPHA0)
     conditions = [
         "matches: every norm of a Pre-LN decoder (both per block and the final one) replaced by DyT with a learned "
         "scalar alpha per layer and per-feature weight, alpha0 = 0.5 the paper's default; the token embeddings times "
@@ -170,10 +176,19 @@ def preset_dyt(lab: Lab) -> dict:
                                  C.above(f"{default}_large_val", "layernorm_large_val", paired=True))),
                 regime + ["the baseline must train on both budgets (10% below the unigram loss): a baseline that only "
                           "memorizes its small set gives DyT nothing to beat"]),
+        C.claim("dyt.derf_beats_dyt", f"Derf, erf(alpha x + s), ends below DyT, tanh(alpha x), at the same alpha0 = "
+                f"{DEFAULT_ALPHA0:g} and embedding gain (larger budget), where DyT trains", CHEN25,
+                _pick(measured, f"{derf}_large_val", f"{default}_large_val", "unigram_loss"),
+                C.given(trains(f"{default}_large_val"), C.below(f"{derf}_large_val", f"{default}_large_val", paired=True)),
+                [conditions[0].replace("replaced by DyT", "replaced by DyT or by Derf (its shift s learned, started at 0)"),
+                 conditions[1] + "; the paper's language-model comparison trains GPT-2 on web text, thousands of "
+                 "times this model's size",
+                 "each at its own tuned learning rate (the pilot tunes every arm)"]),
     ]
     return {
-        "title": "DyT: Transformers without normalization",
-        "question": "Does DyT match RMSNorm, how much does alpha0 matter, and does its effect depend on the data budget?",
+        "title": "DyT and Derf: Transformers without normalization",
+        "question": "Does DyT match RMSNorm, how much does alpha0 matter, does its effect depend on the data budget, "
+                    "and does Derf's erf beat DyT's tanh?",
         "settings": {"train": {**fields, **lab.train_over}, "model": {**model, **lab.model_over}, "budgets": budgets,
                      "passes": passes, "alpha0s": list(ALPHA0S), "dyt_embed_gain": EMBED_GAIN, "seeds": seeds},
         "columns": ["setting", "budget", "lr", "tokens", "passes", "seeds", "diverged", "val_loss", "val_std", "saturated"],

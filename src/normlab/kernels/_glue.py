@@ -18,6 +18,8 @@ A backend's launchers (``L``) allocate outputs and run its kernels:
 - ``dyt_fwd_launch(x, alpha, weight, bias)`` -> y, and ``dyt_bwd_launch(dy, x, alpha, weight, bias)``
   -> (dx, dalpha float32 in alpha's shape, dw float32, db float32); a backend without them runs
   DyT through the reference
+- ``derf_fwd_launch(x, alpha, shift, weight, bias)`` -> y, and ``derf_bwd_launch(dy, x, alpha, shift,
+  weight, bias)`` -> (dx, dalpha, dshift, dw, db), the same with Derf's shift; optional too
 
 dw and db are float32, or with ``grad_dtypes`` (the weight's and the bias's dtypes) may come in
 those already: the cpu kernels round their sums as they store them, which saves conversions
@@ -111,6 +113,14 @@ OPS = (
        lambda L, *inputs: L.dyt_bwd_launch(*inputs),
        lambda mean_dtype, dy, x, alpha, *_: (_like(x), alpha.new_empty(alpha.shape, dtype=torch.float32), _per_feature(x),
                                              _per_feature(x))),
+    Op("derf", "(Tensor x, Tensor alpha, Tensor shift, Tensor? weight, Tensor? bias) -> Tensor",
+       lambda L, *inputs: L.derf_fwd_launch(*inputs),
+       lambda mean_dtype, x, *_: _like(x)),
+    Op("derf_backward",
+       "(Tensor dy, Tensor x, Tensor alpha, Tensor shift, Tensor? weight, Tensor? bias) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+       lambda L, *inputs: L.derf_bwd_launch(*inputs),
+       lambda mean_dtype, dy, x, alpha, shift, *_: (_like(x), alpha.new_empty(alpha.shape, dtype=torch.float32),
+                                                    shift.new_empty(shift.shape, dtype=torch.float32), _per_feature(x), _per_feature(x))),
 )
 
 
@@ -182,16 +192,14 @@ def _add_ln_grads(ctx, dy, ds, bwd):
     return dx, dres, _grad_like(dw, weight, need[2]), _grad_like(db, bias, need[3]), None, None
 
 
-def _dyt_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)  # x, alpha, weight, bias: the backward recomputes tanh(alpha x)
+def _pointwise_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)  # x, alpha, (shift,) weight, bias: the backward recomputes f(z)
 
 
-def _dyt_grads(ctx, dy, bwd):
-    x, alpha, weight, bias = ctx.saved_tensors
-    dx, dalpha, dw, db = bwd(dy, x, alpha, weight, bias)
-    need = ctx.needs_input_grad
-    return (_grad_like(dx, x, need[0]), _grad_like(dalpha, alpha, need[1]), _grad_like(dw, weight, need[2]),
-            _grad_like(db, bias, need[3]))
+def _pointwise_grads(ctx, dy, bwd):
+    """DyT's and Derf's: every input's gradient comes from the backward, in the inputs' order."""
+    grads = bwd(dy, *ctx.saved_tensors)
+    return tuple(_grad_like(g, t, need) for g, t, need in zip(grads, ctx.saved_tensors, ctx.needs_input_grad))
 
 
 # ------------------------------------------------------------- differentiable gradients
@@ -253,13 +261,9 @@ def _add_ln_graph(ctx, dy, ds):
     return (*_summed(ctx, dsum, ds), dw, db, None, None)
 
 
-def _dyt_graph(ctx, dy):
-    x, alpha, weight, bias = ctx.saved_tensors
-    return tuple(_vjp(reference.dyt, (x, alpha, weight, bias), dy))
-
-
 GRAPHED = {"rms_norm": _rms_graph, "add_rms_norm": _add_rms_graph, "layer_norm": _ln_graph, "add_layer_norm": _add_ln_graph,
-           "dyt": _dyt_graph}
+           "dyt": lambda ctx, dy: tuple(_vjp(reference.dyt, ctx.saved_tensors, dy)),
+           "derf": lambda ctx, dy: tuple(_vjp(reference.derf, ctx.saved_tensors, dy))}
 
 # forward op -> (setup, gradients, how many outputs users see (0: the op returns one tensor),
 # which backward)
@@ -268,7 +272,8 @@ AUTOGRAD = {
     "add_rms_norm": (_add_rms_setup, _add_rms_grads, 2, "rms"),
     "layer_norm": (_ln_setup, _ln_grads, 1, "ln"),
     "add_layer_norm": (_add_ln_setup, _add_ln_grads, 2, "ln"),
-    "dyt": (_dyt_setup, _dyt_grads, 0, "dyt"),
+    "dyt": (_pointwise_setup, _pointwise_grads, 0, "dyt"),
+    "derf": (_pointwise_setup, _pointwise_grads, 0, "derf"),
 }
 
 
@@ -321,8 +326,9 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
     def ln_bwd_eager(dy, x, weight, bias, mean, rstd, ds):
         return L.ln_bwd_launch(dy, x, weight, mean, rstd, ds, grad_dtypes=(_grad_dtype(weight), _grad_dtype(bias)))
 
-    traced_bwd = {"rms": ops["rms_norm_backward"], "ln": ln_bwd_op, "dyt": ops["dyt_backward"]}
-    eager_bwd = {"rms": rms_bwd_eager, "ln": ln_bwd_eager, "dyt": lambda *inputs: L.dyt_bwd_launch(*inputs)}
+    traced_bwd = {"rms": ops["rms_norm_backward"], "ln": ln_bwd_op, "dyt": ops["dyt_backward"], "derf": ops["derf_backward"]}
+    eager_bwd = {"rms": rms_bwd_eager, "ln": ln_bwd_eager, "dyt": lambda *inputs: L.dyt_bwd_launch(*inputs),
+                 "derf": lambda *inputs: L.derf_bwd_launch(*inputs)}
     eager = {}
     for name, (setup, grads, visible, kind) in AUTOGRAD.items():
         ops[name].register_autograd(lambda ctx, *g, _grads=grads, _n=visible, _bwd=traced_bwd[kind]: _grads(ctx, *g[:max(_n, 1)], _bwd),
@@ -394,5 +400,12 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
             return reference.dyt(x, alpha, weight, bias)
         return call("dyt", x, alpha, weight, bias)
 
+    has_derf = hasattr(L, "derf_fwd_launch")
+
+    def derf(x, alpha, shift, weight=None, bias=None):
+        if not (has_derf and fused(x, weight, bias)):
+            return reference.derf(x, alpha, shift, weight, bias)
+        return call("derf", x, alpha, shift, weight, bias)
+
     return SimpleNamespace(layer_norm=layer_norm, rms_norm=rms_norm, add_layer_norm=add_layer_norm, add_rms_norm=add_rms_norm,
-                           rms_norm_out=rms_norm_out, layer_norm_out=layer_norm_out, dyt=dyt)
+                           rms_norm_out=rms_norm_out, layer_norm_out=layer_norm_out, dyt=dyt, derf=derf)

@@ -312,7 +312,7 @@ def norm_bwd(
 
 # ------------------------------------------------------------------------------------- DyT
 # y = w * tanh(a x) + b, elementwise (a: one learned scalar). tanh as in the cpu kernel
-# (kernels/cpu/dynamic_tanh.py): an odd polynomial below |z| = 0.625, else 1 - s with
+# (kernels/cpu/pointwise.py): an odd polynomial below |z| = 0.625, else 1 - s with
 # s = 2e / (1 + e), e = exp(-2|z|); the backward's 1 - t^2 is s (2 - s) there, without cancellation.
 
 

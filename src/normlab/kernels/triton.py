@@ -270,4 +270,4 @@ _api = _glue.build("triton", ("cuda", "cpu"), sys.modules[__name__], FUSED_DTYPE
 layer_norm, rms_norm = _api.layer_norm, _api.rms_norm
 add_layer_norm, add_rms_norm = _api.add_layer_norm, _api.add_rms_norm
 rms_norm_out, layer_norm_out = _api.rms_norm_out, _api.layer_norm_out
-dyt = _api.dyt
+dyt, derf = _api.dyt, _api.derf

@@ -1,8 +1,8 @@
 """The ``cpu`` backend: fused numba kernels behind torch.library custom ops.
 
-Read in this order: ``rmsnorm.py``, ``layernorm.py`` and ``dynamic_tanh.py`` (each op's formula, forward
-and backward kernels, top to bottom), ``rows.py`` (what every kernel does per row and chunk),
-``simd.py`` and ``codecs.py`` (the vector code and the bf16/fp16 conversions), ``launch.py``
+Read in this order: ``rmsnorm.py``, ``layernorm.py`` and ``pointwise.py`` (DyT and Derf): each
+op's formula, forward and backward kernels, top to bottom; ``rows.py`` (what every kernel does per
+row and chunk), ``simd.py`` and ``codecs.py`` (the vector code and the bf16/fp16 conversions), ``launch.py``
 (from tensors to a kernel call) and ``memory.py`` (output buffers, streaming). ``cache.py``
 keys numba's on-disk cache by the hash of all the kernel sources. docs/cpu-kernels.md says what
 each technique buys, measured.
@@ -27,9 +27,9 @@ from normlab.kernels import _glue
 
 from . import launch
 from .cache import sources_hash
-from .dynamic_tanh import dyt_bwd, dyt_fwd
 from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
 from .memory import env_setting
+from .pointwise import pointwise_bwd, pointwise_fwd
 from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -38,9 +38,9 @@ _api = _glue.build("cpu", "cpu", launch, FUSED_DTYPES, torch.float64)
 layer_norm, rms_norm = _api.layer_norm, _api.rms_norm
 add_layer_norm, add_rms_norm = _api.add_layer_norm, _api.add_rms_norm
 rms_norm_out, layer_norm_out = _api.rms_norm_out, _api.layer_norm_out
-dyt = _api.dyt
+dyt, derf = _api.dyt, _api.derf
 
-KERNELS = (rms_fwd, add_rms_fwd, ln_fwd, add_ln_fwd, rms_bwd, ln_bwd, dyt_fwd, dyt_bwd)
+KERNELS = (rms_fwd, add_rms_fwd, ln_fwd, add_ln_fwd, rms_bwd, ln_bwd, pointwise_fwd, pointwise_bwd)
 
 
 def cache_status() -> dict[str, object]:
@@ -68,7 +68,8 @@ def cached_signatures() -> int:
     return sum(1 for f in os.listdir(folder) if f.endswith(".nbc") and f.startswith(names))
 
 
-WARMUP_OPS = ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "dyt")
+WARMUP_OPS = ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "dyt", "derf")
+POINTWISE = ("dyt", "derf")
 WARMUP_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -81,13 +82,14 @@ def warmup_calls(ops=WARMUP_OPS, dtypes=tuple(WARMUP_DTYPES)) -> list[tuple[str,
     calls = []
     for name in dtypes:
         dtype = WARMUP_DTYPES[name]
-        if "dyt" in ops:
-            def dyt_call(dtype=dtype):
+        for op in (o for o in ops if o in POINTWISE):
+            def pointwise_call(op=op, dtype=dtype):
                 x = torch.randn(4, 512, dtype=dtype, requires_grad=True)
                 w, b = torch.ones(512, dtype=dtype, requires_grad=True), torch.zeros(512, dtype=dtype, requires_grad=True)
-                F.dyt(x, torch.full((1,), 0.5, requires_grad=True), w, b, backend="cpu").sum().backward()
-            calls.append((f"dyt {name}", dyt_call))
-        for op in (o for o in ops if o != "dyt"):
+                scalars = [torch.full((1,), v, requires_grad=True) for v in ((0.5,) if op == "dyt" else (0.5, 0.0))]
+                getattr(F, op)(x, *scalars, w, b, backend="cpu").sum().backward()
+            calls.append((f"{op} {name}", pointwise_call))
+        for op in (o for o in ops if o not in POINTWISE):
             for wdtype in dict.fromkeys((dtype, torch.float32)):
                 variants = [{"cast": c} for c in ("llama", "gemma")] if "rms" in op else [{}]
                 if op.startswith("add"):

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from normlab.kernels._glue import _sum_dtype
 
-from .dynamic_tanh import dyt_bwd, dyt_fwd, table_for
+from .pointwise import pointwise_bwd, pointwise_fwd, table_for
 from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
 from .memory import STREAM_MIN_BYTES, _as_numpy, _rows, _zero_stages, empty
 from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
@@ -219,8 +219,7 @@ def ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None):
     return dx, dw, db
 
 
-def dyt_fwd_launch(x, alpha, weight, bias):
-    """Returns y in x's dtype."""
+def _pointwise_fwd(x, alpha, shift, weight, bias):
     shape, d = x.shape, x.shape[-1]
     x2 = _rows(x)
     n = x2.shape[0]
@@ -228,23 +227,48 @@ def dyt_fwd_launch(x, alpha, weight, bias):
     w, b = _ln_weights(weight, bias, d)
     if n:
         xn = _as_numpy(x2)
-        _k(dyt_fwd)(xn, float(alpha.float()), w, b, _as_numpy(y.view(n, d)), *_stages(y, n), table_for(xn, grad=False))
+        s = None if shift is None else np.float32(float(shift.float()))
+        _k(pointwise_fwd)(xn, float(alpha.float()), s, w, b, _as_numpy(y.view(n, d)), *_stages(y, n), table_for(xn, grad=False))
     return y
 
 
-def dyt_bwd_launch(dy, x, alpha, weight, bias):
-    """Returns (dx in x's dtype, dalpha float32 in alpha's shape, dw (d,) float32, db (d,) float32)."""
+def _pointwise_bwd(dy, x, alpha, shift, weight):
     shape, d = x.shape, x.shape[-1]
     x2, dy2 = _rows(x), _rows(dy)
     n = x2.shape[0]
     dx = empty(shape, x.dtype)
     stages, stream = _stages(dx, n)
     chunks = stages.shape[0]
-    da, dw, db = np.zeros(chunks), np.zeros((chunks, d)), np.zeros((chunks, d))
+    das, dw, db = np.zeros((chunks, 2)), np.zeros((chunks, d)), np.zeros((chunks, d))
     if n:
         w = _f32_vector(weight, d, 1.0)
         xn = _as_numpy(x2)
-        _k(dyt_bwd)(_as_numpy(dy2), xn, float(alpha.float()), w, _as_numpy(dx.view(n, d)), da, dw, db, stages, stream, table_for(xn, grad=True))
+        s = None if shift is None else np.float32(float(shift.float()))
+        _k(pointwise_bwd)(_as_numpy(dy2), xn, float(alpha.float()), s, w, _as_numpy(dx.view(n, d)), das, dw, db, stages, stream,
+                          table_for(xn, grad=True))
     # the chunks' float64 sums, added in chunk order (deterministic for a thread count)
-    dalpha = torch.tensor(da.sum(), dtype=torch.float32).reshape(alpha.shape)
-    return dx, dalpha, torch.from_numpy(dw.sum(0).astype(np.float32)), torch.from_numpy(db.sum(0).astype(np.float32))
+    da, ds = das.sum(0)
+    return dx, da, ds, torch.from_numpy(dw.sum(0).astype(np.float32)), torch.from_numpy(db.sum(0).astype(np.float32))
+
+
+def dyt_fwd_launch(x, alpha, weight, bias):
+    """Returns y in x's dtype."""
+    return _pointwise_fwd(x, alpha, None, weight, bias)
+
+
+def dyt_bwd_launch(dy, x, alpha, weight, bias):
+    """Returns (dx in x's dtype, dalpha float32 in alpha's shape, dw (d,) float32, db (d,) float32)."""
+    dx, da, _, dw, db = _pointwise_bwd(dy, x, alpha, None, weight)
+    return dx, torch.tensor(da, dtype=torch.float32).reshape(alpha.shape), dw, db
+
+
+def derf_fwd_launch(x, alpha, shift, weight, bias):
+    """Returns y in x's dtype."""
+    return _pointwise_fwd(x, alpha, shift, weight, bias)
+
+
+def derf_bwd_launch(dy, x, alpha, shift, weight, bias):
+    """Returns (dx in x's dtype, dalpha and dshift float32 in their shapes, dw (d,) float32, db (d,) float32)."""
+    dx, da, ds, dw, db = _pointwise_bwd(dy, x, alpha, shift, weight)
+    return (dx, torch.tensor(da, dtype=torch.float32).reshape(alpha.shape), torch.tensor(ds, dtype=torch.float32).reshape(shift.shape),
+            dw, db)

@@ -1,26 +1,30 @@
-"""DyT on CPU, fused: the forward and the backward (Zhu et al. 2025, "Transformers without
-Normalization").
+"""The point-wise replacements of a norm on CPU, fused: DyT (Zhu et al. 2025, "Transformers
+without Normalization") and Derf (Chen et al. 2025, "Stronger Normalization-Free Transformers"),
+forward and backward, by the same kernels.
 
-Forward, elementwise (no statistics: a is one learned scalar, w and b are per feature):
+Forward, elementwise (no statistics: a and s are learned scalars, w and b per feature):
 
-    y = w * tanh(a * x) + b
+    DyT:   y = w * f(z) + b,   f = tanh,   z = a * x
+    Derf:  y = w * f(z) + b,   f = erf,    z = a * x + s
 
-Backward, with t = tanh(a * x) and u = dy * w * (1 - t^2):
+Backward, with t = f(z) and u = dy * w * f'(z):
 
     dx = a * u
-    da = sum over every element of u * x
-    dw = sum over rows of dy * t,     db = sum over rows of dy
+    da = sum over every element of u * x,      ds = sum over every element of u (Derf)
+    dw = sum over rows of dy * t,              db = sum over rows of dy
 
-Each row is read once and written once, like a copy, but tanh costs some 30 vector operations
-per 16 values, so the loops are compute-bound (float32 here, and 16-bit dtypes without tables): they run as 16-lane vectors written out in LLVM
-IR (simd.py's blocks), and the scalar heads and tails run the same IR on a vector's first lane,
-so every element gets the same bits wherever it falls in its row. A 16-bit x is one of only
-65536 values: from DYT_TABLE_MIN elements the kernels first tabulate tanh for every one of them
-(the same IR, so the same bits) and then gather from the table ("tables" below). The sums are
-float64, one set per chunk of rows, added in chunk order by the launcher: the same inputs and
-thread count give the same bits. (da's terms are summed by output block, and with streaming
-stores the blocks start at the first 64-byte boundary: a streamed call rounds da's sum in
-another order.)
+The kernels take s as None for DyT and as a float32 for Derf: numba compiles one specialization
+of each, and the blocks below emit tanh's or erf's IR by s's type, so DyT's machine code is what
+it was before Derf joined. Each row is read once and written once, like a copy, but tanh and erf
+cost some 30 vector operations per 16 values, so the loops are compute-bound (float32 here, and
+16-bit dtypes without tables): they run as 16-lane vectors written out in LLVM IR (simd.py's
+blocks), and the scalar heads and tails run the same IR on a vector's first lane, so every
+element gets the same bits wherever it falls in its row. A 16-bit x is one of only 65536 values:
+from DYT_TABLE_MIN elements the kernels first tabulate f for every one of them (the same IR, so
+the same bits) and then gather from the table ("tables" below). The sums are float64, one set
+per chunk of rows, added in chunk order by the launcher: the same inputs and thread count give
+the same bits. (da's terms are summed by output block, and with streaming stores the blocks
+start at the first 64-byte boundary: a streamed call rounds da's sum in another order.)
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from .simd import (_ZERO, EMIT, HW_BF16, X86, _add_blocks, _f32x16, _f64_totals,
 # 1 + e = 2p q + (p + 1), one fma each. Halving the reduction saves doubling z, and
 # fma(|z|, -2 log2 e, 1.5 * 2^23) - 1.5 * 2^23 rounds in two operations where rint takes two and
 # a multiply. tanh is within 1.95 ulp over every float32 (float32's own: about 1;
-# tools/dyt_ulp.py), and 4h (1 - h) within 2.5e-7 of sech^2 (same tool). |z| is capped at
+# tools/pointwise_ulp.py), and 4h (1 - h) within 2.5e-7 of sech^2 (same tool). |z| is capped at
 # 10 to keep the reduction finite: t rounds to +-1 from |z| = 9.01 on, and the backward sets h
 # to 0 from 10, so nothing flows back through a saturated element (and nothing subnormal is
 # made). The IR works on 16-lane vectors with no fast-math flags; a scalar is a vector's first
@@ -130,6 +134,94 @@ def _tanh_grad(builder, z):
     t = _llvm(builder, "copysign", builder.fmul(m, rden), z)
     h = builder.select(builder.fcmp_ordered(">=", u, _c(_CAP)), _c(0.0), builder.fmul(e, rden))
     return t, _fma(builder, builder.fneg(h), h, h)  # h (1 - h) = h - h^2
+
+
+# ------------------------------------------------------------------------------------- erf
+# erf z = z + z P(z^2) below |z| = _ERF_SPLIT, and sign(z) (1 - exp(-r)) above it, with
+# r = t + t Q(t), t = min(|z|, 4): r fits -log(erfc t), and erf rounds to 1 in float32 from
+# |z| = 3.92, so the cap leaves the value exact and keeps Q inside its fitted range. Vectors do
+# not branch: both halves are computed for every lane and one is selected. P and Q are least-
+# squares fits at Chebyshev nodes, rounded to float32 (tools/erf_fit.py). erf is within 1.04 ulp
+# over every float32 (float32's own: about 1; tools/pointwise_ulp.py --fn erf), and the slope
+# within 2.2e-7 of erf' (same tool). exp(-r) reuses tanh's expm1 polynomial on a reduction by ln 2. The backward's slope erf'(z) / 4 = exp(-z^2) / (2 sqrt(pi))
+# takes z^2 exactly as u2 + e (one fma finds e) and is 0 from |z| = 6, where it is below 1e-16:
+# nothing subnormal is made, and nothing flows back through a saturated element.
+
+_ERF_SPLIT = 0.921875
+_ERF_P = (8.616668492322788e-05, -0.0008205609046854079, 0.005207051523029804, -0.02686205320060253,
+          0.11283748596906662, -0.37612637877464294, 0.12837916612625122)
+_ERF_Q = (1.0140879567188676e-05, -0.0003126828814856708, 0.0036043254658579826, -0.02368735335767269,
+          0.10615653544664383, 0.635196328163147, 0.12863820791244507)
+_ERF_CAP = 4.0
+_SLOPE_CAP = 6.0
+_SLOPE = 0.5 / np.sqrt(np.pi)  # erf'(z) / 4 = exp(-z^2) / (2 sqrt(pi))
+_LOG2E = 1.44269504088896341
+
+
+def _poly(builder, coefs, v):
+    """The polynomial with ``coefs`` (highest degree first) at v, by Horner's rule in fmas."""
+    out = _c(coefs[0])
+    for coef in coefs[1:]:
+        out = _fma(builder, out, v, _c(coef))
+    return out
+
+
+def _min_cap(builder, v, cap):
+    """min(v, cap) for v >= 0 or nan (a nan stays nan)."""
+    return builder.select(builder.fcmp_ordered("<", _c(cap), v), _c(cap), v)
+
+
+def _exp_neg(builder, r):
+    """exp(-r) for 16 lanes with 0 <= r <= 36 (a nan stays nan): -r = n ln 2 + f with |f| <= ln2 / 2,
+    exp(f) = 1 + expm1(f), times 2^n."""
+    n = builder.fsub(_fma(builder, r, _c(-_LOG2E), _c(_ROUND)), _c(_ROUND))
+    f = _fma(builder, n, _c(-2 * _LN2_HI), builder.fneg(r))
+    f = _fma(builder, n, _c(-2 * _LN2_LO), f)
+    q = _fma(builder, builder.fmul(f, f), _poly(builder, _EXPM1_P0, f), f)
+    p = _pow2(builder, n)
+    return _fma(builder, p, q, p)
+
+
+def _erf(builder, z):
+    """The forward's erf z, for 16 lanes."""
+    az = _llvm(builder, "fabs", z)
+    small = _fma(builder, z, _poly(builder, _ERF_P, builder.fmul(z, z)), z)
+    t = _min_cap(builder, az, _ERF_CAP)
+    r = _fma(builder, t, _poly(builder, _ERF_Q, t), t)
+    large = _llvm(builder, "copysign", builder.fsub(_c(1.0), _exp_neg(builder, r)), z)
+    return builder.select(builder.fcmp_ordered("<", az, _c(_ERF_SPLIT)), small, large)
+
+
+def _erf_grad(builder, z):
+    """The backward's (t, s) for 16 lanes: t = erf z and s = erf'(z) / 4, 0 from |z| = 6 on."""
+    u = _min_cap(builder, _llvm(builder, "fabs", z), _SLOPE_CAP)
+    u2 = builder.fmul(u, u)
+    e = _fma(builder, u, u, builder.fneg(u2))  # u^2 = u2 + e exactly
+    ex = _exp_neg(builder, u2)
+    s = builder.fmul(_fma(builder, builder.fneg(e), ex, ex), _c(_SLOPE))  # exp(-u2 - e) = exp(-u2) (1 - e)
+    return _erf(builder, z), builder.select(builder.fcmp_ordered(">=", u, _c(_SLOPE_CAP)), _c(0.0), s)
+
+
+# ------------------------------------------------------------------- DyT or Derf, by s's type
+# Every block below takes s, the shift: None (numba's none type) for DyT, a float32 for Derf.
+
+
+def _z(builder, a, x, s):
+    """The argument of f for 16 lanes: a x (DyT) or a x + s rounded once (Derf)."""
+    return builder.fmul(a, x) if s is None else _fma(builder, a, x, s)
+
+
+def _f(builder, z, s):
+    return _tanh(builder, z) if s is None else _erf(builder, z)
+
+
+def _f_grad(builder, z, s):
+    return _tanh_grad(builder, z) if s is None else _erf_grad(builder, z)
+
+
+def _shift(builder, signature, args, k):
+    """Argument k, the shift, as 16 lanes; None where it is None (DyT)."""
+    return None if isinstance(signature.args[k], types.NoneType) else _f32x16(builder, args[k])
 
 
 def _lane0(context, builder, signature, args, body):
@@ -240,34 +332,34 @@ def _splat_i32(builder, scalar):
 
 
 def _make_fill(grad):
-    """An intrinsic (table, j, x, a) that fills the table's entries for the patterns [j, j + EMIT)
-    (x only gives the dtype): t, or with ``grad`` interleaved (t, s) pairs."""
+    """An intrinsic (table, j, x, a, s) that fills the table's entries for the patterns
+    [j, j + EMIT) (x only gives the dtype): t, or with ``grad`` interleaved (t, slope) pairs."""
 
     def codegen(context, builder, signature, args):
         kind = signature.args[2].dtype
         if not _tabled(kind):  # (float32 x: never called, no table)
             return context.get_dummy_value()
         table = context.make_array(signature.args[0])(context, builder, args[0]).data
-        av = _f32x16(builder, args[3])
+        av, sv = _f32x16(builder, args[3]), _shift(builder, signature, args, 4)
         first = builder.trunc(args[1], ir.IntType(32))
         for v in range(EMIT // _LANES):
             idx = builder.add(_splat_i32(builder, builder.add(first, ir.Constant(ir.IntType(32), v * _LANES))),
                               ir.Constant(_I32, list(range(_LANES))))
-            z = builder.fmul(av, _x_of(builder, idx, kind))
+            z = _z(builder, av, _x_of(builder, idx, kind), sv)
             if grad:
-                t, s = _tanh_grad(builder, z)
+                t, s = _f_grad(builder, z, sv)
                 lines = [builder.shuffle_vector(t, s, ir.Constant(_I32, [k // 2 + 16 * (k % 2) + 8 * h for k in range(16)]))
                          for h in range(2)]
                 at = builder.mul(builder.add(args[1], ir.Constant(ir.IntType(64), v * _LANES)), ir.Constant(ir.IntType(64), 2))
             else:
-                lines, at = [_tanh(builder, z)], builder.add(args[1], ir.Constant(ir.IntType(64), v * _LANES))
+                lines, at = [_f(builder, z, sv)], builder.add(args[1], ir.Constant(ir.IntType(64), v * _LANES))
             for k, line in enumerate(lines):
                 ptr = builder.gep(table, [builder.add(at, ir.Constant(ir.IntType(64), k * _LANES))])
                 builder.store(line, builder.bitcast(ptr, _F32.as_pointer()), align=4)
         return context.get_dummy_value()
 
-    def fill(typingctx, table, j, x, a):
-        return types.void(table, types.int64, x, types.float32), codegen
+    def fill(typingctx, table, j, x, a, s):
+        return types.void(table, types.int64, x, types.float32, s), codegen
 
     return intrinsic(fill)
 
@@ -276,32 +368,33 @@ _fill_t, _fill_ts = _make_fill(False), _make_fill(True)
 
 
 @njit(inline="always")
-def _fill_table(fill, table, x, a, c, nchunks):
+def _fill_table(fill, table, x, a, s, c, nchunks):
     """Chunk c's share of the table's patterns."""
     b0, b1 = _chunk(c, nchunks, TABLE_SIZE // EMIT)
     for k in range(b0, b1):
-        fill(table, k * EMIT, x, a)
+        fill(table, k * EMIT, x, a, s)
 
 
 # ---------------------------------------------------------------------------------- forward
 
 
-def _y(builder, x, w, b, a):
-    """16 outputs: w * tanh(a x) + b."""
-    return _fma(builder, w, _tanh(builder, builder.fmul(a, x)), b)
+def _y(builder, x, w, b, a, s=None):
+    """16 outputs: w * f(z) + b."""
+    return _fma(builder, w, _f(builder, _z(builder, a, x, s), s), b)
 
 
 @intrinsic
-def _y_scalar(typingctx, x, w, b, a):
+def _y_scalar(typingctx, x, w, b, a, s):
     def codegen(context, builder, signature, args):
-        return _lane0(context, builder, signature, args, _y)
+        sv = _shift(builder, signature, args, 4)
+        return _lane0(context, builder, signature, args[:4], lambda builder, *v: _y(builder, *v, sv))
 
     f = types.float32
-    return f(f, f, f, f), codegen
+    return f(f, f, f, f, s), codegen
 
 
 @intrinsic
-def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, nt, table, use):
+def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, nt, table, use):
     """The outputs [j0, j1) of a row (j1 - j0 a multiple of EMIT), EMIT at a time: t computed, or
     gathered from ``table`` where ``use``. ``nt``: streamed (both run-time branches per block).
     Each block prefetches the same block of the next row: with the hardware prefetcher alone
@@ -310,9 +403,9 @@ def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, nt, table, use):
     def codegen(context, builder, signature, args):
         i64 = ir.IntType(64)
         ykind, xkind = signature.args[0].dtype, signature.args[3].dtype
-        yd, xd, wd, bd, sd, td = (context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 3, 4, 5, 6, 9))
+        yd, xd, wd, bd, sd, td = (context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 3, 4, 5, 6, 10))
         zero = builder.gep(sd, [ir.Constant(i64, _ZERO)])
-        av = _f32x16(builder, args[7])
+        av, sv = _f32x16(builder, args[7]), _shift(builder, signature, args, 8)
         count = builder.udiv(builder.sub(args[2], args[1]), ir.Constant(i64, EMIT))
         with cgutils.for_range(builder, count) as loop:
             at = builder.add(args[1], builder.mul(loop.index, ir.Constant(i64, EMIT)))
@@ -322,29 +415,30 @@ def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, nt, table, use):
             ws, bs = [_load_f32(builder, wb, v) for v in blocks], [_load_f32(builder, bb, v) for v in blocks]
             if _tabled(xkind):
                 idx = [_patterns(builder, xb, v) for v in blocks]
-                ts = _either(builder, args[10], lambda: [_gather_dps(builder, td, i) for i in idx],
-                             lambda: [_tanh(builder, builder.fmul(av, _x_of(builder, i, xkind))) for i in idx])
+                ts = _either(builder, args[11], lambda: [_gather_dps(builder, td, i) for i in idx],
+                             lambda: [_f(builder, _z(builder, av, _x_of(builder, i, xkind), sv), sv) for i in idx])
                 values = [_fma(builder, ws[v], ts[v], bs[v]) for v in blocks]
             else:
-                values = [_y(builder, _load_row(builder, xb, v, xkind), ws[v], bs[v], av) for v in blocks]
-            with builder.if_else(args[8]) as (streamed, plain):
+                values = [_y(builder, _load_row(builder, xb, v, xkind), ws[v], bs[v], av, sv) for v in blocks]
+            with builder.if_else(args[9]) as (streamed, plain):
                 for flag, branch in ((True, streamed), (False, plain)):
                     with branch:
                         _store_block(builder, ykind, builder.gep(yd, [at]), wb, values, False, flag, HW_BF16, zero)
         return context.get_dummy_value()
 
-    return types.void(y, types.int64, types.int64, x, w, b, stage, types.float32, types.boolean, table, types.boolean), codegen
+    return types.void(y, types.int64, types.int64, x, w, b, stage, types.float32, s, types.boolean, table, types.boolean), codegen
 
 
 @kernel
-def dyt_fwd(x, a, w, b, y, stages, nt, table):
+def pointwise_fwd(x, a, s, w, b, y, stages, nt, table):
+    """y = w * f(a x [+ s]) + b: DyT where s is None, Derf where s is a float32."""
     n, d = x.shape
     a32 = np.float32(a)
     nchunks = stages.shape[0]
     use = table.shape[0] > 0
     if use:
         for c in prange(nchunks):
-            _fill_table(_fill_t, table, x, a32, c, nchunks)
+            _fill_table(_fill_t, table, x, a32, s, c, nchunks)
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         stage = stages[c]
@@ -352,10 +446,10 @@ def dyt_fwd(x, a, w, b, y, stages, nt, table):
             xr, yr = x[r], y[r]
             head, body = _spans(yr, 0, d, nt)
             for i in range(head):
-                _store(yr, i, _y_scalar(_load(xr, i), _load(w, i), _load(b, i), a32))
-            _y_blocks(yr, head, body, xr, w, b, stage, a32, nt, table, use)
+                _store(yr, i, _y_scalar(_load(xr, i), _load(w, i), _load(b, i), a32, s))
+            _y_blocks(yr, head, body, xr, w, b, stage, a32, s, nt, table, use)
             for i in range(body, d):
-                _store(yr, i, _y_scalar(_load(xr, i), _load(w, i), _load(b, i), a32))
+                _store(yr, i, _y_scalar(_load(xr, i), _load(w, i), _load(b, i), a32, s))
         if nt:
             _store_fence()
 
@@ -363,64 +457,68 @@ def dyt_fwd(x, a, w, b, y, stages, nt, table):
 # --------------------------------------------------------------------------------- backward
 # One pass: each element's dx is stored, its dw and db terms go to the chunk's float32 partial
 # rows (added to its float64 rows dw_sum, db_sum: (nchunks, d) every FLUSH rows, as in the norms'
-# backward, rows.py), and its da term to float32 lanes that each block of EMIT adds to float64
-# lanes; da_sum (nchunks,) takes each chunk's da. Rows from these widths go two at a time, so
-# each partial-row value (and w) is loaded and stored once per two rows; below them pairs were
-# slower (docs/cpu-kernels.md, "DyT").
+# backward, rows.py), and its da term (and Derf's ds term) to float32 lanes that each block of
+# EMIT adds to float64 lanes; da_sum (nchunks, 2) takes each chunk's da and ds (0 for DyT). Rows
+# from these widths go two at a time, so each partial-row value (and w) is loaded and stored once
+# per two rows; below them pairs were slower (docs/cpu-kernels.md, "DyT").
 DYT_PAIRS_MIN_16 = 512  # bf16 and fp16 rows
 DYT_PAIRS_MIN_32 = 2048  # float32 rows
 
 
-def _grad(builder, g, x, w, a, ts=None):
-    """(dx, v * x, t) for 16 elements, v = u / 4 = g * w * s: the da term comes as a quarter (the
-    kernel multiplies the sums by 4, exactly). ``ts``: (t, s) from a table, else computed."""
-    t, s = ts or _tanh_grad(builder, builder.fmul(a, x))
-    v = builder.fmul(builder.fmul(g, w), s)
-    return builder.fmul(builder.fmul(a, _c(4.0)), v), builder.fmul(v, x), t
+def _grad(builder, g, x, w, a, s=None, ts=None):
+    """(dx, v * x, v, t) for 16 elements, v = u / 4 = g * w * slope (slope = f'(z) / 4): the da
+    and ds terms come as quarters (the kernel multiplies the sums by 4, exactly). ``ts``:
+    (t, slope) from a table, else computed."""
+    t, slope = ts or _f_grad(builder, _z(builder, a, x, s), s)
+    v = builder.fmul(builder.fmul(g, w), slope)
+    return builder.fmul(builder.fmul(a, _c(4.0)), v), builder.fmul(v, x), v, t
 
 
 @intrinsic
-def _grad_scalar(typingctx, g, x, w, a):
+def _grad_scalar(typingctx, g, x, w, a, s):
     def codegen(context, builder, signature, args):
-        return _lane0(context, builder, signature, args, _grad)
+        sv = _shift(builder, signature, args, 4)
+        return _lane0(context, builder, signature, args[:4], lambda builder, *v: _grad(builder, *v, sv))
 
     f = types.float32
-    return types.UniTuple(f, 3)(f, f, f, f), codegen
+    return types.UniTuple(f, 4)(f, f, f, f, s), codegen
 
 
 @njit
-def _grad_element(dyr, xr, w, dxr, dwc, dbc, a, i):
-    """Element i's dx stored and its dw, db terms added; returns its da term (a quarter of it)."""
+def _grad_element(dyr, xr, w, dxr, dwc, dbc, a, s, i):
+    """Element i's dx stored and its dw, db terms added; returns its da and ds terms (quarters)."""
     g = _load(dyr, i)
-    dx, ux, t = _grad_scalar(g, _load(xr, i), _load(w, i), a)
+    dx, vx, v, t = _grad_scalar(g, _load(xr, i), _load(w, i), a, s)
     _store(dxr, i, dx)
     j = np.uint64(i)  # unsigned: an affine address (see codecs.py)
     dwc[j] = _fma32(g, t, dwc[j])
     dbc[j] += g
-    return np.float64(ux)
+    return np.float64(vx), np.float64(v)
 
 
 def _make_grad_blocks(rows=1, hw=HW_BF16):
-    """An intrinsic (dx, j0, j1, dy, x, w, dwc, dbc, stage, a, nt, table, use) -> float64: the
-    elements [j0, j1) of a row (j1 - j0 a multiple of EMIT) as _grad_element does each one, 16
-    at a time; returns the sum of their da terms (float32 within a block of EMIT, float64 lanes
-    across blocks). ``nt``: dx's blocks are streamed; ``use``: (t, s) come from ``table`` (both
-    run-time branches per block: the arithmetic is emitted once, which halves the compile time
-    of two specialized copies).
+    """An intrinsic (dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, nt, table, use) -> (float64,
+    float64): the elements [j0, j1) of a row (j1 - j0 a multiple of EMIT) as _grad_element does
+    each one, 16 at a time; returns the sums of their da and ds terms (float32 within a block of
+    EMIT, float64 lanes across blocks; ds is 0.0 for DyT, whose blocks do not sum it). ``nt``:
+    dx's blocks are streamed; ``use``: (t, slope) come from ``table`` (both run-time branches per
+    block: the arithmetic is emitted once, which halves the compile time of two specialized
+    copies).
 
-    ``rows=2``: (..., use, dx2, dy2, x2) -> (float64, float64), the same for two rows at once,
-    which loads and stores each partial-row value once for both. The second row's terms reach
-    dwc and dbc after the first's, as two calls would add them, and each row's da sum is its
-    own: the bits do not change."""
+    ``rows=2``: (..., use, dx2, dy2, x2) -> four float64 (each row's da, then each row's ds), the
+    same for two rows at once, which loads and stores each partial-row value once for both. The
+    second row's terms reach dwc and dbc after the first's, as two calls would add them, and each
+    row's sums are its own: the bits do not change."""
 
     def codegen(context, builder, signature, args):
         f32 = ir.VectorType(ir.FloatType(), _LANES)
         i64 = ir.IntType(64)
-        rows_in = [(0, 3, 4), (13, 14, 15)][:rows]  # each row's (dx, dy, x) arguments
-        data = {k: context.make_array(signature.args[k])(context, builder, args[k]).data for k in (5, 6, 7, 8, 11, *sum(rows_in, ()))}
+        rows_in = [(0, 3, 4), (14, 15, 16)][:rows]  # each row's (dx, dy, x) arguments
+        data = {k: context.make_array(signature.args[k])(context, builder, args[k]).data for k in (5, 6, 7, 8, 12, *sum(rows_in, ()))}
         zero = builder.gep(data[8], [ir.Constant(i64, _ZERO)])
-        av = _f32x16(builder, args[9])
-        totals = _f64_totals(builder, rows)
+        av, sv = _f32x16(builder, args[9]), _shift(builder, signature, args, 10)
+        derf = sv is not None
+        totals = _f64_totals(builder, 2 * rows if derf else rows)
         count = builder.udiv(builder.sub(args[2], args[1]), ir.Constant(i64, EMIT))
         xkind = signature.args[4].dtype
         blocks = range(EMIT // _LANES)
@@ -430,14 +528,14 @@ def _make_grad_blocks(rows=1, hw=HW_BF16):
             for row in rows_in:
                 for k in row[1:]:
                     _prefetch_ahead(context, builder, signature.args[k], args[k], at, EMIT, rows)
-            xs, tabled = {}, {}  # (row, v) -> x, and (t, s) where the blocks may gather
+            xs, tabled = {}, {}  # (row, v) -> x, and (t, slope) where the blocks may gather
             if _tabled(xkind):
                 idx = {(r, v): _patterns(builder, builder.gep(data[kx], [at]), v) for r, (_, _, kx) in enumerate(rows_in) for v in blocks}
                 xs = {key: _x_of(builder, i, xkind) for key, i in idx.items()}
-                flat = _either(builder, args[12], lambda: [u for i in idx.values() for u in _gather_pairs(builder, data[11], i)],
-                               lambda: [u for x in xs.values() for u in _tanh_grad(builder, builder.fmul(av, x))])
+                flat = _either(builder, args[13], lambda: [u for i in idx.values() for u in _gather_pairs(builder, data[12], i)],
+                               lambda: [u for x in xs.values() for u in _f_grad(builder, _z(builder, av, x, sv), sv)])
                 tabled = {key: (flat[2 * k], flat[2 * k + 1]) for k, key in enumerate(idx)}
-            values, terms = [[] for _ in rows_in], [[] for _ in rows_in]
+            values, terms, shifts = [[] for _ in rows_in], [[] for _ in rows_in], [[] for _ in rows_in]
             for v in blocks:
                 w = _load_f32(builder, wb, v)
                 dwp, dbp = (builder.bitcast(builder.gep(base, [ir.Constant(i64, v * _LANES)]), f32.as_pointer()) for base in (dwb, dbb))
@@ -445,30 +543,33 @@ def _make_grad_blocks(rows=1, hw=HW_BF16):
                 for r, (kdx, kdy, kx) in enumerate(rows_in):
                     g = _load_row(builder, builder.gep(data[kdy], [at]), v, signature.args[kdy].dtype)
                     x = xs[r, v] if xs else _load_row(builder, builder.gep(data[kx], [at]), v, xkind)
-                    dxv, ux, t = _grad(builder, g, x, w, av, tabled.get((r, v)))
+                    dxv, vx, u, t = _grad(builder, g, x, w, av, sv, tabled.get((r, v)))
                     values[r].append(dxv)
-                    terms[r].append(ux)
+                    terms[r].append(vx)
+                    shifts[r].append(u)
                     dw, db = _fma(builder, g, t, dw), builder.fadd(db, g)
                 builder.store(dw, dwp, align=4)
                 builder.store(db, dbp, align=4)
-            with builder.if_else(args[10]) as (streamed, plain):
+            with builder.if_else(args[11]) as (streamed, plain):
                 for nt, branch in ((True, streamed), (False, plain)):
                     with branch:
                         for r, (kdx, _, _) in enumerate(rows_in):
                             base = builder.gep(data[kdx], [at])
                             _store_block(builder, signature.args[kdx].dtype, base, wb, values[r], False, nt, hw, zero)
-            _add_blocks(builder, terms, totals)
+            _add_blocks(builder, terms + shifts if derf else terms, totals)
         sums = _totals(builder, totals)
-        return sums[0] if rows == 1 else context.make_tuple(builder, signature.return_type, sums)
+        if not derf:
+            sums += [ir.Constant(ir.DoubleType(), 0.0)] * rows
+        return context.make_tuple(builder, signature.return_type, sums)
 
     f, b = types.float32, types.boolean
     if rows == 1:
-        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, nt, table, use):
-            return types.float64(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage, f, b, table, b), codegen
+        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, nt, table, use):
+            return types.UniTuple(types.float64, 2)(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage, f, s, b, table, b), codegen
     else:
-        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, nt, table, use, dx2, dy2, x2):
-            return (types.UniTuple(types.float64, 2)(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage, f, b, table, b, dx2, dy2, x2),
-                    codegen)
+        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, nt, table, use, dx2, dy2, x2):
+            return (types.UniTuple(types.float64, 4)(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage, f, s, b, table, b, dx2, dy2,
+                                                     x2), codegen)
 
     return intrinsic(blocks)
 
@@ -478,15 +579,19 @@ _grad_blocks, _grad_blocks_pair = _GRAD_BLOCKS[1], _GRAD_BLOCKS[2]
 
 
 @njit(inline="always")
-def _grad_edges(dyr, xr, w, dxr, dwc, dbc, a, i0, i1, da):
-    """The elements [i0, i1) of a row one at a time (a row's head or tail); da plus their terms."""
+def _grad_edges(dyr, xr, w, dxr, dwc, dbc, a, s, i0, i1, da, ds):
+    """The elements [i0, i1) of a row one at a time (a row's head or tail); da and ds plus their terms."""
     for i in range(i0, i1):
-        da += _grad_element(dyr, xr, w, dxr, dwc, dbc, a, i)
-    return da
+        vx, v = _grad_element(dyr, xr, w, dxr, dwc, dbc, a, s, i)
+        da += vx
+        ds += v
+    return da, ds
 
 
 @kernel
-def dyt_bwd(dy, x, a, w, dx, da_sum, dw_sum, db_sum, stages, nt, table):
+def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, nt, table):
+    """The gradients of pointwise_fwd: dx stored, and per chunk da_sum[c] = (da, ds), dw_sum[c],
+    db_sum[c]."""
     n, d = x.shape
     a32 = np.float32(a)
     nchunks = stages.shape[0]
@@ -495,31 +600,32 @@ def dyt_bwd(dy, x, a, w, dx, da_sum, dw_sum, db_sum, stages, nt, table):
     use = table.shape[0] > 0
     if use:
         for c in prange(nchunks):
-            _fill_table(_fill_ts, table, x, a32, c, nchunks)
+            _fill_table(_fill_ts, table, x, a32, s, c, nchunks)
     for c in prange(nchunks):
         r0, r1 = _chunk(c, nchunks, n)
         dwc, dbc, stage = parts[2 * c], parts[2 * c + 1], stages[c]
         paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
-        da = 0.0
+        da, ds = 0.0, 0.0
         for r in range(r0, r1):
             dyr, xr, dxr = dy[r], x[r], dx[r]
             head, body = _spans(dxr, 0, d, nt)
             partner = r + 1 if (r - r0) % 2 == 0 else r - 1
             in_pair = r < paired_to and _spans(dx[partner], 0, d, nt) == (head, body)  # (streamed rows: alike)
             if not in_pair:
-                da = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, 0, head, da)
-                da += _grad_blocks(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, nt, table, use)
-                da = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, body, d, da)
+                da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, 0, head, da, ds)
+                ba, bs = _grad_blocks(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s, nt, table, use)
+                da, ds = da + ba, ds + bs
+                da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, body, d, da, ds)
             elif partner > r:  # this row and the next, in the order two single rows go (same bits)
                 dyr2, xr2, dxr2 = dy[partner], x[partner], dx[partner]
-                da = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, 0, head, da)
-                da1, da2 = _grad_blocks_pair(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, nt, table, use,
-                                               dxr2, dyr2, xr2)
-                da += da1
-                da = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, body, d, da)
-                da = _grad_edges(dyr2, xr2, w, dxr2, dwc, dbc, a32, 0, head, da)
-                da += da2
-                da = _grad_edges(dyr2, xr2, w, dxr2, dwc, dbc, a32, body, d, da)
+                da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, 0, head, da, ds)
+                da1, da2, ds1, ds2 = _grad_blocks_pair(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s, nt, table, use,
+                                                       dxr2, dyr2, xr2)
+                da, ds = da + da1, ds + ds1
+                da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, body, d, da, ds)
+                da, ds = _grad_edges(dyr2, xr2, w, dxr2, dwc, dbc, a32, s, 0, head, da, ds)
+                da, ds = da + da2, ds + ds2
+                da, ds = _grad_edges(dyr2, xr2, w, dxr2, dwc, dbc, a32, s, body, d, da, ds)
             # (else: the second row of a pair, done with the first)
             if (r - r0) % FLUSH == FLUSH - 1:
                 _flush(dwc, dw_sum[c])
@@ -528,4 +634,5 @@ def dyt_bwd(dy, x, a, w, dx, da_sum, dw_sum, db_sum, stages, nt, table):
         _flush(dbc, db_sum[c])
         if nt:
             _store_fence()
-        da_sum[c] = 4.0 * da  # the terms came as quarters (_grad)
+        da_sum[c, 0] = 4.0 * da  # the terms came as quarters (_grad)
+        da_sum[c, 1] = 4.0 * ds
