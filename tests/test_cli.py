@@ -100,3 +100,23 @@ def test_an_interrupted_pilot_says_what_is_kept_and_exits_130(monkeypatch, capsy
     said = " ".join(capsys.readouterr().out.split())
     assert "run the same command again to resume" in said and "Traceback" not in said
     assert ("stopped at step 113" in said) == (stop == "interrupted")
+
+
+def test_arms_is_a_choice_of_the_pilot(monkeypatch, capsys, tmp_path):
+    # --arms picks the arms --tune pilots: without --tune, or with no pattern, it is refused by name;
+    # with it, the patterns reach the pilot's settings
+    from normlab import experiments
+
+    assert main(["compare", "dyt", "--size", "tiny", "--arms", "derf*", "--out", str(tmp_path)]) == 2
+    assert "--arms picks the arms --tune pilots: add --tune" in " ".join(capsys.readouterr().out.split())
+    assert main(["compare", "dyt", "--size", "tiny", "--tune", "--arms", " , ", "--out", str(tmp_path)]) == 2
+    assert "--arms must name at least one arm" in " ".join(capsys.readouterr().out.split())
+    seen = {}
+
+    def tune_presets(names, settings, console=None, command=""):
+        seen["arms"] = settings.tune_arms
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(experiments, "tune_presets", tune_presets)
+    assert main(["compare", "dyt", "--size", "tiny", "--tune", "--arms", "derf*,dyt0.5-*", "--out", str(tmp_path)]) == 130
+    assert seen["arms"] == ("derf*", "dyt0.5-*")

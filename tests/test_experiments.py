@@ -695,6 +695,13 @@ def test_the_pilot_tunes_each_arm_and_sizes_the_seeds(corpus, env, tmp_path):
     assert {both["arms"][a]["preset"] for a in ("l2", "scalenorm")} == {"scale"}
     assert set(both["seeds"]) == {"norms", "scale"} and both["seeds"]["norms"] == design["seeds"]["norms"]
     assert [(p["a"], p["b"]) for p in both["seeds"]["scale"]["pairs"]] == [("scalenorm", "rmsnorm")]
+    # --arms pilots only the arms it names: the others keep their rates (the marked one), and an
+    # equivalence whose arms were not both piloted keeps its seeds; a pattern that names no arm is refused
+    one = E.tune_presets(["norms"], dataclasses.replace(settings, tune_arms=("prms*",)), command="... --arms 'prms*'")["tiny"]
+    assert one["arms"]["rmsnorm"]["lr"] == 0.00123 and one["arms"]["prmsnorm"] == design["arms"]["prmsnorm"]
+    assert one["seeds"]["norms"] == design["seeds"]["norms"]
+    with pytest.raises(ValueError, match="--arms zz matches none of the tuned arms of norms: batchnorm, layernorm, none"):
+        E.tune_presets(["norms"], dataclasses.replace(settings, tune_arms=("zz",)), command="")
 
 
 def _no_clocks(monkeypatch):

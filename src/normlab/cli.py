@@ -318,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tune", action="store_true",
                    help="the pilot: train each compared arm at pilot seeds 100-102 and 3 learning rates, then write each "
                         "arm's learning rate and each preset's seed count (80%% power) to OUT/design.json")
+    p.add_argument("--arms", metavar="PATTERNS",
+                   help="with --tune: pilot only the arms matching these comma-separated shell patterns (e.g. 'derf*'); the "
+                        "others keep the design's learning rates, and the seeds of an equivalence stand unless both its arms are piloted")
     p.add_argument("--design", metavar="PATH",
                    help="the design file to read (default: the packaged one, made by --tune; see docs/results)")
     p.add_argument("--plan", action="store_true",

@@ -42,7 +42,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
         raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
     settings = experiments.Settings(out=args.out, size="quick" if args.quick else args.size, seeds=args.seeds, data=args.data, steps=args.steps,
                                     overrides=overrides, quiet=args.quiet, lrs=experiments.parse_lrs(args.lrs),
-                                    per_claim=args.per_claim, design=args.design)
+                                    per_claim=args.per_claim, design=args.design, tune_arms=_arm_patterns(args))
     command = _compare_argv(args)
     if args.tokenizers and not args.ladder:
         raise ValueError("--tokenizers is a condition of the ladder: add --ladder (or set tokenizer=... for every run)")
@@ -57,6 +57,18 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
                       "--plan prints what each run costs; --quick fits 2 cores in minutes "
                       "(finished runs are kept either way: stop with Ctrl-C and rerun to resume)")
     return _compare_once(args, names, settings, command, console)
+
+
+def _arm_patterns(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """--arms: the comma-separated arm patterns --tune pilots (None: every arm)."""
+    if args.arms is None:
+        return None
+    if not args.tune:
+        raise ValueError("--arms picks the arms --tune pilots: add --tune")
+    patterns = tuple(p.strip() for p in args.arms.split(",") if p.strip())
+    if not patterns:
+        raise ValueError(f"--arms must name at least one arm or pattern (e.g. 'derf*'), got {args.arms!r}")
+    return patterns
 
 
 def _compare_once(args: argparse.Namespace, names: list[str], settings, command: str, console: Console,

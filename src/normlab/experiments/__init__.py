@@ -184,6 +184,9 @@ def tune_presets(names: list[str], settings: Settings, console=None, command: st
             PRESETS[name](lab)
         except RunsPending:
             pass
+    if settings.tune_arms is not None and not lab.pilot["arms"]:
+        raise ValueError(f"--arms {','.join(settings.tune_arms)} matches none of the tuned arms of {', '.join(presets)}: "
+                         f"{', '.join(sorted(lab.arms_seen))}")
     design = DS.decide(lab.pilot, lab.size, command, environment())
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)

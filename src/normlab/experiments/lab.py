@@ -4,6 +4,7 @@ shared by every preset."""
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import hashlib
 import json
@@ -73,6 +74,8 @@ class Settings:
     per_claim: bool = False  # judge each claim alone (unadjusted) instead of the invocation's claims family-wise
     design: str | None = None  # the design file (tuned learning rates, seed counts); None: the packaged one
     rung: int | None = None  # a size-ladder rung (normlab.experiments.ladder): widths, tokens and rates scaled
+    # --tune --arms: shell patterns (fnmatch) of the arms to pilot; the others keep the design's rates. None: every arm
+    tune_arms: tuple[str, ...] | None = None
     # "run": train what is missing; "plan": train and measure nothing, list the runs to train;
     # "collect": train nothing, measure and write results once every run has finished;
     # "pilot": train each tuned arm at the pilot seeds and learning rates, nothing else (--tune)
@@ -112,6 +115,7 @@ class Lab:
         self._dataset = None
         self.design = DS.load(settings.design)
         self.pilot: dict = {"arms": {}, "pairs": []}  # --tune: each arm's pilot losses, the equivalences to power
+        self.arms_seen: set[str] = set()  # --tune: every tuned arm the presets asked for, piloted or not
         self.tuned: dict[str, dict] = {}  # the current preset's arms: the learning rate each trained at, and why
         self.parameters: list[int] = []  # the non-embedding parameters of the current preset's runs
         # the conditions (env.clock, as JSON) its runs were trained under and its timings measured under
@@ -148,9 +152,14 @@ class Lab:
         return seeds[:self.pick(default, default, tiny=1)]
 
     def plan_equivalence(self, a: str, b: str, margin: float) -> None:
-        """Declare an equivalence claim between two tuned arms: --tune sizes the seeds to decide it."""
-        if self.s.mode == "pilot" and (self.preset, a, b, margin) not in self.pilot["pairs"]:
+        """Declare an equivalence claim between two tuned arms: --tune sizes the seeds to decide it
+        (where it pilots both arms; else the design's seeds stand)."""
+        if self.s.mode == "pilot" and self.piloted(a) and self.piloted(b) and (self.preset, a, b, margin) not in self.pilot["pairs"]:
             self.pilot["pairs"].append((self.preset, a, b, margin))
+
+    def piloted(self, arm: str) -> bool:
+        """Whether --tune pilots this arm (every arm, unless --arms names some)."""
+        return self.s.tune_arms is None or any(fnmatch.fnmatchcase(arm, p) for p in self.s.tune_arms)
 
     def say(self, text: str) -> None:
         if self.console is not None:
@@ -211,6 +220,8 @@ class Lab:
                 raise ValueError("--tune runs at the preset's own size; the ladder transfers the tuned learning rates "
                                  f"by its rule ({LD.LR_RULE})")
             if tune:
+                self.arms_seen.add(arm_of(label))
+            if tune and self.piloted(arm_of(label)):
                 self._pilot(arm_of(label), train_fields, model_fields, varied)
             self.waiting = True
             return _pending_result(self.out / "runs" / label)
