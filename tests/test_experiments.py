@@ -702,6 +702,32 @@ def test_the_pilot_tunes_each_arm_and_sizes_the_seeds(corpus, env, tmp_path):
     assert one["seeds"]["norms"] == design["seeds"]["norms"]
     with pytest.raises(ValueError, match="--arms zz matches none of the tuned arms of norms: batchnorm, layernorm, none"):
         E.tune_presets(["norms"], dataclasses.replace(settings, tune_arms=("zz",)), command="")
+    # a pilot under BPE tokens writes its rates under their own key and leaves the character ones be
+    bpe = E.tune_presets(["norms"], dataclasses.replace(settings, tune_arms=("prms*",), overrides={"tokenizer": "bpe", "bpe_vocab": "300"}),
+                         command="")
+    assert set(bpe["tiny|bpe300"]["arms"]) == {"prmsnorm"} and bpe["tiny"] == json.loads(path.read_text())["tiny"] == one
+
+
+def test_a_tokenizer_other_than_characters_has_rates_of_its_own(tmp_path):
+    # the design keeps BPE-tuned rates apart from character-tuned ones; without a BPE pilot a BPE
+    # run takes the character rate and says so; lr set for every run wins over both
+    path = tmp_path / "design.json"
+    path.write_text(json.dumps({"tiny": {"arms": {"rmsnorm": {"lr": 0.002}, "layernorm": {"lr": 0.001}}},
+                                "tiny|bpe2048": {"arms": {"rmsnorm": {"lr": 0.0005}}}}))
+
+    def lab(**overrides):
+        return lab_module.Lab(E.Settings(out=str(tmp_path / "out"), size="tiny", design=str(path), overrides=overrides))
+
+    assert lab().design_key == "tiny" and lab(tokenizer="char").design_key == "tiny"
+    bpe = lab(tokenizer="bpe", bpe_vocab="2048")
+    assert bpe.design_key == "tiny|bpe2048" and lab(tokenizer="bpe").design_key == "tiny|bpe1024"
+    assert lab(tokenizer="byte").design_key == "tiny|byte"
+    assert bpe._design_lr("rmsnorm") == (0.0005, "tuned (the design)")
+    lr, how = bpe._design_lr("layernorm")
+    assert lr == 0.001 and how.startswith("tuned on characters") and "bpe2048" in how
+    assert lab()._design_lr("rmsnorm") == (0.002, "tuned (the design)")
+    assert lab(lr="0.01")._design_lr("rmsnorm") == (None, "set for every run")
+    assert lab()._design_lr("deepnorm") == (None, "the preset's (no design at this size)")
 
 
 def _no_clocks(monkeypatch):

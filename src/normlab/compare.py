@@ -193,7 +193,11 @@ def _tune(names: list[str], settings, command: str, console: Console) -> int:
         design = experiments.tune_presets(names, settings, console, command=f"{command} --tune")
     except (experiments.Interrupted, KeyboardInterrupt) as err:
         return _interrupted(err, settings.out, console)
+    from normlab.experiments.lab import design_key
+    from normlab.train import split_overrides
+
     size = "quick" if "demo" in names and settings.size != "tiny" else settings.size  # demo implies quick
+    size = design_key(size, split_overrides(settings.overrides)[0])  # and the tokenizer, where not characters
     table = Table(title=f"pilot: each arm's learning rate (seeds {', '.join(map(str, design[size]['pilot_seeds']))})")
     for col in ("preset", "arm", "learning rate", "grid", "mean pilot loss"):
         table.add_column(col)

@@ -187,21 +187,22 @@ def tune_presets(names: list[str], settings: Settings, console=None, command: st
     if settings.tune_arms is not None and not lab.pilot["arms"]:
         raise ValueError(f"--arms {','.join(settings.tune_arms)} matches none of the tuned arms of {', '.join(presets)}: "
                          f"{', '.join(sorted(lab.arms_seen))}")
-    design = DS.decide(lab.pilot, lab.size, command, environment())
+    key = lab.design_key  # the size, and the tokenizer where it is not characters
+    design = DS.decide(lab.pilot, key, command, environment())
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "design.json"
     old = json.loads(path.read_text()) if path.exists() else {}
     merged = {**old, **design}
-    if lab.size in old:  # tuning some presets again keeps the others' arms and seeds
-        arms = old[lab.size].get("arms", {})
+    if key in old:  # tuning some presets again keeps the others' arms and seeds
+        arms = old[key].get("arms", {})
         # an arm another preset owns (a baseline a new preset shares, e.g. rmsnorm) keeps its rate:
         # tuning one preset must not move the runs another preset's verdicts stand on
-        kept = {a: v for a, v in arms.items() if a in design[lab.size]["arms"] and v.get("preset") not in presets}
+        kept = {a: v for a, v in arms.items() if a in design[key]["arms"] and v.get("preset") not in presets}
         if kept and console is not None:
             console.print(f"kept the design's rates of {', '.join(kept)} (tuned with {', '.join(sorted({v['preset'] for v in kept.values()}))})")
-        merged[lab.size] = {**design[lab.size], "arms": {**arms, **design[lab.size]["arms"], **kept},
-                            "seeds": {**old[lab.size].get("seeds", {}), **design[lab.size]["seeds"]}}
+        merged[key] = {**design[key], "arms": {**arms, **design[key]["arms"], **kept},
+                       "seeds": {**old[key].get("seeds", {}), **design[key]["seeds"]}}
     write_json(path, merged)
     return merged
 

@@ -226,13 +226,29 @@ class Lab:
             self.waiting = True
             return _pending_result(self.out / "runs" / label)
         if tune:
-            lr = None if "lr" in self.train_over else DS.tuned_lr(self.design, self.size, arm_of(label))
+            lr, how = self._design_lr(arm_of(label))
             if lr is not None:
                 varied = {**varied, "lr": lr, "min_lr": lr / 10}
-            how = "tuned (the design)" if lr is not None else "set for every run" if "lr" in self.train_over else \
-                "the preset's (no design at this size)"
             self.tuned[arm_of(label)] = {"lr": {**train_fields, **self.train_over, **varied}.get("lr"), "how": how}
         return self._train(label, train_fields, model_fields, varied)
+
+    @property
+    def design_key(self) -> str:
+        return design_key(self.size, self.train_over)
+
+    def _design_lr(self, arm: str) -> tuple[float | None, str]:
+        """An arm's rate and how it was chosen: the user's lr for every run, else the pilot's under
+        this lab's tokens, else (another tokenizer, no pilot under it) the character pilot's,
+        said so, else none (the preset's)."""
+        if "lr" in self.train_over:
+            return None, "set for every run"
+        lr = DS.tuned_lr(self.design, self.design_key, arm)
+        if lr is not None:
+            return lr, "tuned (the design)"
+        lr = DS.tuned_lr(self.design, self.size, arm)
+        if lr is not None:
+            return lr, f"tuned on characters (the design has no pilot under {self.design_key.split('|')[1]} tokens)"
+        return None, "the preset's (no design at this size)"
 
     def _non_embedding(self, tf: dict, mf: dict) -> int:
         """The run's non-embedding parameter count, from a model on the meta device: no memory,
@@ -391,6 +407,17 @@ def arm_of(label: str) -> str:
 _TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 # The sources whose change changes a result; the lab's own files (presets, claims, report) do not.
 RESULT_SOURCES = ("model.py", "train.py", "data.py", "nn.py", "functional.py", "reference.py", "rnn.py", "kernels")
+
+
+def design_key(size: str, train_fields: dict) -> str:
+    """Where the design keeps the tuned rates of runs of this size and these training fields: the
+    size, and for tokens other than characters the tokenizer too ("quick|bpe2048"). A rate tuned
+    on characters is not one tuned on BPE tokens (docs/results/ladder-shallow-depth-quick-epyc-2core,
+    its BPE condition)."""
+    kind = str(train_fields.get("tokenizer", "char"))
+    if kind == "char":
+        return size
+    return f"{size}|{kind}" + (str(train_fields.get("bpe_vocab", TrainConfig.bpe_vocab)) if kind == "bpe" else "")
 
 
 @functools.lru_cache(maxsize=1)

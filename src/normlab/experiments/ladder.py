@@ -33,14 +33,18 @@ gap across the whole margin within one decade. A directional claim asks "the eff
 scale": the slope in the effect's direction above 0. Each trend is decided on its p-value like a
 claim's leaf, with Holm's adjustment over the ladder's trends.
 
-**Tokenizers** are a condition of the ladder (``--tokenizers char,bpe``): the same rungs, seeds
-and rates on characters and on BPE tokens of the same text, judged as one family, so that a
+**Tokenizers** are a condition of the ladder (``--tokenizers char,bpe``): the same rungs and
+seeds on characters and on BPE tokens of the same text, judged as one family, so that a
 reader sees whether an effect is one of the architecture or of character-level text. BPE uses
 ``BPE_VOCAB`` = 2,048 merges+bytes unless ``bpe_vocab`` is set: fixed before any BPE run, as the
 largest power of two whose embedding stays under half the middle quick rung's non-embedding
 parameters (2,048 x 96 = 197k of 443k), where GPT-2's 50k would make the embedding ten times the
-model; on the 5 MB corpus it still merges the frequent words whole. The learning rates are the
-ones tuned on characters (a stated condition: the design has no BPE pilot).
+model; on the 5 MB corpus it still merges the frequent words whole. Each condition trains at the
+rates tuned under its own tokens where the design holds a pilot for them (`compare PRESET --quick
+--tune tokenizer=bpe bpe_vocab=2048` writes them under "quick|bpe2048"); where it does not, at
+the character rates, and each arm's entry in results.json (settings.arm_lrs) says which. The rule
+was fixed after the first BPE ladder, whose character rates left deep Post-LN and DeepNorm at 1/3 and 3x
+Pre-LN's rate and reversed the character signs (docs/results/ladder-shallow-depth-quick-epyc-2core).
 
 **The gpu size** (``--size gpu``) applies the same rule once, from the full size to a width meant
 for one GPU: d_model 768 with 64-wide heads (12 heads: GPT-2 small's width), depth unchanged (the
