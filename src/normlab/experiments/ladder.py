@@ -159,7 +159,7 @@ def seed_gaps(leaf: dict, measured: dict) -> list[float]:
     b = measured.get(leaf["b"]) if isinstance(leaf["b"], str) else leaf["b"]
     if not isinstance(a, list):
         return []
-    pairs = C._pairs(a, b) if isinstance(b, list) else [(float(x), float(b)) for x in C._finite(a)]
+    pairs = C.pairs(a, b) if isinstance(b, list) else [(float(x), float(b)) for x in C.finite(a)]
     if _relative(leaf):
         return [math.log(x / y) for x, y in pairs if x > 0 and y > 0]
     return [x - y for x, y in pairs]
