@@ -8,7 +8,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "normlab"
 
 # Lowest first. A module may import from its own layer or a lower one.
 LAYERS = [
-    {"reference", "testing", "runs", "claims", "plots", "env", "experiments.cost", "experiments.design", "kernels._triton",
+    {"reference", "testing", "runs", "intervals", "claims", "plots", "env", "experiments.cost", "experiments.design", "kernels._triton",
      "kernels.cpu.codecs", "kernels.cpu.pointwise", "kernels.cpu.layernorm", "kernels.cpu.memory", "kernels.cpu.rmsnorm",
      "kernels.cpu.rows", "kernels.cpu.simd"},
     {"kernels._glue", "kernels.cpu.cache", "kernels.cpu.launch"},
