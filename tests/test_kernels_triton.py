@@ -12,7 +12,7 @@ import torch
 from normlab import functional as F
 from normlab import kernels
 from normlab.testing import assert_close
-from test_kernels_cpu import DTYPES, OPS, RMS_OPTIONS, _call, _leaves, check, check_deterministic_weight_grads
+from opcheck import DTYPES, OPS, RMS_OPTIONS, call_op, check, check_deterministic_weight_grads, op_leaves
 
 pytest.importorskip("triton", reason="the triton backend needs triton (pip install normlab[gpu])")
 from normlab.kernels import triton as T  # noqa: E402
@@ -99,11 +99,11 @@ def test_rows_of_zeros_give_zeros(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("op", OPS)
 def test_non_finite_rows_stay_in_their_row(gen, op, dtype, bad):
-    leaves = _leaves(gen, op, (6, 37), dtype)
+    leaves = op_leaves(gen, op, (6, 37), dtype)
     leaves["x"][3, 5] = bad
-    outs = _call(op, leaves, {}, "triton")
+    outs = call_op(op, leaves, {}, "triton")
     good = [0, 1, 2, 4, 5]
-    alone = _call(op, {k: (v[good] if v.dim() == 2 else v) for k, v in leaves.items()}, {}, "triton")
+    alone = call_op(op, {k: (v[good] if v.dim() == 2 else v) for k, v in leaves.items()}, {}, "triton")
     for o, r in zip(outs, alone):
         assert torch.isfinite(o[good]).all() and not torch.isfinite(o[3]).all()
         assert torch.equal(o[good], r)
@@ -150,10 +150,10 @@ def test_out_writes_into_the_given_tensor(gen):
 @pytest.mark.parametrize("op", OPS)
 def test_real_sizes_on_gpu(gen, op, d):
     for dtype in DTYPES:
-        leaves = _leaves(gen, op, (max(1, (1 << 22) // d), d), dtype)
-        fast = _call(op, {k: v.cuda() for k, v in leaves.items()}, {}, "triton")
-        ref = _call(op, {k: v.cuda() for k, v in leaves.items()}, {}, "reference")
-        truth = _call(op, {k: v.cuda().double() for k, v in leaves.items()}, {}, "reference")
+        leaves = op_leaves(gen, op, (max(1, (1 << 22) // d), d), dtype)
+        fast = call_op(op, {k: v.cuda() for k, v in leaves.items()}, {}, "triton")
+        ref = call_op(op, {k: v.cuda() for k, v in leaves.items()}, {}, "reference")
+        truth = call_op(op, {k: v.cuda().double() for k, v in leaves.items()}, {}, "reference")
         assert_close(fast[0].cpu(), truth[0].cpu(), lowp=ref[0].cpu(), dtype=dtype)
 
 

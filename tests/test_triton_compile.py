@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from normlab import functional as F
-from test_kernels_cpu import OPS, RMS_OPTIONS, _call, _leaves
+from opcheck import OPS, RMS_OPTIONS, call_op, op_leaves
 
 pytest.importorskip("triton", reason="the triton backend needs triton (pip install normlab[gpu])")
 from normlab.kernels import triton as T  # noqa: E402
@@ -115,7 +115,7 @@ def test_the_grid_holds_every_spec_the_launchers_launch(monkeypatch):
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for op in OPS:
             for opts in [{}] + (RMS_OPTIONS if "rms" in op else []) + ([{"residual_in_fp32": True}] if "add" in op else []):
-                _call(op, _leaves(gen, op, (3, d), dtype), {k: v for k, v in opts.items() if k != "partial"}, "triton")
+                call_op(op, op_leaves(gen, op, (3, d), dtype), {k: v for k, v in opts.items() if k != "partial"}, "triton")
         x = torch.randn(3, d, dtype=dtype, requires_grad=True)
         F.layer_norm(x, None, None, backend="triton").sum().backward()  # no weight, no bias
         F.rms_norm(x, None, backend="triton").sum().backward()

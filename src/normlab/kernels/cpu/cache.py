@@ -28,7 +28,7 @@ from numba.core import caching
 
 from normlab import env
 
-# Every file whose code a kernel may compile in (tests/test_kernels_cpu.py checks the list).
+# Every file whose code a kernel may compile in (tests/test_cpu_cache.py checks the list).
 SOURCES = ("cache.py", "codecs.py", "simd.py", "rows.py", "rmsnorm.py", "layernorm.py", "pointwise.py")
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -5,7 +5,7 @@ widens an element to float32; ``_store`` narrows a float32 with round-to-nearest
 integer arithmetic, fp16 by LLVM's fptrunc). The vector forms (``_narrow``, ``_widen``) give the
 same bits as the scalar ones, with two exceptions where the CPU's bf16 instruction is used:
 results below bf16's smallest normal flush to zero, and a nan keeps its sign and payload.
-Neither occurs in a normalized row of finite values (tests/test_kernels_cpu.py checks both).
+Neither occurs in a normalized row of finite values (tests/test_cpu_blocks.py checks both).
 """
 
 from __future__ import annotations

@@ -357,7 +357,7 @@ def _make_emit(llama, nt, hw=HW_BF16):
     return intrinsic(emit)
 
 
-# The conversions on their own, from a staging row: tests/test_kernels_cpu.py checks _store_block
+# The conversions on their own, from a staging row: tests/test_cpu_blocks.py checks _store_block
 # through them against the scalar conversions (the integer bf16 path too, on every CPU).
 _EMIT = {(llama, nt): _make_emit(llama, nt) for llama in (False, True) for nt in (False, True)}
 _EMIT_INTEGER_BF16 = {key: _make_emit(*key, hw=False) for key in _EMIT}

@@ -1,0 +1,227 @@
+"""The CPU kernels' vector blocks and row helpers against scalar code and float64: bf16 and fp16
+conversions, row sums, row pairs in the first pass and the backward, streamed spans and the
+partial rows' placement."""
+
+import numpy as np
+import pytest
+import torch
+
+from opcheck import DTYPES, OPS, op_leaves, call_op, run_op, check
+
+pytest.importorskip("numba", reason="the cpu backend needs numba (pip install normlab[cpu])")
+from normlab.kernels.cpu import codecs, launch, memory, rows, simd  # noqa: E402
+from normlab.kernels.cpu import layernorm as LN  # noqa: E402
+from normlab.kernels.cpu import rmsnorm as RMS  # noqa: E402
+
+
+def _special_floats(gen, n):
+    """float32 values where conversions go wrong: ties at bf16 and fp16 precision, values that
+    round up to the next binade or overflow, signed zeros, infinities, then random ones."""
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80_7FFF, 0x3F80_8001, 0x7F7F_FFFF, 0x7F7F_8000, 0x477F_F000,
+                         0x3F80_1000, 0x3F80_3000, 0x0, 0x8000_0000, 0x7F80_0000, 0xFF80_0000], dtype=torch.int64)
+    special = bits.to(torch.int32).view(torch.float32)
+    special = torch.cat([special, -special])
+    rest = torch.randn(n - special.numel(), generator=gen) * torch.logspace(-30, 30, n - special.numel())
+    return torch.cat([special, rest]).numpy()
+
+
+@pytest.mark.parametrize("nt", [False, True], ids=["stored", "streamed"])
+@pytest.mark.parametrize("path", ["kernels", "integer-bf16"] if simd.HW_BF16 else ["kernels"])
+@pytest.mark.parametrize("llama", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_block_conversions_match_the_scalar_ones(gen, dtype, llama, path, nt):
+    # Output blocks are converted as explicit vectors (_emit: the CPU's bf16 instruction where
+    # it has one, else integer rounding, which "integer-bf16" checks on such a CPU too; streamed
+    # 16-bit blocks convert two vectors at a time, into whole lines); heads and tails of rows by
+    # the scalar _store. Both must give the same bits on everything a normalized row can hold.
+    from numba import njit
+
+    src = _special_floats(gen, simd.EMIT)
+    stage = np.zeros(simd.STAGE_WIDTH, np.float32)  # a staging row, as the launchers make them
+    w = (torch.randn(simd.EMIT, generator=gen) * 3).numpy()
+    code = launch._NP_CODE[dtype]
+    nbytes = simd.EMIT * np.dtype(code).itemsize
+    vec = memory._aligned(memory._raw(nbytes), nbytes).view(code)  # streamed stores need 64-byte alignment
+    scalar = np.zeros(simd.EMIT, code)
+    emit = (simd._EMIT if path == "kernels" else simd._EMIT_INTEGER_BF16)[llama, nt]
+
+    @njit
+    def by_vectors(dst, src, w):
+        emit(dst, np.uint64(0), src, w)
+        simd._store_fence()
+
+    @njit
+    def by_scalars(dst, src, w):
+        for i in range(src.shape[0]):
+            v = codecs._round_like(dst, src[i]) * w[i] if llama else src[i]
+            codecs._store(dst, i, v)
+
+    stage[: simd.EMIT] = src
+    by_vectors(vec, stage, w)
+    by_scalars(scalar, src, w)
+    assert np.array_equal(vec, scalar)
+    if dtype != torch.float32:  # a nan stays a nan (its bits may differ: see codecs.py)
+        stage[: simd.EMIT] = np.nan
+        by_vectors(vec, stage, w)
+        widened = torch.from_numpy(vec.view(np.int16)).view(dtype).float()
+        assert torch.isnan(widened).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_vector_row_sums_match_float64(gen, dtype):
+    # Pass 1's sums over whole blocks are explicit vector loops (bf16 read two values to a 32-bit
+    # lane, in another order than the row's); they must be the float64 sums of the row's values
+    # to float32 accuracy, and stop at the given number of values.
+    from numba import njit
+
+    @njit
+    def sums(row, n, c):
+        return simd._row_moments(row, n, c, row, None), simd._row_sumsq(row, n, c, row, None)
+
+    x = (torch.randn(3 * simd.BLOCK + 7, generator=gen) * 2 + 5).to(dtype)
+    row = memory._as_numpy(x)
+    c = np.float32(4.5)
+    for blocks in (0, 1, 3):
+        n = blocks * simd.BLOCK
+        (s1, s2), (ss, zero) = sums(row, n, c)
+        v = x[:n].double()
+        u = v - float(c)
+        assert zero == 0.0
+        for got, want, scale in ((s1, u.sum(), u.abs().sum()), (s2, (u * u).sum(), (u * u).sum()), (ss, (v * v).sum(), (v * v).sum())):
+            assert abs(got - want.item()) <= 1e-6 * max(scale.item(), 1e-30), (blocks, got, want)
+
+
+@pytest.mark.parametrize("op", ["ln", "rms", "rms_llama"])
+def test_backward_pair_order_sums_match_float64(gen, op):
+    # The bf16 backward's first pass reads rows two values to a 32-bit lane, so it reads the
+    # weight, and adds the dw (db) terms, in pair order (simd.pair_order): its sums must be the
+    # float64 ones, and its partial rows, put back in place, the float64 terms of each element.
+    from numba import njit
+
+    ln_sums = LN._GRAD_SUMS[1]
+
+    @njit
+    def ln_pass(dy, x, wp, dwc, dbc, n, mhi, rstd, lo):
+        return ln_sums(dy, x, wp, dwc, dbc, n, mhi, rstd, lo)
+
+    @njit
+    def rms_pass(dy, x, wp, dwc, rnd, n, rstd):
+        return RMS._rms_blocks(dy, wp, wp, x, n, dwc, rstd, rnd, True)  # the first wp: not read (bf16)
+
+    d = 3 * simd.BLOCK + 7
+    x, dy = ((torch.randn(d, generator=gen) * s + m).to(torch.bfloat16) for s, m in ((2, 5), (1, 0)))
+    w = torch.randn(d, generator=gen).numpy()
+    mean, rstd = 4.75, np.float32(0.6)
+    for blocks in (0, 1, 3):
+        n = blocks * simd.BLOCK
+        v, g = x[:n].double(), dy[:n].double()
+        wn = torch.from_numpy(w[:n]).double()
+        dwc, dbc = np.zeros(d, np.float32), np.zeros(d, np.float32)
+        wp = simd.pair_order(w, n)
+        if op == "ln":
+            mhi, mlo = np.float32(mean), np.float32(0.0)
+            lo = np.float32(-float(mlo) * rstd)
+            got = ln_pass(memory._as_numpy(dy), memory._as_numpy(x), wp, dwc, dbc, n, mhi, rstd, lo)
+            xhat = (v - mean) * float(rstd)
+            want = ((g * wn).sum(), (g * wn * xhat).sum())
+            assert np.allclose(simd.pair_unorder(dbc, n)[:n], g.numpy(), rtol=1e-6, atol=0)
+        else:
+            rnd = launch._rnd(torch.bfloat16, op == "rms_llama")
+            got = rms_pass(memory._as_numpy(dy), memory._as_numpy(x), wp, dwc, rnd, n, rstd)
+            xhat = v * float(rstd)
+            if op == "rms_llama":  # x * rstd rounded to bf16 before the multiply
+                xhat = (v.float() * rstd).to(torch.bfloat16).double()
+            want = ((g * wn * v).sum(), (v * v).sum())
+        for got_sum, want_sum in zip(got, want):
+            assert abs(got_sum - want_sum.item()) <= 1e-5 * max(abs(want_sum.item()), 1.0), (op, blocks, got, want)
+        assert np.allclose(simd.pair_unorder(dwc, n)[:n], (g * xhat).numpy(), rtol=1e-5, atol=1e-6)
+        assert not dwc[n:].any()  # and nothing past n
+
+
+@pytest.mark.parametrize("op", ["ln", "rms", "rms_squares", "rms_llama"])
+def test_first_pass_over_a_row_pair_is_bitwise_two_single_rows(gen, op):
+    # Wide bf16 rows go through the backward's first pass two at a time (_make_grad_sums,
+    # rows=2): the sums of each row and the partial rows it adds to must be the very bits that
+    # two passes of one row give, so a row's gradient does not depend on its neighbour.
+    from numba import njit
+
+    if op == "ln":
+        one, two = LN._GRAD_SUMS[1], LN._GRAD_SUMS[2]
+    else:
+        one, two = (RMS._GRAD_SUMS[op == "rms_llama", op == "rms_squares", rows] for rows in (1, 2))
+
+    @njit
+    def single(dy, x, dy2, x2, wp, dwc, aux, n, c, e):
+        return one(dy, x, wp, dwc, aux, n, c[0], c[1], c[2]) + one(dy2, x2, wp, dwc, aux, n, e[0], e[1], e[2])
+
+    @njit
+    def pair(dy, x, dy2, x2, wp, dwc, aux, n, c, e):
+        return two(dy, x, dy2, x2, wp, dwc, aux, n, c[0], c[1], c[2], e[0], e[1], e[2])
+
+    d = 3 * simd.BLOCK + 7
+    rows = [memory._as_numpy((torch.randn(d, generator=gen) * 3 + 2).to(torch.bfloat16)) for _ in range(4)]
+    wp = simd.pair_order(torch.randn(d, generator=gen).numpy(), 3 * simd.BLOCK)
+    c, e = (np.array([m, s, lo], np.float32) for m, s, lo in ((2.0, 0.4, -0.01), (1.5, 0.7, 0.02)))
+    start = torch.randn(2, d, generator=gen).numpy()  # partial rows that already hold sums
+    results = []
+    for run in (single, pair):
+        part = start.copy()
+        aux = part[1] if op == "ln" else launch._rnd(torch.bfloat16, op == "rms_llama")
+        sums = run(*rows, wp, part[0], aux, 3 * simd.BLOCK, c, e)
+        results.append((np.array(sums), part))
+    (s1, p1), (s2, p2) = results
+    assert s1.tobytes() == s2.tobytes(), (s1, s2)
+    assert p1.tobytes() == p2.tobytes()
+    assert not np.array_equal(p1, start)  # the terms were added
+    assert np.array_equal(p1[:, 3 * simd.BLOCK :], start[:, 3 * simd.BLOCK :])  # and nothing past n
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_wide_bf16_rows_in_pairs(gen, op):
+    # From rows.PAIR_ROWS_MIN values a row, the bf16 backward takes rows two at a time (a chunk's
+    # odd row alone): gradients against float64, and each row's input gradient bitwise the one
+    # it gets alone, which goes through the single-row path.
+    d = rows.PAIR_ROWS_MIN + 37
+    options = [{}] if "layer" in op else [{}, {"eps_mode": "outside", "cast": "gemma"}, {"partial": 0.75}]
+    for opts in options:
+        check(gen, op, (7, d), torch.bfloat16, opts)
+        leaves = op_leaves(gen, op, (7, d), torch.bfloat16)
+        outs = call_op(op, leaves, opts, "cpu")
+        grads = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs]
+        _, together = run_op(op, leaves, opts, "cpu", grads)
+        for r in (0, 3, 6):
+            alone_leaves = {k: (v[r : r + 1] if v.dim() == 2 else v) for k, v in leaves.items()}
+            _, alone = run_op(op, alone_leaves, opts, "cpu", [g[r : r + 1] for g in grads])
+            assert torch.equal(together["x"][r : r + 1], alone["x"]), (opts, r)
+
+
+def test_pair_order_is_undone_by_pair_unorder(gen):
+    v = torch.randn(3 * 32 + 5, generator=gen).numpy()
+    ordered = simd.pair_order(v, 96)
+    assert np.array_equal(ordered[:32], np.concatenate([v[0:32:2], v[1:32:2]]))  # evens, then odds
+    assert np.array_equal(ordered[96:], v[96:])  # past the span: in place
+    assert np.array_equal(simd.pair_unorder(ordered, 96), v)
+
+
+def test_streamed_spans_are_aligned_blocks():
+    x = torch.zeros(4, 1000).numpy()
+    for r in range(4):
+        row = x[r]
+        a, b = rows._spans(row, 0, 1000, True)
+        assert (row.ctypes.data + 4 * a) % 64 == 0 and 0 <= a < 16
+        assert (b - a) % simd.EMIT == 0 and 1000 - b < simd.EMIT and b - a >= 14 * simd.EMIT
+        assert rows._spans(row, 0, 1000, False) == (0, 960)  # blocks from the row's start
+        a, b = rows._spans(row, 990, 1000, True)  # too short for a block: all plain
+        assert a == b and 990 <= a <= 1000
+
+
+def test_a_chunks_dw_and_db_partial_rows_sit_half_a_page_apart():
+    # layer_norm's and DyT's backward load one partial row just after storing the other at the
+    # same index: at the same address modulo 4 KiB the CPU stalls the load (4K aliasing), which
+    # cost them 1.2-1.7x on two threads. Each chunk's two rows start 2 KiB apart modulo 4 KiB.
+    for nchunks in (1, 2, 3):
+        for d in (1, 100, 1024, 1025, 4096, 5000):
+            parts = rows._partial_row_pairs(nchunks, d)
+            assert parts.shape[0] == 2 * nchunks and parts.shape[1] >= d and not parts.any()
+            for c in range(nchunks):
+                assert (parts[2 * c + 1].ctypes.data - parts[2 * c].ctypes.data) % 4096 == 2048, (nchunks, d, c)

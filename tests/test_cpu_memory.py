@@ -1,0 +1,195 @@
+"""The CPU backend's memory and threads: streaming stores give the plain path's bits, staging rows
+stay zero, the output buffer pool, out=, environment settings, torch's thread count, and kernels
+in forked DataLoader workers."""
+
+import json
+import os
+
+import numba
+import numpy as np
+import pytest
+import torch
+
+from normlab import functional as F
+
+from opcheck import DTYPES, OPS, op_leaves, run_op
+
+pytest.importorskip("numba", reason="the cpu backend needs numba (pip install normlab[cpu])")
+from normlab.kernels.cpu import launch, memory  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_streaming_stores_give_the_same_bits(gen, op, dtype, monkeypatch):
+    # Large outputs are written with non-temporal stores (16-bit ones two vectors to a line); the
+    # values must be those of the plain path, bit for bit, whatever the alignment of the rows
+    # (d = 1000: every row of a float32 output starts at a different offset from a 64-byte
+    # boundary).
+    leaves = op_leaves(gen, op, (37, 1000), dtype)
+    runs = []
+    for min_bytes in (1 << 62, 0):
+        monkeypatch.setattr(launch, "STREAM_MIN_BYTES", min_bytes)
+        grads = torch.Generator().manual_seed(7)
+        runs.append(run_op(op, leaves, {}, "cpu", [torch.randn(leaves["x"].shape, generator=grads).to(dtype)] * 2))
+    (plain, plain_g), (streamed, streamed_g) = runs
+    assert all(torch.equal(a, b) for a, b in zip(plain, streamed))
+    assert all(torch.equal(plain_g[k], streamed_g[k]) for k in plain_g)
+
+
+def test_shared_staging_rows_stay_zero_and_aligned(gen, monkeypatch):
+    # The launchers share one set of staging rows per chunk count between calls and threads
+    # (memory._zero_stages), and the streamed 16-bit stores read a line of zeros from them. A kernel
+    # that wrote there would corrupt every later call: run every op forward and backward, plain
+    # and streamed, in every dtype, then look.
+    shape = (37, 1000)
+    for min_bytes in (1 << 62, 0):
+        monkeypatch.setattr(launch, "STREAM_MIN_BYTES", min_bytes)
+        for op in OPS:
+            for dtype in DTYPES:
+                leaves = op_leaves(gen, op, shape, dtype)
+                grads = [torch.randn(shape, generator=gen).to(dtype)] * 2
+                run_op(op, leaves, {}, "cpu", grads)
+    stages = memory._zero_stages(launch.nchunks(shape[0]))
+    assert stages.shape[0] == launch.nchunks(shape[0]) and not stages.any()
+    assert stages.ctypes.data % 64 == 0
+
+
+def test_out_writes_into_the_given_tensor(gen):
+    x = torch.randn(16, 64, generator=gen).bfloat16()
+    w = torch.randn(64, generator=gen).bfloat16()
+    out = torch.empty_like(x)
+    assert F.rms_norm(x, w, out=out, backend="cpu") is out
+    assert torch.equal(out, F.rms_norm(x, w, backend="cpu"))
+    assert F.layer_norm(x, w, w, out=out, backend="cpu") is out
+    assert torch.equal(out, F.layer_norm(x, w, w, backend="cpu"))
+    with pytest.raises(ValueError, match=r"out has shape \(16, 32\).*expected \(16, 64\)"):
+        F.rms_norm(x, out=torch.empty(16, 32, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="out= does not support autograd"):
+        F.rms_norm(x.requires_grad_(), out=out)
+
+
+def test_buffer_pool_reuses_only_unreferenced_buffers():
+    pool = memory.BufferPool(max_bytes=64 << 20, min_bytes=0)
+    a = pool.take(1 << 20)
+    b = pool.take(1 << 20)
+    assert a.ctypes.data != b.ctypes.data  # a is still held
+    addr = a.ctypes.data
+    del a
+    c = pool.take(1 << 20)
+    assert c.ctypes.data == addr  # a's buffer came back
+    view = torch.from_numpy(c.view(np.float32))[3:]  # a tensor view keeps it held
+    del c
+    assert pool.take(1 << 20).ctypes.data != addr
+    del view
+    assert pool.take(1 << 20).ctypes.data == addr
+    assert pool.stats()["buffers"] == 3
+
+
+def test_buffer_pool_respects_its_cap():
+    pool = memory.BufferPool(max_bytes=3 << 20, min_bytes=0)
+    held = [pool.take(1 << 20) for _ in range(5)]  # beyond the cap: served, not pooled
+    assert pool.stats()["held_bytes"] == 3 << 20
+    del held
+    pool.take(2 << 20)  # evicts free 1 MiB buffers to make room
+    assert pool.stats()["held_bytes"] <= 3 << 20
+    pool.clear()
+    assert pool.stats()["held_bytes"] == 0
+
+
+def test_outputs_from_the_pool_are_not_overwritten_while_alive(gen):
+    x = torch.randn(512, 1024, generator=gen)
+    y1 = F.rms_norm(x, backend="cpu")
+    keep = y1.clone()
+    y2 = F.rms_norm(x * 2, backend="cpu")  # must not land in y1's buffer
+    assert y1.data_ptr() != y2.data_ptr() and torch.equal(y1, keep)
+
+
+@pytest.mark.parametrize("name, value", [("NORMLAB_CPU_POOL_MB", "lots"), ("NORMLAB_CPU_STREAM_MB", "-4"),
+                                         ("NORMLAB_CPU_ALLOC", "malloc")])
+def test_a_bad_environment_setting_names_its_variable(name, value):
+    import subprocess
+    import sys
+
+    code = "import torch, normlab; normlab.rms_norm(torch.randn(2, 8), backend='cpu')"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, name: value}, capture_output=True, text=True)
+    assert out.returncode != 0 and f"environment variable {name} must be" in out.stderr, out.stderr[-500:]
+
+
+def test_threads_follow_torch():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert launch.nchunks(1000) == 1
+        import numba
+
+        assert numba.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert launch.nchunks(1000) == min(before, launch.numba.config.NUMBA_NUM_THREADS)
+
+
+@pytest.mark.parametrize("how", ["torch.set_num_threads(1)", "OMP_NUM_THREADS=1"])
+def test_the_first_kernel_call_leaves_torchs_thread_count_and_gradients_alone(how):
+    """numba's OpenMP layer resets the process's thread count when it starts; a fresh process
+    checks that torch's count is still the user's after the first call, and that the first
+    call's weight gradient is bitwise that of later calls."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, normlab\n"
+        + ("torch.set_num_threads(1)\n" if how.startswith("torch") else "")
+        + "g = torch.Generator().manual_seed(0)\n"
+        "x = torch.randn(512, 1000, generator=g); dy = torch.randn(512, 1000, generator=g)\n"
+        "grads = []\n"
+        "for _ in range(3):\n"
+        "    w = torch.ones(1000, requires_grad=True); xx = x.clone().requires_grad_()\n"
+        "    normlab.layer_norm(xx, w, torch.zeros(1000), backend='cpu').backward(dy)\n"
+        "    grads.append(w.grad)\n"
+        "print(torch.get_num_threads(), all(torch.equal(grads[0], g) for g in grads[1:]))\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if how.startswith("OMP") else {k: v for k, v in os.environ.items()
+                                                                                 if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["1", "True"], out.stdout + out.stderr[-500:]
+
+
+_FORK_PROBE = """
+import json, torch
+from torch.utils.data import DataLoader, Dataset
+from normlab import functional as F, reference as R
+from normlab.kernels.cpu import launch, rmsnorm
+
+class Rows(Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        x = torch.randn(8, 256, generator=torch.Generator().manual_seed(i), dtype=torch.bfloat16)
+        y = F.rms_norm(x, backend="cpu")
+        ran = rmsnorm.rms_fwd.serial().signatures if launch.serial() else rmsnorm.rms_fwd.signatures
+        return x, y, launch.serial(), len(ran)
+
+F.rms_norm(torch.randn(4, 256), backend="cpu")  # the parent starts the threading layer first
+err, serial, ran = 0.0, set(), []
+for x, y, was_serial, kernels in DataLoader(Rows(), batch_size=2, num_workers=2, multiprocessing_context="fork"):
+    truth = R.rms_norm(x.double())
+    err = max(err, ((y.double() - truth).abs() / truth.abs().clamp_min(1)).max().item())
+    serial |= set(was_serial.tolist())
+    ran += kernels.tolist()
+print(json.dumps({"layer": launch.threading_layer(), "serial": sorted(serial), "ran": min(ran), "err": err}))
+"""
+
+
+def test_dataloader_workers_forked_after_a_kernel_call_run_the_kernels():
+    # with GNU OpenMP as numba's layer, a worker forked after the parent's first kernel died
+    # ("fork() called from a process already using GNU OpenMP"); the workers now run the same
+    # kernels compiled serially (their own signatures compiled there, not the reference)
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FORK_PROBE], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["err"] <= 2 ** -8  # bf16 output: within one rounding of the float64 math
+    assert got["ran"] >= 1  # a compiled rms_fwd signature in every worker: the kernels ran there
+    assert got["serial"] == [got["layer"] == "omp"], got
