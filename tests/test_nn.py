@@ -123,7 +123,7 @@ def test_build_norm_options():
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda: build_norm("groupnorm", 8), r"kind must be one of 'layernorm', 'rmsnorm', 'prmsnorm', 'l2', 'scalenorm', 'batchnorm', 'dyt', 'none'; got 'groupnorm'"),
+        (lambda: build_norm("groupnorm", 8), r"kind must be one of 'layernorm', 'rmsnorm', 'prmsnorm', 'l2', 'scalenorm', 'batchnorm', 'dyt', 'derf', 'none'; got 'groupnorm'"),
         (lambda: build_norm("rmsnorm", 8, partial=0.5), r"partial is an option of kind='prmsnorm'"),
         (lambda: build_norm("layernorm", 8, cast="gemma"), r"unknown option\(s\) cast for norm kind 'layernorm'; valid options: "),
         (lambda: build_norm("none", 8, eps=1e-5), r"unknown option\(s\) eps for norm kind 'none'"),
