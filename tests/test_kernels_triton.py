@@ -15,7 +15,7 @@ from normlab.testing import assert_close
 from opcheck import DTYPES, OPS, RMS_OPTIONS, call_op, check, check_deterministic_weight_grads, op_leaves
 
 pytest.importorskip("triton", reason="the triton backend needs triton (pip install normlab[gpu])")
-from normlab.kernels import triton as T  # noqa: E402
+from normlab.kernels.triton import launch as T  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -21,7 +21,7 @@ from normlab import functional as F
 from opcheck import OPS, RMS_OPTIONS, call_op, op_leaves
 
 pytest.importorskip("triton", reason="the triton backend needs triton (pip install normlab[gpu])")
-from normlab.kernels import triton as T  # noqa: E402
+from normlab.kernels.triton import launch as T  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HIDDEN = "64,3000,4096,16384,262144"  # 3000: a size that is not a power of two takes a rounded block
@@ -133,7 +133,7 @@ DETECT = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
 import torch, triton_compile as TC
-from normlab.kernels import triton as T
+from normlab.kernels.triton import launch as T
 spec = T.fwd_spec(4096, torch.bfloat16, weight=torch.bfloat16, bias=None, residual=None, sum_dtype=None,
                   is_rms=True, llama=True, inside=True)
 if sys.argv[2] == "default":  # what a launch without the choice would compile

@@ -6,7 +6,7 @@
 TRITON_INTERPRET runs the kernels' Python with numpy semantics and never calls Triton's compiler,
 so a kernel can pass every interpreter test and still fail to compile, spill registers or need
 more shared memory than a GPU has. Triton compiles for a target GPU on a CPU-only machine with the
-ptxas its wheel ships: this tool does that for every spec ``normlab.kernels.triton.reachable_specs``
+ptxas its wheel ships: this tool does that for every spec ``normlab.kernels.triton.launch.reachable_specs``
 returns (the launchers' own choice functions), down to the cubin, and reports per spec and target
 the registers and spill bytes ptxas printed, the shared memory, and whether the PTX declares
 ``.local`` memory.
@@ -44,8 +44,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from normlab import env  # noqa: E402
-from normlab.kernels import _triton as K  # noqa: E402
-from normlab.kernels import triton as T  # noqa: E402
+from normlab.kernels.triton import kernels as K  # noqa: E402
+from normlab.kernels.triton import launch as T  # noqa: E402
 
 # Shared memory a block may use (the opt-in maximum): A100 (sm_80) 163 KiB, H100/H200 (sm_90) 227 KiB.
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}

@@ -62,6 +62,53 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+# What `normlab warmup` compiles: the kernel signatures a model meets.
+WARMUP_OPS = ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "dyt", "derf")
+POINTWISE = ("dyt", "derf")
+WARMUP_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def warmup_calls(ops=WARMUP_OPS, dtypes=WARMUP_DTYPES) -> list[tuple[str, object]]:
+    """(label, call) pairs that each run one op forward and backward on a tiny input, covering
+    the kernel signatures a model meets: weights in the input's dtype and in fp32, both cast
+    orders, the residual sum in the input's dtype and in fp32, its gradient used or not."""
+    import torch
+
+    from normlab import functional as F
+
+    calls = []
+    for name in dtypes:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+        for op in (o for o in ops if o in POINTWISE):
+            def pointwise_call(op=op, dtype=dtype):
+                x = torch.randn(4, 512, dtype=dtype, requires_grad=True)
+                w, b = torch.ones(512, dtype=dtype, requires_grad=True), torch.zeros(512, dtype=dtype, requires_grad=True)
+                scalars = [torch.full((1,), v, requires_grad=True) for v in ((0.5,) if op == "dyt" else (0.5, 0.0))]
+                getattr(F, op)(x, *scalars, w, b, backend="cpu").sum().backward()
+            calls.append((f"{op} {name}", pointwise_call))
+        for op in (o for o in ops if o not in POINTWISE):
+            for wdtype in dict.fromkeys((dtype, torch.float32)):
+                variants = [{"cast": c} for c in ("llama", "gemma")] if "rms" in op else [{}]
+                if op.startswith("add"):
+                    variants = [{**v, "residual_in_fp32": f} for v in variants for f in (False, True)]
+                for opts in variants:
+                    def call(op=op, dtype=dtype, wdtype=wdtype, opts=opts):
+                        x = torch.randn(4, 512, dtype=dtype, requires_grad=True)
+                        w = torch.ones(512, dtype=wdtype, requires_grad=True)
+                        args = [x] + ([torch.randn(4, 512, dtype=dtype)] if op.startswith("add") else []) + [w]
+                        if "layer" in op:
+                            args.append(torch.zeros(512, dtype=wdtype, requires_grad=True))
+                        out = getattr(F, op)(*args, backend="cpu", **opts)
+                        if isinstance(out, tuple):  # the residual sum's gradient used, then not
+                            (out[0].sum() + out[1].sum()).backward(retain_graph=True)
+                            out[0].sum().backward()
+                        else:
+                            out.sum().backward()
+
+                    calls.append((f"{op} {name} weights {str(wdtype).removeprefix('torch.')} {opts}", call))
+    return calls
+
+
 def cmd_warmup(args: argparse.Namespace, console: Console) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -74,12 +121,12 @@ def cmd_warmup(args: argparse.Namespace, console: Console) -> int:
     from normlab.kernels import cpu
 
     ops, dtypes = _csv(args.ops), _csv(args.dtypes)
-    for value, name, choices in ((ops, "--ops", cpu.WARMUP_OPS), (dtypes, "--dtypes", tuple(cpu.WARMUP_DTYPES))):
+    for value, name, choices in ((ops, "--ops", WARMUP_OPS), (dtypes, "--dtypes", WARMUP_DTYPES)):
         bad = [v for v in value if v not in choices]
         if bad or not value:
             console.print(f"[red]{name} takes a comma-separated list from {', '.join(choices)}; got {escape(','.join(value))}[/red]")
             return 2
-    calls = cpu.warmup_calls(ops, dtypes)
+    calls = warmup_calls(ops, dtypes)
     before = cpu.compiled_and_loaded()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, disable=args.quiet) as progress:

@@ -133,13 +133,18 @@ def rms_norm(
     return (xhat * w).to(out_dtype)
 
 
-def _residual_sum(x: Tensor, residual: Tensor, residual_in_fp32: bool) -> Tensor:
-    # The sum keeps the residual stream's precision: the promoted dtype of the two inputs, or
-    # float32 (float64 stays float64) when residual_in_fp32 is set, as in flash-attn's fused
-    # add+norm, so a bf16 model can carry an fp32 residual stream.
+def sum_dtype(x: Tensor, residual: Tensor, residual_in_fp32: bool) -> torch.dtype:
+    """The dtype of the add variants' residual sum, here and in every fused backend.
+
+    The sum keeps the residual stream's precision: the promoted dtype of the two inputs, or
+    float32 (float64 stays float64) when residual_in_fp32 is set, as in flash-attn's fused
+    add+norm, so a bf16 model can carry an fp32 residual stream."""
     dtype = torch.promote_types(x.dtype, residual.dtype)
-    if residual_in_fp32:
-        dtype = torch.promote_types(dtype, torch.float32)
+    return torch.promote_types(dtype, torch.float32) if residual_in_fp32 else dtype
+
+
+def _residual_sum(x: Tensor, residual: Tensor, residual_in_fp32: bool) -> Tensor:
+    dtype = sum_dtype(x, residual, residual_in_fp32)
     return x.to(dtype) + residual.to(dtype)
 
 
@@ -155,7 +160,7 @@ def add_layer_norm(
 ) -> tuple[Tensor, Tensor]:
     """Fused residual add + LayerNorm: s = x + residual, returns (layer_norm(s), s).
 
-    The normalized output has x's dtype; s has the residual dtype (see ``_residual_sum``).
+    The normalized output has x's dtype; s has the residual dtype (see ``sum_dtype``).
     """
     s = _residual_sum(x, residual, residual_in_fp32)
     return layer_norm(s, weight, bias, eps, upcast=upcast, out_dtype=x.dtype), s
@@ -176,7 +181,7 @@ def add_rms_norm(
 ) -> tuple[Tensor, Tensor]:
     """Fused residual add + RMSNorm: s = x + residual, returns (rms_norm(s), s).
 
-    The normalized output has x's dtype; s has the residual dtype (see ``_residual_sum``).
+    The normalized output has x's dtype; s has the residual dtype (see ``sum_dtype``).
     """
     s = _residual_sum(x, residual, residual_in_fp32)
     y = rms_norm(

@@ -7,7 +7,7 @@ row and chunk), ``simd.py`` and ``codecs.py`` (the vector code and the bf16/fp16
 keys numba's on-disk cache by the hash of all the kernel sources. docs/cpu-kernels.md says what
 each technique buys, measured.
 
-This file registers the custom ops (``normlab::cpu_*``, through ``_glue.build``), which carry
+This file registers the custom ops (``normlab::cpu_*``, through :func:`normlab.kernels.ops.build`), which carry
 fake implementations and ``register_autograd`` so that ``torch.compile(fullgraph=True)`` traces
 models that use them, and exposes the public functions with the signatures of
 :mod:`normlab.reference` (inputs validated by functional.py).
@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from normlab.kernels import _glue
+from normlab.kernels import ops
 
 from . import launch
 from .cache import sources_hash
@@ -34,7 +34,7 @@ from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_api = _glue.build("cpu", "cpu", launch, FUSED_DTYPES, torch.float64)
+_api = ops.build("cpu", "cpu", launch, FUSED_DTYPES, torch.float64)
 layer_norm, rms_norm = _api.layer_norm, _api.rms_norm
 add_layer_norm, add_rms_norm = _api.add_layer_norm, _api.add_rms_norm
 rms_norm_out, layer_norm_out = _api.rms_norm_out, _api.layer_norm_out
@@ -68,50 +68,6 @@ def cached_signatures() -> int:
     return sum(1 for f in os.listdir(folder) if f.endswith(".nbc") and f.startswith(names))
 
 
-WARMUP_OPS = ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "dyt", "derf")
-POINTWISE = ("dyt", "derf")
-WARMUP_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def warmup_calls(ops=WARMUP_OPS, dtypes=tuple(WARMUP_DTYPES)) -> list[tuple[str, object]]:
-    """(label, call) pairs that each run one op forward and backward on a tiny input, covering
-    the kernel signatures a model meets: weights in the input's dtype and in fp32, both cast
-    orders, the residual sum in the input's dtype and in fp32, its gradient used or not."""
-    from normlab import functional as F
-
-    calls = []
-    for name in dtypes:
-        dtype = WARMUP_DTYPES[name]
-        for op in (o for o in ops if o in POINTWISE):
-            def pointwise_call(op=op, dtype=dtype):
-                x = torch.randn(4, 512, dtype=dtype, requires_grad=True)
-                w, b = torch.ones(512, dtype=dtype, requires_grad=True), torch.zeros(512, dtype=dtype, requires_grad=True)
-                scalars = [torch.full((1,), v, requires_grad=True) for v in ((0.5,) if op == "dyt" else (0.5, 0.0))]
-                getattr(F, op)(x, *scalars, w, b, backend="cpu").sum().backward()
-            calls.append((f"{op} {name}", pointwise_call))
-        for op in (o for o in ops if o not in POINTWISE):
-            for wdtype in dict.fromkeys((dtype, torch.float32)):
-                variants = [{"cast": c} for c in ("llama", "gemma")] if "rms" in op else [{}]
-                if op.startswith("add"):
-                    variants = [{**v, "residual_in_fp32": f} for v in variants for f in (False, True)]
-                for opts in variants:
-                    def call(op=op, dtype=dtype, wdtype=wdtype, opts=opts):
-                        x = torch.randn(4, 512, dtype=dtype, requires_grad=True)
-                        w = torch.ones(512, dtype=wdtype, requires_grad=True)
-                        args = [x] + ([torch.randn(4, 512, dtype=dtype)] if op.startswith("add") else []) + [w]
-                        if "layer" in op:
-                            args.append(torch.zeros(512, dtype=wdtype, requires_grad=True))
-                        out = getattr(F, op)(*args, backend="cpu", **opts)
-                        if isinstance(out, tuple):  # the residual sum's gradient used, then not
-                            (out[0].sum() + out[1].sum()).backward(retain_graph=True)
-                            out[0].sum().backward()
-                        else:
-                            out.sum().backward()
-
-                    calls.append((f"{op} {name} weights {str(wdtype).removeprefix('torch.')} {opts}", call))
-    return calls
-
-
 def compiled_and_loaded() -> tuple[int, int]:
     """Kernel signatures this process has compiled, and loaded from numba's cache, so far."""
     stats = [k.stats for k in KERNELS]
@@ -119,5 +75,5 @@ def compiled_and_loaded() -> tuple[int, int]:
 
 
 __all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "rms_norm_out", "layer_norm_out",
-           "cache_status", "cached_signatures", "compiled_and_loaded", "env_setting", "warmup_calls", "FUSED_DTYPES",
+           "cache_status", "cached_signatures", "compiled_and_loaded", "env_setting", "FUSED_DTYPES",
            "KERNELS"]

@@ -19,11 +19,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from normlab.kernels._glue import _sum_dtype
+from normlab import reference
+from normlab.kernels.ops import rows
 
 from .pointwise import pointwise_bwd, pointwise_fwd, table_for
 from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
-from .memory import STREAM_MIN_BYTES, _as_numpy, _rows, _zero_stages, empty
+from .memory import STREAM_MIN_BYTES, _as_numpy, _zero_stages, empty
 from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
 from .rows import start_threads
 from .simd import X86
@@ -131,21 +132,21 @@ def _ln_weights(weight: Tensor | None, bias: Tensor | None, d: int) -> tuple[np.
 def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None, residual_in_fp32=False):
     """Returns (y, s or None, rstd). With ``residual``: s = x + residual is written and normalized."""
     shape, d = x.shape, x.shape[-1]
-    x2 = _rows(x)
+    x2 = rows(x)
     n = x2.shape[0]
     y = empty(shape, x.dtype) if y is None else y
     rstd = empty(shape[:-1], torch.float32)
     w = _rms_weight(weight, d, x.dtype, llama, offset)
     s = None
     if residual is not None:
-        s = empty(shape, _sum_dtype(x, residual, residual_in_fp32))
+        s = empty(shape, reference.sum_dtype(x, residual, residual_in_fp32))
     if n:
         if s is None:
             _k(rms_fwd)(_as_numpy(x2), w, _as_numpy(y.view(n, d)), rstd.view(n).numpy(), eps, inside, k, _rnd(x.dtype, llama),
                       *_stages(y, n))
         else:
             _k(add_rms_fwd)(
-                _as_numpy(x2), _as_numpy(_rows(residual)), w, _as_numpy(y.view(n, d)), _as_numpy(s.view(n, d)),
+                _as_numpy(x2), _as_numpy(rows(residual)), w, _as_numpy(y.view(n, d)), _as_numpy(s.view(n, d)),
                 rstd.view(n).numpy(), eps, inside, k, _rnd(x.dtype, llama), *_stages(y, n),
             )
     return y, s, rstd
@@ -162,14 +163,14 @@ def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k, *, gr
     """Returns (dx in x's dtype, dw (d,) float32 or in ``grad_dtypes[0]``). ``ds`` (optional) is
     added to dx."""
     shape, d = x.shape, x.shape[-1]
-    x2, dy2 = _rows(x), _rows(dy)
+    x2, dy2 = rows(x), rows(dy)
     n = x2.shape[0]
     dx = empty(shape, x.dtype)
     stages, stream = _stages(dx, n)
     (dw,) = _weight_grads(grad_dtypes, 1, d, n)
     if n:
         w = _rms_weight(weight, d, dy.dtype, llama, offset)
-        ds2 = _as_numpy(_rows(ds)) if ds is not None else None
+        ds2 = _as_numpy(rows(ds)) if ds is not None else None
         _k(rms_bwd)(
             _as_numpy(dy2), _as_numpy(x2), w, rstd.reshape(n).numpy(), ds2, _as_numpy(dx.view(n, d)),
             _as_numpy(dw), eps, inside, k, _rnd(dy.dtype, llama), stages, stream,
@@ -180,7 +181,7 @@ def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k, *, gr
 def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp32=False):
     """Returns (y, s or None, mean float64, rstd float32)."""
     shape, d = x.shape, x.shape[-1]
-    x2 = _rows(x)
+    x2 = rows(x)
     n = x2.shape[0]
     y = empty(shape, x.dtype) if y is None else y
     mean = empty(shape[:-1], torch.float64)
@@ -188,14 +189,14 @@ def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp
     w, b = _ln_weights(weight, bias, d)
     s = None
     if residual is not None:
-        s = empty(shape, _sum_dtype(x, residual, residual_in_fp32))
+        s = empty(shape, reference.sum_dtype(x, residual, residual_in_fp32))
     if n:
         stats = (mean.view(n).numpy(), rstd.view(n).numpy())
         if s is None:
             _k(ln_fwd)(_as_numpy(x2), w, b, _as_numpy(y.view(n, d)), *stats, eps, *_stages(y, n))
         else:
             _k(add_ln_fwd)(
-                _as_numpy(x2), _as_numpy(_rows(residual)), w, b, _as_numpy(y.view(n, d)), _as_numpy(s.view(n, d)),
+                _as_numpy(x2), _as_numpy(rows(residual)), w, b, _as_numpy(y.view(n, d)), _as_numpy(s.view(n, d)),
                 *stats, eps, *_stages(y, n),
             )
     return y, s, mean, rstd
@@ -204,14 +205,14 @@ def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp
 def ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None):
     """Returns (dx in x's dtype, dw, db), (d,) float32 or in ``grad_dtypes``."""
     shape, d = x.shape, x.shape[-1]
-    x2, dy2 = _rows(x), _rows(dy)
+    x2, dy2 = rows(x), rows(dy)
     n = x2.shape[0]
     dx = empty(shape, x.dtype)
     stages, stream = _stages(dx, n)
     dw, db = _weight_grads(grad_dtypes, 2, d, n)
     if n:
         w = _f32_vector(weight, d, 1.0)
-        ds2 = _as_numpy(_rows(ds)) if ds is not None else None
+        ds2 = _as_numpy(rows(ds)) if ds is not None else None
         _k(ln_bwd)(
             _as_numpy(dy2), _as_numpy(x2), w, mean.reshape(n).numpy(), rstd.reshape(n).numpy(),
             ds2, _as_numpy(dx.view(n, d)), _as_numpy(dw), _as_numpy(db), stages, stream,
@@ -221,7 +222,7 @@ def ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None):
 
 def _pointwise_fwd(x, alpha, shift, weight, bias):
     shape, d = x.shape, x.shape[-1]
-    x2 = _rows(x)
+    x2 = rows(x)
     n = x2.shape[0]
     y = empty(shape, x.dtype)
     w, b = _ln_weights(weight, bias, d)
@@ -234,7 +235,7 @@ def _pointwise_fwd(x, alpha, shift, weight, bias):
 
 def _pointwise_bwd(dy, x, alpha, shift, weight):
     shape, d = x.shape, x.shape[-1]
-    x2, dy2 = _rows(x), _rows(dy)
+    x2, dy2 = rows(x), rows(dy)
     n = x2.shape[0]
     dx = empty(shape, x.dtype)
     stages, stream = _stages(dx, n)

@@ -155,11 +155,6 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     return buf if buf.dtype == dtype else buf.view(dtype)
 
 
-def _rows(t: Tensor) -> Tensor:
-    """(..., d) -> contiguous (rows, d)."""
-    return t.contiguous().view(-1, t.shape[-1]) if t.dim() != 2 or not t.is_contiguous() else t
-
-
 def _last_level_cache_bytes(default: int = 32 << 20) -> int:
     """The size of the largest CPU cache (Linux sysfs), or ``default`` where it cannot be read."""
     sizes = []

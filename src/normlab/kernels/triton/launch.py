@@ -1,30 +1,26 @@
-"""The ``triton`` backend: the Triton kernels of ``_triton.py`` behind torch.library custom ops.
+"""The Triton backend's launchers: from tensors to a kernel launch.
 
-Launchers allocate outputs, make the last dimension contiguous and pick the kernel flags; the
-custom ops (``normlab::triton_*``), fake implementations, autograd and public functions come from
-``_glue.build``, shared with the cpu backend. CUDA tensors; CPU tensors too under
-``TRITON_INTERPRET=1`` (the tests), slowly.
-
-dtypes: float32, bfloat16 and float16 are fused; float64 runs the reference. Weights of any float
-dtype are read as fp32 (``offset + w``; rounded to the output dtype in the llama order).
-The backward runs a fixed number of programs for a device (4 per SM; 4 under the interpreter), so
-dw/db, summed from per-program fp32 partials in program order, are bitwise reproducible.
+Each launcher allocates its outputs, views the inputs as rows with unit column stride and picks
+the kernel's specialization (a ``Spec``: pointer dtypes, constexpr flags, launch options); the
+compile test compiles every spec the public functions can reach (``reachable_specs``) for real
+GPUs from the same functions. The backward runs a fixed number of programs for a device (4 per
+SM; 4 under the interpreter), so dw/db, summed from per-program fp32 partials in program order,
+are bitwise reproducible.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import sys
 from dataclasses import dataclass
 
 import torch
 import triton
 from torch import Tensor
 
-from normlab.kernels import _glue
-from normlab.kernels import _triton as K
-from normlab.kernels._glue import _sum_dtype
+from normlab import reference
+from normlab.kernels.ops import rows
+from normlab.kernels.triton import kernels as K
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KIND = {torch.float32: K.FP32, torch.bfloat16: K.BF16, torch.float16: K.FP16}
@@ -134,11 +130,6 @@ def _dtype(t: Tensor | None) -> torch.dtype | None:
     return None if t is None else t.dtype
 
 
-def _rows(t: Tensor) -> Tensor:
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 @functools.cache
 def _programs(device: torch.device) -> int:
     if device.type == "cuda":
@@ -148,11 +139,11 @@ def _programs(device: torch.device) -> int:
 
 def _launch_fwd(x, residual, weight, bias, y, s, mean, rstd, eps, offset, k, is_rms, llama, inside):
     d = x.shape[-1]
-    x2 = _rows(x)
+    x2 = rows(x, dense=False)
     n = x2.shape[0]
     if n == 0:
         return
-    r2 = _rows(residual) if residual is not None else x2
+    r2 = rows(residual, dense=False) if residual is not None else x2
     y2, s2 = y.view(n, d), (s.view(n, d) if s is not None else y.view(n, d))
     spec = fwd_spec(d, x.dtype, weight=_dtype(weight), bias=_dtype(bias), residual=_dtype(residual), sum_dtype=_dtype(s),
                     is_rms=is_rms, llama=llama, inside=inside)
@@ -169,7 +160,7 @@ def _sum_out(x, residual, residual_in_fp32):
     """The residual sum's output tensor, or None without a residual."""
     if residual is None:
         return None
-    return torch.empty(x.shape, dtype=_sum_dtype(x, residual, residual_in_fp32), device=x.device)
+    return torch.empty(x.shape, dtype=reference.sum_dtype(x, residual, residual_in_fp32), device=x.device)
 
 
 def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None, residual_in_fp32=False):
@@ -193,7 +184,7 @@ def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp
 
 def _launch_bwd(dy, x, weight, mean, rstd, ds, offset, k, is_rms, llama, inside, want_db):
     d = x.shape[-1]
-    x2, dy2 = _rows(x), _rows(dy)
+    x2, dy2 = rows(x, dense=False), rows(dy, dense=False)
     n = x2.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     spec = bwd_spec(d, dy.dtype, x.dtype, weight=_dtype(weight), ds=_dtype(ds), is_rms=is_rms, llama=llama, inside=inside,
@@ -203,7 +194,7 @@ def _launch_bwd(dy, x, weight, mean, rstd, ds, offset, k, is_rms, llama, inside,
     dw = torch.zeros((programs, d), dtype=torch.float32, device=x.device)
     db = torch.zeros((programs, d), dtype=torch.float32, device=x.device) if want_db else dw
     if n:
-        ds2 = _rows(ds) if ds is not None else dy2
+        ds2 = rows(ds, dense=False) if ds is not None else dy2
         dx2 = dx.view(n, d)
         K.norm_bwd[(programs,)](
             dy2, x2, weight if weight is not None else dy2, mean if mean is not None else rstd, rstd.reshape(-1), ds2, dx2,
@@ -229,7 +220,7 @@ def ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None):
 def dyt_fwd_launch(x, alpha, weight, bias):
     """Returns y in x's dtype."""
     d = x.shape[-1]
-    x2 = _rows(x)
+    x2 = rows(x, dense=False)
     n = x2.shape[0]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n:
@@ -247,7 +238,7 @@ def dyt_bwd_launch(dy, x, alpha, weight, bias):
     """Returns (dx in x's dtype, dalpha float32 in alpha's shape, dw and db float32 (d,)), the
     sums over a fixed number of programs added in program order (deterministic for a device)."""
     d = x.shape[-1]
-    x2, dy2 = _rows(x), _rows(dy)
+    x2, dy2 = rows(x, dense=False), rows(dy, dense=False)
     n = x2.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     programs = max(1, min(n, _programs(x.device)))
@@ -262,12 +253,3 @@ def dyt_bwd_launch(dy, x, alpha, weight, bias):
             dy2.stride(0), x2.stride(0), dx2.stride(0), **dict(spec.constexprs), **spec.options(),
         )
     return dx, da.sum().reshape(alpha.shape), dw.sum(0), db.sum(0)
-
-
-# ------------------------------------------------------- custom ops, autograd, public functions
-
-_api = _glue.build("triton", ("cuda", "cpu"), sys.modules[__name__], FUSED_DTYPES, torch.float64)
-layer_norm, rms_norm = _api.layer_norm, _api.rms_norm
-add_layer_norm, add_rms_norm = _api.add_layer_norm, _api.add_rms_norm
-rms_norm_out, layer_norm_out = _api.rms_norm_out, _api.layer_norm_out
-dyt, derf = _api.dyt, _api.derf
