@@ -13,7 +13,6 @@ import torch
 from normlab import kernels
 
 pytest.importorskip("numba", reason="the cpu backend needs numba (pip install normlab[cpu])")
-from normlab.kernels.cpu import rows  # noqa: E402
 from normlab.kernels import cpu  # noqa: E402
 
 

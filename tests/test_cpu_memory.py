@@ -5,7 +5,6 @@ in forked DataLoader workers."""
 import json
 import os
 
-import numba
 import numpy as np
 import pytest
 import torch

@@ -359,3 +359,27 @@ def test_train_errors_come_first_and_name_what_is_wrong(argv, message, capsys):
     assert main(argv) != 0
     said = " ".join(capsys.readouterr().out.split())
     assert said.startswith("error:") and message in said and "Errno" not in said, said
+
+
+def test_a_run_dir_reads_back_what_it_wrote(tmp_path):
+    run = RN.RunDir(tmp_path / "r")
+    assert run.held() == [] and run.summary() is None
+    with pytest.raises(FileNotFoundError, match="not a run directory"):
+        run.config()
+    run.start({"train": {"lr": 0.1}}, lambda path: path.write_text("{}"))
+    rng = random.Random(7)
+    times = [rng.uniform(1, 9) for _ in range(10)]
+    with run.metrics_log() as log:
+        log({"step": 0, "val_loss": 4.0})
+        for step, ms in enumerate(times):
+            log({"step": step, "loss": 4.0 - step / 10, "step_ms": ms, "tokens_per_s": 100.0})
+        log({"step": 10, "val_loss": 3.0})
+    run.write_summary({"status": "completed", "step": 10, "val_loss": float("nan")})
+    assert run.config() == {"train": {"lr": 0.1}} and run.summary()["val_loss"] is None  # NaN written as null
+    assert run.held() == ["config.json", "metrics.jsonl", "summary.json"]
+    curves = run.curves(points=5)
+    assert curves["val_curve"] == {"step": [0, 10], "loss": [4.0, 3.0], "time_s": [0.0, round(sum(times) / 1e3, 3)]}
+    assert curves["train_curve"]["step"] == [0, 2, 4, 6, 8]
+    assert curves["step_ms"] == pytest.approx(sorted(times[2:])[3] / 2 + sorted(times[2:])[4] / 2)
+    kept = run.truncate_metrics(4)  # a resume from step 4 logs steps 4.. again
+    assert [r["step"] for r in kept] == [0, 0, 1, 2, 3] and len(run.metrics()) == 5

@@ -18,6 +18,7 @@ import torch
 from normlab import data as D
 from normlab import footprint as FP
 from normlab import train as T
+from normlab.runs import load_checkpoint
 from normlab.cli import main
 
 
@@ -112,7 +113,7 @@ def test_sigint_leaves_a_loadable_checkpoint_and_complete_metrics(corpus, tmp_pa
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted"
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]  # every line complete
-    state = T.load_checkpoint(run / "checkpoint.pt")
+    state = load_checkpoint(run / "checkpoint.pt")
     assert state["step"] == summary["step"] == len([r for r in lines if "step_ms" in r])
 
 
@@ -149,7 +150,7 @@ def test_corrupt_checkpoint_gives_a_clear_error(tmp_path):
     bad = tmp_path / "checkpoint.pt"
     bad.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="is corrupt or not a normlab checkpoint"), pytest.warns(UserWarning, match="no recorded digest"):
-        T.load_checkpoint(bad)
+        load_checkpoint(bad)
 
 
 def test_cli_refuses_to_overwrite_a_run_and_reports_data_errors(corpus, tmp_path, capsys):
@@ -225,7 +226,7 @@ def test_a_killed_run_resumes_with_every_step_logged_once(corpus, tmp_path):
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
-    assert T.load_checkpoint(run / "checkpoint.pt")["step"] % 5 == 0
+    assert load_checkpoint(run / "checkpoint.pt")["step"] % 5 == 0
     assert main(["train", "--resume", str(run), "--quiet"]) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records if "step_ms" in r]
@@ -297,7 +298,7 @@ def test_a_full_disk_names_the_path_and_keeps_the_last_good_checkpoint(corpus, t
                  "ckpt_every=5", f"out={out}", "--quiet"])
     text = capsys.readouterr().out
     assert code == 1 and f"could not write {out / 'checkpoint.pt'}" in " ".join(text.split()) and "No space left" in text
-    assert T.load_checkpoint(out / "checkpoint.pt")["step"] == 5  # the last good one
+    assert load_checkpoint(out / "checkpoint.pt")["step"] == 5  # the last good one
     assert not list(out.glob("*.tmp"))  # no debris
 
 
@@ -342,7 +343,7 @@ def test_sigint_to_one_ddp_rank_stops_both_at_the_same_step(corpus, tmp_path):
                 pass
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted"
-    assert T.load_checkpoint(run / "checkpoint.pt")["step"] == summary["step"]
+    assert load_checkpoint(run / "checkpoint.pt")["step"] == summary["step"]
 
 
 @pytest.mark.parametrize("field", ["n_layers=1000000", "d_model=1048576", "batch_size=1000000000", "max_seq_len=100000000",

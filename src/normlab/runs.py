@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import uuid
 import warnings
 from pathlib import Path
@@ -263,3 +264,114 @@ def logged_summary(records: list[dict]) -> dict:
     if vals:
         out["val_loss"] = vals[-1]["val_loss"]
     return out
+
+
+# ------------------------------------------------------------------------------ the folder
+
+
+class RunDir:
+    """One training run's folder: where each file is, how it is written (crash-safely, through the
+    functions above) and how it is read back (checked). train.py writes a run through it; the
+    lab, the presets and ``normlab sample`` read runs through it."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.config_file = self.path / "config.json"  # the resolved configs
+        self.tokenizer_file = self.path / "tokenizer.json"
+        self.metrics_file = self.path / "metrics.jsonl"  # a line per step and per evaluation
+        self.summary_file = self.path / "summary.json"  # written when the run ends
+        self.checkpoint_file = self.path / "checkpoint.pt"
+        self.cache_file = self.path / "cache.json"  # the lab's key for the run
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def held(self) -> list[str]:
+        """The run files already in the folder (none: no run there)."""
+        return [name for name in RUN_FILES if (self.path / name).exists()]
+
+    def lock(self, what: str, wait: bool = False):
+        return locked(self.path, what, wait)
+
+    def clear(self) -> None:
+        clear(self.path)
+
+    # -- writing, in the order a run writes
+    def start(self, config: dict, save_tokenizer) -> None:
+        """A new run: its configs, its tokenizer (``save_tokenizer(path)``) and an empty metrics log."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        write_json(self.config_file, config)
+        write_atomic(self.tokenizer_file, save_tokenizer)
+        self.metrics_file.write_text("")
+
+    def write_config(self, config: dict) -> None:
+        write_json(self.config_file, config)
+
+    @contextlib.contextmanager
+    def metrics_log(self):
+        """``log(record)`` appends a record to metrics.jsonl and flushes it: a crash loses nothing
+        that was logged. A failed write (a full disk) names the file."""
+        f = open(self.metrics_file, "a")  # noqa: SIM115 (closed below)
+
+        def log(record: dict) -> None:
+            try:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+            except OSError as err:  # resuming drops a half-written last line
+                raise OSError(err.errno, f"could not write {self.metrics_file}: {err.strerror or err}") from err
+
+        try:
+            yield log
+        finally:
+            f.close()
+
+    def truncate_metrics(self, step: int) -> list[dict]:
+        return truncate_metrics(self.metrics_file, step)
+
+    def save_checkpoint(self, state: dict) -> None:
+        save_checkpoint(self.checkpoint_file, state)
+
+    def write_summary(self, summary: dict) -> None:
+        write_json(self.summary_file, summary)
+
+    # -- reading
+    def config(self) -> dict:
+        if not self.config_file.is_file():
+            raise FileNotFoundError(f"{self.path} is not a run directory (no config.json)")
+        return read_json(self.config_file)
+
+    def summary(self) -> dict | None:
+        """summary.json, or None before the run has ended."""
+        return read_json(self.summary_file) if self.summary_file.exists() else None
+
+    def has_checkpoint(self) -> bool:
+        return self.checkpoint_file.exists()
+
+    def load_checkpoint(self) -> dict:
+        return load_checkpoint(self.checkpoint_file)
+
+    def tokenizer_digest(self) -> str | None:
+        return file_sha256(self.tokenizer_file) if self.tokenizer_file.exists() else None
+
+    def metrics(self, *, last_line_may_be_cut: bool = False) -> list[dict]:
+        return read_metrics(self.metrics_file, last_line_may_be_cut=last_line_may_be_cut)
+
+    def curves(self, points: int = 200) -> dict:
+        """The validation loss against step and against training time, the training loss (thinned
+        to at most ``points``), and the median step time past the first fifth of the steps."""
+        val_steps, val_loss, val_time, steps, losses, step_ms = [], [], [], [], [], []
+        elapsed = 0.0
+        for r in self.metrics():
+            if "val_loss" in r:
+                val_steps.append(r["step"])
+                val_loss.append(r["val_loss"])
+                val_time.append(round(elapsed, 3))
+            elif "step_ms" in r:
+                elapsed += r["step_ms"] / 1e3
+                steps.append(r["step"])
+                losses.append(r["loss"])
+                step_ms.append(r["step_ms"])
+        stride = max(1, len(steps) // points)
+        return {"val_curve": {"step": val_steps, "loss": val_loss, "time_s": val_time},
+                "train_curve": {"step": steps[::stride], "loss": losses[::stride]},
+                "step_ms": statistics.median(step_ms[len(step_ms) // 5:]) if step_ms else None}

@@ -5,7 +5,7 @@ A run lives in its own directory: config.json (the resolved config), tokenizer.j
 metrics.jsonl (one line per step and per evaluation, flushed as written), summary.json (status,
 final losses, tokens/s, wall time, versions) and checkpoint.pt (model, optimizer, scheduler, RNG
 states, step and data position; written to a temporary file then renamed), whose digest
-checkpoint.pt.sha256 holds. normlab.runs owns those files; a resume refuses a checkpoint that does
+checkpoint.pt.sha256 holds. normlab.runs.RunDir owns those files; a resume refuses a checkpoint that does
 not match its digest, config.json or tokenizer.json, and rebuilds a summary a kill prevented.
 
 Multi-process: ``torchrun --nproc_per_node=N -m normlab train ...`` runs DistributedDataParallel
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import signal
@@ -32,8 +31,7 @@ from normlab import data as D
 from normlab import env
 from normlab.footprint import CONTENTION_WINDOW, check_fits, warn_if_contended
 from normlab.model import Decoder, ModelConfig
-from normlab.runs import (RUN_FILES, file_sha256, load_checkpoint, locked, logged_summary, read_json, read_metrics,  # noqa: F401
-                          save_checkpoint, truncate_metrics, write_atomic, write_json)
+from normlab.runs import RunDir, logged_summary, read_json
 
 SCHEDULES = ("cosine", "constant")
 RESUMABLE = ("steps", "eval_every", "ckpt_every", "diag_every", "stop_at", "quiet")  # what --resume may change
@@ -158,10 +156,9 @@ def resolve(config_file: str | None = None, overrides: dict | None = None) -> tu
 
 def resumed(run: str | Path, changes: dict | None = None) -> tuple[TrainConfig, dict]:
     """The config a run resumes with: its own (config.json), with the RESUMABLE ``changes``."""
-    run = Path(run)
-    if not (run / "config.json").is_file():
+    if not RunDir(run).config_file.is_file():
         raise FileNotFoundError(f"--resume {run}: not a run directory (no config.json); start a run there with out={run}")
-    saved = read_json(run / "config.json")
+    saved = RunDir(run).config()
     kept = {k: v for k, v in (changes or {}).items() if k in TrainConfig.__dataclass_fields__}  # train() refuses the rest
     tcfg = TrainConfig(**{**saved["train"], "quiet": False, **kept, "out": str(run)})  # quiet is this command's
     tcfg.validate()
@@ -227,71 +224,96 @@ def train(tcfg: TrainConfig, model_overrides: dict | None = None, *, resume: boo
         raise ValueError(f"--resume continues a run as it was configured; it can change only {', '.join(RESUMABLE)}, "
                          f"not {', '.join(bad)} (start a new run with out=DIR for that)")
     model_overrides = dict(model_overrides or {})
-    out = Path(tcfg.out)
-    if resume and (out / "summary.json").exists() and set(changes or {}) <= {"quiet", "stop_at", "steps"}:
-        done, saved = read_json(out / "summary.json"), read_json(out / "config.json")
+    run = RunDir(tcfg.out)
+    done = run.summary() if resume else None
+    if done and set(changes or {}) <= {"quiet", "stop_at", "steps"}:
+        saved = run.config()
         steps = (changes or {}).get("steps") or saved["train"]["steps"]
         if done.get("status") == "diverged" or (done.get("status") == "completed" and done.get("step", 0) >= steps):
-            _check_finished(out, saved)
+            _check_finished(run, saved)
             return {**done, "already": True}  # nothing to train: the run's own figures, not a rerun's
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    rank, world = 0, 1
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-    if distributed:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if tcfg.batch_size % world:
-            raise ValueError(f"batch_size {tcfg.batch_size} must divide by the number of processes ({world})")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    main_rank = rank == 0
-    ckpt_path = out / "checkpoint.pt"
+    world = World.join()
+    if world.size > 1 and tcfg.batch_size % world.size:
+        world.leave()
+        raise ValueError(f"batch_size {tcfg.batch_size} must divide by the number of processes ({world.size})")
     try:
         # one writer per run folder: rank 0 writes it, a second `train` on it is refused
-        with locked(out, "normlab train") if main_rank and lock else contextlib.nullcontext():
-            return _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank, world, main_rank, distributed,
-                          changes or {})
+        with run.lock("normlab train") if world.main and lock else contextlib.nullcontext():
+            return _train(tcfg, model_overrides, run, world, (changes or {}) if resume else None, console)
     finally:
-        if distributed:
+        world.leave()
+
+
+@dataclass(frozen=True)
+class World:
+    """The processes a run trains in: this one alone, or the ranks torchrun started."""
+
+    device: torch.device
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def main(self) -> bool:  # rank 0 logs and writes the run folder
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @staticmethod
+    def join() -> World:
+        """This process's place: DDP under torchrun (WORLD_SIZE > 1), else alone."""
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return World(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        return World(device, dist.get_rank(), dist.get_world_size())
+
+    def leave(self) -> None:
+        if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank, world, main_rank, distributed, changes):
+def _train(tcfg: TrainConfig, model_overrides: dict, run: RunDir, world: World, resume: dict | None, console) -> dict:
+    """Train the run in ``run`` (``resume``: None for a new run, else the RESUMABLE changes it
+    resumes with) and return its summary."""
+    device, rank = world.device, world.rank
     previous: dict = {}  # a resumed run's summary: its values stay until new steps replace them
-    if resume:
-        saved = read_json(out / "config.json")
-        tcfg = TrainConfig(**{**saved["train"], "out": str(out), "quiet": tcfg.quiet, "stop_at": tcfg.stop_at, **changes})
+    if resume is not None:
+        saved = run.config()
+        tcfg = TrainConfig(**{**saved["train"], "out": str(run), "quiet": tcfg.quiet, "stop_at": tcfg.stop_at, **resume})
         tcfg.validate()
-        kept = {k: v for k, v in changes.items() if k not in ("quiet", "stop_at")}  # they pause or quiet, not change, a run
-        if kept and main_rank:  # the run's recorded config is what it runs with from now on
+        kept = {k: v for k, v in resume.items() if k not in ("quiet", "stop_at")}  # they pause or quiet, not change, a run
+        if kept and world.main:  # the run's recorded config is what it runs with from now on
             saved["train"].update(kept)
-            write_json(out / "config.json", saved)
-        if (out / "summary.json").exists():
-            previous = read_json(out / "summary.json")
+            run.write_config(saved)
+        previous = run.summary() or {}
         model_overrides = saved["model"]
     dataset = D.prepare(tcfg.data, tcfg.tokenizer, tcfg.bpe_vocab, tcfg.val_fraction)
     mcfg = ModelConfig.preset(tcfg.preset, **{**model_overrides, "vocab_size": dataset.tokenizer.vocab_size})
     seq_len = tcfg.seq_len or mcfg.max_seq_len
     if seq_len > mcfg.max_seq_len:
         raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
-    check_fits(mcfg, max(1, tcfg.batch_size // world), seq_len, device, eval_batches=tcfg.eval_batches,
-               what=f"training {'the run in ' + str(out) if resume else 'this model'}")
+    check_fits(mcfg, max(1, tcfg.batch_size // world.size), seq_len, device, eval_batches=tcfg.eval_batches,
+               what=f"training {'the run in ' + str(run) if resume is not None else 'this model'}")
     model = _initialized(mcfg, tcfg.seed).to(device)
     opt = make_optimizer(model, tcfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, tcfg) / tcfg.lr)
-    batches = make_batches(train_split(dataset, tcfg.train_tokens), tcfg, seq_len, tcfg.seed, dataset.tokenizer, rank, world)
+    batches = make_batches(train_split(dataset, tcfg.train_tokens), tcfg, seq_len, tcfg.seed, dataset.tokenizer, rank, world.size)
     val_batches = _fixed_batches(dataset.val, tcfg, seq_len, dataset.tokenizer)
     start = 0
     first_loss = None  # the divergence test compares with it (restored on resume)
     init_val_loss = None  # the loss at initialization, where the lab's curves start (restored on resume)
     resolved = {"train": dataclasses.asdict(tcfg), "model": {**model_overrides}, "model_resolved": dataclasses.asdict(mcfg)}
-    if resume:
-        state = load_checkpoint(ckpt_path)
-        _check_agrees(out, state, {"train": dataclasses.asdict(tcfg), "model_resolved": dataclasses.asdict(mcfg)})
+    if resume is not None:
+        state = run.load_checkpoint()
+        _check_agrees(run, state, {"train": dataclasses.asdict(tcfg), "model_resolved": dataclasses.asdict(mcfg)})
         try:
             model.load_state_dict(state["model"])
         except RuntimeError as err:
-            raise ValueError(f"checkpoint {ckpt_path} does not fit this model config: {err}") from err
+            raise ValueError(f"checkpoint {run.checkpoint_file} does not fit this model config: {err}") from err
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
@@ -299,121 +321,111 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
         start = int(state["step"])
         first_loss = state.get("first_loss")
         init_val_loss = state.get("init_val_loss")
-    elif main_rank:
-        held = [name for name in RUN_FILES if (out / name).exists()]
+    elif world.main:
+        held = run.held()
         if held and not tcfg.overwrite:
-            raise ValueError(f"{out} already holds a run ({', '.join(held)}); resume it (--resume {out}), choose another "
+            raise ValueError(f"{run} already holds a run ({', '.join(held)}); resume it (--resume {run}), choose another "
                              "out=DIR, or pass overwrite=true to start it afresh")
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "config.json", resolved)
-        write_atomic(out / "tokenizer.json", dataset.tokenizer.save)
-        (out / "metrics.jsonl").write_text("")
+        run.start(resolved, dataset.tokenizer.save)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=tcfg.dtype == "bf16")
     # the clock (step_ms, the lab's loss-per-second axis) must time training, not compilation
     warm_up(model, val_batches[0], device, autocast)
-    net = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
+    net = torch.nn.parallel.DistributedDataParallel(model) if world.distributed else model
     logged = {}
-    if resume and main_rank:  # a crash after the checkpoint logged steps that will now run again
-        kept = truncate_metrics(out / "metrics.jsonl", start)
+    if resume is not None and world.main:  # a crash after the checkpoint logged steps that will now run again
+        kept = run.truncate_metrics(start)
         last = max((r["step"] for r in kept if "step_ms" in r), default=-1)
         if last != start - 1:
-            raise ValueError(f"{ckpt_path} is at step {start} but {out / 'metrics.jsonl'} records training up to step "
-                             f"{last + 1}: the files disagree. Restore them, or start the run afresh with overwrite=true")
+            raise ValueError(f"{run.checkpoint_file} is at step {start} but {run.metrics_file} records training up to "
+                             f"step {last + 1}: the files disagree. Restore them, or start the run afresh with overwrite=true")
         logged = logged_summary(kept)  # a summary the run may have died before writing is rebuilt from these
-    metrics = open(out / "metrics.jsonl", "a") if main_rank else None
     summary = {**previous, **{k: v for k, v in logged.items() if k in ("loss", "val_loss")}, "status": "running", "step": start}
     t_start = time.perf_counter()
     tokens_seen = 0
-    progress, task = _progress(tcfg, start, console) if main_rank else (None, None)
+    progress, task = _progress(tcfg, start, console) if world.main else (None, None)
 
     run_config = {"train": dataclasses.asdict(tcfg), "model_resolved": dataclasses.asdict(mcfg)}
-    tokenizer_digest = _file_digest(out / "tokenizer.json")
-
-    def log(record: dict) -> None:
-        if metrics:
-            try:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()  # a crash loses nothing that was logged
-            except OSError as err:  # a full disk: say which file (resuming drops a half-written line)
-                raise OSError(err.errno, f"could not write {out / 'metrics.jsonl'}: {err.strerror or err}") from err
+    tokenizer_digest = run.tokenizer_digest()
 
     def checkpoint(step: int) -> None:
-        if main_rank:  # every rank holds the same data position and (DDP) the same weights
-            save_checkpoint(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+        if world.main:  # every rank holds the same data position and (DDP) the same weights
+            run.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
                                         "scheduler": sched.state_dict(), "rng": torch.get_rng_state(),
                                         "data": batches.state(), "step": step, "first_loss": first_loss,
                                         "init_val_loss": init_val_loss, "config": run_config,
                                         "tokenizer_sha256": tokenizer_digest})
-        if distributed:
+        if world.distributed:
             dist.barrier()
 
-    if start == 0:  # the loss at initialization: where every curve starts
-        init_val_loss = evaluate(model, val_batches, device, autocast)
-        log({"step": 0, "val_loss": init_val_loss})
-    summary["init_val_loss"] = init_val_loss
-    status = "completed"
-    step_times, warned = [], False  # this process's step times, for the contention warning
-    with _Stop() as stop, (progress or contextlib.nullcontext()):
-        for step in range(start, tcfg.steps):
-            t0 = time.perf_counter()
-            diag = tcfg.diag_every and step % tcfg.diag_every == 0
-            model.record_activations(bool(diag))
-            loss_sum = 0.0
-            tokens_before = tokens_seen
-            for micro in range(tcfg.grad_accum):
-                x, y, *mask = (t.to(device) for t in batches.next())
-                mask = mask[0] if mask else None  # paragraphs: (B, T) real tokens
-                tokens_seen += (int(mask.sum()) if mask is not None else x.numel()) * world  # every rank alike
-                sync = not distributed or micro == tcfg.grad_accum - 1
-                ctx = net.no_sync() if distributed and not sync else contextlib.nullcontext()
-                with ctx, autocast:
-                    _, loss = net(x, y, mask=mask)
-                (loss / tcfg.grad_accum).backward()
-                loss_sum += loss.item() / tcfg.grad_accum
-            stopping = stop.requested
-            if distributed:  # the loss, and whether any rank was asked to stop: all ranks stop at the same step
-                t = torch.tensor([loss_sum, float(stop.requested)], device=device)
-                dist.all_reduce(t)
-                loss_sum, stopping = t[0].item() / world, t[1].item() > 0
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf"))
-            if first_loss is None:
-                first_loss = loss_sum
-            if not math.isfinite(loss_sum) or loss_sum > tcfg.diverge_factor * first_loss:
-                status = "diverged"  # keep the last good checkpoint: this state is not saved
-                log({"step": step, "loss": loss_sum, "diverged": True})
-                break
-            record = {"step": step, "loss": loss_sum, "lr": sched.get_last_lr()[0], "grad_norm": float(grad_norm)}
-            if diag:
-                record["layer_grad_norms"] = model.grad_norms()
-                record["activation_rms"] = model.activation_rms()
-                record["head_input_rms"] = model.head_input_rms()
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            step_s = time.perf_counter() - t0
-            record.update(step_ms=round(step_s * 1e3, 3), tokens_per_s=round((tokens_seen - tokens_before) / step_s, 1))
-            log(record)
-            step_times.append(record["step_ms"])
-            if not warned and device.type == "cpu" and len(step_times) % CONTENTION_WINDOW == 0:
-                warned = warn_if_contended(step_times)
-            last = step + 1 == tcfg.steps
-            if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
-                val = evaluate(model, val_batches, device, autocast)
-                summary["val_loss"] = val
-                log({"step": step + 1, "val_loss": val})
-            summary.update(step=step + 1, loss=loss_sum)
-            if progress:
-                progress.update(task, completed=step + 1, loss=loss_sum, val=summary.get("val_loss", float("nan")),
-                                tps=record["tokens_per_s"])
-            if tcfg.ckpt_every and (step + 1) % tcfg.ckpt_every == 0 and not last:
-                checkpoint(step + 1)
-            if stopping:
-                status = "interrupted"
-                break
-            if tcfg.stop_at and step + 1 >= tcfg.stop_at and not last:
-                status = "stopped"
-                break
-    if status != "diverged" or not ckpt_path.exists():
+    # rank 0 logs; the others' log() does nothing
+    with run.metrics_log() if world.main else contextlib.nullcontext(lambda record: None) as log:
+        if start == 0:  # the loss at initialization: where every curve starts
+            init_val_loss = evaluate(model, val_batches, device, autocast)
+            log({"step": 0, "val_loss": init_val_loss})
+        summary["init_val_loss"] = init_val_loss
+        status = "completed"
+        step_times, warned = [], False  # this process's step times, for the contention warning
+        with _Stop() as stop, (progress or contextlib.nullcontext()):
+            for step in range(start, tcfg.steps):
+                t0 = time.perf_counter()
+                diag = tcfg.diag_every and step % tcfg.diag_every == 0
+                model.record_activations(bool(diag))
+                loss_sum = 0.0
+                tokens_before = tokens_seen
+                for micro in range(tcfg.grad_accum):
+                    x, y, *mask = (t.to(device) for t in batches.next())
+                    mask = mask[0] if mask else None  # paragraphs: (B, T) real tokens
+                    tokens_seen += (int(mask.sum()) if mask is not None else x.numel()) * world.size  # every rank alike
+                    sync = not world.distributed or micro == tcfg.grad_accum - 1
+                    ctx = net.no_sync() if world.distributed and not sync else contextlib.nullcontext()
+                    with ctx, autocast:
+                        _, loss = net(x, y, mask=mask)
+                    (loss / tcfg.grad_accum).backward()
+                    loss_sum += loss.item() / tcfg.grad_accum
+                stopping = stop.requested
+                if world.distributed:  # the loss, and whether any rank was asked to stop: all ranks stop at the same step
+                    t = torch.tensor([loss_sum, float(stop.requested)], device=device)
+                    dist.all_reduce(t)
+                    loss_sum, stopping = t[0].item() / world.size, t[1].item() > 0
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf"))
+                if first_loss is None:
+                    first_loss = loss_sum
+                if not math.isfinite(loss_sum) or loss_sum > tcfg.diverge_factor * first_loss:
+                    status = "diverged"  # keep the last good checkpoint: this state is not saved
+                    log({"step": step, "loss": loss_sum, "diverged": True})
+                    break
+                record = {"step": step, "loss": loss_sum, "lr": sched.get_last_lr()[0], "grad_norm": float(grad_norm)}
+                if diag:
+                    record["layer_grad_norms"] = model.grad_norms()
+                    record["activation_rms"] = model.activation_rms()
+                    record["head_input_rms"] = model.head_input_rms()
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                step_s = time.perf_counter() - t0
+                record.update(step_ms=round(step_s * 1e3, 3), tokens_per_s=round((tokens_seen - tokens_before) / step_s, 1))
+                log(record)
+                step_times.append(record["step_ms"])
+                if not warned and device.type == "cpu" and len(step_times) % CONTENTION_WINDOW == 0:
+                    warned = warn_if_contended(step_times)
+                last = step + 1 == tcfg.steps
+                if (tcfg.eval_every and (step + 1) % tcfg.eval_every == 0) or last:
+                    val = evaluate(model, val_batches, device, autocast)
+                    summary["val_loss"] = val
+                    log({"step": step + 1, "val_loss": val})
+                summary.update(step=step + 1, loss=loss_sum)
+                if progress:
+                    progress.update(task, completed=step + 1, loss=loss_sum, val=summary.get("val_loss", float("nan")),
+                                    tps=record["tokens_per_s"])
+                if tcfg.ckpt_every and (step + 1) % tcfg.ckpt_every == 0 and not last:
+                    checkpoint(step + 1)
+                if stopping:
+                    status = "interrupted"
+                    break
+                if tcfg.stop_at and step + 1 >= tcfg.stop_at and not last:
+                    status = "stopped"
+                    break
+    if status != "diverged" or not run.has_checkpoint():
         # diverged: the last good checkpoint stays; with none written yet, the state reached is
         # saved so that the run can still be inspected and sampled
         checkpoint(summary["step"])
@@ -426,9 +438,8 @@ def _train(tcfg, model_overrides, resume, console, out, ckpt_path, device, rank,
         summary.update(tokens_per_s=logged.get("tokens_per_s"), wall_s=previous.get("wall_s", logged.get("train_s")))
         if not previous:
             summary["rebuilt"] = "summary.json was missing: rebuilt from checkpoint.pt and metrics.jsonl"
-    if main_rank:
-        write_json(out / "summary.json", summary)
-        metrics.close()
+    if world.main:
+        run.write_summary(summary)
     return summary
 
 
@@ -506,19 +517,15 @@ def _progress(tcfg: TrainConfig, start: int, console):
 _VOLATILE = (*RESUMABLE, "out", "overwrite")
 
 
-def _file_digest(path: Path) -> str | None:
-    return file_sha256(path) if path.exists() else None
-
-
-def _check_finished(run: Path, saved: dict) -> None:
+def _check_finished(run: RunDir, saved: dict) -> None:
     """A finished run's files agree (checkpoint digest, config.json as ``saved``, tokenizer.json),
     checked without building its model or reading its data."""
     vocab = saved["model_resolved"]["vocab_size"]
     resolved = dataclasses.asdict(ModelConfig.preset(saved["train"]["preset"], **{**saved["model"], "vocab_size": vocab}))
-    _check_agrees(run, load_checkpoint(run / "checkpoint.pt"), {"train": saved["train"], "model_resolved": resolved})
+    _check_agrees(run, run.load_checkpoint(), {"train": saved["train"], "model_resolved": resolved})
 
 
-def _check_agrees(run: Path, state: dict, config: dict) -> None:
+def _check_agrees(run: RunDir, state: dict, config: dict) -> None:
     """The run folder's config.json and tokenizer.json are the ones its checkpoint was trained
     with (checkpoints from before this check carry neither and pass)."""
     held = state.get("config")
@@ -531,7 +538,7 @@ def _check_agrees(run: Path, state: dict, config: dict) -> None:
             raise ValueError(f"{run}: config.json does not describe the run its checkpoint holds ({'; '.join(differ)}). "
                              "Restore config.json, or start a new run with out=DIR")
     digest = state.get("tokenizer_sha256")
-    if digest and digest != _file_digest(run / "tokenizer.json"):
+    if digest and digest != run.tokenizer_digest():
         raise ValueError(f"{run}: tokenizer.json is not the tokenizer checkpoint.pt was trained with; restore it, or "
                          "start a new run with out=DIR")
 
@@ -541,33 +548,32 @@ def _initialized(mcfg: ModelConfig, seed: int) -> Decoder:
     return Decoder(mcfg)
 
 
-def _saved_config(run: Path) -> dict:
+def _saved_config(run: RunDir) -> dict:
     """A run's config.json, refused if its model could not fit this machine even to sample from."""
-    if not (run / "config.json").exists():
-        raise FileNotFoundError(f"{run} is not a run directory (no config.json)")
-    saved = read_json(run / "config.json")
+    saved = run.config()
     mcfg = ModelConfig(**saved["model_resolved"])
-    check_fits(mcfg, 1, mcfg.max_seq_len, torch.device("cpu"), training=False, what=f"the model {run / 'config.json'} describes")
+    check_fits(mcfg, 1, mcfg.max_seq_len, torch.device("cpu"), training=False, what=f"the model {run.config_file} describes")
     return saved
 
 
 def load_run(run: str | Path) -> tuple[Decoder, D.Tokenizer]:
-    run = Path(run)
+    """A finished (or stopped) run's model, in eval mode, and its tokenizer, its files checked."""
+    run = RunDir(run)
     saved = _saved_config(run)
-    tok = D.load_tokenizer(run / "tokenizer.json")
-    state = load_checkpoint(run / "checkpoint.pt")
+    tok = D.load_tokenizer(run.tokenizer_file)
+    state = run.load_checkpoint()
     _check_agrees(run, state, {"train": {}, "model_resolved": saved["model_resolved"]})
     model = Decoder(ModelConfig(**saved["model_resolved"]))
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as err:
-        raise ValueError(f"{run / 'checkpoint.pt'} does not fit the model config.json describes: {err}") from err
+        raise ValueError(f"{run.checkpoint_file} does not fit the model config.json describes: {err}") from err
     return model.eval(), tok
 
 
 def initial_model(run: str | Path) -> Decoder:
     """The run's model as it was before its first step: the same config and seed, untrained."""
-    saved = _saved_config(Path(run))
+    saved = _saved_config(RunDir(run))
     with torch.random.fork_rng(devices=[]):  # leaves the caller's random state alone
         return _initialized(ModelConfig(**saved["model_resolved"]), saved["train"]["seed"]).eval()
 

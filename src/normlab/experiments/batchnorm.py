@@ -296,9 +296,9 @@ def preset_batchnorm(lab: Lab) -> dict:
                       f"layernorm_val_b{large}", "unigram_loss"),
                 C.given(C.all_of(trains("layernorm_val_accum"), trains(f"layernorm_val_b{large}")),
                         C.above("batchnorm_excess_accum", f"batchnorm_excess_b{large}", paired=True, absolute=True)),
-                trend_cond + [f"matches: the accumulated runs train at the true batch's rate, each norm at its own (the "
-                              f"recipe unchanged, as when accumulation stands in for a batch that does not fit; for "
-                              f"LayerNorm the very same gradients up to summation order): not tuned again"]),
+                trend_cond + ["matches: the accumulated runs train at the true batch's rate, each norm at its own (the "
+                              "recipe unchanged, as when accumulation stands in for a batch that does not fit; for "
+                              "LayerNorm the very same gradients up to summation order): not tuned again"]),
     ]
     brief = [] if trend else ["The demo leaves out the batch-size trend on padded sequences (1.5 minutes on 2 cores): "
                               "`normlab compare batchnorm --quick` runs it, reusing the demo's runs."]

@@ -8,12 +8,12 @@ it: the final loss, the RMS of what the LM head reads over training, and a high 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from normlab import claims as C
 from normlab.experiments.common import DIVERGED, WORSE, XIONG20, _curves, _pick, _round, lm_sizes, stats, trains, unigram_loss
 from normlab.experiments.lab import Lab
+from normlab.runs import RunDir
 
 LLAMA23 = ("Touvron et al. (2023), LLaMA: Open and Efficient Foundation Language Models (a final RMSNorm before the "
            "output layer); " + XIONG20 + " (the Pre-LN Transformer adds a final layer normalization)")
@@ -22,14 +22,8 @@ HIGH_LR_FACTOR = 10  # the stability runs: ten times the preset's learning rate
 
 def head_rms_curve(folder: Path) -> dict:
     """The RMS of the LM head's input at each diagnostic step of a run (metrics.jsonl)."""
-    steps, rms = [], []
-    with open(folder / "metrics.jsonl") as f:
-        for line in f:
-            r = json.loads(line)
-            if "head_input_rms" in r:
-                steps.append(r["step"])
-                rms.append(r["head_input_rms"])
-    return {"step": steps, "rms": rms}
+    records = [r for r in RunDir(folder).metrics() if "head_input_rms" in r]
+    return {"step": [r["step"] for r in records], "rms": [r["head_input_rms"] for r in records]}
 
 
 def preset_final_norm(lab: Lab) -> dict:

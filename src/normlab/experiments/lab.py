@@ -10,7 +10,6 @@ import hashlib
 import json
 import re
 import shlex
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from normlab.experiments import design as DS
 from normlab.experiments import ladder as LD
 from normlab.experiments.timing import TIMING_JOBS, bench_machine
 from normlab.model import Decoder, ModelConfig
-from normlab.runs import clean_json, clear, locked, read_json, read_metrics, wait_for, write_json
+from normlab.runs import RunDir, clean_json, read_json, wait_for, write_json
 from normlab.train import TrainConfig, split_overrides, train
 
 SIZES = ("full", "quick", "tiny", "gpu")
@@ -327,22 +326,22 @@ class Lab:
         config = [{k: v for k, v in tf.items() if k != "stop_at"}, mf]
         key, config_key = self._keys(config)
         folder = self.out / "runs" / f"{label}-{key}"
-        summary_path = folder / "summary.json"
+        run = RunDir(folder)
         if not folder.exists():
             self._note_stale(self.out / "runs", f"{label}-*", config_key, f"run {label}")
         if self.s.mode in ("run", "pilot"):  # another process training it: wait, then take what it left
             wait_for(folder, f"normlab compare, waiting for run {label}",
                      lambda who: self.say(f"  [bold]{self.preset}[/bold] {label} is in progress in process {who}: waiting for it"))
         resume = False
-        if summary_path.exists():
-            summary = read_json(summary_path)
+        summary = run.summary()
+        if summary is not None:
             if summary.get("status") in ("completed", "diverged"):
                 self.cost += summary.get("wall_s") or 0.0
-                if not (folder / "cache.json").exists():  # trained by a planned `normlab train`
-                    (folder / "cache.json").write_text(json.dumps({"config_key": config_key, "key": key}))
-                return self._clocked(_run_result(folder, summary))
-            resume = (folder / "checkpoint.pt").exists()
-        elif (folder / "checkpoint.pt").exists() and (folder / "config.json").exists():
+                if not run.cache_file.exists():  # trained by a planned `normlab train`
+                    write_json(run.cache_file, {"config_key": config_key, "key": key})
+                return self._clocked(_run_result(run, summary))
+            resume = run.has_checkpoint()
+        elif run.has_checkpoint() and run.config_file.exists():
             resume = True  # killed without a summary: its last checkpoint stands
         if self.s.mode not in ("run", "pilot"):
             self.pending.setdefault(folder, Pending(label, folder, _train_argv(folder, tf, mf, resume), self._cost(tf, mf),
@@ -351,16 +350,16 @@ class Lab:
             return _pending_result(folder)
         tcfg = TrainConfig(**{**tf, "out": str(folder), "quiet": self.s.quiet, "overwrite": not resume})
         tcfg.validate()
-        with locked(folder, f"normlab compare, run {label}"):  # another process training it: refused, not doubled
+        with run.lock(f"normlab compare, run {label}"):  # another process training it: refused, not doubled
             if not resume:
-                clear(folder)
-            write_json(folder / "cache.json", {"config_key": config_key, "key": key})
+                run.clear()
+            write_json(run.cache_file, {"config_key": config_key, "key": key})
             self.say(f"  [bold]{self.preset}[/bold] {label}" + (" (resuming)" if resume else ""))
             summary = train(tcfg, mf, resume=resume, console=self.console, lock=False)
         if summary["status"] in ("interrupted", "stopped"):
             raise Interrupted(f"{label} stopped at step {summary['step']}; its checkpoint is in {folder}")
         self.cost += summary.get("wall_s") or 0.0
-        return self._clocked(_run_result(folder, summary))
+        return self._clocked(_run_result(run, summary))
 
     def _clocked(self, result: dict) -> dict:
         if result.get("clock"):
@@ -457,32 +456,17 @@ def _pending_result(folder: Path) -> dict:
             "val_curve": {"step": [], "loss": [], "time_s": []}, "train_curve": {"step": [], "loss": []}}
 
 
-def _run_result(folder: Path, summary: dict) -> dict:
+def _run_result(run: RunDir, summary: dict) -> dict:
     """A run's summary plus its curves from metrics.jsonl (validation loss against step and
-    against training time, and the training loss, thinned to at most 200 points)."""
-    val_steps, val_loss, val_time, steps, losses, step_ms = [], [], [], [], [], []
-    elapsed = 0.0
-    for r in read_metrics(folder / "metrics.jsonl"):
-        if "val_loss" in r:
-            val_steps.append(r["step"])
-            val_loss.append(r["val_loss"])
-            val_time.append(round(elapsed, 3))
-        elif "step_ms" in r:
-            elapsed += r["step_ms"] / 1e3
-            steps.append(r["step"])
-            losses.append(r["loss"])
-            step_ms.append(r["step_ms"])
-    stride = max(1, len(steps) // 200)
+    against training time, the training loss thinned to at most 200 points)."""
     diverged = summary["status"] == "diverged"
     return {
-        "run": folder.name, "status": summary["status"], "steps": summary["step"],
+        "run": run.path.name, "status": summary["status"], "steps": summary["step"],
         "val_loss": None if diverged else summary.get("val_loss"), "init_val_loss": summary.get("init_val_loss"),
         "train_loss": summary.get("loss"), "wall_s": summary.get("wall_s"),
-        "step_ms": statistics.median(step_ms[len(step_ms) // 5:]) if step_ms else None,  # past the first fifth
         "tokens_per_s": summary.get("tokens_per_s"), "parameters": summary.get("parameters_no_embedding"),
         "clock": summary.get("clock"),  # what its times depend on (machine, threads); None before normlab recorded it
-        "val_curve": {"step": val_steps, "loss": val_loss, "time_s": val_time},
-        "train_curve": {"step": steps[::stride], "loss": losses[::stride]},
+        **run.curves(200),  # step_ms: the median past the first fifth of the steps
     }
 
 
