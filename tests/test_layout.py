@@ -9,7 +9,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "normlab"
 # Lowest first. A module may import from its own layer or a lower one.
 LAYERS = [
     {"reference", "testing", "runs", "intervals", "claims", "plots", "env", "experiments.cost", "experiments.design", "kernels.triton.kernels",
-     "kernels.cpu.codecs", "kernels.cpu.pointwise", "kernels.cpu.layernorm", "kernels.cpu.memory", "kernels.cpu.rmsnorm",
+     "kernels.cpu.codecs", "kernels.cpu.pointwise", "kernels.cpu.tanh_erf", "kernels.cpu.layernorm", "kernels.cpu.memory", "kernels.cpu.rmsnorm",
      "kernels.cpu.rows", "kernels.cpu.simd"},
     {"kernels.ops", "kernels.cpu.cache", "kernels.cpu.launch", "kernels.triton.launch"},
     {"kernels", "kernels.triton", "kernels.cpu"},

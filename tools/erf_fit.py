@@ -1,11 +1,11 @@
-"""The polynomials of the CPU kernels' erf (kernels/cpu/pointwise.py), fitted again.
+"""The polynomials of the CPU kernels' erf (kernels/cpu/tanh_erf.py), fitted again.
 
     python tools/erf_fit.py
 
 erf z = z + z P(z^2) below |z| = 0.921875 and 1 - exp(-(t + t Q(t))) above it (t = |z| <= 4): P
 and Q are least-squares fits at 4000 Chebyshev nodes, weighted to bound relative error (P) and
 the error in erf (Q: by erfc t, the size of exp(-r)), rounded to float32. Prints each
-polynomial's coefficients (highest degree first), whether they are those in pointwise.py, and
+polynomial's coefficients (highest degree first), whether they are those in tanh_erf.py, and
 the worst error in ulp of its half evaluated in float32 (numpy, without fmas: a little worse than
 the kernels, whose whole-range figure tools/pointwise_ulp.py --fn erf measures).
 """
@@ -13,7 +13,7 @@ the kernels, whose whole-range figure tools/pointwise_ulp.py --fn erf measures).
 import numpy as np
 from scipy.special import erf, erfc
 
-from normlab.kernels.cpu import pointwise as K
+from normlab.kernels.cpu import tanh_erf as TE
 
 NODES = 4000
 
@@ -39,7 +39,7 @@ def ulp_error(got: np.ndarray, z: np.ndarray) -> float:
 
 
 def main() -> None:
-    split, cap = K._ERF_SPLIT, K._ERF_CAP
+    split, cap = TE.ERF_SPLIT, TE.ERF_CAP
     p = fit(lambda s: erf(np.sqrt(s)) / np.sqrt(s) - 1, 1e-12, split**2, 6, lambda s: 1 / np.maximum(np.sqrt(s), 1e-3))
     q = fit(lambda t: (-np.log(erfc(t)) - t) / t, split, cap, 6, lambda t: erfc(t) / erfc(split))
     z = np.linspace(1e-6, split, 200001, dtype=np.float32)
@@ -47,10 +47,10 @@ def main() -> None:
     t = np.linspace(split, cap, 200001, dtype=np.float32)
     r = (t + t * horner(q, t)).astype(np.float32)
     large = (1 - np.exp(-r.astype(np.float64)).astype(np.float32)).astype(np.float32)
-    for name, coefs, mine, err in (("P", p, K._ERF_P, ulp_error(small, z)), ("Q", q, K._ERF_Q, ulp_error(large, t))):
+    for name, coefs, mine, err in (("P", p, TE.ERF_P, ulp_error(small, z)), ("Q", q, TE.ERF_Q, ulp_error(large, t))):
         same = np.array_equal(coefs, np.array(mine, np.float32))
         print(f"{name} = ({', '.join(repr(float(c)) for c in coefs)})")
-        print(f"  as in pointwise.py: {same}; worst {err:.2f} ulp in float32 without fmas")
+        print(f"  as in tanh_erf.py: {same}; worst {err:.2f} ulp in float32 without fmas")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import numpy as np
 from scipy.special import erf
 
 from normlab.kernels.cpu import pointwise as K
+from normlab.kernels.cpu import tanh_erf as TE
 from normlab.kernels.cpu.simd import STAGE_WIDTH
 
 CHUNK = 1 << 24
@@ -32,7 +33,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.step < 1:
         parser.error(f"--step must be a whole number >= 1, got {args.step}")
-    shift, f, cap = (None, np.tanh, K._CAP) if args.fn == "tanh" else (np.float32(0.0), erf, K._SLOPE_CAP)
+    shift, f, cap = (None, np.tanh, TE.TANH_CAP) if args.fn == "tanh" else (np.float32(0.0), erf, TE.SLOPE_CAP)
     slope = (lambda z: 1 / np.cosh(z) ** 2) if args.fn == "tanh" else (lambda z: 2 / np.sqrt(np.pi) * np.exp(-z * z))
     end = int(np.float32(cap + 0.5).view(np.int32))
     one, zero = np.ones(CHUNK, np.float32), np.zeros(CHUNK, np.float32)

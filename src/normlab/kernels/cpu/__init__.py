@@ -1,14 +1,15 @@
 """The ``cpu`` backend: fused numba kernels behind torch.library custom ops.
 
 Read in this order: ``rmsnorm.py``, ``layernorm.py`` and ``pointwise.py`` (DyT and Derf): each
-op's formula, forward and backward kernels, top to bottom; ``rows.py`` (what every kernel does per
-row and chunk), ``simd.py`` and ``codecs.py`` (the vector code and the bf16/fp16 conversions), ``launch.py``
-(from tensors to a kernel call) and ``memory.py`` (output buffers, streaming). ``cache.py``
-keys numba's on-disk cache by the hash of all the kernel sources. docs/cpu-kernels.md says what
-each technique buys, measured.
+op's formula, forward and backward kernels, top to bottom (``tanh_erf.py``: DyT's tanh and Derf's
+erf as vector IR); ``rows.py`` (what every kernel does per row and chunk), ``simd.py`` and
+``codecs.py`` (the vector code and the bf16/fp16 conversions), ``launch.py`` (from tensors to a
+kernel call) and ``memory.py`` (output buffers, streaming). ``cache.py`` keys numba's on-disk
+cache by the hash of all the kernel sources. docs/cpu-kernels.md says what each technique buys,
+measured.
 
-This file registers the custom ops (``normlab::cpu_*``, through :func:`normlab.kernels.ops.build`), which carry
-fake implementations and ``register_autograd`` so that ``torch.compile(fullgraph=True)`` traces
+This file registers the custom ops (``normlab::cpu_*``, through :func:`normlab.kernels.ops.build`),
+which carry fake implementations and ``register_autograd`` so that ``torch.compile(fullgraph=True)`` traces
 models that use them, and exposes the public functions with the signatures of
 :mod:`normlab.reference` (inputs validated by functional.py).
 
