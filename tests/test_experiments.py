@@ -14,6 +14,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -849,6 +850,17 @@ def test_a_cached_run_is_redone_when_its_data_or_code_changed(corpus, env, tmp_p
     monkeypatch.setattr(lab_module, "sources_hash", lambda: "another version")
     newer = E.Lab(settings)
     assert run(newer)["run"] not in (first["run"], redone["run"]) and newer.stale == ["run rmsnorm-s0"]
+
+
+def test_the_code_hash_ignores_layout_and_comments_but_not_code():
+    from normlab.experiments.lab import code_of
+
+    source = (Path(lab_module.__file__).parents[1] / "train.py").read_text()
+    assert "def lr_at" in source
+    relaid = source.replace("\n\n\ndef ", "\n\n\n# a comment\ndef ").replace("(step: int, cfg: TrainConfig)",
+                                                                            "(\n    step: int,\n    cfg: TrainConfig,\n)")
+    assert relaid != source and code_of(relaid) == code_of(source)
+    assert code_of(source.replace("step < cfg.warmup", "step <= cfg.warmup")) != code_of(source)
 
 
 # ------------------------------------------------------------------ plan, collect, --jobs

@@ -15,6 +15,7 @@ LAYERS = [
     {"kernels", "kernels.triton", "kernels.cpu"},
     {"functional"},
     {"nn"},
+    {"model_config"},
     {"model", "rnn", "footprint"},
     {"data", "bench", "hf.patching"},
     {"hf.checking", "hf"},

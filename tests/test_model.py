@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from normlab.model import PLACEMENTS, Decoder, ModelConfig
+from normlab.model import Decoder, ModelConfig
+from normlab.model_config import PLACEMENTS
 from normlab.nn import NORM_KINDS
 
 

@@ -418,7 +418,7 @@ def _train_keys() -> str:
     """Every key `normlab train` takes, with its default."""
     import textwrap
 
-    from normlab.model import PRESETS
+    from normlab.model_config import PRESETS
     from normlab.train import TrainConfig
 
     def listing(cls, skip=()):

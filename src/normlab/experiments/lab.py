@@ -3,6 +3,7 @@ shared by every preset."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import fnmatch
 import functools
@@ -405,7 +406,8 @@ def arm_of(label: str) -> str:
 
 _TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 # The sources whose change changes a result; the lab's own files (presets, claims, report) do not.
-RESULT_SOURCES = ("model.py", "train.py", "data.py", "nn.py", "functional.py", "reference.py", "rnn.py", "kernels")
+RESULT_SOURCES = ("model.py", "model_config.py", "train.py", "data.py", "nn.py", "functional.py", "reference.py", "rnn.py",
+                  "kernels")
 
 
 def design_key(size: str, train_fields: dict) -> str:
@@ -419,15 +421,21 @@ def design_key(size: str, train_fields: dict) -> str:
     return f"{size}|{kind}" + (str(train_fields.get("bpe_vocab", TrainConfig.bpe_vocab)) if kind == "bpe" else "")
 
 
+def code_of(source: str) -> bytes:
+    """What a Python source does, without its layout and comments (its syntax tree): a change of
+    line breaks or comments leaves the lab's cached runs valid, any change of code does not."""
+    return ast.dump(ast.parse(source)).encode()
+
+
 @functools.lru_cache(maxsize=1)
 def sources_hash() -> str:
-    """sha256 of the normlab sources that decide a training run's or a measurement's result."""
+    """sha256 of the code of the normlab sources that decide a training run's or a measurement's result."""
     root = Path(__file__).parents[1]  # src/normlab
     h = hashlib.sha256()
     for name in RESULT_SOURCES:
         for f in sorted((root / name).rglob("*.py")) if (root / name).is_dir() else [root / name]:
             h.update(f.relative_to(root).as_posix().encode())
-            h.update(f.read_bytes())
+            h.update(code_of(f.read_text()))
     return h.hexdigest()[:16]
 
 
