@@ -2,6 +2,8 @@
 training, the lab, the report, the command), and no preset imports another preset."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "normlab"
@@ -72,3 +74,12 @@ def test_imports_run_down_the_layers():
     upward = {(m, d) for m in modules for d in _imports(modules[m], modules)
               if d != m and d in rank and rank[d] > rank[m]}
     assert not upward, f"imports from a higher layer: {sorted(upward)}"
+
+
+def test_ruff_finds_nothing():
+    """pyflakes' checks (unused imports, undefined names, redefinitions) over the whole tree, by
+    ruff with the pyproject's rules."""
+    root = SRC.parents[1]
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise",
+                           "src", "tests", "tools", "benchmarks"], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
