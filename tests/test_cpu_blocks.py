@@ -126,7 +126,7 @@ def test_backward_pair_order_sums_match_float64(gen, op):
             want = ((g * wn).sum(), (g * wn * xhat).sum())
             assert np.allclose(simd.pair_unorder(dbc, n)[:n], g.numpy(), rtol=1e-6, atol=0)
         else:
-            rnd = launch._rnd(torch.bfloat16, op == "rms_llama")
+            rnd = launch._round_to(torch.bfloat16, op == "rms_llama")
             got = rms_pass(memory._as_numpy(dy), memory._as_numpy(x), wp, dwc, rnd, n, rstd)
             xhat = v * float(rstd)
             if op == "rms_llama":  # x * rstd rounded to bf16 before the multiply
@@ -166,7 +166,7 @@ def test_first_pass_over_a_row_pair_is_bitwise_two_single_rows(gen, op):
     results = []
     for run in (single, pair):
         part = start.copy()
-        aux = part[1] if op == "ln" else launch._rnd(torch.bfloat16, op == "rms_llama")
+        aux = part[1] if op == "ln" else launch._round_to(torch.bfloat16, op == "rms_llama")
         sums = run(*rows, wp, part[0], aux, 3 * simd.BLOCK, c, e)
         results.append((np.array(sums), part))
     (s1, p1), (s2, p2) = results

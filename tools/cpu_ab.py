@@ -78,7 +78,7 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False):
     y = memory._as_numpy(torch.empty(n, d, dtype=dtype))
     w, b = torch.randn(d).numpy(), torch.randn(d).numpy()
     stages, nt = C._stages(torch.empty(n, d, dtype=dtype), n)
-    rstd, mean, rnd = np.empty(n, np.float32), np.empty(n, np.float64), C._rnd(dtype, llama)
+    rstd, mean, rnd = np.empty(n, np.float32), np.empty(n, np.float64), C._round_to(dtype, llama)
     dw, db = np.zeros(d, np.float32), np.zeros(d, np.float32)
     chunks = stages.shape[0]
     da_sum, dw_sum, db_sum = np.zeros(chunks), np.zeros((chunks, d)), np.zeros((chunks, d))

@@ -85,7 +85,7 @@ def main() -> None:
     wn, bn = w.detach().float().numpy(), b.detach().float().numpy()
     mean, rstd = np.empty(n), np.empty(n, np.float32)
     dw = np.zeros(d, np.float32)
-    rnd = C._rnd(dtype, False)
+    rnd = C._round_to(dtype, False)
     _, _, rstd_t = C.rms_fwd_launch(x.detach(), w, 1e-6, True, False, 0.0, d)
     _, _, mean_t, lrstd_t = C.ln_fwd_launch(x.detach(), w, b, 1e-5)
     layernorm.ln_fwd(xn, wn, bn, out, mean, rstd, 1e-5, stages, nt)

@@ -91,8 +91,8 @@ _NP_CODE = {torch.float32: np.float32, torch.bfloat16: np.uint16, torch.float16:
 
 
 @functools.cache
-def _rnd(out_dtype: torch.dtype, llama: bool) -> np.ndarray:
-    """The kernels' ``rnd``: a 1-element array of the dtype xhat is rounded to before the weight
+def _round_to(out_dtype: torch.dtype, llama: bool) -> np.ndarray:
+    """The kernels' ``round_to``: a 1-element array of the dtype xhat is rounded to before the weight
     multiply (the output dtype in the llama order; float32, no rounding, in the gemma order).
     Only its dtype is read, so one array per key serves every call."""
     return np.zeros(1, _NP_CODE[out_dtype] if llama else np.float32)
@@ -142,12 +142,12 @@ def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual
         s = empty(shape, reference.sum_dtype(x, residual, residual_in_fp32))
     if n:
         if s is None:
-            _k(rms_fwd)(_as_numpy(x2), w, _as_numpy(y.view(n, d)), rstd.view(n).numpy(), eps, inside, k, _rnd(x.dtype, llama),
+            _k(rms_fwd)(_as_numpy(x2), w, _as_numpy(y.view(n, d)), rstd.view(n).numpy(), eps, inside, k, _round_to(x.dtype, llama),
                       *_stages(y, n))
         else:
             _k(add_rms_fwd)(
                 _as_numpy(x2), _as_numpy(rows(residual)), w, _as_numpy(y.view(n, d)), _as_numpy(s.view(n, d)),
-                rstd.view(n).numpy(), eps, inside, k, _rnd(x.dtype, llama), *_stages(y, n),
+                rstd.view(n).numpy(), eps, inside, k, _round_to(x.dtype, llama), *_stages(y, n),
             )
     return y, s, rstd
 
@@ -173,7 +173,7 @@ def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k, *, gr
         ds2 = _as_numpy(rows(ds)) if ds is not None else None
         _k(rms_bwd)(
             _as_numpy(dy2), _as_numpy(x2), w, rstd.reshape(n).numpy(), ds2, _as_numpy(dx.view(n, d)),
-            _as_numpy(dw), eps, inside, k, _rnd(dy.dtype, llama), stages, stream,
+            _as_numpy(dw), eps, inside, k, _round_to(dy.dtype, llama), stages, stream,
         )
     return dx, dw
 

@@ -34,11 +34,11 @@ from .simd import (BLOCK, EMIT, _fma, _fma32, _prefetch_pass1, _prefetch_pass2, 
 
 # ---------------------------------------------------------------------------------- forward
 # ``stages``: one float32 staging row per chunk (their count is the chunk count; see simd.py).
-# ``nt``: stream the outputs past the caches.
+# ``stream``: stream the outputs past the caches.
 
 
 @kernel
-def ln_fwd(x, w, b, y, mean, rstd, eps, stages, nt):
+def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream):
     n = x.shape[0]
     nchunks = stages.shape[0]
     for c in prange(nchunks):
@@ -47,16 +47,16 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, stages, nt):
         for r in range(r0, r1):
             xr = x[r]
             mu, var = _moments(xr, None, None, xr)
-            rs = _recip(math.sqrt(var + eps))
+            row_rstd = _recip(math.sqrt(var + eps))
             mean[r] = mu
-            rstd[r] = rs
-            _ln_write(xr, w, b, y[r], mu, rs, stage, nt, xr, None)
-        if nt:
+            rstd[r] = row_rstd
+            _ln_write(xr, w, b, y[r], mu, row_rstd, stage, stream, xr, None)
+        if stream:
             _store_fence()
 
 
 @kernel
-def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, nt):
+def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream):
     n = x.shape[0]
     nchunks = stages.shape[0]
     for c in prange(nchunks):
@@ -65,11 +65,11 @@ def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, nt):
         for r in range(r0, r1):
             xr, rr, sr = x[r], res[r], s[r]
             mu, var = _moments(xr, rr, sr, sr)
-            rs = _recip(math.sqrt(var + eps))
+            row_rstd = _recip(math.sqrt(var + eps))
             mean[r] = mu
-            rstd[r] = rs
-            _ln_write(sr, w, b, y[r], mu, rs, stage, nt, xr, rr)
-        if nt:
+            rstd[r] = row_rstd
+            _ln_write(sr, w, b, y[r], mu, row_rstd, stage, stream, xr, rr)
+        if stream:
             _store_fence()
 
 
@@ -147,48 +147,48 @@ def _centred(v, mhi, mlo):
 
 
 @njit(inline="always")
-def _ln_write(xr, w, bias, yr, mean, rs, stage, nt, ahead1, ahead2):
+def _ln_write(xr, w, bias, yr, mean, row_rstd, stage, stream, ahead1, ahead2):
     """The row's outputs; ahead1 and ahead2 are the inputs whose next rows pass 2 prefetches."""
     d = yr.shape[0]
     mhi, mlo = _split(mean)
-    a, b = _spans(yr, 0, d, nt)
+    a, b = _spans(yr, 0, d, stream)
     for i in range(a):
-        _ln_y(xr, w, bias, yr, mhi, mlo, rs, i)
+        _ln_y(xr, w, bias, yr, mhi, mlo, row_rstd, i)
     for j in range(a, b, EMIT):
         _prefetch_pass2(ahead1, ahead2, j, 1)
-        _y_block(yr, j, xr, w, bias, stage, mhi, mlo, rs, nt)
+        _y_block(yr, j, xr, w, bias, stage, mhi, mlo, row_rstd, stream)
     for i in range(b, d):
-        _ln_y(xr, w, bias, yr, mhi, mlo, rs, i)
+        _ln_y(xr, w, bias, yr, mhi, mlo, row_rstd, i)
 
 
 @njit
-def _ln_y(xr, w, bias, out, mhi, mlo, rs, i):
-    _store(out, i, _centred(_load(xr, i), mhi, mlo) * rs * _load(w, i) + _load(bias, i))
+def _ln_y(xr, w, bias, out, mhi, mlo, row_rstd, i):
+    _store(out, i, _centred(_load(xr, i), mhi, mlo) * row_rstd * _load(w, i) + _load(bias, i))
 
 
-def _y_vector(builder, x, w, b, mhi, mlo, rs):
+def _y_vector(builder, x, w, b, mhi, mlo, row_rstd):
     """_ln_y on 16 lanes."""
-    t = builder.fmul(builder.fsub(builder.fsub(x, mhi), mlo), rs)
+    t = builder.fmul(builder.fsub(builder.fsub(x, mhi), mlo), row_rstd)
     return builder.fadd(builder.fmul(t, w()), b())
 
 
-_Y_BLOCK = {nt: forward_block(_y_vector, False, nt) for nt in (False, True)}
+_Y_BLOCK = {stream: forward_block(_y_vector, False, stream) for stream in (False, True)}
 
 
-def _y_block(y, j, x, w, b, stage, mhi, mlo, rs, nt):  # pragma: no cover - replaced by the overload below
+def _y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream):  # pragma: no cover - replaced by the overload below
     """The output block y[j:j + EMIT] (simd.forward_block)."""
     raise NotImplementedError
 
 
 @overload(_y_block)
-def _ov_y_block(y, j, x, w, b, stage, mhi, mlo, rs, nt):
+def _ov_y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream):
     plain, streamed = _Y_BLOCK[False], _Y_BLOCK[True]
 
-    def block(y, j, x, w, b, stage, mhi, mlo, rs, nt):
-        if nt:
-            streamed(y, np.uint64(j), x, w, b, stage, mhi, mlo, rs)
+    def block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream):
+        if stream:
+            streamed(y, np.uint64(j), x, w, b, stage, mhi, mlo, row_rstd)
         else:
-            plain(y, np.uint64(j), x, w, b, stage, mhi, mlo, rs)
+            plain(y, np.uint64(j), x, w, b, stage, mhi, mlo, row_rstd)
 
     return block
 
@@ -202,11 +202,11 @@ def _ov_y_block(y, j, x, w, b, stage, mhi, mlo, rs, nt):
 
 
 @kernel
-def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, nt):
+def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream):
     n, d = x.shape
     nchunks = stages.shape[0]
     span = d - d % BLOCK if _paired(x, dy) else 0
-    wp = pair_order(w, span)
+    w_pairs = pair_order(w, span)
     parts = _partial_row_pairs(nchunks, d)
     dw_sum = _partial_sums(nchunks, d)
     db_sum = _partial_sums(nchunks, d)
@@ -219,21 +219,21 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, nt):
         sg2, sgx2 = 0.0, 0.0
         for r in range(r0, r1):
             dyr, xr = dy[r], x[r]
-            mu, rs = mean[r], rstd[r]
+            mu, row_rstd = mean[r], rstd[r]
             ahead = 1 if r >= paired_to else 2  # rows ahead that pass 2 prefetches
             if ahead == 1:
-                sg, sgx = _ln_sums(dyr, w, wp, xr, mu, rs, dwc, dbc)
+                sg, sgx = _ln_sums(dyr, w, w_pairs, xr, mu, row_rstd, dwc, dbc)
             elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
-                sg, sgx, sg2, sgx2 = _ln_sums_pair(dyr, xr, dy[r + 1], x[r + 1], w, wp, mu, rs, mean[r + 1], rstd[r + 1], dwc, dbc)
+                sg, sgx, sg2, sgx2 = _ln_sums_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, mu, row_rstd, mean[r + 1], rstd[r + 1], dwc, dbc)
             else:
                 sg, sgx = sg2, sgx2
-            _ln_bwd_write(dyr, xr, w, wp, _row(ds, r), dx[r], mu, rs, sg, sgx, stage, nt, ahead)
+            _ln_bwd_write(dyr, xr, w, w_pairs, _row(ds, r), dx[r], mu, row_rstd, sg, sgx, stage, stream, ahead)
             if (r - r0) % FLUSH == FLUSH - 1:
                 _flush(dwc, dw_sum[c])
                 _flush(dbc, db_sum[c])
         _flush(dwc, dw_sum[c])
         _flush(dbc, db_sum[c])
-        if nt:
+        if stream:
             _store_fence()
     _sum_partials(dw_sum, span, dw)
     _sum_partials(db_sum, span, db)
@@ -243,30 +243,30 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, nt):
 
 
 @njit(inline="always")
-def _ln_sums(dyr, w, wp, xr, mean, rs, dwc, dbc):
-    """(sum of g, sum of g * xhat), adding the row's dw and db terms to dwc and dbc. ``wp``: w
+def _ln_sums(dyr, w, w_pairs, xr, mean, row_rstd, dwc, dbc):
+    """(sum of g, sum of g * xhat), adding the row's dw and db terms to dwc and dbc. ``w_pairs``: w
     in pair_order over the row's whole blocks (bf16 rows)."""
-    mhi, lo = _ln_consts(mean, rs)
+    mhi, lo = _ln_consts(mean, row_rstd)
     full = xr.shape[0] - xr.shape[0] % BLOCK
-    tg, tgx = _ln_blocks(dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc)
-    pg, pgx = _ln_tail(dyr, w, xr, full, mhi, rs, lo, dwc, dbc)
+    tg, tgx = _ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc)
+    pg, pgx = _ln_tail(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc)
     return tg + pg, tgx + pgx
 
 
 @njit(inline="always")
-def _ln_consts(mean, rs):
+def _ln_consts(mean, row_rstd):
     """(mhi, lo) of _ln_dw: the mean's float32 head and -mlo * rstd."""
     mhi, mlo = _split(mean)
-    return mhi, np.float32(-np.float64(mlo) * rs)
+    return mhi, np.float32(-np.float64(mlo) * row_rstd)
 
 
 @njit
-def _ln_dw(dyr, xr, dwc, dbc, mhi, rs, lo, i):
+def _ln_dw(dyr, xr, dwc, dbc, mhi, row_rstd, lo, i):
     """Add element i's dw and db terms to dwc and dbc; returns xhat[i], computed as
     fma(x - mhi, rstd, lo) with lo = -mlo * rstd (as exact as ((x - mhi) - mlo) * rstd, an
     operation fewer: 0 for a constant row)."""
     dyv = _load(dyr, i)
-    xh = _fma32(_load(xr, i) - mhi, rs, lo)
+    xh = _fma32(_load(xr, i) - mhi, row_rstd, lo)
     dwc[i] = _fma32(dyv, xh, dwc[i])
     _accumulate(dbc, i, dyv)
     return xh
@@ -274,10 +274,10 @@ def _ln_dw(dyr, xr, dwc, dbc, mhi, rs, lo, i):
 
 def _grad_terms(builder, x, dy, w, c, s0, s1, a, aux_kind, hw):
     """_ln_blocks_loop's element on 16 lanes, for simd.grad_sums (c = mhi, rstd, lo)."""
-    mhi, rs, lo = c
+    mhi, row_rstd, lo = c
     g = builder.fmul(dy, w)
     s0[a] = builder.fadd(s0[a], g)
-    xh = _fma(builder, builder.fsub(x, mhi), rs, lo)
+    xh = _fma(builder, builder.fsub(x, mhi), row_rstd, lo)
     s1[a] = _fma(builder, g, xh, s1[a])
     return xh
 
@@ -286,7 +286,7 @@ _GRAD_SUMS = {rows: grad_sums(_grad_terms, rows, with_db=True) for rows in (1, 2
 
 
 @njit(inline="always")
-def _ln_blocks_loop(dyr, w, xr, full, mhi, rs, lo, dwc, dbc):
+def _ln_blocks_loop(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc):
     """_ln_sums's whole blocks as element loops (LLVM vectorizes them)."""
     tg = 0.0
     tgx = 0.0
@@ -297,57 +297,57 @@ def _ln_blocks_loop(dyr, w, xr, full, mhi, rs, lo, dwc, dbc):
         for i in range(j, j + BLOCK):
             g = _load(dyr, i) * _load(w, i)
             pg += g
-            pgx += g * _ln_dw(dyr, xr, dwc, dbc, mhi, rs, lo, i)
+            pgx += g * _ln_dw(dyr, xr, dwc, dbc, mhi, row_rstd, lo, i)
         tg += pg
         tgx += pgx
     return tg, tgx
 
 
-def _ln_blocks(dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc):  # pragma: no cover - replaced by the overload below
+def _ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc):  # pragma: no cover - replaced by the overload below
     """_ln_sums over the whole blocks [0, full): the vector pass for bf16 rows, else the element
     loops. Picked when numba types the call, so each kernel compiles one of them."""
     raise NotImplementedError
 
 
 @overload(_ln_blocks, inline="always")
-def _ov_ln_blocks(dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc):
+def _ov_ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc):
     if not _pair_types(xr, dyr):
-        return lambda dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc: _ln_blocks_loop(dyr, w, xr, full, mhi, rs, lo, dwc, dbc)
+        return lambda dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc: _ln_blocks_loop(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc)
     sums = _GRAD_SUMS[1]
-    return lambda dyr, w, wp, xr, full, mhi, rs, lo, dwc, dbc: sums(dyr, xr, wp, dwc, dbc, full, mhi, rs, lo)
+    return lambda dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc: sums(dyr, xr, w_pairs, dwc, dbc, full, mhi, row_rstd, lo)
 
 
 @njit(inline="always")
-def _ln_tail(dyr, w, xr, full, mhi, rs, lo, dwc, dbc):
+def _ln_tail(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc):
     """_ln_sums past the whole blocks."""
     pg = np.float32(0.0)
     pgx = np.float32(0.0)
     for i in range(full, xr.shape[0]):
         g = _load(dyr, i) * _load(w, i)
         pg += g
-        pgx += g * _ln_dw(dyr, xr, dwc, dbc, mhi, rs, lo, i)
+        pgx += g * _ln_dw(dyr, xr, dwc, dbc, mhi, row_rstd, lo, i)
     return pg, pgx
 
 
-def _ln_sums_pair(dyr, xr, dyr2, xr2, w, wp, mean, rs, mean2, rs2, dwc, dbc):  # pragma: no cover - the overload below
+def _ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc):  # pragma: no cover - the overload below
     """_ln_sums of two bf16 rows, their whole blocks in one pass (grad_sums, rows=2): the sums of
     the first row, then of the second; the bits of two _ln_sums calls. A stub for other dtypes."""
     raise NotImplementedError
 
 
 @overload(_ln_sums_pair, inline="always")
-def _ov_ln_sums_pair(dyr, xr, dyr2, xr2, w, wp, mean, rs, mean2, rs2, dwc, dbc):
+def _ov_ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc):
     if not _pair_types(xr, dyr):
-        return lambda dyr, xr, dyr2, xr2, w, wp, mean, rs, mean2, rs2, dwc, dbc: (0.0, 0.0, 0.0, 0.0)
+        return lambda dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc: (0.0, 0.0, 0.0, 0.0)
     sums = _GRAD_SUMS[2]
 
-    def pair(dyr, xr, dyr2, xr2, w, wp, mean, rs, mean2, rs2, dwc, dbc):
-        mhi, lo = _ln_consts(mean, rs)
-        mhi2, lo2 = _ln_consts(mean2, rs2)
+    def pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc):
+        mhi, lo = _ln_consts(mean, row_rstd)
+        mhi2, lo2 = _ln_consts(mean2, row_rstd2)
         full = xr.shape[0] - xr.shape[0] % BLOCK
-        tg, tgx, tg2, tgx2 = sums(dyr, xr, dyr2, xr2, wp, dwc, dbc, full, mhi, rs, lo, mhi2, rs2, lo2)
-        pg, pgx = _ln_tail(dyr, w, xr, full, mhi, rs, lo, dwc, dbc)
-        pg2, pgx2 = _ln_tail(dyr2, w, xr2, full, mhi2, rs2, lo2, dwc, dbc)
+        tg, tgx, tg2, tgx2 = sums(dyr, xr, dyr2, xr2, w_pairs, dwc, dbc, full, mhi, row_rstd, lo, mhi2, row_rstd2, lo2)
+        pg, pgx = _ln_tail(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc)
+        pg2, pgx2 = _ln_tail(dyr2, w, xr2, full, mhi2, row_rstd2, lo2, dwc, dbc)
         return tg + pg, tgx + pgx, tg2 + pg2, tgx2 + pgx2
 
     return pair
@@ -357,71 +357,71 @@ def _ov_ln_sums_pair(dyr, xr, dyr2, xr2, w, wp, mean, rs, mean2, rs2, dwc, dbc):
 
 
 @njit(inline="always")
-def _ln_bwd_write(dyr, xr, w, wp, dsr, dxr, mean, rs, sg, sgx, stage, nt, ahead):
+def _ln_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, mean, row_rstd, sg, sgx, stage, stream, ahead):
     """dx of this row, with the terms that do not depend on g folded into one affine function of
     x - mhi: dx = rstd * g + p * (x - mhi) + q, p = -rstd^2 * mean(g * xhat), q = -rstd * mean(g)
     - p * mlo (from the float64 sums): two fmas per value. x - mhi is exact near the mean, and
     for a constant row it is 0 and so is p."""
     d = dxr.shape[0]
     mhi, mlo = _split(mean)
-    r = np.float64(rs)
+    r = np.float64(row_rstd)
     p = np.float32(-r * r * (sgx / d))
     q = np.float32(-r * (sg / d) - np.float64(p) * mlo)
-    a, b = _spans(dxr, 0, d, nt)
+    a, b = _spans(dxr, 0, d, stream)
     for i in range(a):
-        _ln_dx(dyr, xr, w, dsr, dxr, mhi, p, q, rs, i)
+        _ln_dx(dyr, xr, w, dsr, dxr, mhi, p, q, row_rstd, i)
     c = a
     if a == 0 and _paired(xr, dyr, dsr):  # whole blocks of bf16 rows: in pairs
         c = d - d % BLOCK
         for j in range(0, c, EMIT):
             _prefetch_pass2(xr, dyr, j, ahead)
-            _dx_block("pairs", dxr, j, dyr, xr, wp, dsr, stage, mhi, p, q, rs, nt)
+            _dx_block("pairs", dxr, j, dyr, xr, w_pairs, dsr, stage, mhi, p, q, row_rstd, stream)
     for j in range(c, b, EMIT):
         _prefetch_pass2(xr, dyr, j, ahead)
-        _dx_block("plain", dxr, j, dyr, xr, w, dsr, stage, mhi, p, q, rs, nt)
+        _dx_block("plain", dxr, j, dyr, xr, w, dsr, stage, mhi, p, q, row_rstd, stream)
     for i in range(b, d):
-        _ln_dx(dyr, xr, w, dsr, dxr, mhi, p, q, rs, i)
+        _ln_dx(dyr, xr, w, dsr, dxr, mhi, p, q, row_rstd, i)
 
 
 @njit
-def _ln_dx(dyr, xr, w, dsr, out, mhi, p, q, rs, i):
-    v = _fma32(_load(dyr, i) * _load(w, i), rs, _fma32(_load(xr, i) - mhi, p, q))
+def _ln_dx(dyr, xr, w, dsr, out, mhi, p, q, row_rstd, i):
+    v = _fma32(_load(dyr, i) * _load(w, i), row_rstd, _fma32(_load(xr, i) - mhi, p, q))
     if dsr is not None:
         v += _load(dsr, i)
     _store(out, i, v)
 
 
-def _dx_vector(builder, dy, x, w, c, rs):
+def _dx_vector(builder, dy, x, w, c, row_rstd):
     """_ln_dx on 16 lanes (c = mhi, p, q)."""
     g = builder.fmul(dy, w)
     xc = builder.fsub(x, c[0])
-    return _fma(builder, g, rs, _fma(builder, xc, c[1], c[2]))
+    return _fma(builder, g, row_rstd, _fma(builder, xc, c[1], c[2]))
 
 
 _DX_BLOCK = {
-    (variant, nt): backward_block(_dx_vector, nt, paired=variant == "pairs")
+    (variant, stream): backward_block(_dx_vector, stream, paired=variant == "pairs")
     for variant in ("plain", "pairs")
-    for nt in (False, True)
+    for stream in (False, True)
 }
 
 
-def _dx_block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, rs, nt):  # pragma: no cover - replaced by the overload below
+def _dx_block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream):  # pragma: no cover - replaced by the overload below
     """The dx block at j (simd.backward_block). ``variant`` a string literal: "plain", or
     "pairs" (bf16 rows read in pairs, w in pair_order)."""
     raise NotImplementedError
 
 
 @overload(_dx_block, prefer_literal=True)
-def _ov_dx_block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, rs, nt):
+def _ov_dx_block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream):
     name = variant.literal_value
     if name == "pairs" and not (_pair_types(x, dy, ds) and dx.dtype == dy.dtype):
-        return lambda variant, dx, j, dy, x, w, ds, stage, mhi, p, q, rs, nt: None  # not called: _paired is False
+        return lambda variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream: None  # not called: _paired is False
     plain, streamed = _DX_BLOCK[name, False], _DX_BLOCK[name, True]
 
-    def block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, rs, nt):
-        if nt:
-            streamed(dx, np.uint64(j), dy, x, w, ds, stage, mhi, p, q, rs)
+    def block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream):
+        if stream:
+            streamed(dx, np.uint64(j), dy, x, w, ds, stage, mhi, p, q, row_rstd)
         else:
-            plain(dx, np.uint64(j), dy, x, w, ds, stage, mhi, p, q, rs)
+            plain(dx, np.uint64(j), dy, x, w, ds, stage, mhi, p, q, row_rstd)
 
     return block

@@ -235,9 +235,9 @@ def _y_scalar(typingctx, x, w, b, a, s):
 
 
 @intrinsic
-def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, nt, table, use):
+def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, stream, table, use):
     """The outputs [j0, j1) of a row (j1 - j0 a multiple of EMIT), EMIT at a time: t computed, or
-    gathered from ``table`` where ``use``. ``nt``: streamed (both run-time branches per block).
+    gathered from ``table`` where ``use``. ``stream``: streamed (both run-time branches per block).
     Each block prefetches the same block of the next row: with the hardware prefetcher alone
     the compute waited on memory (docs/cpu-kernels.md, "DyT"). The backward's blocks do the same."""
 
@@ -271,7 +271,7 @@ def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, nt, table, use):
 
 
 @kernel
-def pointwise_fwd(x, a, s, w, b, y, stages, nt, table):
+def pointwise_fwd(x, a, s, w, b, y, stages, stream, table):
     """y = w * f(a x [+ s]) + b: DyT where s is None, Derf where s is a float32."""
     n, d = x.shape
     a32 = np.float32(a)
@@ -285,13 +285,13 @@ def pointwise_fwd(x, a, s, w, b, y, stages, nt, table):
         stage = stages[c]
         for r in range(r0, r1):
             xr, yr = x[r], y[r]
-            head, body = _spans(yr, 0, d, nt)
+            head, body = _spans(yr, 0, d, stream)
             for i in range(head):
                 _store(yr, i, _y_scalar(_load(xr, i), _load(w, i), _load(b, i), a32, s))
-            _y_blocks(yr, head, body, xr, w, b, stage, a32, s, nt, table, use)
+            _y_blocks(yr, head, body, xr, w, b, stage, a32, s, stream, table, use)
             for i in range(body, d):
                 _store(yr, i, _y_scalar(_load(xr, i), _load(w, i), _load(b, i), a32, s))
-        if nt:
+        if stream:
             _store_fence()
 
 
@@ -338,10 +338,10 @@ def _grad_element(dyr, xr, w, dxr, dwc, dbc, a, s, i):
 
 
 def _make_grad_blocks(rows=1, hw=HW_BF16):
-    """An intrinsic (dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, nt, table, use) -> (float64,
+    """An intrinsic (dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, stream, table, use) -> (float64,
     float64): the elements [j0, j1) of a row (j1 - j0 a multiple of EMIT) as _grad_element does
     each one, 16 at a time; returns the sums of their da and ds terms (float32 within a block of
-    EMIT, float64 lanes across blocks; ds is 0.0 for DyT, whose blocks do not sum it). ``nt``:
+    EMIT, float64 lanes across blocks; ds is 0.0 for DyT, whose blocks do not sum it). ``stream``:
     dx's blocks are streamed; ``use``: (t, slope) come from ``table`` (both run-time branches per
     block: the arithmetic is emitted once, which halves the compile time of two specialized
     copies).
@@ -392,11 +392,11 @@ def _make_grad_blocks(rows=1, hw=HW_BF16):
                 builder.store(dw, dwp, align=4)
                 builder.store(db, dbp, align=4)
             with builder.if_else(args[11]) as (streamed, plain):
-                for nt, branch in ((True, streamed), (False, plain)):
+                for stream, branch in ((True, streamed), (False, plain)):
                     with branch:
                         for r, (kdx, _, _) in enumerate(rows_in):
                             base = builder.gep(data[kdx], [at])
-                            _store_block(builder, signature.args[kdx].dtype, base, wb, values[r], False, nt, hw, zero)
+                            _store_block(builder, signature.args[kdx].dtype, base, wb, values[r], False, stream, hw, zero)
             _add_blocks(builder, terms + shifts if derf else terms, totals)
         sums = _totals(builder, totals)
         if not derf:
@@ -405,10 +405,10 @@ def _make_grad_blocks(rows=1, hw=HW_BF16):
 
     f, b = types.float32, types.boolean
     if rows == 1:
-        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, nt, table, use):
+        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, stream, table, use):
             return types.UniTuple(types.float64, 2)(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage, f, s, b, table, b), codegen
     else:
-        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, nt, table, use, dx2, dy2, x2):
+        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, stream, table, use, dx2, dy2, x2):
             return (types.UniTuple(types.float64, 4)(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage, f, s, b, table, b, dx2, dy2,
                                                      x2), codegen)
 
@@ -430,7 +430,7 @@ def _grad_edges(dyr, xr, w, dxr, dwc, dbc, a, s, i0, i1, da, ds):
 
 
 @kernel
-def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, nt, table):
+def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, stream, table):
     """The gradients of pointwise_fwd: dx stored, and per chunk da_sum[c] = (da, ds), dw_sum[c],
     db_sum[c]."""
     n, d = x.shape
@@ -449,18 +449,18 @@ def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, nt, table)
         da, ds = 0.0, 0.0
         for r in range(r0, r1):
             dyr, xr, dxr = dy[r], x[r], dx[r]
-            head, body = _spans(dxr, 0, d, nt)
+            head, body = _spans(dxr, 0, d, stream)
             partner = r + 1 if (r - r0) % 2 == 0 else r - 1
-            in_pair = r < paired_to and _spans(dx[partner], 0, d, nt) == (head, body)  # (streamed rows: alike)
+            in_pair = r < paired_to and _spans(dx[partner], 0, d, stream) == (head, body)  # (streamed rows: alike)
             if not in_pair:
                 da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, 0, head, da, ds)
-                ba, bs = _grad_blocks(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s, nt, table, use)
+                ba, bs = _grad_blocks(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s, stream, table, use)
                 da, ds = da + ba, ds + bs
                 da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, body, d, da, ds)
             elif partner > r:  # this row and the next, in the order two single rows go (same bits)
                 dyr2, xr2, dxr2 = dy[partner], x[partner], dx[partner]
                 da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, 0, head, da, ds)
-                da1, da2, ds1, ds2 = _grad_blocks_pair(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s, nt, table, use,
+                da1, da2, ds1, ds2 = _grad_blocks_pair(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s, stream, table, use,
                                                        dxr2, dyr2, xr2)
                 da, ds = da + da1, ds + ds1
                 da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, body, d, da, ds)
@@ -473,7 +473,7 @@ def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, nt, table)
                 _flush(dbc, db_sum[c])
         _flush(dwc, dw_sum[c])
         _flush(dbc, db_sum[c])
-        if nt:
+        if stream:
             _store_fence()
         da_sum[c, 0] = 4.0 * da  # the terms came as quarters (_grad)
         da_sum[c, 1] = 4.0 * ds

@@ -36,12 +36,12 @@ from .simd import (BLOCK, EMIT, _fma, _fma32, _narrow, _prefetch_pass1, _prefetc
 
 # ---------------------------------------------------------------------------------- forward
 # ``stages``: one float32 staging row per chunk (their count is the chunk count; see simd.py).
-# ``nt``: stream the outputs past the caches. ``rnd``: a 1-element array whose dtype is where
+# ``stream``: stream the outputs past the caches. ``round_to``: a 1-element array whose dtype is where
 # xhat is rounded (the output's in the llama order, float32 in the gemma order).
 
 
 @kernel
-def rms_fwd(x, w, y, rstd, eps, inside, k, rnd, stages, nt):
+def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream):
     n = x.shape[0]
     nchunks = stages.shape[0]
     for c in prange(nchunks):
@@ -49,15 +49,15 @@ def rms_fwd(x, w, y, rstd, eps, inside, k, rnd, stages, nt):
         stage = stages[c]
         for r in range(r0, r1):
             xr = x[r]
-            rs = _rms_scale(_sumsq(xr, None, None, k), k, eps, inside)
-            rstd[r] = rs
-            _rms_write(xr, w, y[r], rs, rnd, stage, nt, xr, None)
-        if nt:
+            row_rstd = _rms_scale(_sumsq(xr, None, None, k), k, eps, inside)
+            rstd[r] = row_rstd
+            _rms_write(xr, w, y[r], row_rstd, round_to, stage, stream, xr, None)
+        if stream:
             _store_fence()
 
 
 @kernel
-def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, rnd, stages, nt):
+def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, round_to, stages, stream):
     n = x.shape[0]
     nchunks = stages.shape[0]
     for c in prange(nchunks):
@@ -66,10 +66,10 @@ def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, rnd, stages, nt):
         for r in range(r0, r1):
             xr, rr, sr = x[r], res[r], s[r]
             # s is an output too, but the second pass reads it back: plain stores keep it cached
-            rs = _rms_scale(_sumsq(xr, rr, sr, k), k, eps, inside)
-            rstd[r] = rs
-            _rms_write(sr, w, y[r], rs, rnd, stage, nt, xr, rr)
-        if nt:
+            row_rstd = _rms_scale(_sumsq(xr, rr, sr, k), k, eps, inside)
+            rstd[r] = row_rstd
+            _rms_write(sr, w, y[r], row_rstd, round_to, stage, stream, xr, rr)
+        if stream:
             _store_fence()
 
 
@@ -107,52 +107,52 @@ def _rms_scale(ss, k, eps, inside):
 
 
 @njit(inline="always")
-def _rms_write(xr, w, yr, rs, rnd, stage, nt, ahead1, ahead2):
+def _rms_write(xr, w, yr, row_rstd, round_to, stage, stream, ahead1, ahead2):
     """The row's outputs; ahead1 and ahead2 are the inputs whose next rows pass 2 prefetches."""
     d = yr.shape[0]
-    a, b = _spans(yr, 0, d, nt)
+    a, b = _spans(yr, 0, d, stream)
     for i in range(a):
-        _rms_y(xr, w, yr, rs, rnd, i)
+        _rms_y(xr, w, yr, row_rstd, round_to, i)
     for j in range(a, b, EMIT):
         _prefetch_pass2(ahead1, ahead2, j, 1)
-        _y_block(yr, j, xr, w, stage, rs, nt, rnd)
+        _y_block(yr, j, xr, w, stage, row_rstd, stream, round_to)
     for i in range(b, d):
-        _rms_y(xr, w, yr, rs, rnd, i)
+        _rms_y(xr, w, yr, row_rstd, round_to, i)
 
 
 @njit
-def _rms_y(xr, w, yr, rs, rnd, i):
-    _store(yr, i, _round_like(rnd, _load(xr, i) * rs) * _load(w, i))
+def _rms_y(xr, w, yr, row_rstd, round_to, i):
+    _store(yr, i, _round_like(round_to, _load(xr, i) * row_rstd) * _load(w, i))
 
 
 def _y_vector(llama):
     """_rms_y on 16 lanes (the llama order's rounding and weight come as the block is stored)."""
 
-    def y(builder, x, w, b, mhi, mlo, rs):
-        t = builder.fmul(x, rs)
+    def y(builder, x, w, b, mhi, mlo, row_rstd):
+        t = builder.fmul(x, row_rstd)
         return t if llama else builder.fmul(t, w())
 
     return y
 
 
-_Y_BLOCK = {(llama, nt): forward_block(_y_vector(llama), llama, nt) for llama in (False, True) for nt in (False, True)}
+_Y_BLOCK = {(llama, stream): forward_block(_y_vector(llama), llama, stream) for llama in (False, True) for stream in (False, True)}
 
 
-def _y_block(y, j, x, w, stage, rs, nt, rnd):  # pragma: no cover - replaced by the overload below
+def _y_block(y, j, x, w, stage, row_rstd, stream, round_to):  # pragma: no cover - replaced by the overload below
     """The output block y[j:j + EMIT] (simd.forward_block)."""
     raise NotImplementedError
 
 
 @overload(_y_block)
-def _ov_y_block(y, j, x, w, stage, rs, nt, rnd):
-    plain, streamed = (_Y_BLOCK[_is_llama(rnd), t] for t in (False, True))
+def _ov_y_block(y, j, x, w, stage, row_rstd, stream, round_to):
+    plain, streamed = (_Y_BLOCK[_is_llama(round_to), t] for t in (False, True))
 
-    def block(y, j, x, w, stage, rs, nt, rnd):
+    def block(y, j, x, w, stage, row_rstd, stream, round_to):
         z = np.float32(0.0)
-        if nt:
-            streamed(y, np.uint64(j), x, w, w, stage, z, z, rs)
+        if stream:
+            streamed(y, np.uint64(j), x, w, w, stage, z, z, row_rstd)
         else:
-            plain(y, np.uint64(j), x, w, w, stage, z, z, rs)
+            plain(y, np.uint64(j), x, w, w, stage, z, z, row_rstd)
 
     return block
 
@@ -166,11 +166,11 @@ def _ov_y_block(y, j, x, w, stage, rs, nt, rnd):
 
 
 @kernel
-def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, rnd, stages, nt):
+def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream):
     n, d = x.shape
     nchunks = stages.shape[0]
     span = k - k % BLOCK if _paired(x, dy) else 0
-    wp = pair_order(w, span)
+    w_pairs = pair_order(w, span)
     dw_part = _partial_rows(nchunks, d)
     dw_sum = _partial_sums(nchunks, d)
     pairs = _row_pairs(x, dy, k)
@@ -182,22 +182,22 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, rnd, stages, nt):
         gx2, ss2 = 0.0, 0.0
         for r in range(r0, r1):
             dyr, xr, dxr, dsr = dy[r], x[r], dx[r], _row(ds, r)
-            rs = rstd[r]
+            row_rstd = rstd[r]
             ahead = 1 if r >= paired_to else 2  # rows ahead that pass 2 prefetches
             if ahead == 1:
-                gx, ss = _dot_gx(dyr, w, wp, xr, k, dwc, rs, rnd, not inside)
+                gx, ss = _dot_gx(dyr, w, w_pairs, xr, k, dwc, row_rstd, round_to, not inside)
             elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
-                gx, ss, gx2, ss2 = _dot_gx_pair(dyr, xr, dy[r + 1], x[r + 1], w, wp, k, dwc, rs, rstd[r + 1], rnd, not inside)
+                gx, ss, gx2, ss2 = _dot_gx_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, k, dwc, row_rstd, rstd[r + 1], round_to, not inside)
             else:
                 gx, ss = gx2, ss2
-            coef = _rms_coef(rs, gx, ss, k, inside)
-            _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, 0, k, True, stage, nt, ahead)
+            coef = _rms_coef(row_rstd, gx, ss, k, inside)
+            _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, 0, k, True, stage, stream, ahead)
             if k < d:  # pRMSNorm: the features past the statistic
-                _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, k, d, False, stage, nt, ahead)
+                _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, k, d, False, stage, stream, ahead)
             if (r - r0) % FLUSH == FLUSH - 1:
                 _flush(dwc, dw_sum[c])
         _flush(dwc, dw_sum[c])
-        if nt:
+        if stream:
             _store_fence()
     _sum_partials(dw_sum, span, dw)
 
@@ -206,20 +206,20 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, rnd, stages, nt):
 
 
 @njit(inline="always")
-def _dot_gx(dyr, w, wp, xr, k, dwc, rs, rnd, squares):
+def _dot_gx(dyr, w, w_pairs, xr, k, dwc, row_rstd, round_to, squares):
     """(sum over the row of g * x, sum of x^2 over [:k] or, without ``squares``, any value),
-    adding the row's dw terms to dwc. ``wp``: w in pair_order over the whole blocks of [:k]."""
+    adding the row's dw terms to dwc. ``w_pairs``: w in pair_order over the whole blocks of [:k]."""
     full = k - k % BLOCK
-    tgx, tss = _rms_blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares)
-    pgx, pss = _rms_tail(dyr, w, xr, full, k, dwc, rs, rnd)
+    tgx, tss = _rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares)
+    pgx, pss = _rms_tail(dyr, w, xr, full, k, dwc, row_rstd, round_to)
     return tgx + pgx, tss + pss
 
 
 @njit
-def _rms_dw(dyr, xr, dwc, rs, rnd, i):
+def _rms_dw(dyr, xr, dwc, row_rstd, round_to, i):
     """Add element i's dw term to dwc; returns x[i]."""
     xv = _load(xr, i)
-    dwc[np.uint64(i)] = _fma32(_load(dyr, i), _round_like(rnd, xv * rs), dwc[np.uint64(i)])
+    dwc[np.uint64(i)] = _fma32(_load(dyr, i), _round_like(round_to, xv * row_rstd), dwc[np.uint64(i)])
     return xv
 
 
@@ -247,7 +247,7 @@ _GRAD_SUMS = {
 
 
 @njit(inline="always")
-def _rms_blocks_loop(dyr, w, xr, full, dwc, rs, rnd):
+def _rms_blocks_loop(dyr, w, xr, full, dwc, row_rstd, round_to):
     """_dot_gx's whole blocks as element loops (LLVM vectorizes them)."""
     tgx = 0.0
     tss = 0.0
@@ -256,7 +256,7 @@ def _rms_blocks_loop(dyr, w, xr, full, dwc, rs, rnd):
         pgx = np.float32(0.0)
         pss = np.float32(0.0)
         for i in range(j, j + BLOCK):
-            xv = _rms_dw(dyr, xr, dwc, rs, rnd, i)
+            xv = _rms_dw(dyr, xr, dwc, row_rstd, round_to, i)
             pgx += (_load(dyr, i) * _load(w, i)) * xv
             pss += xv * xv
         tgx += pgx
@@ -264,42 +264,42 @@ def _rms_blocks_loop(dyr, w, xr, full, dwc, rs, rnd):
     return tgx, tss
 
 
-def _rms_blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares):  # pragma: no cover - replaced by the overload below
+def _rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares):  # pragma: no cover - replaced by the overload below
     """_dot_gx over the whole blocks [0, full): the vector pass for bf16 rows, else the element
     loops. Picked when numba types the call, so each kernel compiles one of them."""
     raise NotImplementedError
 
 
 @overload(_rms_blocks, inline="always")
-def _ov_rms_blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares):
+def _ov_rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares):
     if not _pair_types(xr, dyr):
-        return lambda dyr, w, wp, xr, full, dwc, rs, rnd, squares: _rms_blocks_loop(dyr, w, xr, full, dwc, rs, rnd)
-    with_squares, without = (_GRAD_SUMS[_is_llama(rnd), s, 1] for s in (True, False))
+        return lambda dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares: _rms_blocks_loop(dyr, w, xr, full, dwc, row_rstd, round_to)
+    with_squares, without = (_GRAD_SUMS[_is_llama(round_to), s, 1] for s in (True, False))
 
-    def blocks(dyr, w, wp, xr, full, dwc, rs, rnd, squares):
+    def blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares):
         z = np.float32(0.0)
         if squares:
-            return with_squares(dyr, xr, wp, dwc, rnd, full, rs, z, z)
-        return without(dyr, xr, wp, dwc, rnd, full, rs, z, z)
+            return with_squares(dyr, xr, w_pairs, dwc, round_to, full, row_rstd, z, z)
+        return without(dyr, xr, w_pairs, dwc, round_to, full, row_rstd, z, z)
 
     return blocks
 
 
 @njit(inline="always")
-def _rms_tail(dyr, w, xr, full, k, dwc, rs, rnd):
+def _rms_tail(dyr, w, xr, full, k, dwc, row_rstd, round_to):
     """_dot_gx past the whole blocks: [full, k), then [k, d) (pRMSNorm: g * x only)."""
     pgx = np.float32(0.0)
     pss = np.float32(0.0)
     for i in range(full, k):
-        xv = _rms_dw(dyr, xr, dwc, rs, rnd, i)
+        xv = _rms_dw(dyr, xr, dwc, row_rstd, round_to, i)
         pgx += (_load(dyr, i) * _load(w, i)) * xv
         pss += xv * xv
     for i in range(k, xr.shape[0]):
-        pgx += (_load(dyr, i) * _load(w, i)) * _rms_dw(dyr, xr, dwc, rs, rnd, i)
+        pgx += (_load(dyr, i) * _load(w, i)) * _rms_dw(dyr, xr, dwc, row_rstd, round_to, i)
     return pgx, pss
 
 
-def _dot_gx_pair(dyr, xr, dyr2, xr2, w, wp, k, dwc, rs, rs2, rnd, squares):  # pragma: no cover - the overload below
+def _dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares):  # pragma: no cover - the overload below
     """_dot_gx of two bf16 rows, their whole blocks in one pass (grad_sums, rows=2): (gx, ss) of
     the first row, then of the second; the bits of two _dot_gx calls. Other dtypes compile a
     stub (_row_pairs is False for them), which saves compile time."""
@@ -307,30 +307,30 @@ def _dot_gx_pair(dyr, xr, dyr2, xr2, w, wp, k, dwc, rs, rs2, rnd, squares):  # p
 
 
 @overload(_dot_gx_pair, inline="always")
-def _ov_dot_gx_pair(dyr, xr, dyr2, xr2, w, wp, k, dwc, rs, rs2, rnd, squares):
+def _ov_dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares):
     if not _pair_types(xr, dyr):
-        return lambda dyr, xr, dyr2, xr2, w, wp, k, dwc, rs, rs2, rnd, squares: (0.0, 0.0, 0.0, 0.0)
-    with_squares, without = (_GRAD_SUMS[_is_llama(rnd), s, 2] for s in (True, False))
+        return lambda dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares: (0.0, 0.0, 0.0, 0.0)
+    with_squares, without = (_GRAD_SUMS[_is_llama(round_to), s, 2] for s in (True, False))
 
-    def pair(dyr, xr, dyr2, xr2, w, wp, k, dwc, rs, rs2, rnd, squares):
+    def pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares):
         full = k - k % BLOCK
         z = np.float32(0.0)
         if squares:
-            tgx, tss, tgx2, tss2 = with_squares(dyr, xr, dyr2, xr2, wp, dwc, rnd, full, rs, z, z, rs2, z, z)
+            tgx, tss, tgx2, tss2 = with_squares(dyr, xr, dyr2, xr2, w_pairs, dwc, round_to, full, row_rstd, z, z, row_rstd2, z, z)
         else:
-            tgx, tss, tgx2, tss2 = without(dyr, xr, dyr2, xr2, wp, dwc, rnd, full, rs, z, z, rs2, z, z)
-        pgx, pss = _rms_tail(dyr, w, xr, full, k, dwc, rs, rnd)
-        pgx2, pss2 = _rms_tail(dyr2, w, xr2, full, k, dwc, rs2, rnd)
+            tgx, tss, tgx2, tss2 = without(dyr, xr, dyr2, xr2, w_pairs, dwc, round_to, full, row_rstd, z, z, row_rstd2, z, z)
+        pgx, pss = _rms_tail(dyr, w, xr, full, k, dwc, row_rstd, round_to)
+        pgx2, pss2 = _rms_tail(dyr2, w, xr2, full, k, dwc, row_rstd2, round_to)
         return tgx + pgx, tss + pss, tgx2 + pgx2, tss2 + pss2
 
     return pair
 
 
 @njit
-def _rms_coef(rs, gx, ss, k, inside):
+def _rms_coef(row_rstd, gx, ss, k, inside):
     # d rstd / d ms: inside -rstd^3 / 2; outside -rstd^2 / (2 sqrt(ms)). The sum of g * x runs
     # over all d features (every one is scaled by rstd); only ms is over the first k.
-    r = np.float64(rs)
+    r = np.float64(row_rstd)
     if inside:
         return np.float32(r * r * r * gx / k)
     rms = math.sqrt(ss / k)
@@ -341,33 +341,33 @@ def _rms_coef(rs, gx, ss, k, inside):
 
 
 @njit(inline="always")
-def _rms_bwd_write(dyr, xr, w, wp, dsr, dxr, rs, coef, i0, i1, head, stage, nt, ahead):
+def _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, i0, i1, head, stage, stream, ahead):
     """dx over [i0, i1) (``head``: inside the first k, where the coef term applies; there, with
     i0 = 0, the whole blocks of bf16 rows are read in pairs)."""
-    a, b = _spans(dxr, i0, i1, nt)
+    a, b = _spans(dxr, i0, i1, stream)
     for i in range(i0, a):
-        _rms_dx(dyr, xr, w, dsr, dxr, rs, coef, i, head)
+        _rms_dx(dyr, xr, w, dsr, dxr, row_rstd, coef, i, head)
     c = a
     if head and a == 0 and _paired(xr, dyr, dsr):
         c = i1 - i1 % BLOCK
         for j in range(0, c, EMIT):
             _prefetch_pass2(xr, dyr, j, ahead)
-            _dx_block("head/pairs", dxr, j, dyr, xr, wp, dsr, stage, coef, rs, nt)
+            _dx_block("head/pairs", dxr, j, dyr, xr, w_pairs, dsr, stage, coef, row_rstd, stream)
     for j in range(c, b, EMIT):
         _prefetch_pass2(xr, dyr, j, ahead)
         if head:
-            _dx_block("head", dxr, j, dyr, xr, w, dsr, stage, coef, rs, nt)
+            _dx_block("head", dxr, j, dyr, xr, w, dsr, stage, coef, row_rstd, stream)
         else:
-            _dx_block("tail", dxr, j, dyr, xr, w, dsr, stage, coef, rs, nt)
+            _dx_block("tail", dxr, j, dyr, xr, w, dsr, stage, coef, row_rstd, stream)
     for i in range(b, i1):
-        _rms_dx(dyr, xr, w, dsr, dxr, rs, coef, i, head)
+        _rms_dx(dyr, xr, w, dsr, dxr, row_rstd, coef, i, head)
 
 
 @njit
-def _rms_dx(dyr, xr, w, dsr, out, rs, coef, i, in_head):
+def _rms_dx(dyr, xr, w, dsr, out, row_rstd, coef, i, in_head):
     xv = _load(xr, i)
     dyv = _load(dyr, i)
-    v = rs * (dyv * _load(w, i))
+    v = row_rstd * (dyv * _load(w, i))
     if in_head:
         v = _fma32(xv, -coef, v)
     if dsr is not None:
@@ -378,38 +378,38 @@ def _rms_dx(dyr, xr, w, dsr, out, rs, coef, i, in_head):
 def _dx_vector(head):
     """_rms_dx on 16 lanes (p[0] is coef)."""
 
-    def dx(builder, dy, x, w, p, rs):
-        t = builder.fmul(rs, builder.fmul(dy, w))
+    def dx(builder, dy, x, w, p, row_rstd):
+        t = builder.fmul(row_rstd, builder.fmul(dy, w))
         return _fma(builder, x, builder.fneg(p[0]), t) if head else t
 
     return dx
 
 
 _DX_BLOCK = {
-    (variant, nt): backward_block(_dx_vector(variant != "tail"), nt, paired=variant.endswith("/pairs"), reads_x=variant != "tail")
+    (variant, stream): backward_block(_dx_vector(variant != "tail"), stream, paired=variant.endswith("/pairs"), reads_x=variant != "tail")
     for variant in ("head", "tail", "head/pairs")
-    for nt in (False, True)
+    for stream in (False, True)
 }
 
 
-def _dx_block(variant, dx, j, dy, x, w, ds, stage, coef, rs, nt):  # pragma: no cover - replaced by the overload below
+def _dx_block(variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream):  # pragma: no cover - replaced by the overload below
     """The dx block at j (simd.backward_block). ``variant`` a string literal: "head" (inside
     the first k), "tail" (past it) or "head/pairs" (bf16 rows read in pairs, w in pair_order)."""
     raise NotImplementedError
 
 
 @overload(_dx_block, prefer_literal=True)
-def _ov_dx_block(variant, dx, j, dy, x, w, ds, stage, coef, rs, nt):
+def _ov_dx_block(variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream):
     name = variant.literal_value
     if name.endswith("/pairs") and not (_pair_types(x, dy, ds) and dx.dtype == dy.dtype):
-        return lambda variant, dx, j, dy, x, w, ds, stage, coef, rs, nt: None  # not called: _paired is False
+        return lambda variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream: None  # not called: _paired is False
     plain, streamed = (_DX_BLOCK[name, t] for t in (False, True))
 
-    def block(variant, dx, j, dy, x, w, ds, stage, coef, rs, nt):
+    def block(variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream):
         z = np.float32(0.0)
-        if nt:
-            streamed(dx, np.uint64(j), dy, x, w, ds, stage, coef, z, z, rs)
+        if stream:
+            streamed(dx, np.uint64(j), dy, x, w, ds, stage, coef, z, z, row_rstd)
         else:
-            plain(dx, np.uint64(j), dy, x, w, ds, stage, coef, z, z, rs)
+            plain(dx, np.uint64(j), dy, x, w, ds, stage, coef, z, z, row_rstd)
 
     return block

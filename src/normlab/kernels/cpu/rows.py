@@ -7,6 +7,22 @@ identical outputs and gradients, whichever thread ran which chunk. Each row is w
 passes: its statistics (streaming it from memory), then its outputs (reading it again from
 cache), by the same loops whatever the rest of the call, so a row's result does not depend on
 the batch it came in.
+
+The chunk loop is the same in all eight kernels, written out in each so that a kernel reads top
+to bottom (each row's work differs in its arguments, pairs of rows and partial rows)::
+
+    for c in prange(nchunks):
+        r0, r1 = _chunk(c, nchunks, n)
+        for r in range(r0, r1):
+            ...                                   # the row's two passes
+            if (r - r0) % FLUSH == FLUSH - 1:     # backward: the chunk's float32 partial rows
+                _flush(dwc, dw_sum[c])            # (dw, db) into its float64 rows, every FLUSH rows
+        _flush(dwc, dw_sum[c])                    # backward: and at the chunk's end
+        if stream:                                # after non-temporal stores, the fence that
+            _store_fence()                        # orders them before the call returns
+
+The float64 rows are then summed in chunk order (``_sum_partials``), so the gradients do not
+depend on which thread ran which chunk.
 """
 
 from __future__ import annotations
@@ -67,12 +83,12 @@ def _ov_row(a, r):
 
 
 @njit
-def _spans(out, i0, i1, nt):
+def _spans(out, i0, i1, stream):
     """Split [i0, i1) of an output row into a plain head [i0, a), whole blocks [a, b) and a plain
-    tail [b, i1). With ``nt`` the blocks start at the row's first 64-byte boundary, as
+    tail [b, i1). With ``stream`` the blocks start at the row's first 64-byte boundary, as
     non-temporal stores need."""
     a = i0
-    if nt:
+    if stream:
         size = out.itemsize
         misalign = (np.int64(out.ctypes.data) + i0 * size) % 64
         a = i0 + min(i1 - i0, ((64 - misalign) % 64) // size)
@@ -87,8 +103,8 @@ def _is_none(t):
     return t is None or isinstance(t, (types.NoneType, types.Omitted))
 
 
-def _is_llama(rnd):
-    return not _is_none(rnd) and rnd.dtype != types.float32
+def _is_llama(round_to):
+    return not _is_none(round_to) and round_to.dtype != types.float32
 
 
 def _pair_types(x, dy, ds=None):

@@ -194,20 +194,20 @@ def _prefetch_pass2(a1, a2, j, ahead):
 # ----------------------------------------------------------------------------------- stores
 
 
-def _store_block(builder, kind, base, wbase, values, llama, nt, hw, zero):
+def _store_block(builder, kind, base, wbase, values, llama, stream, hw, zero):
     """Store EMIT float32 values (16-lane vectors) at ``base`` in the output's dtype. ``llama``:
     the values are x * rstd, rounded to the output's dtype, widened, multiplied by the weights at
-    ``wbase`` and rounded again. ``nt``: non-temporal stores (``base`` 64-byte aligned), of whole
+    ``wbase`` and rounded again. ``stream``: non-temporal stores (``base`` 64-byte aligned), of whole
     64-byte lines. ``zero``: a staging row's line of zeros (see _narrow_line)."""
     nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-    if not nt:
+    if not stream:
         _prefetch_next_block(builder, base, kind)
     pending = None
     for v, x in enumerate(values):
         off = ir.Constant(ir.IntType(64), v * _LANES)
         if llama:
             x = builder.fmul(_widen(builder, _narrow(builder, x, kind, hw), kind), _load_f32(builder, wbase, v))
-        if nt and kind != types.float32:  # 16-bit outputs: a line holds two vectors
+        if stream and kind != types.float32:  # 16-bit outputs: a line holds two vectors
             if pending is None:
                 pending = x
                 continue
@@ -218,22 +218,22 @@ def _store_block(builder, kind, base, wbase, values, llama, nt, hw, zero):
             continue
         y = _narrow(builder, x, kind, hw)
         ptr = builder.bitcast(builder.gep(base, [off]), y.type.as_pointer())
-        if nt:
+        if stream:
             builder.store(y, ptr, align=64).set_metadata("nontemporal", nontemporal)
         else:
             builder.store(y, ptr, align=kind.bitwidth // 8)
 
 
-def _store_pairs(builder, base, values, nt, hw, zero):
+def _store_pairs(builder, base, values, stream, hw, zero):
     """Store float32 vectors (even, odd, even, odd, ...: see _bf16_pair) as bf16 at ``base``, 32
-    values a line (``nt``: non-temporal, ``base`` 64-byte aligned)."""
-    if not nt:
+    values a line (``stream``: non-temporal, ``base`` 64-byte aligned)."""
+    if not stream:
         _prefetch_next_block(builder, base, types.uint16)
     nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
     for c in range(len(values) // 2):
         line = _pair_line(builder, values[2 * c], values[2 * c + 1], hw, zero)
         ptr = builder.bitcast(builder.gep(base, [ir.Constant(ir.IntType(64), 32 * c)]), line.type.as_pointer())
-        if nt:
+        if stream:
             builder.store(line, ptr, align=64).set_metadata("nontemporal", nontemporal)
         else:
             builder.store(line, ptr, align=2)
@@ -258,7 +258,7 @@ def _store_fence(typingctx):
 # ----------------------------------------------------------------------------- output blocks
 
 
-def forward_block(math, llama, nt, hw=HW_BF16):
+def forward_block(math, llama, stream, hw=HW_BF16):
     """An intrinsic (y, j, x, w, b, stage, mhi, mlo, rstd) that computes and stores the output
     block y[j:j + EMIT]. ``math(builder, x, w, b, mhi, mlo, rstd)`` gives one 16-lane vector of
     outputs from one of x; ``w`` and ``b`` are functions that load the matching weights, so a
@@ -272,24 +272,24 @@ def forward_block(math, llama, nt, hw=HW_BF16):
         )
         at = args[1]
         xbase, wbase, bbase = (builder.gep(data, [at]) for data in (x_data, w_data, b_data))
-        mhi, mlo, rs = (_f32x16(builder, args[k]) for k in (6, 7, 8))
+        mhi, mlo, row_rstd = (_f32x16(builder, args[k]) for k in (6, 7, 8))
         values = []
         for v in range(EMIT // _LANES):
             t = _load_row(builder, xbase, v, xkind)
             values.append(math(builder, t, lambda v=v: _load_f32(builder, wbase, v),
-                               lambda v=v: _load_f32(builder, bbase, v), mhi, mlo, rs))
+                               lambda v=v: _load_f32(builder, bbase, v), mhi, mlo, row_rstd))
         zero = builder.gep(stage_data, [ir.Constant(ir.IntType(64), _ZERO)])
-        _store_block(builder, kind, builder.gep(y_data, [at]), wbase, values, llama, nt, hw, zero)
+        _store_block(builder, kind, builder.gep(y_data, [at]), wbase, values, llama, stream, hw, zero)
         return context.get_dummy_value()
 
-    def block(typingctx, y, j, x, w, b, stage, mhi, mlo, rs):
+    def block(typingctx, y, j, x, w, b, stage, mhi, mlo, row_rstd):
         f = types.float32
         return types.void(y, types.uint64, x, w, b, stage, f, f, f), codegen
 
     return intrinsic(block)
 
 
-def backward_block(math, nt, paired=False, reads_x=True, hw=HW_BF16):
+def backward_block(math, stream, paired=False, reads_x=True, hw=HW_BF16):
     """An intrinsic (dx, j, dy, x, w, ds, stage, p0, p1, p2, rstd) that computes and stores the
     dx block at j, plus ds (the residual's gradient) when it is not None. ``math(builder, dy, x,
     w, (p0, p1, p2), rstd)`` gives one 16-lane vector of dx from one of dy and x (x None without
@@ -297,7 +297,7 @@ def backward_block(math, nt, paired=False, reads_x=True, hw=HW_BF16):
     inputs are read two values to a 32-bit lane (_bf16_pair), w is in pair_order, and each 32
     results are interleaved back into place as they are stored (_store_pairs)."""
 
-    def block(typingctx, dx, j, dy, x, w, ds, stage, p0, p1, p2, rs):
+    def block(typingctx, dx, j, dy, x, w, ds, stage, p0, p1, p2, row_rstd):
         has_ds = not isinstance(ds, (types.NoneType, types.Omitted))
 
         def codegen(context, builder, signature, args):
@@ -307,7 +307,7 @@ def backward_block(math, nt, paired=False, reads_x=True, hw=HW_BF16):
             at = args[1]
             base = {k: builder.gep(v, [at]) for k, v in data.items()}
             p = [_f32x16(builder, args[k]) for k in (7, 8, 9)]
-            rs = _f32x16(builder, args[10])
+            row_rstd = _f32x16(builder, args[10])
 
             def row(k, kind):
                 if paired:
@@ -319,15 +319,15 @@ def backward_block(math, nt, paired=False, reads_x=True, hw=HW_BF16):
             dss = row(5, ds.dtype) if has_ds else None
             values = []
             for v in range(EMIT // _LANES):
-                t = math(builder, dys[v], xs[v], _load_f32(builder, base[4], v), p, rs)
+                t = math(builder, dys[v], xs[v], _load_f32(builder, base[4], v), p, row_rstd)
                 if has_ds:
                     t = builder.fadd(t, dss[v])
                 values.append(t)
             zero = builder.gep(data[6], [ir.Constant(ir.IntType(64), _ZERO)])
             if paired:
-                _store_pairs(builder, base[0], values, nt, hw, zero)
+                _store_pairs(builder, base[0], values, stream, hw, zero)
             else:
-                _store_block(builder, dx.dtype, base[0], base[4], values, False, nt, hw, zero)
+                _store_block(builder, dx.dtype, base[0], base[4], values, False, stream, hw, zero)
             return context.get_dummy_value()
 
         f = types.float32
@@ -336,7 +336,7 @@ def backward_block(math, nt, paired=False, reads_x=True, hw=HW_BF16):
     return intrinsic(block)
 
 
-def _make_emit(llama, nt, hw=HW_BF16):
+def _make_emit(llama, stream, hw=HW_BF16):
     """dst[j:j + EMIT] = src[:EMIT] (a staging row) converted to dst's dtype (see _store_block)."""
 
     def emit(typingctx, dst, j, src, w):
@@ -349,7 +349,7 @@ def _make_emit(llama, nt, hw=HW_BF16):
             values = [_load_f32(builder, src_data, v) for v in range(EMIT // _LANES)]
             zero = builder.gep(src_data, [ir.Constant(ir.IntType(64), _ZERO)])
             base, wbase = builder.gep(dst_data, [args[1]]), builder.gep(w_data, [args[1]])
-            _store_block(builder, kind, base, wbase, values, llama, nt, hw, zero)
+            _store_block(builder, kind, base, wbase, values, llama, stream, hw, zero)
             return context.get_dummy_value()
 
         return types.void(dst, types.uint64, src, w), codegen
@@ -359,7 +359,7 @@ def _make_emit(llama, nt, hw=HW_BF16):
 
 # The conversions on their own, from a staging row: tests/test_cpu_blocks.py checks _store_block
 # through them against the scalar conversions (the integer bf16 path too, on every CPU).
-_EMIT = {(llama, nt): _make_emit(llama, nt) for llama in (False, True) for nt in (False, True)}
+_EMIT = {(llama, stream): _make_emit(llama, stream) for llama in (False, True) for stream in (False, True)}
 _EMIT_INTEGER_BF16 = {key: _make_emit(*key, hw=False) for key in _EMIT}
 
 # --------------------------------------------------------------------------------- row sums
@@ -435,16 +435,16 @@ _row_sumsq = _make_row_sums(centred=False)
 def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
     """An intrinsic for the backward's first pass over the whole blocks of bf16 rows: the two
     sums its dx formula needs, and the rows' dw (and db) terms added to the chunk's partial rows
-    on the way. Arguments (dyr, xr, wp, dwc, aux, n, c0, c1, c2) -> (float64, float64), over
+    on the way. Arguments (dyr, xr, w_pairs, dwc, aux, n, c0, c1, c2) -> (float64, float64), over
     values [0, n) (a multiple of BLOCK); ``aux`` is the db partial row (``with_db``) or any array
-    whose dtype ``terms`` reads. Values arrive in pair order (_bf16_pair), so wp, dwc and aux are
+    whose dtype ``terms`` reads. Values arrive in pair order (_bf16_pair), so w_pairs, dwc and aux are
     kept in pair_order.
 
     ``terms(builder, x, dy, w, (c0, c1, c2), s0, s1, a, aux_kind, hw)`` adds one vector's terms
     to accumulators s0[a] and s1[a] and returns xhat; then dw += dy * xhat (one fma) and, with
     ``with_db``, db += dy.
 
-    ``rows=2``: (dyr, xr, dyr2, xr2, wp, dwc, aux, n, c0, c1, c2, e0, e1, e2) -> four float64,
+    ``rows=2``: (dyr, xr, dyr2, xr2, w_pairs, dwc, aux, n, c0, c1, c2, e0, e1, e2) -> four float64,
     the same work for two rows at once, which loads and stores each partial-row value once for
     both. The terms reach dwc in the order two calls would add them: the bits do not change."""
 
@@ -491,11 +491,11 @@ def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
 
     f = types.float32
     if rows == 1:
-        def sums(typingctx, dyr, xr, wp, dwc, aux, n, c0, c1, c2):
-            return types.UniTuple(types.float64, 2)(dyr, xr, wp, dwc, aux, types.int64, f, f, f), codegen
+        def sums(typingctx, dyr, xr, w_pairs, dwc, aux, n, c0, c1, c2):
+            return types.UniTuple(types.float64, 2)(dyr, xr, w_pairs, dwc, aux, types.int64, f, f, f), codegen
     else:
-        def sums(typingctx, dyr, xr, dyr2, xr2, wp, dwc, aux, n, c0, c1, c2, e0, e1, e2):
-            return types.UniTuple(types.float64, 4)(dyr, xr, dyr2, xr2, wp, dwc, aux, types.int64, f, f, f, f, f, f), codegen
+        def sums(typingctx, dyr, xr, dyr2, xr2, w_pairs, dwc, aux, n, c0, c1, c2, e0, e1, e2):
+            return types.UniTuple(types.float64, 4)(dyr, xr, dyr2, xr2, w_pairs, dwc, aux, types.int64, f, f, f, f, f, f), codegen
 
     return intrinsic(sums)
 
