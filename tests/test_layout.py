@@ -16,6 +16,7 @@ LAYERS = [
     {"kernels.ops", "kernels.cpu.cache", "kernels.cpu.launch", "kernels.triton.launch"},
     {"kernels", "kernels.triton", "kernels.cpu"},
     {"functional"},
+    {"torch_compat"},
     {"nn"},
     {"model_config"},
     {"model", "rnn", "footprint"},

@@ -9,6 +9,7 @@ the norm a model asks for by name.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -16,6 +17,7 @@ from torch import Tensor, nn
 from normlab import functional as F
 from normlab import reference
 from normlab.kernels import check_name
+from normlab.torch_compat import normalized_size
 
 __all__ = ["LayerNorm", "RMSNorm", "L2Norm", "ScaleNorm", "SequenceBatchNorm", "DyT", "Derf", "build_norm", "NORM_KINDS"]
 
@@ -35,38 +37,65 @@ def _check_backend(backend: str | None) -> str | None:
     return None if backend is None else check_name(backend)
 
 
-class LayerNorm(nn.Module):
-    """LayerNorm over the last dimension, with fp32 statistics.
+def _check_shape(normalized_shape: object) -> tuple[int, ...]:
+    """torch's ``normalized_shape``: an int (the last dimension) or a tuple of the trailing ones."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
+    if not isinstance(shape, Sequence) or not shape or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1
+                                                             for s in shape):
+        raise ValueError("dim must be a positive int, or a tuple of them (torch's normalized_shape: the trailing dimensions "
+                         f"normalized together), got {normalized_shape!r}")
+    return tuple(shape)
 
-    Same parameters as ``torch.nn.LayerNorm(dim)``: ``weight`` (ones) and ``bias`` (zeros), each
-    (dim,). ``bias=False`` drops the bias; ``elementwise_affine=False`` drops both.
+
+def _flat(module: nn.Module, x: Tensor) -> Tensor:
+    """x with the module's normalized dimensions flattened into one (a view where it can be)."""
+    shape = module.normalized_shape
+    if len(shape) == 1:
+        return x
+    normalized_size(shape, x, type(module).__name__)
+    return x.reshape(*x.shape[:x.dim() - len(shape)], module.dim)
+
+
+def _flat_param(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.reshape(-1)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dimension (or the trailing ``normalized_shape``), fp32 statistics.
+
+    torch.nn.LayerNorm's arguments, in its order: ``weight`` (ones) and ``bias`` (zeros) of the
+    normalized shape; ``bias=False`` drops the bias; ``elementwise_affine=False`` drops both.
+    A tuple ``normalized_shape`` runs the fused kernels on those dimensions flattened.
     """
 
     def __init__(
         self,
-        dim: int,
+        dim: int | Sequence[int],
         eps: float = 1e-5,
-        *,
-        bias: bool = True,
         elementwise_affine: bool = True,
-        backend: str | None = None,
+        bias: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        backend: str | None = None,
     ) -> None:
         super().__init__()
-        self.dim = _check_dim(dim)
+        self.normalized_shape = _check_shape(dim)
+        self.dim = math.prod(self.normalized_shape)
         self.eps = F.check_eps(eps)
         self.elementwise_affine = bool(elementwise_affine)
         self.backend = _check_backend(backend)
         kw = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.ones(dim, **kw)) if elementwise_affine else None
-        self.bias = nn.Parameter(torch.zeros(dim, **kw)) if (elementwise_affine and bias) else None
+        self.weight = nn.Parameter(torch.ones(self.normalized_shape, **kw)) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **kw)) if (elementwise_affine and bias) else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
+        y = F.layer_norm(_flat(self, x), _flat_param(self.weight), _flat_param(self.bias), self.eps, backend=self.backend)
+        return y.reshape(x.shape) if len(self.normalized_shape) > 1 else y
 
     def extra_repr(self) -> str:
-        s = f"{self.dim}, eps={self.eps:g}, elementwise_affine={self.elementwise_affine}"
+        shape = self.dim if len(self.normalized_shape) == 1 else self.normalized_shape
+        s = f"{shape}, eps={self.eps:g}, elementwise_affine={self.elementwise_affine}"
         if self.elementwise_affine:
             s += f", bias={self.bias is not None}"
         if self.backend:
@@ -77,28 +106,32 @@ class LayerNorm(nn.Module):
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension (and pRMSNorm with ``partial``), fp32 statistics.
 
-    ``weight`` (dim,) is initialized to ``1 - offset`` so the effective scale starts at one
-    (ones for Llama, zeros for Gemma's ``offset=1``). Options as in
+    ``weight`` (the normalized shape) is initialized to ``1 - offset`` so the effective scale
+    starts at one (ones for Llama, zeros for Gemma's ``offset=1``). Options as in
     :func:`normlab.functional.rms_norm`; ``elementwise_affine=False`` is weightless RMSNorm.
+    torch.nn.RMSNorm's arguments work in its order, a tuple ``normalized_shape`` and ``eps=None``
+    (``torch.finfo(x.dtype).eps``, torch's default) included; normlab's default eps is 1e-6, and
+    its default cast order Llama's (torch's rounds once, as ``cast="gemma"``).
     """
 
     def __init__(
         self,
-        dim: int,
-        eps: float = 1e-6,
-        *,
+        dim: int | Sequence[int],
+        eps: float | None = 1e-6,
         elementwise_affine: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
         cast: str = "llama",
         offset: float = 0.0,
         eps_mode: str = "inside",
         partial: float | None = None,
         backend: str | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.dim = _check_dim(dim)
-        self.eps = F.check_eps(eps)
+        self.normalized_shape = _check_shape(dim)
+        self.dim = math.prod(self.normalized_shape)
+        self.eps = None if eps is None else F.check_eps(eps)
         self.cast = F.check_choice(cast, "cast", F.CASTS)
         self.offset = F.check_offset(offset)
         self.eps_mode = F.check_choice(eps_mode, "eps_mode", F.EPS_MODES)
@@ -106,18 +139,20 @@ class RMSNorm(nn.Module):
         self.elementwise_affine = bool(elementwise_affine)
         self.backend = _check_backend(backend)
         if elementwise_affine:
-            self.weight = nn.Parameter(torch.full((dim,), 1.0 - self.offset, device=device, dtype=dtype))
+            self.weight = nn.Parameter(torch.full(self.normalized_shape, 1.0 - self.offset, device=device, dtype=dtype))
         else:
             self.register_parameter("weight", None)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(
-            x, self.weight, self.eps, eps_mode=self.eps_mode, cast=self.cast, offset=self.offset,
-            partial=self.partial, backend=self.backend,
-        )
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        y = F.rms_norm(_flat(self, x), _flat_param(self.weight), eps, eps_mode=self.eps_mode, cast=self.cast,
+                       offset=self.offset, partial=self.partial, backend=self.backend)
+        return y.reshape(x.shape) if len(self.normalized_shape) > 1 else y
 
     def extra_repr(self) -> str:
-        s = f"{self.dim}, eps={self.eps:g}, elementwise_affine={self.elementwise_affine}, cast={self.cast!r}"
+        shape = self.dim if len(self.normalized_shape) == 1 else self.normalized_shape
+        eps = "None" if self.eps is None else f"{self.eps:g}"
+        s = f"{shape}, eps={eps}, elementwise_affine={self.elementwise_affine}, cast={self.cast!r}"
         if self.offset:
             s += f", offset={self.offset:g}"
         if self.eps_mode != "inside":

@@ -89,6 +89,15 @@ def _summed(ctx, dsum: Tensor | None, ds: Tensor | None) -> tuple:
     return (dsum.to(ctx.dtypes[0]) if need[0] else None), (dsum.to(ctx.dtypes[1]) if need[1] else None)
 
 
+def _one_feature(dx: Tensor, x: Tensor, ds: Tensor | None) -> Tensor:
+    """LayerNorm's input gradient where rows have one feature: exactly ds (or 0). Such a row
+    normalizes to 0 whatever x is, so nothing flows back to x; the kernels' dx formula would
+    leave its rounding error instead (torch and the reference give 0)."""
+    if x.shape[-1] != 1:
+        return dx
+    return torch.zeros_like(dx) if ds is None else ds.to(dx.dtype)
+
+
 def _vjp(fn: Callable, inputs: tuple, cotangent: Tensor) -> list:
     """cotangent's vector-Jacobian product with ``fn(*inputs)`` for each of ``inputs`` that needs
     a gradient (None for the others), with its own graph. torch.func's vjp rather than
@@ -255,6 +264,7 @@ class LayerNorm:
     def gradients(ctx, grads, backward):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         dx, dw, db = backward(grads[0], x, weight, mean, rstd, None, grad_dtypes=(grad_dtype(weight), grad_dtype(bias)))
+        dx = _one_feature(dx, x, None)
         need = ctx.needs_input_grad
         return _grad_like(dx, x, need[0]), _grad_like(dw, weight, need[1]), _grad_like(db, bias, need[2]), None
 
@@ -299,6 +309,7 @@ class AddLayerNorm(LayerNorm):
         s, weight, bias, mean, rstd = ctx.saved_tensors
         dsum, dw, db = backward(grads[0], s, weight, mean, rstd, grads[1],
                                 grad_dtypes=(grad_dtype(weight), grad_dtype(bias)))
+        dsum = _one_feature(dsum, s, grads[1])
         need = ctx.needs_input_grad
         return (*_summed(ctx, dsum, None), _grad_like(dw, weight, need[2]), _grad_like(db, bias, need[3]), None, None)
 
