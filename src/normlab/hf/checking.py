@@ -15,7 +15,8 @@ from torch import nn
 from normlab import functional as F
 from normlab.hf.patching import _spec, patch, unpatch
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "olmo2", "t5", "gpt2", "bert")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "olmo2", "t5", "gpt2", "bert", "bloom", "falcon",
+         "glm", "glm4", "deepseek_v3")
 
 
 def _transformers():
@@ -52,6 +53,19 @@ def tiny_model(arch: str, seed: int = 0, **sizes) -> nn.Module:
                                                               decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)),
         "gpt2": lambda: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=256, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=256,
                                                                   bos_token_id=1, eos_token_id=2)),
+        # the seed table's families: Bloom (a LayerNorm after the embedding too), Falcon, ChatGLM's
+        # successors in transformers (GLM, GLM-4) and DeepSeek-V3 (its MLA's low-rank q and kv norms too;
+        # dense layers only: its experts' grouped matmul has no float64, which the check's truth needs)
+        "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(vocab_size=256, hidden_size=hidden, n_layer=layers, n_head=heads,
+                                                          bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+        "falcon": lambda: T.FalconForCausalLM(T.FalconConfig(vocab_size=256, hidden_size=hidden, num_hidden_layers=layers,
+                                                             num_attention_heads=heads, bos_token_id=1, eos_token_id=2)),
+        "glm": lambda: T.GlmForCausalLM(T.GlmConfig(**common, head_dim=hd)),
+        "glm4": lambda: T.Glm4ForCausalLM(T.Glm4Config(**common, head_dim=hd)),
+        "deepseek_v3": lambda: T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+            **{**common, "num_key_value_heads": heads}, moe_intermediate_size=hidden, n_routed_experts=4, num_experts_per_tok=2,
+            n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=layers, q_lora_rank=hidden // 2,
+            kv_lora_rank=hidden // 4, qk_nope_head_dim=hd // 2, qk_rope_head_dim=hd // 2, v_head_dim=hd)),
         "bert": lambda: T.BertForMaskedLM(T.BertConfig(vocab_size=256, hidden_size=hidden, num_hidden_layers=layers,
                                                        num_attention_heads=heads, intermediate_size=ff,
                                                        max_position_embeddings=256)),

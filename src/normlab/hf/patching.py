@@ -10,11 +10,11 @@ subclassed keep working. Each family's numerics (DESIGN.md):
 
 | classes | normlab op |
 |---|---|
-| LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm (also q_norm/k_norm over head_dim) | rms_norm, cast="llama" |
+| LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm (also q_norm/k_norm over head_dim), GlmRMSNorm, Glm4RMSNorm, DeepseekV3RMSNorm (also MLA's q_a/kv_a norms) | rms_norm, cast="llama" |
 | GemmaRMSNorm, Gemma2RMSNorm, Gemma3RMSNorm | rms_norm, cast="gemma", offset=1 (weights store w, apply 1 + w) |
 | Olmo2RMSNorm | rms_norm, cast="gemma" (weight times fp32 xhat, cast last) |
 | T5LayerNorm | rms_norm, cast="llama" (no mean, no bias) |
-| torch.nn.LayerNorm (GPT-2, BERT with eps 1e-12, ...) | layer_norm |
+| torch.nn.LayerNorm (GPT-2, BERT with eps 1e-12, Bloom with its embedding LayerNorm, Falcon, ...) | layer_norm |
 | torch.nn.RMSNorm | rms_norm, cast="gemma" (eps None: fp32's machine epsilon, as torch uses for fp32/bf16/fp16) |
 
 Before a module is patched, the normlab op and the original forward run on the same small random
@@ -40,7 +40,8 @@ from normlab import functional as F
 
 # class name -> (op, cast, offset, name of the eps attribute)
 RMS_CLASSES = {
-    **{name: ("rms", "llama", 0.0, "variance_epsilon") for name in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")},
+    **{name: ("rms", "llama", 0.0, "variance_epsilon") for name in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm",
+                                                                    "GlmRMSNorm", "Glm4RMSNorm", "DeepseekV3RMSNorm")},
     **{name: ("rms", "gemma", 1.0, "eps") for name in ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")},
     "Olmo2RMSNorm": ("rms", "gemma", 0.0, "variance_epsilon"),
     "T5LayerNorm": ("rms", "llama", 0.0, "variance_epsilon"),
