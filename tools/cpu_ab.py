@@ -37,7 +37,7 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from normlab.bench import _rotation  # noqa: E402
+from normlab.bench import rotation  # noqa: E402
 from normlab.kernels.cpu import launch as C  # noqa: E402
 from normlab.kernels.cpu import memory  # noqa: E402
 
@@ -73,7 +73,7 @@ def load(src: str, name: str):
 
 def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False):
     """A no-argument callable that runs ``op`` of kernel module K on the next input set."""
-    k = _rotation((n, d), dtype)
+    k = rotation((n, d), dtype)
     sets = [(memory._as_numpy(torch.randn(n, d, dtype=dtype)), memory._as_numpy(torch.randn(n, d, dtype=dtype))) for _ in range(k)]
     y = memory._as_numpy(torch.empty(n, d, dtype=dtype))
     w, b = torch.randn(d).numpy(), torch.randn(d).numpy()
@@ -104,7 +104,7 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False):
 
 
 def copier(n: int, d: int, dtype: torch.dtype):
-    k = _rotation((n, d), dtype)
+    k = rotation((n, d), dtype)
     srcs = [torch.randn(n, d, dtype=dtype) for _ in range(k)]
     dst, turn = torch.empty(n, d, dtype=dtype), [0]
 

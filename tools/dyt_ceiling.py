@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from numba import njit  # noqa: E402
 
-from normlab.bench import _rotation  # noqa: E402
+from normlab.bench import rotation  # noqa: E402
 from normlab.kernels.cpu import pointwise as K  # noqa: E402
 from normlab.kernels.cpu import launch as L  # noqa: E402
 from normlab.kernels.cpu.simd import STAGE_WIDTH  # noqa: E402
@@ -86,7 +86,7 @@ def measured_ms(shape: tuple[int, int], dtype: str, rounds: int = 30) -> dict[st
     """Medians of a copy and of the forward and backward launchers (the kernels and their setup),
     interleaved round by round on inputs rotated as ``normlab bench`` rotates them."""
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    k = _rotation(shape, torch_dtype)
+    k = rotation(shape, torch_dtype)
     xs, dys = ([torch.randn(shape).to(torch_dtype) for _ in range(k)] for _ in range(2))
     alpha, w, b = torch.tensor([0.5]), torch.ones(shape[1], dtype=torch_dtype), torch.zeros(shape[1], dtype=torch_dtype)
     out = torch.empty_like(xs[0])

@@ -243,7 +243,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _rotation(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+def rotation(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     nbytes = math.prod(shape) * (torch.finfo(dtype).bits // 8)
     return max(2, min(8, math.ceil(ROTATE_BYTES / nbytes)))
 
@@ -252,7 +252,7 @@ def _build_group(ops, peers, passes, allocs, dtype_name, shape, device, gen) -> 
     """The cases for one (dtype, shape) group, plus notes on peers that cannot run."""
     dtype = DTYPES[dtype_name]
     d = shape[-1]
-    k = _rotation(shape, dtype)
+    k = rotation(shape, dtype)
 
     def rand():
         return [torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype) for _ in range(k)]

@@ -9,7 +9,7 @@ import torch
 
 from normlab import claims as C
 from normlab import data as D
-from normlab.experiments.common import LM_SEEDS, SHEN20, _pick, _round, lm_sizes, stats, train_norms, trains, unigram_loss
+from normlab.experiments.common import LM_SEEDS, SHEN20, claim_values, round_sig, lm_sizes, stats, train_norms, trains, unigram_loss
 from normlab.experiments.lab import Lab
 from normlab.nn import SequenceBatchNorm
 from normlab.train import load_run
@@ -197,7 +197,7 @@ def preset_batchnorm(lab: Lab) -> dict:
         pad = max(x["padding_change"] for x in e)
         val = stats([r["val_loss"] for r in runs[norm]])
         rows.append({"norm": norm, "batch_size": tf["batch_size"], "batching": "windows", "lr": lab.arm_lr(norm),
-                     "mates_change": _round(mates, 3), "padding_change": _round(pad, 3), "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2)})
+                     "mates_change": round_sig(mates, 3), "padding_change": round_sig(pad, 3), "val_loss": round_sig(val["mean"]), "val_std": round_sig(val["std"], 2)})
         measured.update({f"{norm}_mates_change": mates, f"{norm}_padding_change": pad})
     trend = {}
     for (norm, bs), (fields, rs) in trend_runs.items():
@@ -212,10 +212,10 @@ def preset_batchnorm(lab: Lab) -> dict:
         rows.append({"norm": norm, "batch_size": ACCUM[0] * ACCUM[1] if accumulated else bs,
                      "batching": f"paragraphs, {ACCUM[0]} x {ACCUM[1]} accumulated" if accumulated else "paragraphs",
                      "lr": lab.arm_lr(f"pad-{norm}-b{ACCUM[0] * ACCUM[1] if accumulated else bs}"),
-                     "val_loss": _round(val["mean"]),
-                     "val_std": _round(val["std"], 2), "eval_loss": _round(statistics.fmean(x["eval_loss"] for x in losses)),
-                     "train_mode_loss": _round(statistics.fmean(x["train_mode_loss"] for x in losses)),
-                     "train_eval_gap": _round(statistics.fmean(gaps), 3)})
+                     "val_loss": round_sig(val["mean"]),
+                     "val_std": round_sig(val["std"], 2), "eval_loss": round_sig(statistics.fmean(x["eval_loss"] for x in losses)),
+                     "train_mode_loss": round_sig(statistics.fmean(x["train_mode_loss"] for x in losses)),
+                     "train_eval_gap": round_sig(statistics.fmean(gaps), 3)})
     small, large = BATCH_SIZES[0], BATCH_SIZES[-1]
     for bs in (small, large) if trend else ():
         measured[f"batchnorm_gap_b{bs}"] = trend["batchnorm", bs]["gap"]
@@ -234,7 +234,7 @@ def preset_batchnorm(lab: Lab) -> dict:
     claims = [
         C.claim("batchnorm.mates", "under BatchNorm a sequence's output changes with its batch-mates and their padding "
                 "(largest change of its logits >= 1e-3 of their RMS), under LayerNorm and RMSNorm it does not (<= 1e-5)", SHEN20,
-                _pick(measured, *[f"{n}_{k}" for n in norms for k in ("mates_change", "padding_change")]),
+                claim_values(measured, *[f"{n}_{k}" for n in norms for k in ("mates_change", "padding_change")]),
                 C.all_of(C.at_least("batchnorm_mates_change", 1e-3, point=worst, origin=moves),
                          C.at_least("batchnorm_padding_change", 1e-3, point=worst, origin=moves),
                          *[C.at_most(f"{n}_{k}", 1e-5, point=none_moves, origin=still)
@@ -247,7 +247,7 @@ def preset_batchnorm(lab: Lab) -> dict:
         "reaches large batches), LayerNorm's gradients are those of the true batch, up to summation order; BatchNorm's "
         "are not (each micro-batch has its own statistics)", "the BatchNorm article: 'NLP training uses small batches "
         "with gradient accumulation, so BatchNorm's statistics are unreliable'",
-        _pick(measured, "layernorm_accumulation_change", "batchnorm_accumulation_change"),
+        claim_values(measured, "layernorm_accumulation_change", "batchnorm_accumulation_change"),
         C.all_of(C.at_most("layernorm_accumulation_change", 1e-12, point="the gradients' relative difference",
                            origin=C.ours("1e-12: float64 summation order changes a sum by about 1e-16 per term")),
                  C.at_least("batchnorm_accumulation_change", 1e-3, point="the gradients' relative difference",
@@ -264,13 +264,13 @@ def preset_batchnorm(lab: Lab) -> dict:
     claims += [] if not trend else [
         C.claim("batchnorm.position_unseen_refused", "per-position BatchNorm has no statistics for a position past the "
                 "longest training sequence: a real token there is refused with an error that names the position", article,
-                _pick(measured, "position_unseen_refused"),
+                claim_values(measured, "position_unseen_refused"),
                 C.at_least("position_unseen_refused", 1, point="whether the error was raised and named the position",
                            origin=C.ours("1: the refusal happened (0: it did not)")), pos_cond),
         C.claim("batchnorm.late_positions_noisier", "per position, late positions' running statistics come from fewer "
                 "tokens and vary more across seeds than early positions' (the last quarter of positions against the "
                 "first)", article,
-                _pick(measured, "late_position_tokens", "early_position_tokens", "late_position_spread",
+                claim_values(measured, "late_position_tokens", "early_position_tokens", "late_position_spread",
                       "early_position_spread"),
                 C.all_of(C.below("late_position_tokens", "early_position_tokens",
                                  point="the real tokens per position, counted (mean over seeds)"),
@@ -279,11 +279,11 @@ def preset_batchnorm(lab: Lab) -> dict:
                 pos_cond),
         C.claim("batchnorm.gap_grows", f"BatchNorm's train/eval mismatch grows as the batch shrinks: its loss in training "
                 f"mode differs more from eval mode at batch {small} than at {large}", SHEN20,
-                _pick(measured, f"batchnorm_gap_b{small}", f"batchnorm_gap_b{large}"),
+                claim_values(measured, f"batchnorm_gap_b{small}", f"batchnorm_gap_b{large}"),
                 C.above(f"batchnorm_gap_b{small}", f"batchnorm_gap_b{large}", paired=True), trend_cond),
         C.claim("batchnorm.small_batch_worse", f"BatchNorm falls further behind LayerNorm as the batch shrinks: its excess "
                 f"loss over LayerNorm is larger at batch {small} than at {large}, where LayerNorm trains at both", SHEN20,
-                _pick(measured, f"batchnorm_excess_b{small}", f"batchnorm_excess_b{large}", f"layernorm_val_b{small}",
+                claim_values(measured, f"batchnorm_excess_b{small}", f"batchnorm_excess_b{large}", f"layernorm_val_b{small}",
                       f"layernorm_val_b{large}", "unigram_loss"),
                 C.given(C.all_of(trains(f"layernorm_val_b{small}"), trains(f"layernorm_val_b{large}")),
                         C.above(f"batchnorm_excess_b{small}", f"batchnorm_excess_b{large}", paired=True, absolute=True)),
@@ -292,7 +292,7 @@ def preset_batchnorm(lab: Lab) -> dict:
                 f"reached by accumulating {ACCUM[0]} micro-batches of {ACCUM[1]} than with the true batch: its excess loss "
                 "over LayerNorm is larger, where LayerNorm trains at both", "the BatchNorm article: 'NLP training uses "
                 "small batches with gradient accumulation, so BatchNorm's statistics are unreliable'",
-                _pick(measured, "batchnorm_excess_accum", f"batchnorm_excess_b{large}", "layernorm_val_accum",
+                claim_values(measured, "batchnorm_excess_accum", f"batchnorm_excess_b{large}", "layernorm_val_accum",
                       f"layernorm_val_b{large}", "unigram_loss"),
                 C.given(C.all_of(trains("layernorm_val_accum"), trains(f"layernorm_val_b{large}")),
                         C.above("batchnorm_excess_accum", f"batchnorm_excess_b{large}", paired=True, absolute=True)),

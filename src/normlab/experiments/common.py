@@ -105,7 +105,7 @@ def stats(values) -> dict:
             "min": min(v), "max": max(v), "n": len(v)}
 
 
-def _round(x, digits=4):
+def round_sig(x, digits=4):
     return None if x is None else float(f"{x:.{digits}g}")
 
 
@@ -117,16 +117,16 @@ def arm_losses(name: str, runs: list[dict], measured: dict) -> dict:
     diverged = sum(r["status"] == "diverged" for r in runs)
     measured[f"{name}_val"] = [r["val_loss"] for r in runs]
     measured[f"{name}_diverged"] = diverged
-    return {"val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2), "val_min": _round(val["min"]),
-            "val_max": _round(val["max"]), "seeds": len(runs), "diverged": diverged}
+    return {"val_loss": round_sig(val["mean"]), "val_std": round_sig(val["std"], 2), "val_min": round_sig(val["min"]),
+            "val_max": round_sig(val["max"]), "seeds": len(runs), "diverged": diverged}
 
 
-def _pick(measured: dict, *keys) -> dict:
+def claim_values(measured: dict, *keys) -> dict:
     """The measured values a claim uses."""
     return {k: measured.get(k) for k in keys}
 
 
-def _curves(run: dict) -> dict:
+def curves_of(run: dict) -> dict:
     return {"status": run["status"], "val_curve": run["val_curve"], "train_curve": run["train_curve"]}
 
 

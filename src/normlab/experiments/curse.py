@@ -18,7 +18,7 @@ import torch
 
 from normlab import claims as C
 from normlab import data as D
-from normlab.experiments.common import _curves, _pick, _round, arm_losses, deep_sizes, stats, trains, unigram_loss
+from normlab.experiments.common import curves_of, claim_values, round_sig, arm_losses, deep_sizes, stats, trains, unigram_loss
 from normlab.experiments.lab import Lab
 from normlab.train import load_run
 
@@ -106,24 +106,24 @@ def preset_curse(lab: Lab) -> dict:
         cos_deep = stats([statistics.fmean(m["cos"][half:]) for m in ms if m])
         rows.append({"arm": arm, "placement": ARMS[arm]["placement"], "ln_scaling": ARMS[arm].get("ln_scaling", False),
                      "lr": lab.arm_lr(f"{arm}-curse"), **arm_losses(arm, rs, measured),
-                     "deep_share": _round(stats(measured[f"{arm}_deep_share"])["mean"], 3),
-                     "cos_first_half": _round(cos_first["mean"], 3), "cos_deep_half": _round(cos_deep["mean"], 3)})
+                     "deep_share": round_sig(stats(measured[f"{arm}_deep_share"])["mean"], 3),
+                     "cos_first_half": round_sig(cos_first["mean"], 3), "cos_deep_half": round_sig(cos_deep["mean"], 3)})
     claims = [
         C.claim("curse.pre_deep_weaker", f"in Pre-LN ({n_layers} layers), the deeper half's layers contribute less than the "
                 "first half's: their share of the loss rise when single layers are skipped is below one half, where "
-                "Pre-LN trains", SUN25, _pick(measured, "pre_deep_share", "pre_val", "unigram_loss"),
+                "Pre-LN trains", SUN25, claim_values(measured, "pre_deep_share", "pre_val", "unigram_loss"),
                 C.given(trains("pre_val"), C.below("pre_deep_share", 0.5, absolute=True, origin=HALF)), CONDITIONS),
         C.claim("curse.post_deep_not_weaker", "in Post-LN the deeper half's layers do not contribute less: their share is at "
                 "least 45%, where Post-LN trains (at its own learning rate)", SUN25,
-                _pick(measured, "post_deep_share", "post_val", "unigram_loss"),
+                claim_values(measured, "post_deep_share", "post_val", "unigram_loss"),
                 C.given(trains("post_val"), C.at_least("post_deep_share", 0.5, 0.05, absolute=True, origin=NOT_LESS)),
                 CONDITIONS),
         C.claim("curse.lns_deeper", "LayerNorm Scaling raises the deeper half's share against Pre-LN without it, where "
-                "Pre-LN trains", SUN25, _pick(measured, "lns_deep_share", "pre_deep_share", "pre_val", "unigram_loss"),
+                "Pre-LN trains", SUN25, claim_values(measured, "lns_deep_share", "pre_deep_share", "pre_val", "unigram_loss"),
                 C.given(trains("pre_val"), C.above("lns_deep_share", "pre_deep_share", paired=True, absolute=True)),
                 CONDITIONS),
         C.claim("curse.lns_loss", "LayerNorm Scaling lowers the validation loss against Pre-LN without it, where Pre-LN "
-                "trains", SUN25, _pick(measured, "lns_val", "pre_val", "unigram_loss"),
+                "trains", SUN25, claim_values(measured, "lns_val", "pre_val", "unigram_loss"),
                 C.given(trains("pre_val"), C.below("lns_val", "pre_val", paired=True)),
                 CONDITIONS + ["differs: a directional test (Sun et al.'s 5-8% is in perplexity at 130M-7B, about 0.05-0.08 "
                               "nats; at this size no magnitude is claimed)"]),
@@ -138,7 +138,7 @@ def preset_curse(lab: Lab) -> dict:
         "columns": ["arm", "placement", "ln_scaling", "lr", "val_loss", "val_std", "seeds", "diverged", "deep_share",
                     "cos_first_half", "cos_deep_half"],
         "rows": rows, "claims": claims,
-        "series": {"layers": mean_layers, "runs": {arm: [{"seed": s, **_curves(r)} for s, r in zip(seeds, rs)]
+        "series": {"layers": mean_layers, "runs": {arm: [{"seed": s, **curves_of(r)} for s, r in zip(seeds, rs)]
                                                    for arm, rs in runs.items()}},
         "notes": [f"deep_share: the deeper half's (layers {half + 1}-{n_layers}) share of the summed rise of the "
                   f"validation loss when one layer's block is skipped at a time ({n_batches} fixed validation batches, "

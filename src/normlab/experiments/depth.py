@@ -8,9 +8,9 @@ from normlab.experiments.common import (
     DIVERGED,
     WANG22,
     XIONG_MODEL,
-    _curves,
-    _pick,
-    _round,
+    curves_of,
+    claim_values,
+    round_sig,
     arm_losses,
     deep_sizes,
     stats,
@@ -54,27 +54,27 @@ def preset_depth(lab: Lab) -> dict:
         runs[arm] = rs[0]
         rows.append({"placement": placement, "init": init if placement == "deepnorm" else model["init"],
                      "lr": lab.arm_lr(f"{label}-deep"), "steps": min(r["steps"] for r in rs),
-                     **arm_losses(arm, rs, measured), "train_loss": _round(stats([r["train_loss"] for r in rs])["mean"])})
+                     **arm_losses(arm, rs, measured), "train_loss": round_sig(stats([r["train_loss"] for r in rs])["mean"])})
     measured["unigram_loss"] = unigram_loss(lab.dataset.train)
     layers = lab.model_over.get("n_layers", model["n_layers"])
     count = "a count of diverged seeds"
     clearly = C.ours("5% of the loss: DeepNet reports Post-LN failing outright at depth; 5% is well past seed noise")
     claims = [
         C.claim("depth.post_fails", f"a deep Post-LN model ({layers} layers, no warmup) diverges or ends at least 5% worse than "
-                "Pre-LN, where Pre-LN trains", WANG22, _pick(measured, "post_val", "pre_val", "post_diverged", "unigram_loss"),
+                "Pre-LN, where Pre-LN trains", WANG22, claim_values(measured, "post_val", "pre_val", "post_diverged", "unigram_loss"),
                 C.given(trains("pre_val"), C.any_of(C.at_least("post_diverged", 1, point=count, origin=DIVERGED),
                                                     C.above("post_val", "pre_val", 0.05, origin=clearly, paired=True))),
                 DEPTH_CONDITIONS),
         C.claim("depth.deepnorm_trains", "DeepNorm keeps the same Post-LN model trainable: it does not diverge and ends at most "
                 "5% above Pre-LN, where Pre-LN trains", WANG22,
-                _pick(measured, "deepnorm_val", "pre_val", "deepnorm_diverged", "unigram_loss"),
+                claim_values(measured, "deepnorm_val", "pre_val", "deepnorm_diverged", "unigram_loss"),
                 C.given(trains("pre_val"), C.all_of(C.at_most("deepnorm_diverged", 0, point=count, origin=DIVERGED),
                                                     C.at_most("deepnorm_val", "pre_val", 0.05, origin=clearly, paired=True))),
                 DEPTH_CONDITIONS),
         *([C.claim("depth.deepnorm_article_trains", "DeepNorm with the init as the article writes it (xavier, then the FFN's "
                    "weights / sqrt(L) and attention's W_V, W_out / sqrt(2L)) also keeps the Post-LN model trainable: no "
                    "divergence, at most 5% above Pre-LN, where Pre-LN trains", ARTICLE_INIT,
-                   _pick(measured, "deepnorm_article_val", "pre_val", "deepnorm_article_diverged", "unigram_loss"),
+                   claim_values(measured, "deepnorm_article_val", "pre_val", "deepnorm_article_diverged", "unigram_loss"),
                    C.given(trains("pre_val"),
                            C.all_of(C.at_most("deepnorm_article_diverged", 0, point=count, origin=DIVERGED),
                                     C.at_most("deepnorm_article_val", "pre_val", 0.05, origin=clearly, paired=True))),
@@ -88,7 +88,7 @@ def preset_depth(lab: Lab) -> dict:
         "settings": {"train": {**train_fields, **lab.train_over, "lr": lr, "warmup": 0}, "model": {**model, **lab.model_over},
                      "seeds": seeds},
         "columns": ["placement", "init", "lr", "seeds", "diverged", "steps", "val_loss", "val_std", "train_loss"],
-        "rows": rows, "claims": claims, "series": {"runs": {k: _curves(r) for k, r in runs.items()}},
+        "rows": rows, "claims": claims, "series": {"runs": {k: curves_of(r) for k, r in runs.items()}},
         "notes": [f"{len(seeds)} seeds per placement, cosine schedule without warmup; curves: seed 0. Unigram loss "
                   f"{measured['unigram_loss']:.3f}: a model that learned only character frequencies.",
                   "init: deepnet = xavier with gain (8L)^(-1/4) on W_V, W_out and the FFN (DeepNet); article = xavier, "

@@ -26,7 +26,7 @@ import torch
 
 from normlab import claims as C
 from normlab import data as D
-from normlab.experiments.common import COMPARABLE, WORSE, _curves, _pick, _round, lm_sizes, stats, trains, unigram_loss
+from normlab.experiments.common import COMPARABLE, WORSE, curves_of, claim_values, round_sig, lm_sizes, stats, trains, unigram_loss
 from normlab.experiments.lab import Lab
 from normlab.nn import DyT
 from normlab.train import load_run, train_split
@@ -124,10 +124,10 @@ def preset_dyt(lab: Lab) -> dict:
         sat = saturated.get((setting, budget))
         arm = f"{setting}-{steps}steps" + (f"-{train_tokens[budget]}tokens" if train_tokens[budget] else "")
         rows.append({"setting": setting, "budget": budget, "lr": lab.arm_lr(arm), "tokens": budgets[budget],
-                     "passes": _round(passes[budget], 3),
+                     "passes": round_sig(passes[budget], 3),
                      "seeds": len(rs),
-                     "diverged": sum(r["status"] == "diverged" for r in rs), "val_loss": _round(val["mean"]),
-                     "val_std": _round(val["std"], 2), "saturated": _round(statistics.fmean(sat), 3) if sat else None})
+                     "diverged": sum(r["status"] == "diverged" for r in rs), "val_loss": round_sig(val["mean"]),
+                     "val_std": round_sig(val["std"], 2), "saturated": round_sig(statistics.fmean(sat), 3) if sat else None})
     means = {a: stats(measured[f"dyt{a:g}_large_val"])["mean"] for a in ALPHA0S}
     finite = {a: m for a, m in means.items() if m is not None}
     best = min(finite, key=finite.get) if finite else ALPHA0S[0]
@@ -157,19 +157,19 @@ def preset_dyt(lab: Lab) -> dict:
               f"where this one starts at {DEFAULT_ALPHA0:g}, with the gain, in a Llama-style decoder"]
     claims = [
         C.claim("dyt.parity", f"at the default alpha0 = {DEFAULT_ALPHA0:g}, DyT ends within 2% of RMSNorm (larger "
-                "budget), where RMSNorm trains", ZHU25, _pick(measured, f"{default}_large_val", "rmsnorm_large_val", "unigram_loss"),
+                "budget), where RMSNorm trains", ZHU25, claim_values(measured, f"{default}_large_val", "rmsnorm_large_val", "unigram_loss"),
                 C.given(trains("rmsnorm_large_val"),
                         C.within(f"{default}_large_val", "rmsnorm_large_val", 0.02, origin=COMPARABLE, paired=True)), conditions),
         C.claim("dyt.alpha0_sensitive", f"DyT depends on alpha0: of {', '.join(f'{a:g}' for a in ALPHA0S)}, the worst "
                 "ends at least 2% above the best (larger budget; best and worst chosen by their mean), where the best "
-                "trains", ZHU25, _pick(measured, "dyt_worst_alpha0_large_val", "dyt_best_alpha0_large_val", "unigram_loss"),
+                "trains", ZHU25, claim_values(measured, "dyt_worst_alpha0_large_val", "dyt_best_alpha0_large_val", "unigram_loss"),
                 C.given(trains("dyt_best_alpha0_large_val"),
                         C.above("dyt_worst_alpha0_large_val", "dyt_best_alpha0_large_val", 0.02, origin=WORSE, paired=True)),
                 conditions + [f"the best alpha0 here was {best:g} and the worst {worst:g}"]),
         C.claim("dyt.regime_flips", "DyT's effect against LayerNorm (the study's baseline) changes sign with the data: "
                 f"lower loss on a small training set gone over {passes['small']:.0f} times, higher on the whole corpus in "
                 "the same steps", REGIME26,
-                _pick(measured, f"{default}_small_val", "layernorm_small_val", f"{default}_large_val", "layernorm_large_val",
+                claim_values(measured, f"{default}_small_val", "layernorm_small_val", f"{default}_large_val", "layernorm_large_val",
                       "unigram_loss"),
                 C.given(C.all_of(trains("layernorm_small_val"), trains("layernorm_large_val")),
                         C.all_of(C.below(f"{default}_small_val", "layernorm_small_val", paired=True),
@@ -178,7 +178,7 @@ def preset_dyt(lab: Lab) -> dict:
                           "memorizes its small set gives DyT nothing to beat"]),
         C.claim("dyt.derf_beats_dyt", f"Derf, erf(alpha x + s), ends below DyT, tanh(alpha x), at the same alpha0 = "
                 f"{DEFAULT_ALPHA0:g} and embedding gain (larger budget), where DyT trains", CHEN25,
-                _pick(measured, f"{derf}_large_val", f"{default}_large_val", "unigram_loss"),
+                claim_values(measured, f"{derf}_large_val", f"{default}_large_val", "unigram_loss"),
                 C.given(trains(f"{default}_large_val"), C.below(f"{derf}_large_val", f"{default}_large_val", paired=True)),
                 [conditions[0].replace("replaced by DyT", "replaced by DyT or by Derf (its shift s learned, started at 0)"),
                  conditions[1] + "; the paper's language-model comparison trains GPT-2 on web text, thousands of "
@@ -193,7 +193,7 @@ def preset_dyt(lab: Lab) -> dict:
                      "passes": passes, "alpha0s": list(ALPHA0S), "dyt_embed_gain": EMBED_GAIN, "seeds": seeds},
         "columns": ["setting", "budget", "lr", "tokens", "passes", "seeds", "diverged", "val_loss", "val_std", "saturated"],
         "rows": rows, "claims": claims,
-        "series": {"runs": {f"{s}|{b}": [_curves(r) for r in rs] for (s, b), rs in runs.items()},
+        "series": {"runs": {f"{s}|{b}": [curves_of(r) for r in rs] for (s, b), rs in runs.items()},
                    "saturated": {f"{s}|{b}": v for (s, b), v in saturated.items()}},
         "notes": [f"{len(seeds)} seeds per setting and budget, {steps} steps each; budget: the training tokens the "
                   "steps draw windows from (small: the split's first tokens, large: the whole split), passes: how often "

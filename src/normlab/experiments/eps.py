@@ -15,7 +15,7 @@ import torch
 
 from normlab import claims as C
 from normlab import functional as F
-from normlab.experiments.common import _pick, _round
+from normlab.experiments.common import claim_values, round_sig
 from normlab.experiments.lab import Lab
 
 EPS = 1e-6
@@ -47,8 +47,8 @@ def preset_eps(lab: Lab) -> dict:
     for mode in ("inside", "outside"):
         exact, fused = results[f"{mode}|exact"], results[f"{mode}|normlab"]
         for s, e, f in zip(scales, exact, fused):
-            table.append({"eps": mode, "row_rms": s, "gain": _round(e["gain"]), "gain_normlab_fp32": _round(f["gain"]),
-                          "output_rms": _round(e["output_rms"])})
+            table.append({"eps": mode, "row_rms": s, "gain": round_sig(e["gain"]), "gain_normlab_fp32": round_sig(f["gain"]),
+                          "output_rms": round_sig(e["output_rms"])})
         measured[f"{mode}_max_gain_sqrt_eps"] = max(e["gain"] for e in exact) * math.sqrt(EPS)
         measured[f"{mode}_zero_row_gain_eps"] = exact[0]["gain"] * EPS
         measured[f"{mode}_normlab_gain_rel_err"] = max(abs(f["gain"] - e["gain"]) / e["gain"] for e, f in zip(exact, fused))
@@ -61,17 +61,17 @@ def preset_eps(lab: Lab) -> dict:
     claims = [
         C.claim("eps.inside_bounded", "with eps inside the square root, the input gradient is at most 1/sqrt(eps) times "
                 "the output gradient on every row, all-zero padding rows included", SOURCE,
-                _pick(measured, "inside_max_gain_sqrt_eps"),
+                claim_values(measured, "inside_max_gain_sqrt_eps"),
                 C.at_most("inside_max_gain_sqrt_eps", 1.0 + 1e-9, point="the largest gain over every row, exact (float64)",
                           origin=derivation), conditions),
         C.claim("eps.outside_amplifies", "with eps outside the square root, an all-zero row's input gradient is 1/eps "
                 "times its output gradient: sqrt(1/eps) = 1000 times the bound inside", SOURCE,
-                _pick(measured, "outside_zero_row_gain_eps", "outside_max_gain_sqrt_eps"),
+                claim_values(measured, "outside_zero_row_gain_eps", "outside_max_gain_sqrt_eps"),
                 C.at_least("outside_zero_row_gain_eps", 1.0 - 1e-9, point="the zero rows' gain, exact (float64)",
                            origin=derivation), conditions),
         C.claim("eps.fused_matches", "normlab's fused kernels (float32) give these gains on the same rows, zero rows "
                 "included, to within 1e-4", "normlab's aim (DESIGN.md): exact norms",
-                _pick(measured, "inside_normlab_gain_rel_err", "outside_normlab_gain_rel_err"),
+                claim_values(measured, "inside_normlab_gain_rel_err", "outside_normlab_gain_rel_err"),
                 C.all_of(*[C.at_most(f"{m}_normlab_gain_rel_err", 1e-4, point="the worst relative difference over the rows",
                                      origin=C.ours("1e-4: float32 rounding of a gain near 1e6 leaves about 1e-7; a wrong "
                                                    "eps placement or a lost zero row is off by orders of magnitude"))

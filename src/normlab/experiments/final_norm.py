@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from normlab import claims as C
-from normlab.experiments.common import DIVERGED, WORSE, XIONG20, _curves, _pick, _round, lm_sizes, stats, trains, unigram_loss
+from normlab.experiments.common import DIVERGED, WORSE, XIONG20, curves_of, claim_values, round_sig, lm_sizes, stats, trains, unigram_loss
 from normlab.experiments.lab import Lab
 from normlab.runs import RunDir
 
@@ -51,10 +51,10 @@ def preset_final_norm(lab: Lab) -> dict:
         val = stats(measured[f"{name}_val"])
         arm = f"pre-{'final' if final else 'nofinal'}-{which}"
         rows.append({"final_norm": final, "lr": lab.arm_lr(arm) if which == "base" else lrs[which], "seeds": len(rs), "diverged": measured[f"{name}_diverged"],
-                     "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2),
-                     "head_rms_start": _round(stats([c["rms"][0] for c in curves[final, which] if c["rms"]])["mean"], 3),
-                     "head_rms_end": _round(stats([c["rms"][-1] for c in curves[final, which] if c["rms"]])["mean"], 3),
-                     "head_rms_growth": _round(stats(growth)["mean"], 3)})
+                     "val_loss": round_sig(val["mean"]), "val_std": round_sig(val["std"], 2),
+                     "head_rms_start": round_sig(stats([c["rms"][0] for c in curves[final, which] if c["rms"]])["mean"], 3),
+                     "head_rms_end": round_sig(stats([c["rms"][-1] for c in curves[final, which] if c["rms"]])["mean"], 3),
+                     "head_rms_growth": round_sig(stats(growth)["mean"], 3)})
     conditions = [
         "matches: the same Pre-LN model with and without the norm before the LM head, nothing else changed (RMSNorm, "
         "as in LLaMA)",
@@ -64,14 +64,14 @@ def preset_final_norm(lab: Lab) -> dict:
     doubling = C.ours("2x: the RMS at least doubles, past seed-to-seed noise of a few percent")
     claims = [
         C.claim("final_norm.loss", "without the final norm, Pre-LN ends with a higher validation loss", LLAMA23,
-                _pick(measured, "nofinal_base_val", "final_base_val", "unigram_loss"),
+                claim_values(measured, "nofinal_base_val", "final_base_val", "unigram_loss"),
                 C.given(trains("final_base_val"), C.above("nofinal_base_val", "final_base_val", paired=True)), conditions),
         C.claim("final_norm.head_grows", "without the final norm, what the LM head reads grows in training: its RMS "
-                "ends at least twice where it started", LLAMA23, _pick(measured, "nofinal_base_head_growth"),
+                "ends at least twice where it started", LLAMA23, claim_values(measured, "nofinal_base_head_growth"),
                 C.above("nofinal_base_head_growth", 1.0, 1.0, origin=doubling), conditions),
         C.claim("final_norm.high_lr", f"at {HIGH_LR_FACTOR}x the learning rate, Pre-LN without the final norm diverges or "
                 "ends at least 2% worse than with it, where the model with it trains", LLAMA23,
-                _pick(measured, "nofinal_high_val", "final_high_val", "nofinal_high_diverged", "unigram_loss"),
+                claim_values(measured, "nofinal_high_val", "final_high_val", "nofinal_high_diverged", "unigram_loss"),
                 C.given(trains("final_high_val"),
                         C.any_of(C.at_least("nofinal_high_diverged", 1, point="a count of diverged seeds", origin=DIVERGED),
                                  C.above("nofinal_high_val", "final_high_val", 0.02, origin=WORSE, paired=True))),
@@ -85,7 +85,7 @@ def preset_final_norm(lab: Lab) -> dict:
         "columns": ["final_norm", "lr", "seeds", "diverged", "val_loss", "val_std", "head_rms_start", "head_rms_end",
                     "head_rms_growth"],
         "rows": rows, "claims": claims,
-        "series": {"runs": {f"{final}|{which}": [_curves(r) for r in rs] for (final, which), rs in runs.items()},
+        "series": {"runs": {f"{final}|{which}": [curves_of(r) for r in rs] for (final, which), rs in runs.items()},
                    "head_rms": {f"{final}|{which}": cs for (final, which), cs in curves.items()}},
         "notes": [f"{len(seeds)} seeds per setting. head_rms: the RMS of the LM head's input (the final norm's output, or "
                   f"without it the residual stream) every {train_fields['diag_every']} steps; growth: last over first. "

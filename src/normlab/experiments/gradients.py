@@ -10,7 +10,7 @@ import torch
 
 from normlab import claims as C
 from normlab import data as D
-from normlab.experiments.common import XIONG20, XIONG_MODEL, _pick, _round
+from normlab.experiments.common import XIONG20, XIONG_MODEL, claim_values, round_sig
 from normlab.experiments.lab import Lab
 from normlab.model import Decoder, ModelConfig
 
@@ -77,8 +77,8 @@ def preset_gradients(lab: Lab) -> dict:
         runs = per_seed[f"{name}|{p}|{depth}"]
         g = np.mean(runs, axis=0)
         growths = [math.exp(log_slope(r) * (depth - 1)) for r in runs]
-        rows.append({"setting": name, "placement": p, "layers": depth, "first": _round(g[0]), "last": _round(g[-1]),
-                     "fitted_last_over_first": _round(statistics.fmean(growths), 3)})
+        rows.append({"setting": name, "placement": p, "layers": depth, "first": round_sig(g[0]), "last": round_sig(g[-1]),
+                     "fitted_last_over_first": round_sig(statistics.fmean(growths), 3)})
         if depth == fig3_depth:
             measured[f"{name}_{p}_growth"] = growths
     for name in GRAD_SETTINGS:  # the last layer's W2 gradient against depth, one log-log slope per seed
@@ -87,7 +87,7 @@ def preset_gradients(lab: Lab) -> dict:
                 float(np.polyfit(np.log(depths), np.log([per_seed[f"{name}|{p}|{d}"][i][-1] for d in depths]), 1)[0])
                 for i in range(len(seeds))]
     for row in rows:
-        row["last_vs_depth_slope"] = _round(statistics.fmean(measured[f"{row['setting']}_{row['placement']}_last_slope"]), 3)
+        row["last_vs_depth_slope"] = round_sig(statistics.fmean(measured[f"{row['setting']}_{row['placement']}_last_slope"]), 3)
     band = C.ours("Fig. 3 gives no ratio; 1.5x from first to last layer (and 0.5-1.5 for 'flat') is the lab's bound")
     slope_band = C.ours("+-0.25: halfway between the theorem's two rates, 0 (Post-LN) and -1/2 (Pre-LN)")
     claims = []
@@ -97,17 +97,17 @@ def preset_gradients(lab: Lab) -> dict:
         claims += [
             C.claim(f"gradients.post_grows{tag}", f"at initialization, Post-LN's gradient norm grows toward the last layers "
                     f"({where}, {fig3_depth} layers: fitted last/first ratio of W2's gradient norm >= 1.5)", XIONG20 + ", Fig. 3",
-                    _pick(measured, f"{name}_post_growth"), C.above(f"{name}_post_growth", 1.0, 0.5, origin=band), conditions),
+                    claim_values(measured, f"{name}_post_growth"), C.above(f"{name}_post_growth", 1.0, 0.5, origin=band), conditions),
             C.claim(f"gradients.pre_flat{tag}", f"at initialization, Pre-LN's gradient norm is flat across layers ({where}, "
                     f"{fig3_depth} layers: fitted last/first ratio within 0.5-1.5)", XIONG20 + ", Fig. 3",
-                    _pick(measured, f"{name}_pre_growth"), C.within(f"{name}_pre_growth", 1.0, 0.5, origin=band), conditions),
+                    claim_values(measured, f"{name}_pre_growth"), C.within(f"{name}_pre_growth", 1.0, 0.5, origin=band), conditions),
             C.claim(f"gradients.post_last_constant{tag}", f"the last layer's W2 gradient of Post-LN stays about constant as "
                     f"depth grows ({where}, L = {', '.join(map(str, depths))}: log-log slope within 0 +- 0.25)",
-                    XIONG20 + ", Theorem 1", _pick(measured, f"{name}_post_last_slope"),
+                    XIONG20 + ", Theorem 1", claim_values(measured, f"{name}_post_last_slope"),
                     C.within(f"{name}_post_last_slope", 0, 0.25, origin=slope_band, absolute=True), conditions),
             C.claim(f"gradients.pre_last_scaling{tag}", f"the last layer's W2 gradient of Pre-LN scales like L^-1/2 ({where}, "
                     f"L = {', '.join(map(str, depths))}: log-log slope within -0.5 +- 0.25)", XIONG20 + ", Theorem 1",
-                    _pick(measured, f"{name}_pre_last_slope"),
+                    claim_values(measured, f"{name}_pre_last_slope"),
                     C.within(f"{name}_pre_last_slope", -0.5, 0.25, origin=slope_band, absolute=True), conditions),
         ]
     return {

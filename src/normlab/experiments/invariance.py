@@ -21,7 +21,7 @@ import torch
 from normlab import claims as C
 from normlab import data as D
 from normlab import functional as F
-from normlab.experiments.common import COMPARABLE, SHEN20, WORSE, ZHANG19, _curves, _pick, _round, lm_sizes, stats, trains, unigram_loss
+from normlab.experiments.common import COMPARABLE, SHEN20, WORSE, ZHANG19, curves_of, claim_values, round_sig, lm_sizes, stats, trains, unigram_loss
 from normlab.experiments.lab import Lab
 from normlab.model import Decoder
 
@@ -140,7 +140,7 @@ def preset_invariance(lab: Lab) -> dict:
         changes = {(where, name): exact[norm][where][name]
                    for where, names in (("op", OP_TRANSFORMS), ("model", MODEL_TRANSFORMS)) for name in names}
         for (where, name), change in changes.items():
-            table.append({"norm": norm, "where": where, "transform": name, "relative_change": _round(change, 3),
+            table.append({"norm": norm, "where": where, "transform": name, "relative_change": round_sig(change, 3),
                           "invariant_in_theory": name in INVARIANT[norm]})
         measured[f"{norm}_invariant_max_change"] = max(c for (_, n), c in changes.items() if n in INVARIANT[norm])
         moved = [c for (_, n), c in changes.items() if n not in INVARIANT[norm]]
@@ -153,7 +153,7 @@ def preset_invariance(lab: Lab) -> dict:
             val = stats(measured[key])
             table.append({"norm": norm, "where": "training", "lr": lab.arm_lr(f"{norm}-shift{noise:g}" if noise else norm),
                           "transform": f"shift noise {noise:g} x row RMS" if noise else "none",
-                          "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2)})
+                          "val_loss": round_sig(val["mean"]), "val_std": round_sig(val["std"], 2)})
     measured.update({f"{k}": v for k, v in facts.items()})
     rounding = C.ours("1e-9: float64 rounding through a model is ~1e-14; a broken invariance moves the output by order 1")
     moves = C.ours("1e-3: a million times the rounding bound of the invariance claims, so both cannot hold at once")
@@ -179,38 +179,38 @@ def preset_invariance(lab: Lab) -> dict:
     claims = [
         C.claim("invariance.layernorm_exact", "LayerNorm's output does not change when its input is re-centered or "
                 "re-scaled, or when the weight matrix feeding it is re-scaled or re-centered", ZHANG19,
-                _pick(measured, "layernorm_invariant_max_change"),
+                claim_values(measured, "layernorm_invariant_max_change"),
                 C.at_most("layernorm_invariant_max_change", 1e-9, point="the largest relative change over the transformations",
                           origin=rounding), exact_conditions),
         C.claim("invariance.rmsnorm_scale", "RMSNorm's output does not change when its input or the weight matrix feeding "
-                "it is re-scaled", ZHANG19, _pick(measured, "rmsnorm_invariant_max_change"),
+                "it is re-scaled", ZHANG19, claim_values(measured, "rmsnorm_invariant_max_change"),
                 C.at_most("rmsnorm_invariant_max_change", 1e-9, point="the largest relative change over the re-scalings",
                           origin=rounding), exact_conditions),
         C.claim("invariance.rmsnorm_not_recentering", "RMSNorm is not invariant to re-centering: shifting its input, or "
                 "re-centering the weight matrix feeding it, changes its output", ZHANG19,
-                _pick(measured, "rmsnorm_recentering_min_change"),
+                claim_values(measured, "rmsnorm_recentering_min_change"),
                 C.at_least("rmsnorm_recentering_min_change", 1e-3, point="the smallest relative change over the re-centerings",
                            origin=moves), exact_conditions),
         C.claim("invariance.rmsnorm_sphere", "with weight 1, RMSNorm's output lies on the sphere of radius sqrt(d): "
-                "every row's norm is sqrt(d), whatever the row's scale", ZHANG19, _pick(measured, "rmsnorm_sphere"),
+                "every row's norm is sqrt(d), whatever the row's scale", ZHANG19, claim_values(measured, "rmsnorm_sphere"),
                 C.at_most("rmsnorm_sphere", 1e-9, point="the largest relative distance of a row from the sphere",
                           origin=rounding), geometry_conditions),
         C.claim("invariance.layernorm_train_eval", "LayerNorm computes the same in training and in evaluation; "
                 "BatchNorm does not (it switches to running statistics)", SHEN20,
-                _pick(measured, "layernorm_train_eval", "batchnorm_train_eval"),
+                claim_values(measured, "layernorm_train_eval", "batchnorm_train_eval"),
                 C.all_of(C.at_most("layernorm_train_eval", 1e-9, point="the relative change of the output, train to eval",
                                    origin=rounding),
                          C.at_least("batchnorm_train_eval", 1e-3, point="the relative change of the output, train to eval",
                                     origin=moves)), geometry_conditions),
         C.claim("invariance.layernorm_shift_trained", "trained with shift noise in every norm's input (at both levels), "
                 "LayerNorm ends where it does without it (within 2%), where it trains", ZHANG19,
-                _pick(measured, *[f"layernorm_shift{n:g}_val" for n in SHIFT_NOISES], "layernorm_val", "unigram_loss"),
+                claim_values(measured, *[f"layernorm_shift{n:g}_val" for n in SHIFT_NOISES], "layernorm_val", "unigram_loss"),
                 C.given(trains("layernorm_val"),
                         C.all_of(*[C.within(f"layernorm_shift{n:g}_val", "layernorm_val", 0.02, origin=COMPARABLE, paired=True)
                                    for n in SHIFT_NOISES])), trained_conditions),
         C.claim("invariance.rmsnorm_shift_trained", f"trained with the larger shift noise ({SHIFT_NOISES[-1]:g} of each "
                 "row's RMS), RMSNorm ends at least 2% worse than without it, where it trains", ZHANG19,
-                _pick(measured, f"rmsnorm_shift{SHIFT_NOISES[-1]:g}_val", "rmsnorm_val", "unigram_loss"),
+                claim_values(measured, f"rmsnorm_shift{SHIFT_NOISES[-1]:g}_val", "rmsnorm_val", "unigram_loss"),
                 C.given(trains("rmsnorm_val"), C.above(f"rmsnorm_shift{SHIFT_NOISES[-1]:g}_val", "rmsnorm_val", 0.02,
                                                         origin=WORSE, paired=True)), trained_conditions),
     ]
@@ -226,7 +226,7 @@ def preset_invariance(lab: Lab) -> dict:
         "rows": [{c: r.get(c) for c in columns} for r in table],
         "claims": claims,
         "series": {"exact": exact, "geometry": facts, "invariant": {k: sorted(v) for k, v in INVARIANT.items()},
-                   "runs": {f"{norm}|{noise:g}": [_curves(r) for r in runs[norm, noise]] for norm, noise in runs}},
+                   "runs": {f"{norm}|{noise:g}": [curves_of(r) for r in runs[norm, noise]] for norm, noise in runs}},
         "notes": [f"relative_change: ||y' - y|| / ||y|| in float64 after the transformation (input shift: a random constant "
                   f"per row, std {SHIFT:g}; scales: x {SCALE:g}; weight re-centering: W + 1 g^T, g random). The model rows "
                   "transform every branch's output projection of a sandwich-placement model and compare its logits. "

@@ -14,9 +14,9 @@ from normlab.experiments.common import (
     WORSE,
     ZHANG19,
     ZHANG_SPEED,
-    _curves,
-    _pick,
-    _round,
+    curves_of,
+    claim_values,
+    round_sig,
     arm_losses,
     lm_sizes,
     train_norms,
@@ -89,39 +89,39 @@ def preset_norms(lab: Lab) -> dict:
     # (its autograd nodes, output allocations, parameter gradients and AdamW updates).
     share = 1 - statistics.median(n / ln for n, ln in zip(timing["none"]["samples"], timing["layernorm"]["samples"]))
     kernel_gain = 1 - calls["rmsnorm"] / calls["layernorm"]
-    budget = {"norm_calls_per_step": n_calls, "layernorm_call_ms": _round(calls["layernorm"]),
-              "rmsnorm_call_ms": _round(calls["rmsnorm"]), "calls_share_of_step": _round(n_calls * calls["layernorm"] / ln_ms, 3),
-              "norm_share_of_step": _round(share, 3), "kernel_gain": _round(kernel_gain, 3),
-              "expected_step_gain": _round(share * kernel_gain, 3)}
+    budget = {"norm_calls_per_step": n_calls, "layernorm_call_ms": round_sig(calls["layernorm"]),
+              "rmsnorm_call_ms": round_sig(calls["rmsnorm"]), "calls_share_of_step": round_sig(n_calls * calls["layernorm"] / ln_ms, 3),
+              "norm_share_of_step": round_sig(share, 3), "kernel_gain": round_sig(kernel_gain, 3),
+              "expected_step_gain": round_sig(share * kernel_gain, 3)}
     rows, measured = [], {"unigram_loss": unigram_loss(lab.dataset.train)}
     for norm in norms:
         rs = runs[norm]
         rows.append({
             "norm": norm, "lr": lab.arm_lr(norm), **arm_losses(norm, rs, measured),
-            "run_step_ms": _round(statistics.median([r["step_ms"] for r in rs if r["step_ms"]]), 3),
-            "tokens_per_s": _round(statistics.median([r["tokens_per_s"] for r in rs if r["tokens_per_s"]]), 4),
-            "step_ms": _round(timing[norm]["ms"], 4), "step_vs_layernorm": _round(timing[norm]["ms"] / ln_ms, 3),
+            "run_step_ms": round_sig(statistics.median([r["step_ms"] for r in rs if r["step_ms"]]), 3),
+            "tokens_per_s": round_sig(statistics.median([r["tokens_per_s"] for r in rs if r["tokens_per_s"]]), 4),
+            "step_ms": round_sig(timing[norm]["ms"], 4), "step_vs_layernorm": round_sig(timing[norm]["ms"] / ln_ms, 3),
         })
         measured[f"{norm}_step_ms"] = timing[norm]["samples"]
     claims = [
         C.claim("norms.rms_quality", "RMSNorm reaches the same quality as LayerNorm, where LayerNorm trains", ZHANG19,
-                _pick(measured, "rmsnorm_val", "layernorm_val", "unigram_loss"),
+                claim_values(measured, "rmsnorm_val", "layernorm_val", "unigram_loss"),
                 C.given(trains("layernorm_val"),
                         C.within("rmsnorm_val", "layernorm_val", 0.02, origin=COMPARABLE, paired=True)), NORMS_CONDITIONS),
         C.claim("norms.rms_speed", "RMSNorm makes a training step at least 7% faster than LayerNorm does (the paper: 7% to "
-                "64% less running time)", ZHANG19, _pick(measured, "rmsnorm_step_ms", "layernorm_step_ms"),
+                "64% less running time)", ZHANG19, claim_values(measured, "rmsnorm_step_ms", "layernorm_step_ms"),
                 C.below("rmsnorm_step_ms", "layernorm_step_ms", 0.07, origin=ZHANG_SPEED, paired=True, over="processes"),
                 ["differs: a Transformer, where the norms are a small share of a step (the paper's large gains: RNNs with "
                  "normalized gates; the speed preset times one)",
                  expected_step(share, kernel_gain, timing["rmsnorm"]["samples"], timing["layernorm"]["samples"])]),
         *([C.claim("norms.prms_quality", "partial RMSNorm (p = 6.25%, the paper's setting) reaches the same quality as "
-                    "RMSNorm, where RMSNorm trains", ZHANG19, _pick(measured, "prmsnorm_val", "rmsnorm_val", "unigram_loss"),
+                    "RMSNorm, where RMSNorm trains", ZHANG19, claim_values(measured, "prmsnorm_val", "rmsnorm_val", "unigram_loss"),
                     C.given(trains("rmsnorm_val"),
                             C.within("prmsnorm_val", "rmsnorm_val", 0.02, origin=COMPARABLE, paired=True)), NORMS_CONDITIONS)]
           if "prmsnorm" in norms else []),
         C.claim("norms.none_worse", "a model without normalization trains worse (diverges, or ends at least 2% above "
                 "LayerNorm), where LayerNorm trains", ZHANG19,
-                _pick(measured, "none_val", "layernorm_val", "none_diverged", "unigram_loss"),
+                claim_values(measured, "none_val", "layernorm_val", "none_diverged", "unigram_loss"),
                 C.given(trains("layernorm_val"),
                         C.any_of(C.at_least("none_diverged", 1, point="a count of diverged seeds", origin=DIVERGED),
                                  C.above("none_val", "layernorm_val", 0.02, origin=WORSE, paired=True))),
@@ -136,7 +136,7 @@ def preset_norms(lab: Lab) -> dict:
         "columns": ["norm", "lr", "val_loss", "val_std", "val_min", "val_max", "seeds", "diverged", "run_step_ms", "tokens_per_s",
                     "step_ms", "step_vs_layernorm"],
         "rows": rows, "claims": claims,
-        "series": {"runs": {norm: [{"seed": s, **_curves(r)} for s, r in zip(seeds, rs)] for norm, rs in runs.items()},
+        "series": {"runs": {norm: [{"seed": s, **curves_of(r)} for s, r in zip(seeds, rs)] for norm, rs in runs.items()},
                    "step_ms": {norm: timing[norm]["samples"] for norm in norms}},
         "notes": ["val_loss: validation loss at the end of training (mean over seeds; std, min, max over seeds). "
                   f"step_ms: training-step time measured round-robin across the norms in each of {processes} fresh "

@@ -11,7 +11,7 @@ import torch.nn.functional as TF
 from normlab import claims as C
 from normlab import functional as F
 from normlab import reference
-from normlab.experiments.common import MICIK18, _pick, _round
+from normlab.experiments.common import MICIK18, claim_values, round_sig
 from normlab.experiments.lab import Lab
 
 
@@ -81,8 +81,8 @@ def preset_precision(lab: Lab) -> dict:
                 bad = [s for s, v in zip(scales, e[impl]) if v is None or v > BROKEN]
                 medians = [_median_eps(draw[f"{op}|{dt}"][impl], dt) for draw in per_draw]
                 rows.append({"op": op, "dtype": dt, "impl": impl,
-                             "max_err_in_eps": _round(max(finite) / EPS16[dt], 3) if finite else None,
-                             "median_err_in_eps": _round(statistics.fmean(m for m in medians if m is not None), 3)
+                             "max_err_in_eps": round_sig(max(finite) / EPS16[dt], 3) if finite else None,
+                             "median_err_in_eps": round_sig(statistics.fmean(m for m in medians if m is not None), 3)
                              if any(m is not None for m in medians) else None,
                              "broken_scales": len(bad), "first_broken_scale": bad[0] if bad else None})
                 measured[f"{op}_{dt}_{impl}_broken"] = len(bad)
@@ -97,20 +97,20 @@ def preset_precision(lab: Lab) -> dict:
     claims = [
         C.claim("precision.fp16_overflow", "in fp16, statistics kept in the input dtype break (overflow or underflow: "
                 "non-finite or >10% wrong output) over part of the activation range; fp32 statistics do not", MICIK18,
-                _pick(measured, *[f"{op}_fp16_{i}_broken" for op in ops for i in ("naive", "normlab")]),
+                claim_values(measured, *[f"{op}_fp16_{i}_broken" for op in ops for i in ("naive", "normlab")]),
                 C.all_of(*[C.at_least(f"{op}_fp16_naive_broken", 1, point=count, origin=broken_why) for op in ops],
                          *[C.at_most(f"{op}_fp16_normlab_broken", 0, point=count, origin=broken_why) for op in ops]),
                 conditions),
         C.claim("precision.fp32_stats_exact", "with fp32 statistics the fused kernels stay within two machine epsilons of "
                 "the float64 result at every scale, in bf16 and fp16", MICIK18,
-                _pick(measured, *[f"{op}_{dt}_normlab_max_eps" for op, dt in combos]),
+                claim_values(measured, *[f"{op}_{dt}_normlab_max_eps" for op, dt in combos]),
                 C.all_of(*[C.at_most(f"{op}_{dt}_normlab_max_eps", 2.0, point="the worst case over every scale and draw",
                                      origin=C.ours("2 eps: the output's rounding (0.5 eps) and the weight multiply's, with "
                                                    "room for the fp32 statistics")) for op, dt in combos]),
                 conditions),
         C.claim("precision.naive_bf16_worse", "where it does not break, bf16 arithmetic for the statistics still costs "
                 "accuracy: the naive version's median error is at least twice the fused kernel's", MICIK18,
-                _pick(measured, *[f"{op}_bf16_{i}_median_eps" for op in ops for i in ("naive", "normlab")]),
+                claim_values(measured, *[f"{op}_bf16_{i}_median_eps" for op in ops for i in ("naive", "normlab")]),
                 C.all_of(*[C.above(f"{op}_bf16_naive_median_eps", f"{op}_bf16_normlab_median_eps", 1.0, over="input draws", paired=True,
                                    origin=C.ours("2x: one more rounding of the same size as the output's own"))
                            for op in ops]), conditions),

@@ -13,7 +13,7 @@ import torch
 
 from normlab import claims as C
 from normlab import data as D
-from normlab.experiments.common import COMPARABLE, _curves, _pick, _round, lm_sizes, stats, trains, unigram_loss
+from normlab.experiments.common import COMPARABLE, curves_of, claim_values, round_sig, lm_sizes, stats, trains, unigram_loss
 from normlab.experiments.lab import Lab
 from normlab.train import initial_model, load_run
 
@@ -63,11 +63,11 @@ def preset_sandwich(lab: Lab) -> dict:
         measured[f"{p}_stream_growth"] = [ls[-1] / ls[0] for ls in layers]
         measured[f"{p}_stream_growth_at_init"] = [ls[-1] / ls[0] for ls in at_init[p]]
         val = stats(measured[f"{p}_val"])
-        rows.append({"placement": p, "lr": lab.arm_lr("rmsnorm" if p == "pre" else "sandwich-rmsnorm"), "seeds": len(rs), "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2),
-                     "stream_rms_first": _round(stats([ls[0] for ls in layers])["mean"], 3),
-                     "stream_rms_last": _round(stats([ls[-1] for ls in layers])["mean"], 3),
-                     "stream_growth": _round(stats(measured[f"{p}_stream_growth"])["mean"], 3),
-                     "growth_at_init": _round(stats(measured[f"{p}_stream_growth_at_init"])["mean"], 3)})
+        rows.append({"placement": p, "lr": lab.arm_lr("rmsnorm" if p == "pre" else "sandwich-rmsnorm"), "seeds": len(rs), "val_loss": round_sig(val["mean"]), "val_std": round_sig(val["std"], 2),
+                     "stream_rms_first": round_sig(stats([ls[0] for ls in layers])["mean"], 3),
+                     "stream_rms_last": round_sig(stats([ls[-1] for ls in layers])["mean"], 3),
+                     "stream_growth": round_sig(stats(measured[f"{p}_stream_growth"])["mean"], 3),
+                     "growth_at_init": round_sig(stats(measured[f"{p}_stream_growth_at_init"])["mean"], 3)})
     conditions = [
         "matches: the same RMSNorm decoder with a norm on each branch's input (Pre-LN) or on its input and output "
         "(sandwich, as Gemma 2 and OLMo 2 place them), and a final norm in both",
@@ -79,10 +79,10 @@ def preset_sandwich(lab: Lab) -> dict:
     ]
     claims = [
         C.claim("sandwich.stream_growth", "with sandwich norms the residual stream grows less from the first layer to the "
-                "last than in Pre-LN", SANDWICH, _pick(measured, "sandwich_stream_growth", "pre_stream_growth"),
+                "last than in Pre-LN", SANDWICH, claim_values(measured, "sandwich_stream_growth", "pre_stream_growth"),
                 C.below("sandwich_stream_growth", "pre_stream_growth", paired=True), conditions),
         C.claim("sandwich.quality", "sandwich norms reach Pre-LN's quality (within 2%), where Pre-LN trains", SANDWICH,
-                _pick(measured, "sandwich_val", "pre_val", "unigram_loss"),
+                claim_values(measured, "sandwich_val", "pre_val", "unigram_loss"),
                 C.given(trains("pre_val"), C.within("sandwich_val", "pre_val", 0.02, origin=COMPARABLE, paired=True)),
                 conditions),
     ]
@@ -94,7 +94,7 @@ def preset_sandwich(lab: Lab) -> dict:
         "columns": ["placement", "lr", "seeds", "val_loss", "val_std", "stream_rms_first", "stream_rms_last", "stream_growth",
                     "growth_at_init"],
         "rows": rows, "claims": claims,
-        "series": {"runs": {p: [_curves(r) for r in rs] for p, rs in runs.items()}, "stream_rms": by_layer,
+        "series": {"runs": {p: [curves_of(r) for r in rs] for p, rs in runs.items()}, "stream_rms": by_layer,
                    "stream_rms_at_init": at_init},
         "notes": [f"{len(seeds)} seeds per placement. stream_rms: the residual stream's RMS after each layer (mean over "
                   "seeds); growth: last layer over first, per seed; growth_at_init: the same ratio for each run's model before its "

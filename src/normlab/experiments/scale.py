@@ -11,8 +11,8 @@ from normlab.experiments.common import (
     LM_SEEDS,
     WORSE,
     ZHANG19,
-    _curves,
-    _pick,
+    curves_of,
+    claim_values,
     arm_losses,
     lm_sizes,
     train_norms,
@@ -41,14 +41,14 @@ def preset_scale(lab: Lab) -> dict:
     claims = [
         C.claim("scale.l2_worse", "the Euclidean norm in place of RMS (w * x / ||x||, without RMSNorm's sqrt(d)) trains "
                 "worse than RMSNorm (diverges, or ends at least 2% above it), where RMSNorm trains", ZHANG19,
-                _pick(measured, "l2_val", "rmsnorm_val", "l2_diverged", "unigram_loss"),
+                claim_values(measured, "l2_val", "rmsnorm_val", "l2_diverged", "unigram_loss"),
                 C.given(trains("rmsnorm_val"),
                         C.any_of(C.at_least("l2_diverged", 1, point="a count of diverged seeds", origin=DIVERGED),
                                  C.above("l2_val", "rmsnorm_val", 0.02, origin=WORSE, paired=True))),
                 CONDITIONS),
         C.claim("scale.scalenorm_quality", "ScaleNorm (g * x / ||x||, g started at sqrt(d)) reaches RMSNorm's quality, "
                 "where RMSNorm trains: the scale, not the direction or the per-feature weights, is what l2 loses", NGUYEN19,
-                _pick(measured, "scalenorm_val", "rmsnorm_val", "unigram_loss"),
+                claim_values(measured, "scalenorm_val", "rmsnorm_val", "unigram_loss"),
                 C.given(trains("rmsnorm_val"),
                         C.within("scalenorm_val", "rmsnorm_val", 0.02, origin=COMPARABLE, paired=True)),
                 CONDITIONS + ["differs: ScaleNorm here is computed inside sqrt(||x||^2 + eps) (Nguyen & Salazar: "
@@ -61,7 +61,7 @@ def preset_scale(lab: Lab) -> dict:
                      "seeds": seeds},
         "columns": ["norm", "lr", "val_loss", "val_std", "val_min", "val_max", "seeds", "diverged"],
         "rows": rows, "claims": claims,
-        "series": {"runs": {norm: [{"seed": s, **_curves(r)} for s, r in zip(seeds, rs)] for norm, rs in runs.items()}},
+        "series": {"runs": {norm: [{"seed": s, **curves_of(r)} for s, r in zip(seeds, rs)] for norm, rs in runs.items()}},
         "notes": ["val_loss: validation loss at the end of training (mean over seeds; std, min, max over seeds). l2: every "
                   "row leaves the norm at length 1 (RMSNorm: sqrt(d)), so each block's input is sqrt(d) times smaller at "
                   "initialization; ScaleNorm starts as weightless RMSNorm and learns one gain per norm. The RMSNorm runs "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from normlab import claims as C
 from normlab import data as D
-from normlab.experiments.common import NORMLAB, ZHANG19, ZHANG_SPEED, _pick, _round
+from normlab.experiments.common import NORMLAB, ZHANG19, ZHANG_SPEED, claim_values, round_sig
 from normlab.experiments.lab import Lab
 from normlab.experiments.timing import time_steps_in_processes
 
@@ -80,7 +80,7 @@ def preset_speed(lab: Lab) -> dict:
     for key, t in timing.items():
         norm, impl = key.split("|")
         rows.append({"what": "train step", "op": norm, "backend": impl, "dtype": "fp32", "shape": f"{B}x{T}x{model['d_model']}",
-                     "pass": "fwd+bwd+adamw", "ms": _round(t["ms"], 4), "gbps": None, "frac_of_copy": None,
+                     "pass": "fwd+bwd+adamw", "ms": round_sig(t["ms"], 4), "gbps": None, "frac_of_copy": None,
                      "flops_per_row": None, "bytes_per_row": None})
         measured[f"{norm}_{impl}_step_ms"] = t["samples"]
     for backend in ("normlab", "torch"):
@@ -96,7 +96,7 @@ def preset_speed(lab: Lab) -> dict:
                                                          rounds=lab.pick(4, 8, tiny=2), processes=processes))
     for norm, t in gru_timing.items():
         rows.append({"what": "GRU train step", "op": norm, "backend": "normlab", "dtype": "fp32",
-                     "shape": f"{gru_B}x{gru_T}x{gru['d']}", "pass": "fwd+bwd+adamw", "ms": _round(t["ms"], 4),
+                     "shape": f"{gru_B}x{gru_T}x{gru['d']}", "pass": "fwd+bwd+adamw", "ms": round_sig(t["ms"], 4),
                      "gbps": None, "frac_of_copy": None, "flops_per_row": None, "bytes_per_row": None})
         measured[f"gru_{norm}_step_ms"] = t["samples"]
     flop_ratio, byte_ratio = work_ratios()
@@ -106,7 +106,7 @@ def preset_speed(lab: Lab) -> dict:
         C.claim("speed.bytes_not_flops", f"LayerNorm's kernel time over RMSNorm's follows their bytes ({byte_ratio:.2f}x), "
                 f"not their FLOPs ({flop_ratio:.2f}x): the norms are memory-bound (normlab's fused kernels, forward + "
                 "backward, summed over shapes and dtypes)", ARTICLES,
-                _pick(measured, "normlab_layer_norm_total_ms", "normlab_rms_norm_total_ms"),
+                claim_values(measured, "normlab_layer_norm_total_ms", "normlab_rms_norm_total_ms"),
                 C.at_most("normlab_layer_norm_total_ms", "normlab_rms_norm_total_ms", between - 1, paired=True, over="rounds",
                           origin=C.ours(f"{between:.3g}x, the geometric midpoint of the byte ratio and the FLOP ratio: a "
                                         "time ratio below it is nearer the bytes, above it nearer the FLOPs")),
@@ -116,14 +116,14 @@ def preset_speed(lab: Lab) -> dict:
     ] + [
         C.claim(f"speed.rms_kernel_{backend}", f"RMSNorm's kernel takes at least 7% less time than LayerNorm's ({backend}: "
                 "forward + backward, summed over shapes and dtypes)", ZHANG19,
-                _pick(measured, f"{backend}_rms_norm_total_ms", f"{backend}_layer_norm_total_ms"),
+                claim_values(measured, f"{backend}_rms_norm_total_ms", f"{backend}_layer_norm_total_ms"),
                 C.below(f"{backend}_rms_norm_total_ms", f"{backend}_layer_norm_total_ms", 0.07, origin=ZHANG_SPEED,
                         paired=True, over="rounds"),
                 [f"differs: the norm kernels alone ({backend}), on CPU (the paper timed whole models on GPUs)"])
         for backend in ("normlab", "torch")
     ] + [
         C.claim("speed.gru_step", "in a GRU whose gates are normalized, RMSNorm makes a training step at least 7% faster "
-                "than LayerNorm (normlab's kernels)", ZHANG19, _pick(measured, "gru_rmsnorm_step_ms", "gru_layernorm_step_ms"),
+                "than LayerNorm (normlab's kernels)", ZHANG19, claim_values(measured, "gru_rmsnorm_step_ms", "gru_layernorm_step_ms"),
                 C.below("gru_rmsnorm_step_ms", "gru_layernorm_step_ms", 0.07, origin=ZHANG_SPEED, paired=True, over="processes"),
                 ["matches: a recurrent model whose gates are normalized every step (Ba et al.'s layer-normalized GRU), the "
                  "kind of model behind the paper's largest gains",
@@ -131,7 +131,7 @@ def preset_speed(lab: Lab) -> dict:
                  "kernels (the paper: RNNSearch on GPU)"]),
     ] + [
         C.claim(f"speed.step_{norm}", f"normlab's {norm} makes a training step at least 2% faster than torch's module", NORMLAB,
-                _pick(measured, f"{norm}_normlab_step_ms", f"{norm}_torch_step_ms"),
+                claim_values(measured, f"{norm}_normlab_step_ms", f"{norm}_torch_step_ms"),
                 C.below(f"{norm}_normlab_step_ms", f"{norm}_torch_step_ms", 0.02, paired=True, over="processes",
                         origin=C.ours("2% of a step: the least a user would notice; the norms are a few percent of it")),
                 ["normlab's own claim: the same decoder with torch's nn.LayerNorm / nn.RMSNorm as the baseline"])

@@ -19,7 +19,7 @@ import torch
 
 from normlab import claims as C
 from normlab import functional as F
-from normlab.experiments.common import _pick, _round
+from normlab.experiments.common import claim_values, round_sig
 from normlab.experiments.lab import Lab
 from normlab.kernels import available_backends
 from normlab.testing import assert_close
@@ -103,8 +103,8 @@ def preset_stability(lab: Lab) -> dict:
         "rmsnorm_gain_times_mean": max(g * abs(MEAN) for g in rms),  # against RMSNorm's bound 1/|c|
         "bf16_out_of_bound": sum(len(v) for v in fused.values()),
     }
-    table = [{"spread": s, "layernorm_gain": _round(a), "layernorm_bound": _round(1 / math.sqrt((s * MEAN) ** 2 + EPS)),
-              "rmsnorm_gain": _round(b), "rmsnorm_bound": _round(1 / abs(MEAN))} for s, a, b in zip(SPREADS, ln, rms)]
+    table = [{"spread": s, "layernorm_gain": round_sig(a), "layernorm_bound": round_sig(1 / math.sqrt((s * MEAN) ** 2 + EPS)),
+              "rmsnorm_gain": round_sig(b), "rmsnorm_bound": round_sig(1 / abs(MEAN))} for s, a, b in zip(SPREADS, ln, rms)]
     conditions = [f"matches: rows of mean {MEAN:g} and spread s from {SPREADS[0]:g} down to {SPREADS[-1]:g} times the mean, "
                   f"eps = {EPS:g} (torch's LayerNorm default) for both norms, the exact derivative in float64",
                   f"matches: the fused kernels ({backend} backend) in bf16 with fp32 statistics on the same rows, against "
@@ -118,18 +118,18 @@ def preset_stability(lab: Lab) -> dict:
     claims = [
         C.claim("stability.layernorm_grows", "LayerNorm's input gradient grows as its rows' spread shrinks: it follows "
                 "1/sqrt(s^2 + eps), at least 100 times larger at s/c = 1e-6 than at s/c = 1", SOURCE,
-                _pick(measured, "layernorm_gain_over_bound", "layernorm_gain_growth"),
+                claim_values(measured, "layernorm_gain_over_bound", "layernorm_gain_growth"),
                 C.all_of(C.at_most("layernorm_gain_over_bound", 1.0 + 1e-9, point="the largest gain over its bound",
                                    origin=derivation),
                          C.at_least("layernorm_gain_growth", 100.0, point="the gain's growth over the sweep",
                                     origin=growth)), conditions[::2]),
         C.claim("stability.rmsnorm_bounded", "RMSNorm's input gradient stays bounded by 1/|mean| on the same rows, "
-                "whatever their spread", SOURCE, _pick(measured, "rmsnorm_gain_times_mean"),
+                "whatever their spread", SOURCE, claim_values(measured, "rmsnorm_gain_times_mean"),
                 C.at_most("rmsnorm_gain_times_mean", 1.0 + 1e-9, point="the largest gain times |c| over the sweep",
                           origin=derivation), conditions[::2]),
         C.claim("stability.bf16_within_bound", "in bf16 with fp32 statistics, both norms' fused kernels stay within the "
                 "library's error bound on these rows (outputs and input gradients): the instability is the math, not "
-                "the precision", "normlab's aim (DESIGN.md): exact norms", _pick(measured, "bf16_out_of_bound"),
+                "the precision", "normlab's aim (DESIGN.md): exact norms", claim_values(measured, "bf16_out_of_bound"),
                 C.at_most("bf16_out_of_bound", 0, point="outputs and gradients out of bound (a count)",
                           origin=C.ours("none: the bound of every kernel test (normlab.testing)")), conditions[1:]),
     ]

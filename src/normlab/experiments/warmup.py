@@ -18,8 +18,8 @@ from normlab.experiments.common import (
     WORTSMAN23,
     XIONG20,
     XIONG_MODEL,
-    _pick,
-    _round,
+    claim_values,
+    round_sig,
     stats,
     trains,
     unigram_loss,
@@ -136,13 +136,13 @@ def preset_warmup(lab: Lab) -> dict:
         curves[key] = {"lr": list(lrs), "loss": [[r["val_loss"] for r in runs[key, lr]] for lr in lrs],
                        "init": stats([r["init_val_loss"] for r in runs[key, lrs[0]]])["mean"]}
         mean_best = stats(best)["mean"]  # one value per setting, shown on each of its rows
-        per_setting = {"sensitivity": _round(stats(sens)["mean"], 3),
-                       "best_lr": _round(10**mean_best, 3) if mean_best is not None else None}
+        per_setting = {"sensitivity": round_sig(stats(sens)["mean"], 3),
+                       "best_lr": round_sig(10**mean_best, 3) if mean_best is not None else None}
         for lr in lrs:
             val = stats([r["val_loss"] for r in runs[key, lr]])
             rows.append({"setting": key, "lr": lr, "diverged": sum(r["status"] == "diverged" for r in runs[key, lr]),
-                         "val_loss": _round(val["mean"]), "val_std": _round(val["std"], 2),
-                         "max_logit": _round(statistics.fmean(logits[key, lr]), 4) if (key, lr) in logits else None,
+                         "val_loss": round_sig(val["mean"]), "val_std": round_sig(val["std"], 2),
+                         "max_logit": round_sig(statistics.fmean(logits[key, lr]), 4) if (key, lr) in logits else None,
                          **per_setting})
     measured["unigram_loss"] = unigram_loss(lab.dataset.train)
     high = lrs[len(lrs) // 2:]  # "the high learning rates": the sweep's top half, fixed with the grid
@@ -158,32 +158,32 @@ def preset_warmup(lab: Lab) -> dict:
     no_more = C.ours("10%: 'no more sensitive' allows a tenth of warmup's own sensitivity, no more")
     claims = [
         C.claim("warmup.post_sensitive", "without warmup, Post-LN is more sensitive to the learning rate than with it",
-                XIONG20, _pick(measured, "post_nowarm_sensitivity", "post_warm_sensitivity", "post_warm_best_val", "unigram_loss"),
+                XIONG20, claim_values(measured, "post_nowarm_sensitivity", "post_warm_sensitivity", "post_warm_best_val", "unigram_loss"),
                 C.given(trains("post_warm_best_val"), C.above("post_nowarm_sensitivity", "post_warm_sensitivity", paired=True)),
                 STABILITY_CONDITIONS + [TRAINS_ON_GRID]),
         C.claim("warmup.pre_not", "Pre-LN without warmup is no more sensitive to the learning rate than with it",
-                XIONG20, _pick(measured, "pre_nowarm_sensitivity", "pre_warm_sensitivity", "pre_warm_best_val", "unigram_loss"),
+                XIONG20, claim_values(measured, "pre_nowarm_sensitivity", "pre_warm_sensitivity", "pre_warm_best_val", "unigram_loss"),
                 C.given(trains("pre_warm_best_val"),
                         C.at_most("pre_nowarm_sensitivity", "pre_warm_sensitivity", 0.1, origin=no_more, paired=True)),
                 STABILITY_CONDITIONS + [TRAINS_ON_GRID]),
         C.claim("warmup.post_lower_lr", "Post-LN's best learning rate is lower than Pre-LN's (both with warmup)", XIONG20,
-                _pick(measured, "post_warm_best_log10_lr", "pre_warm_best_log10_lr"),
+                claim_values(measured, "post_warm_best_log10_lr", "pre_warm_best_log10_lr"),
                 C.below("post_warm_best_log10_lr", "pre_warm_best_log10_lr", paired=True, absolute=True, test="sign"),
                 STABILITY_CONDITIONS + ["measured: log10 of the best learning rate on the grid per seed, a discrete outcome: "
                                         "judged by the exact sign test over seeds (3 seeds cannot reach p < 0.05: 6 can)"]),
         C.claim("warmup.qk_norm_logits", f"qk-norm keeps the attention logits bounded: at the highest learning rate ({top:g}) "
                 "the largest logit is at least 2x lower with it", WORTSMAN23,
-                _pick(measured, "pre_warm_qknorm_max_logit_top_lr", "pre_warm_max_logit_top_lr"),
+                claim_values(measured, "pre_warm_qknorm_max_logit_top_lr", "pre_warm_max_logit_top_lr"),
                 C.below("pre_warm_qknorm_max_logit_top_lr", "pre_warm_max_logit_top_lr", 0.5, paired=True,
                         origin=C.ours("the papers show logits growing without a number to quote; 2x is the lab's margin")),
                 STABILITY_CONDITIONS + ["differs: qk-norm is RMSNorm over head_dim (Wortsman et al.: LayerNorm)"]),
         C.claim("warmup.qk_norm_sensitivity", "qk-norm lowers the learning-rate sensitivity (Pre-LN with warmup)", WORTSMAN23,
-                _pick(measured, "pre_warm_qknorm_sensitivity", "pre_warm_sensitivity", "pre_warm_best_val", "unigram_loss"),
+                claim_values(measured, "pre_warm_qknorm_sensitivity", "pre_warm_sensitivity", "pre_warm_best_val", "unigram_loss"),
                 C.given(trains("pre_warm_best_val"), C.below("pre_warm_qknorm_sensitivity", "pre_warm_sensitivity", paired=True)),
                 STABILITY_CONDITIONS + ["differs: qk-norm is RMSNorm over head_dim (Wortsman et al.: LayerNorm)", TRAINS_ON_GRID]),
         C.claim("warmup.embed_norm_stable", "a LayerNorm after the embedding (Bloom's) makes fewer runs diverge at the high "
                 f"learning rates ({', '.join(f'{v:g}' for v in high)}; Pre-LN with warmup)", BLOOM22,
-                _pick(measured, "pre_warm_embednorm_diverged_high", "pre_warm_diverged_high"),
+                claim_values(measured, "pre_warm_embednorm_diverged_high", "pre_warm_diverged_high"),
                 C.below("pre_warm_embednorm_diverged_high", "pre_warm_diverged_high", paired=True, absolute=True, test="sign"),
                 STABILITY_CONDITIONS + EMBED_NORM_CONDITIONS + [
                     "measured: diverged (1) or not (0) for each seed at each rate of the sweep's top half, paired by seed and "
@@ -191,14 +191,14 @@ def preset_warmup(lab: Lab) -> dict:
         C.claim("warmup.embed_norm_quality", "a LayerNorm after the embedding keeps the quality: at each setting's best "
                 "learning rate on the grid its loss is within 2% of Pre-LN's without it (the article: Bloom's, possibly at "
                 "some loss of quality; failing above the margin is that loss)", BLOOM22,
-                _pick(measured, "pre_warm_embednorm_best_val", "pre_warm_best_val", "unigram_loss"),
+                claim_values(measured, "pre_warm_embednorm_best_val", "pre_warm_best_val", "unigram_loss"),
                 C.given(trains("pre_warm_best_val"),
                         C.within("pre_warm_embednorm_best_val", "pre_warm_best_val", 0.02, origin=COMPARABLE, paired=True)),
                 STABILITY_CONDITIONS + EMBED_NORM_CONDITIONS + [TRAINS_ON_GRID]),
         C.claim("warmup.sandwich_unstable", "Sandwich-LN (a norm on each branch's input and output) makes more runs diverge "
                 "than Pre-LN over the learning-rate sweep (both with warmup): the article's 'Sandwich-LN can make training "
                 "unstable and collapse'", GLM22,
-                _pick(measured, "pre_warm_sandwich_diverged", "pre_warm_diverged"),
+                claim_values(measured, "pre_warm_sandwich_diverged", "pre_warm_diverged"),
                 C.above("pre_warm_sandwich_diverged", "pre_warm_diverged", paired=True, absolute=True, test="sign"),
                 STABILITY_CONDITIONS + [
                     "measured: diverged (1) or not (0) for each seed at each rate of the sweep, paired by seed and rate (the "

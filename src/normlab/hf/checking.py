@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from normlab import functional as F
-from normlab.hf.patching import _spec, patch, unpatch
+from normlab.hf.patching import norm_spec, patch, unpatch
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "olmo2", "t5", "gpt2", "bert", "bloom", "falcon",
          "glm", "glm4", "deepseek_v3")
@@ -75,7 +75,7 @@ def tiny_model(arch: str, seed: int = 0, **sizes) -> nn.Module:
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for module in model.modules():
-            spec, _ = _spec(module)
+            spec, _ = norm_spec(module)
             if spec is None:
                 continue
             w = getattr(module, "weight", None)

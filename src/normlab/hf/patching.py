@@ -63,7 +63,7 @@ class PatchReport:
         return "\n".join(lines)
 
 
-def _spec(module: nn.Module) -> tuple[dict | None, str]:
+def norm_spec(module: nn.Module) -> tuple[dict | None, str]:
     """normlab options that reproduce ``module``, or None and the reason."""
     cls = type(module)
     name = cls.__name__
@@ -145,7 +145,7 @@ def patch(model: nn.Module, *, backend: str = "auto", fuse_residual: bool = Fals
     report = PatchReport()
     gen = torch.Generator().manual_seed(0)
     for name, module in model.named_modules():
-        spec, reason = _spec(module)
+        spec, reason = norm_spec(module)
         if spec is None:
             if reason:
                 report.skipped.append((name, type(module).__name__, reason))
