@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -197,12 +196,12 @@ def test_step_times_do_not_include_compilation(corpus, tmp_path):
 
     cold, warm = step_ms("cold"), step_ms("warm")
     assert any((tmp_path / "numba").rglob("*.nbi")), "the first run should have filled the cold cache"
-    # compiling the layer_norm kernels takes about 3 s; 40 steps of this model take a few hundred
-    # milliseconds (the slack lets a busy machine's noise pass, not a compilation)
-    assert sum(cold) <= 2 * sum(warm) + 1000, (cold, warm)
-    # the lab's loss-per-second axis: the first evaluation (step 20) sits where 20 steps put it
+    # Compiling the layer_norm kernels takes about 3 s, all in the first step that calls them; a
+    # step takes some 40 ms. So a compilation on the clock is one step seconds above every other,
+    # whereas a busy machine slows many steps alike (the test must not read that as compiling).
     for ms in (cold, warm):
-        assert sum(ms[:20]) <= 2 * statistics.median(ms) * 20 + 250, ms
+        slowest, next_slowest = sorted(ms[:20])[-2:][::-1]
+        assert slowest - next_slowest <= 1000, ms
 
 
 def test_a_killed_run_resumes_with_every_step_logged_once(corpus, tmp_path):
