@@ -54,7 +54,8 @@ def test_cli_check_model(capsys, tmp_path):
 def test_check_model_fails_when_the_numerics_are_wrong(monkeypatch, capsys):
     # skip the probe and give Gemma no offset: the patched model is wrong, and check-model says so
     monkeypatch.setattr(patching, "_matches", lambda *a: "")
-    monkeypatch.setitem(hf.RMS_CLASSES, "GemmaRMSNorm", ("rms", "gemma", 0.0, "eps"))
+    identify = patching.identify
+    monkeypatch.setattr(patching, "identify", lambda *a: ({**identify(*a)[0], "offset": 0.0}, ""))
     assert main(["check-model", "gemma", "--seq", "8"]) == 1
     assert "exceeds the bound" in capsys.readouterr().out
 

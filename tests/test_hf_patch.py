@@ -61,21 +61,32 @@ class OddNorm(nn.Module):
 def test_unknown_norm_is_left_alone_and_reported():
     model = nn.Sequential(nn.Linear(8, 8), OddNorm(8), nn.LayerNorm(8))
     report = hf.patch(model)
-    assert report.skipped == [("1", "OddNorm", "unknown norm class")]
+    assert report.skipped == [("1", "OddNorm", f"no epsilon attribute ({', '.join(hf.patching.EPS_ATTRS)})")]
     assert [n for n, _, _ in report.patched] == ["2"]
     assert "forward" not in model[1].__dict__
-    assert "skipped  1 (OddNorm): unknown norm class" in str(report)
+    assert "skipped  1 (OddNorm): no epsilon attribute" in str(report)
+
+
+def wrong_flavor(monkeypatch, cls_name, **change):
+    """Make the probe report ``change`` for ``cls_name``'s flavor, as a wrong probe would."""
+    identify = hf.patching.identify
+
+    def wrong(module, d, eps):
+        spec, why = identify(module, d, eps)
+        return ({**spec, **change} if type(module).__name__ == cls_name else spec), why
+
+    monkeypatch.setattr(hf.patching, "identify", wrong)
 
 
 def test_wrong_numerics_are_caught_before_patching(monkeypatch):
-    # pretend Llama's norm were Gemma-ordered: the probe sees the rounding differ in bf16 and refuses
-    monkeypatch.setitem(hf.RMS_CLASSES, "LlamaRMSNorm", ("rms", "gemma", 0.0, "variance_epsilon"))
+    # a Gemma cast order for Llama's norm: the module's own check sees the rounding differ in bf16
+    wrong_flavor(monkeypatch, "LlamaRMSNorm", cast="gemma")
     model = hf.tiny_model("llama").to(torch.bfloat16)
     report = hf.patch(model)
     assert report.patched == [] and len(report.skipped) == 5
     assert all("differ" in reason for _, _, reason in report.skipped)
     # and an offset it does not apply is caught in fp32 too
-    monkeypatch.setitem(hf.RMS_CLASSES, "GemmaRMSNorm", ("rms", "gemma", 0.0, "eps"))
+    wrong_flavor(monkeypatch, "GemmaRMSNorm", offset=0.0)
     report = hf.patch(hf.tiny_model("gemma"))
     assert report.patched == [] and all("numerics differ" in r for _, _, r in report.skipped)
 

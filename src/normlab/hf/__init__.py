@@ -8,7 +8,7 @@
 """
 
 from normlab.hf.checking import ARCHS, CHECKPOINTS, ZERO_GRAD, check_model, fetch_checkpoint, load_model, tiny_model
-from normlab.hf.patching import FUSABLE_LAYERS, RMS_CLASSES, PatchReport, patch, unpatch
+from normlab.hf.patching import FLAVORS, FUSABLE_LAYERS, PatchReport, identify, patch, unpatch
 
-__all__ = ["ARCHS", "CHECKPOINTS", "FUSABLE_LAYERS", "RMS_CLASSES", "ZERO_GRAD", "PatchReport", "check_model",
-           "fetch_checkpoint", "load_model", "patch", "tiny_model", "unpatch"]
+__all__ = ["ARCHS", "CHECKPOINTS", "FLAVORS", "FUSABLE_LAYERS", "ZERO_GRAD", "PatchReport", "check_model",
+           "fetch_checkpoint", "identify", "load_model", "patch", "tiny_model", "unpatch"]
