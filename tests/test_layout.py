@@ -21,7 +21,7 @@ LAYERS = [
     {"model_config"},
     {"model", "rnn", "footprint"},
     {"data", "bench", "hf.patching"},
-    {"hf.checking", "hf"},
+    {"hf.checking", "hf.census", "hf"},
     {"train"},
     {"experiments.ladder", "experiments.timing", "experiments.lab", "experiments.sweep"},
     {"experiments.common"},

