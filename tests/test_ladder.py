@@ -184,6 +184,9 @@ def test_compare_ladder_end_to_end(corpus, tmp_path, capsys):
     assert lrs[0] == pytest.approx(2 * lrs[1]) and lrs[2] == pytest.approx(lrs[1] / 2)  # what each rung trained at
     text = (out / "ladder.md").read_text()
     assert "muP" in text and "shallow.post_better" in text
+    middle = json.loads((out / E.rung_file(1, "bpe")).read_text())["presets"]["shallow"]["settings"]["arm_lrs"]
+    assert ladder["rates"]["bpe"] == sorted({a["how"] for a in middle.values()})  # how each condition's rates were chosen
+    assert "Each arm's rate at the middle rung, by condition: char: " in " ".join(text.split())
     assert main(["compare", "shallow", "--size", "tiny", "--ladder", "--tune", "--out", str(out)]) == 2
     assert "--tune runs at the preset's own size" in " ".join(capsys.readouterr().out.split())
     assert main(["compare", "shallow", "--size", "tiny", "--tokenizers", "char,bpe", "--out", str(out)]) == 2

@@ -446,8 +446,10 @@ def ladder_markdown(ladder: dict, images: list[str]) -> str:
     if len(tokenizers) > 1:
         lines += ["Tokenizer conditions, each claim's rows side by side and judged in one family: "
                   + ", ".join(f"{k} (vocabulary {v:,})" for k, v in tokenizers.items() if v)
-                  + f". Every condition trains at the learning rates tuned on characters; rung0-{list(tokenizers)[1]}/ "
-                  "and the like hold the other conditions' rung reports.", ""]
+                  + ". Each arm's rate at the middle rung, by condition: "
+                  + "; ".join(f"{k}: {', '.join(h.replace('tuned (the design)', f'tuned in the design pilot on {k}') for h in v)}"
+                              for k, v in (ladder.get("rates") or {}).items() if v)
+                  + f". rung0-{list(tokenizers)[1]}/ and the like hold the other conditions' rung reports.", ""]
     for name, p in ladder["presets"].items():
         lines += [f"## {name}", "", "Non-embedding parameters: " + ", ".join(f"{n:,.0f}" for n in p["parameters"]), ""]
         if not p["trends"]:

@@ -277,6 +277,7 @@ def ladder_results(names: list[str], out: str | Path, per_claim: bool = False, c
     presets: dict = {}
     meta: dict = {}
     vocabularies: dict = {}  # each tokenizer condition's vocabulary size
+    rates: dict = {}  # each tokenizer condition's ways its arms' learning rates were chosen
     for condition in conditions:
         files = [out / rung_file(r, condition) for r in range(len(LD.WIDTHS))]
         rungs = [read_json(f) if f.exists() else {"presets": {}} for f in files]
@@ -294,6 +295,8 @@ def ladder_results(names: list[str], out: str | Path, per_claim: bool = False, c
             p = presets.setdefault(name, {"parameters": params, "trends": [], "sizes": [s.get("size") for s in sections],
                                           "conditions": []})
             p["conditions"].append(tokenizer)
+            arms = sections[LD.MIDDLE].get("settings", {}).get("arm_lrs", {})  # the other rungs follow lr_rule
+            rates.setdefault(tokenizer, set()).update(a["how"] for a in arms.values())
             p["trends"] += trends
     for p in presets.values():  # a claim's conditions side by side
         first: dict = {}
@@ -302,7 +305,8 @@ def ladder_results(names: list[str], out: str | Path, per_claim: bool = False, c
         p["trends"].sort(key=lambda t: first[t["id"]])  # stable: each claim's conditions in their order
     family = LD.judge_trends([t for p in presets.values() for t in p["trends"]], per_claim)
     ladder = {"widths": list(LD.WIDTHS), "lr_rule": LD.LR_RULE, "tokens_per_parameter": "held at the middle rung's ratio",
-              "family": family, "presets": presets, "meta": meta, "tokenizers": vocabularies}
+              "family": family, "presets": presets, "meta": meta, "tokenizers": vocabularies,
+              "rates": {k: sorted(v) for k, v in rates.items()}}
     write_json(out / "ladder.json", ladder)
     return ladder
 
