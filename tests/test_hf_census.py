@@ -22,7 +22,8 @@ def test_shrink_cuts_depth_experts_and_per_layer_lists():
 
 
 def test_census_rows_say_what_patch_does_with_each_norm(tmp_path):
-    rows = C.census(["llama", "gemma3", "convnext", "mamba2", "align_text_model"], jobs=1)
+    every = C.model_types()  # surveyed here, in this process (the CLI test runs the process pool)
+    rows = [C.survey(t, every[t]) for t in ("llama", "gemma3", "convnext", "mamba2", "align_text_model")]
     by_type = {r["model_type"]: r for r in rows}
     verdicts = {t: {(n["norm"], n["verdict"]) for n in r["norms"]} for t, r in by_type.items()}
     assert ("LlamaRMSNorm", "rms_norm cast=llama offset=0 eps=1e-06") in verdicts["llama"]
