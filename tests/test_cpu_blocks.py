@@ -33,7 +33,7 @@ def test_block_conversions_match_the_scalar_ones(gen, dtype, llama, path, nt):
     # Output blocks are converted as explicit vectors (_emit: the CPU's bf16 instruction where
     # it has one, else integer rounding, which "integer-bf16" checks on such a CPU too; streamed
     # 16-bit blocks convert two vectors at a time, into whole lines); heads and tails of rows by
-    # the scalar _store. Both must give the same bits on everything a normalized row can hold.
+    # the scalar store_at. Both must give the same bits on everything a normalized row can hold.
     from numba import njit
 
     src = _special_floats(gen, simd.EMIT)
@@ -48,13 +48,13 @@ def test_block_conversions_match_the_scalar_ones(gen, dtype, llama, path, nt):
     @njit
     def by_vectors(dst, src, w):
         emit(dst, np.uint64(0), src, w)
-        simd._store_fence()
+        simd.store_fence()
 
     @njit
     def by_scalars(dst, src, w):
         for i in range(src.shape[0]):
-            v = codecs._round_like(dst, src[i]) * w[i] if llama else src[i]
-            codecs._store(dst, i, v)
+            v = codecs.round_like(dst, src[i]) * w[i] if llama else src[i]
+            codecs.store_at(dst, i, v)
 
     stage[: simd.EMIT] = src
     by_vectors(vec, stage, w)
@@ -76,10 +76,10 @@ def test_vector_row_sums_match_float64(gen, dtype):
 
     @njit
     def sums(row, n, c):
-        return simd._row_moments(row, n, c, row, None), simd._row_sumsq(row, n, c, row, None)
+        return simd.row_moments(row, n, c, row, None), simd.row_sumsq(row, n, c, row, None)
 
     x = (torch.randn(3 * simd.BLOCK + 7, generator=gen) * 2 + 5).to(dtype)
-    row = memory._as_numpy(x)
+    row = memory.as_numpy(x)
     c = np.float32(4.5)
     for blocks in (0, 1, 3):
         n = blocks * simd.BLOCK
@@ -121,13 +121,13 @@ def test_backward_pair_order_sums_match_float64(gen, op):
         if op == "ln":
             mhi, mlo = np.float32(mean), np.float32(0.0)
             lo = np.float32(-float(mlo) * rstd)
-            got = ln_pass(memory._as_numpy(dy), memory._as_numpy(x), wp, dwc, dbc, n, mhi, rstd, lo)
+            got = ln_pass(memory.as_numpy(dy), memory.as_numpy(x), wp, dwc, dbc, n, mhi, rstd, lo)
             xhat = (v - mean) * float(rstd)
             want = ((g * wn).sum(), (g * wn * xhat).sum())
             assert np.allclose(simd.pair_unorder(dbc, n)[:n], g.numpy(), rtol=1e-6, atol=0)
         else:
             rnd = launch._round_to(torch.bfloat16, op == "rms_llama")
-            got = rms_pass(memory._as_numpy(dy), memory._as_numpy(x), wp, dwc, rnd, n, rstd)
+            got = rms_pass(memory.as_numpy(dy), memory.as_numpy(x), wp, dwc, rnd, n, rstd)
             xhat = v * float(rstd)
             if op == "rms_llama":  # x * rstd rounded to bf16 before the multiply
                 xhat = (v.float() * rstd).to(torch.bfloat16).double()
@@ -159,7 +159,7 @@ def test_first_pass_over_a_row_pair_is_bitwise_two_single_rows(gen, op):
         return two(dy, x, dy2, x2, wp, dwc, aux, n, c[0], c[1], c[2], e[0], e[1], e[2])
 
     d = 3 * simd.BLOCK + 7
-    rows = [memory._as_numpy((torch.randn(d, generator=gen) * 3 + 2).to(torch.bfloat16)) for _ in range(4)]
+    rows = [memory.as_numpy((torch.randn(d, generator=gen) * 3 + 2).to(torch.bfloat16)) for _ in range(4)]
     wp = simd.pair_order(torch.randn(d, generator=gen).numpy(), 3 * simd.BLOCK)
     c, e = (np.array([m, s, lo], np.float32) for m, s, lo in ((2.0, 0.4, -0.01), (1.5, 0.7, 0.02)))
     start = torch.randn(2, d, generator=gen).numpy()  # partial rows that already hold sums
@@ -207,11 +207,11 @@ def test_streamed_spans_are_aligned_blocks():
     x = torch.zeros(4, 1000).numpy()
     for r in range(4):
         row = x[r]
-        a, b = rows._spans(row, 0, 1000, True)
+        a, b = rows.block_spans(row, 0, 1000, True)
         assert (row.ctypes.data + 4 * a) % 64 == 0 and 0 <= a < 16
         assert (b - a) % simd.EMIT == 0 and 1000 - b < simd.EMIT and b - a >= 14 * simd.EMIT
-        assert rows._spans(row, 0, 1000, False) == (0, 960)  # blocks from the row's start
-        a, b = rows._spans(row, 990, 1000, True)  # too short for a block: all plain
+        assert rows.block_spans(row, 0, 1000, False) == (0, 960)  # blocks from the row's start
+        a, b = rows.block_spans(row, 990, 1000, True)  # too short for a block: all plain
         assert a == b and 990 <= a <= 1000
 
 
@@ -221,7 +221,7 @@ def test_a_chunks_dw_and_db_partial_rows_sit_half_a_page_apart():
     # cost them 1.2-1.7x on two threads. Each chunk's two rows start 2 KiB apart modulo 4 KiB.
     for nchunks in (1, 2, 3):
         for d in (1, 100, 1024, 1025, 4096, 5000):
-            parts = rows._partial_row_pairs(nchunks, d)
+            parts = rows.partial_row_pairs(nchunks, d)
             assert parts.shape[0] == 2 * nchunks and parts.shape[1] >= d and not parts.any()
             for c in range(nchunks):
                 assert (parts[2 * c + 1].ctypes.data - parts[2 * c].ctypes.data) % 4096 == 2048, (nchunks, d, c)

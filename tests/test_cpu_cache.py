@@ -59,8 +59,8 @@ print(sum(stats.cache_hits.values()), sum(stats.cache_misses.values()), float(y.
 
 
 def test_a_changed_helper_recompiles_the_kernels_that_inline_it(tmp_path):
-    # numba keys its cache by the defining file alone; rms_fwd inlines _recip from rows.py, so
-    # with numba's own key an edit to _recip would be served stale from the cache.
+    # numba keys its cache by the defining file alone; rms_fwd inlines recip from rows.py, so
+    # with numba's own key an edit to recip would be served stale from the cache.
     import shutil
     import subprocess
     import sys

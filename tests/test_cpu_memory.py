@@ -37,7 +37,7 @@ def test_streaming_stores_give_the_same_bits(gen, op, dtype, monkeypatch):
 
 def test_shared_staging_rows_stay_zero_and_aligned(gen, monkeypatch):
     # The launchers share one set of staging rows per chunk count between calls and threads
-    # (memory._zero_stages), and the streamed 16-bit stores read a line of zeros from them. A kernel
+    # (memory.zero_stages), and the streamed 16-bit stores read a line of zeros from them. A kernel
     # that wrote there would corrupt every later call: run every op forward and backward, plain
     # and streamed, in every dtype, then look.
     shape = (37, 1000)
@@ -48,7 +48,7 @@ def test_shared_staging_rows_stay_zero_and_aligned(gen, monkeypatch):
                 leaves = op_leaves(gen, op, shape, dtype)
                 grads = [torch.randn(shape, generator=gen).to(dtype)] * 2
                 run_op(op, leaves, {}, "cpu", grads)
-    stages = memory._zero_stages(launch.nchunks(shape[0]))
+    stages = memory.zero_stages(launch.nchunks(shape[0]))
     assert stages.shape[0] == launch.nchunks(shape[0]) and not stages.any()
     assert stages.ctypes.data % 64 == 0
 

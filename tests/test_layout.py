@@ -84,3 +84,30 @@ def test_ruff_finds_nothing():
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise",
                            "src", "tests", "tools", "benchmarks"], cwd=root, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _private_uses(path: Path) -> set[str]:
+    """Underscore names a file takes from another normlab module: imported by name, or read as an
+    attribute of a normlab module it imported (``from normlab.kernels.cpu import memory``)."""
+    tree = ast.parse(path.read_text())
+    aliases, found = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").startswith("normlab")):
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    found.add(f"{node.module}.{a.name}")
+                aliases.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name.startswith("normlab") and a.asname}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.add(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    """A name other files use is public (no underscore), so a reader can tell a module's interface
+    from its internals."""
+    bad = {f"{m}: {', '.join(sorted(u))}" for m, p in _modules().items() if (u := _private_uses(p))}
+    assert not bad, f"private names used across modules: {sorted(bad)}"

@@ -189,7 +189,7 @@ def test_a_row_pair_is_bitwise_two_single_rows(gen, fn, dtype, tables):
 
     memory = importlib.import_module("normlab.kernels.cpu.memory")
     d, n = 5 * 64 + 9, 5 * 64
-    rows = [memory._as_numpy((torch.randn(d, generator=gen) * 2).to(dtype)) for _ in range(4)]
+    rows = [memory.as_numpy((torch.randn(d, generator=gen) * 2).to(dtype)) for _ in range(4)]
     w = torch.randn(d, generator=gen).numpy()
     start = torch.randn(2, d, generator=gen).numpy()  # partial rows that already hold sums
     stage = np.zeros(STAGE_WIDTH, np.float32)
@@ -472,7 +472,7 @@ def test_streaming_stores_give_the_same_bits(gen, fn, dtype, d, monkeypatch):
     terms = {"alpha": (u * leaves["x"].double()).abs().sum(), "shift": u.abs().sum()}
     for k in terms.keys() & plain_g.keys():
         assert (plain_g[k].double() - streamed_g[k].double()).abs() <= 1e-6 * terms[k], k
-    assert not memory._zero_stages(launch.nchunks(37)).any()
+    assert not memory.zero_stages(launch.nchunks(37)).any()
 
 
 @pytest.mark.skipif(not K.TABLES, reason="no tables here (no AVX-512, or slow gathers): 16-bit inputs compute tanh")

@@ -74,8 +74,8 @@ def load(src: str, name: str):
 def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False):
     """A no-argument callable that runs ``op`` of kernel module K on the next input set."""
     k = rotation((n, d), dtype)
-    sets = [(memory._as_numpy(torch.randn(n, d, dtype=dtype)), memory._as_numpy(torch.randn(n, d, dtype=dtype))) for _ in range(k)]
-    y = memory._as_numpy(torch.empty(n, d, dtype=dtype))
+    sets = [(memory.as_numpy(torch.randn(n, d, dtype=dtype)), memory.as_numpy(torch.randn(n, d, dtype=dtype))) for _ in range(k)]
+    y = memory.as_numpy(torch.empty(n, d, dtype=dtype))
     w, b = torch.randn(d).numpy(), torch.randn(d).numpy()
     stages, nt = C._stages(torch.empty(n, d, dtype=dtype), n)
     rstd, mean, rnd = np.empty(n, np.float32), np.empty(n, np.float64), C._round_to(dtype, llama)

@@ -79,8 +79,8 @@ def main() -> None:
     w = torch.randn(d, dtype=dtype, requires_grad=True)
     b = torch.randn(d, dtype=dtype, requires_grad=True)
 
-    xn, dyn = memory._as_numpy(x.detach().view(n, d)), memory._as_numpy(dy.view(n, d))
-    out = memory._as_numpy(torch.empty(n, d, dtype=dtype))
+    xn, dyn = memory.as_numpy(x.detach().view(n, d)), memory.as_numpy(dy.view(n, d))
+    out = memory.as_numpy(torch.empty(n, d, dtype=dtype))
     stages, nt = C._stages(torch.empty(n, d, dtype=dtype), n)
     wn, bn = w.detach().float().numpy(), b.detach().float().numpy()
     mean, rstd = np.empty(n), np.empty(n, np.float32)

@@ -1,8 +1,8 @@
 """bf16 and fp16 as the kernels see them: bit patterns in integer arrays, widened to float32.
 
-numba has neither type, so bfloat16 travels as uint16 bits and float16 as int16 bits. ``_load``
-widens an element to float32; ``_store`` narrows a float32 with round-to-nearest-even (bf16 by
-integer arithmetic, fp16 by LLVM's fptrunc). The vector forms (``_narrow``, ``_widen``) give the
+numba has neither type, so bfloat16 travels as uint16 bits and float16 as int16 bits. ``load_at``
+widens an element to float32; ``store_at`` narrows a float32 with round-to-nearest-even (bf16 by
+integer arithmetic, fp16 by LLVM's fptrunc). The vector forms (``narrow_bits``, ``widen_bits``) give the
 same bits as the scalar ones, with two exceptions where the CPU's bf16 instruction is used:
 results below bf16's smallest normal flush to zero, and a nan keeps its sign and payload.
 Neither occurs in a normalized row of finite values (tests/test_cpu_blocks.py checks both).
@@ -66,15 +66,15 @@ def _f32_to_bf16_bits(v):
     return np.uint16(rounded if v == v else np.uint32(0x7FC0))
 
 
-def _load(a, i):  # pragma: no cover - replaced by the overload below
+def load_at(a, i):  # pragma: no cover - replaced by the overload below
     raise NotImplementedError
 
 
-def _store(a, i, v):  # pragma: no cover
+def store_at(a, i, v):  # pragma: no cover
     raise NotImplementedError
 
 
-def _round_like(a, v):  # pragma: no cover
+def round_like(a, v):  # pragma: no cover
     raise NotImplementedError
 
 
@@ -82,7 +82,7 @@ def _round_like(a, v):  # pragma: no cover
 # address non-affine and turns the vectorized loops into gathers and scatters.
 
 
-@overload(_load)
+@overload(load_at)
 def _ov_load(a, i):
     if a.dtype == types.float32:
         return lambda a, i: a[np.uint64(i)]
@@ -108,11 +108,11 @@ def _store_f16(a, i, v):
 
 
 @njit
-def _accumulate(a, i, v):
+def add_at(a, i, v):
     a[np.uint64(i)] += v
 
 
-@overload(_store)
+@overload(store_at)
 def _ov_store(a, i, v):
     if a.dtype == types.float32:
         return lambda a, i, v: _store_f32(a, i, v)
@@ -122,7 +122,7 @@ def _ov_store(a, i, v):
         return lambda a, i, v: _store_f16(a, i, v)
 
 
-@overload(_round_like)
+@overload(round_like)
 def _ov_round_like(a, v):
     """v rounded to a's dtype and widened back to float32 (the llama cast of xhat)."""
     if a.dtype == types.float32:
@@ -135,7 +135,7 @@ def _ov_round_like(a, v):
 
 # ---------------------------------------------------------------------------------- vectors
 
-_LANES = 16
+LANES = 16
 
 
 class _BFloat(ir.types.Type):
@@ -154,38 +154,38 @@ class _BFloat(ir.types.Type):
 
 
 def _vconst(ty, value):
-    return ir.Constant(ir.VectorType(ty, _LANES), [value] * _LANES)
+    return ir.Constant(ir.VectorType(ty, LANES), [value] * LANES)
 
 
-def _narrow(builder, x, kind, hw):
+def narrow_bits(builder, x, kind, hw):
     """<16 x float> -> the output's bits (<16 x i16>), or x itself for float32. ``hw``: bf16
     through the CPU's instruction."""
     i16, i32 = ir.IntType(16), ir.IntType(32)
     if kind == types.float32:
         return x
     if kind == types.int16:  # fp16
-        return builder.bitcast(builder.fptrunc(x, ir.VectorType(ir.HalfType(), _LANES)), ir.VectorType(i16, _LANES))
+        return builder.bitcast(builder.fptrunc(x, ir.VectorType(ir.HalfType(), LANES)), ir.VectorType(i16, LANES))
     if hw:
-        return builder.bitcast(builder.fptrunc(x, ir.VectorType(_BFloat(), _LANES)), ir.VectorType(i16, _LANES))
-    b = builder.bitcast(x, ir.VectorType(i32, _LANES))
+        return builder.bitcast(builder.fptrunc(x, ir.VectorType(_BFloat(), LANES)), ir.VectorType(i16, LANES))
+    b = builder.bitcast(x, ir.VectorType(i32, LANES))
     lsb = builder.and_(builder.lshr(b, _vconst(i32, 16)), _vconst(i32, 1))
     r = builder.lshr(builder.add(builder.add(b, _vconst(i32, 0x7FFF)), lsb), _vconst(i32, 16))
     r = builder.select(builder.fcmp_unordered("uno", x, x), _vconst(i32, 0x7FC0), r)
-    return builder.trunc(r, ir.VectorType(i16, _LANES))
+    return builder.trunc(r, ir.VectorType(i16, LANES))
 
 
-def _widen(builder, bits, kind):
-    """The inverse of _narrow: the rounded values as <16 x float>."""
-    f32 = ir.VectorType(ir.FloatType(), _LANES)
+def widen_bits(builder, bits, kind):
+    """The inverse of narrow_bits: the rounded values as <16 x float>."""
+    f32 = ir.VectorType(ir.FloatType(), LANES)
     if kind == types.float32:
         return bits
     if kind == types.int16:
-        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), _LANES)), f32)
-    wide = builder.zext(bits, ir.VectorType(ir.IntType(32), _LANES))
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), f32)
+    wide = builder.zext(bits, ir.VectorType(ir.IntType(32), LANES))
     return builder.bitcast(builder.shl(wide, _vconst(ir.IntType(32), 16)), f32)
 
 
-def _narrow_line(builder, lo, hi, kind, hw, zero):
+def narrow_line(builder, lo, hi, kind, hw, zero):
     """Two 16-lane float32 vectors -> one 64-byte line of 16-bit output bits (<32 x i16>).
 
     With the CPU's bf16 instruction the pair converts in one vcvtne2ps2bf16, typed <32 x bfloat>.
@@ -194,21 +194,21 @@ def _narrow_line(builder, lo, hi, kind, hw, zero):
     which LLVM cannot see through) keeps the integer vector."""
     i16x32 = ir.VectorType(ir.IntType(16), 32)
     if hw and kind == types.uint16:
-        f32 = ir.VectorType(ir.FloatType(), _LANES)
+        f32 = ir.VectorType(ir.FloatType(), LANES)
         fnty = ir.FunctionType(ir.VectorType(_BFloat(), 32), [f32, f32])
         fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512bf16.cvtne2ps2bf16.512")
         bits = builder.bitcast(builder.call(fn, [hi, lo]), i16x32)  # its low half comes from the 2nd operand
         return builder.add(bits, builder.load(builder.bitcast(zero, i16x32.as_pointer()), align=4))
     pair = ir.Constant(ir.VectorType(ir.IntType(32), 32), list(range(32)))
-    return builder.shuffle_vector(_narrow(builder, lo, kind, hw), _narrow(builder, hi, kind, hw), pair)
+    return builder.shuffle_vector(narrow_bits(builder, lo, kind, hw), narrow_bits(builder, hi, kind, hw), pair)
 
 
-def _bf16_pair(builder, base, at):
+def bf16_pair(builder, base, at):
     """The 32 bf16 values from element ``at`` of ``base`` read two to a 32-bit lane (little-
     endian: the low one first), widened: (the even-indexed 16, the odd-indexed 16). No widening
     shuffle: sums do not care about the order, and the backward keeps its weights in this order."""
-    i32 = ir.VectorType(ir.IntType(32), _LANES)
-    f32 = ir.VectorType(ir.FloatType(), _LANES)
+    i32 = ir.VectorType(ir.IntType(32), LANES)
+    f32 = ir.VectorType(ir.FloatType(), LANES)
     ptr = builder.gep(base, [ir.Constant(ir.IntType(64), at)] if isinstance(at, int) else [at])
     pair = builder.load(builder.bitcast(ptr, i32.as_pointer()), align=2)
     return (builder.bitcast(builder.shl(pair, _vconst(ir.IntType(32), 16)), f32),
@@ -218,9 +218,9 @@ def _bf16_pair(builder, base, at):
 _INTERLEAVE = ir.Constant(ir.VectorType(ir.IntType(32), 32), [i // 2 + 16 * (i % 2) for i in range(32)])
 
 
-def _pair_line(builder, even, odd, hw, zero):
-    """The inverse of _bf16_pair: 32 bf16 bits (<32 x i16>) in place: _narrow_line's line (the
+def pair_line(builder, even, odd, hw, zero):
+    """The inverse of bf16_pair: 32 bf16 bits (<32 x i16>) in place: narrow_line's line (the
     evens, then the odds), interleaved by one shuffle."""
-    line = _narrow_line(builder, even, odd, types.uint16, hw, zero)
+    line = narrow_line(builder, even, odd, types.uint16, hw, zero)
     return builder.shuffle_vector(line, line, _INTERLEAVE)
 

@@ -24,7 +24,7 @@ from normlab.kernels.ops import rows
 
 from .pointwise import pointwise_bwd, pointwise_fwd, table_for
 from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
-from .memory import STREAM_MIN_BYTES, _as_numpy, _zero_stages, empty
+from .memory import STREAM_MIN_BYTES, as_numpy, zero_stages, empty
 from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
 from .rows import start_threads
 from .simd import X86
@@ -102,7 +102,7 @@ def _stages(out: Tensor, rows: int) -> tuple[np.ndarray, bool]:
     """The kernels' float32 staging rows (one per chunk: their count is the chunk count) and
     whether ``out`` is streamed."""
     stream = X86 and out.numel() * out.element_size() >= STREAM_MIN_BYTES
-    return _zero_stages(nchunks(rows)), stream
+    return zero_stages(nchunks(rows)), stream
 
 
 
@@ -142,11 +142,11 @@ def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual
         s = empty(shape, reference.sum_dtype(x, residual, residual_in_fp32))
     if n:
         if s is None:
-            _k(rms_fwd)(_as_numpy(x2), w, _as_numpy(y.view(n, d)), rstd.view(n).numpy(), eps, inside, k, _round_to(x.dtype, llama),
+            _k(rms_fwd)(as_numpy(x2), w, as_numpy(y.view(n, d)), rstd.view(n).numpy(), eps, inside, k, _round_to(x.dtype, llama),
                       *_stages(y, n))
         else:
             _k(add_rms_fwd)(
-                _as_numpy(x2), _as_numpy(rows(residual)), w, _as_numpy(y.view(n, d)), _as_numpy(s.view(n, d)),
+                as_numpy(x2), as_numpy(rows(residual)), w, as_numpy(y.view(n, d)), as_numpy(s.view(n, d)),
                 rstd.view(n).numpy(), eps, inside, k, _round_to(x.dtype, llama), *_stages(y, n),
             )
     return y, s, rstd
@@ -170,10 +170,10 @@ def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k, *, gr
     (dw,) = _weight_grads(grad_dtypes, 1, d, n)
     if n:
         w = _rms_weight(weight, d, dy.dtype, llama, offset)
-        ds2 = _as_numpy(rows(ds)) if ds is not None else None
+        ds2 = as_numpy(rows(ds)) if ds is not None else None
         _k(rms_bwd)(
-            _as_numpy(dy2), _as_numpy(x2), w, rstd.reshape(n).numpy(), ds2, _as_numpy(dx.view(n, d)),
-            _as_numpy(dw), eps, inside, k, _round_to(dy.dtype, llama), stages, stream,
+            as_numpy(dy2), as_numpy(x2), w, rstd.reshape(n).numpy(), ds2, as_numpy(dx.view(n, d)),
+            as_numpy(dw), eps, inside, k, _round_to(dy.dtype, llama), stages, stream,
         )
     return dx, dw
 
@@ -193,10 +193,10 @@ def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp
     if n:
         stats = (mean.view(n).numpy(), rstd.view(n).numpy())
         if s is None:
-            _k(ln_fwd)(_as_numpy(x2), w, b, _as_numpy(y.view(n, d)), *stats, eps, *_stages(y, n))
+            _k(ln_fwd)(as_numpy(x2), w, b, as_numpy(y.view(n, d)), *stats, eps, *_stages(y, n))
         else:
             _k(add_ln_fwd)(
-                _as_numpy(x2), _as_numpy(rows(residual)), w, b, _as_numpy(y.view(n, d)), _as_numpy(s.view(n, d)),
+                as_numpy(x2), as_numpy(rows(residual)), w, b, as_numpy(y.view(n, d)), as_numpy(s.view(n, d)),
                 *stats, eps, *_stages(y, n),
             )
     return y, s, mean, rstd
@@ -212,10 +212,10 @@ def ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None):
     dw, db = _weight_grads(grad_dtypes, 2, d, n)
     if n:
         w = _f32_vector(weight, d, 1.0)
-        ds2 = _as_numpy(rows(ds)) if ds is not None else None
+        ds2 = as_numpy(rows(ds)) if ds is not None else None
         _k(ln_bwd)(
-            _as_numpy(dy2), _as_numpy(x2), w, mean.reshape(n).numpy(), rstd.reshape(n).numpy(),
-            ds2, _as_numpy(dx.view(n, d)), _as_numpy(dw), _as_numpy(db), stages, stream,
+            as_numpy(dy2), as_numpy(x2), w, mean.reshape(n).numpy(), rstd.reshape(n).numpy(),
+            ds2, as_numpy(dx.view(n, d)), as_numpy(dw), as_numpy(db), stages, stream,
         )
     return dx, dw, db
 
@@ -227,9 +227,9 @@ def _pointwise_fwd(x, alpha, shift, weight, bias):
     y = empty(shape, x.dtype)
     w, b = _ln_weights(weight, bias, d)
     if n:
-        xn = _as_numpy(x2)
+        xn = as_numpy(x2)
         s = None if shift is None else np.float32(float(shift.float()))
-        _k(pointwise_fwd)(xn, float(alpha.float()), s, w, b, _as_numpy(y.view(n, d)), *_stages(y, n), table_for(xn, grad=False))
+        _k(pointwise_fwd)(xn, float(alpha.float()), s, w, b, as_numpy(y.view(n, d)), *_stages(y, n), table_for(xn, grad=False))
     return y
 
 
@@ -243,9 +243,9 @@ def _pointwise_bwd(dy, x, alpha, shift, weight):
     das, dw, db = np.zeros((chunks, 2)), np.zeros((chunks, d)), np.zeros((chunks, d))
     if n:
         w = _f32_vector(weight, d, 1.0)
-        xn = _as_numpy(x2)
+        xn = as_numpy(x2)
         s = None if shift is None else np.float32(float(shift.float()))
-        _k(pointwise_bwd)(_as_numpy(dy2), xn, float(alpha.float()), s, w, _as_numpy(dx.view(n, d)), das, dw, db, stages, stream,
+        _k(pointwise_bwd)(as_numpy(dy2), xn, float(alpha.float()), s, w, as_numpy(dx.view(n, d)), das, dw, db, stages, stream,
                           table_for(xn, grad=True))
     # the chunks' float64 sums, added in chunk order (deterministic for a thread count)
     da, ds = das.sum(0)

@@ -26,10 +26,10 @@ from numba import njit, prange
 from numba.extending import overload
 
 from .cache import kernel
-from .codecs import _accumulate, _load, _store
-from .rows import (FLUSH, _chunk, _flush, _pair_types, _paired, _partial_row_pairs, _partial_sums, _recip, _row, _row_pairs, _spans,
-                   _sum_partials, _value, _vector_sums)
-from .simd import (BLOCK, EMIT, _fma, _fma32, _prefetch_pass1, _prefetch_pass2, _row_moments, _store_fence,
+from .codecs import add_at, load_at, store_at
+from .rows import (FLUSH, chunk_span, flush_into, pair_types, reads_pairs, partial_row_pairs, partial_sums, recip, row_of, row_pairs, block_spans,
+                   sum_partials, value_at, vector_sums)
+from .simd import (BLOCK, EMIT, fma_ir, fma32, prefetch_pass1, prefetch_pass2, row_moments, store_fence,
                    backward_block, forward_block, grad_sums, pair_order)
 
 # ---------------------------------------------------------------------------------- forward
@@ -42,17 +42,17 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream):
     n = x.shape[0]
     nchunks = stages.shape[0]
     for c in prange(nchunks):
-        r0, r1 = _chunk(c, nchunks, n)
+        r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
         for r in range(r0, r1):
             xr = x[r]
             mu, var = _moments(xr, None, None, xr)
-            row_rstd = _recip(math.sqrt(var + eps))
+            row_rstd = recip(math.sqrt(var + eps))
             mean[r] = mu
             rstd[r] = row_rstd
             _ln_write(xr, w, b, y[r], mu, row_rstd, stage, stream, xr, None)
         if stream:
-            _store_fence()
+            store_fence()
 
 
 @kernel
@@ -60,17 +60,17 @@ def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream):
     n = x.shape[0]
     nchunks = stages.shape[0]
     for c in prange(nchunks):
-        r0, r1 = _chunk(c, nchunks, n)
+        r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
         for r in range(r0, r1):
             xr, rr, sr = x[r], res[r], s[r]
             mu, var = _moments(xr, rr, sr, sr)
-            row_rstd = _recip(math.sqrt(var + eps))
+            row_rstd = recip(math.sqrt(var + eps))
             mean[r] = mu
             rstd[r] = row_rstd
             _ln_write(sr, w, b, y[r], mu, row_rstd, stage, stream, xr, rr)
         if stream:
-            _store_fence()
+            store_fence()
 
 
 @njit(inline="always")
@@ -83,20 +83,20 @@ def _moments(xr, rr, sr, row):
     head = min(d, BLOCK)
     c = np.float32(0.0)
     for i in range(head):
-        c += _value(xr, rr, sr, i)
+        c += value_at(xr, rr, sr, i)
     c = np.float32(c / head)
     full = d - d % BLOCK
-    if rr is None and _vector_sums(xr):
-        s1, s2 = _row_moments(xr, full, c, xr, None)
+    if rr is None and vector_sums(xr):
+        s1, s2 = row_moments(xr, full, c, xr, None)
     else:
         s1 = 0.0
         s2 = 0.0
         for j in range(0, full, BLOCK):
-            _prefetch_pass1(xr, rr, j)
+            prefetch_pass1(xr, rr, j)
             p1 = np.float32(0.0)
             p2 = np.float32(0.0)
             for i in range(j, j + BLOCK):
-                u = _value(xr, rr, sr, i) - c
+                u = value_at(xr, rr, sr, i) - c
                 p1 += u
                 p2 += u * u
             s1 += p1
@@ -104,7 +104,7 @@ def _moments(xr, rr, sr, row):
     p1 = np.float32(0.0)
     p2 = np.float32(0.0)
     for i in range(full, d):
-        u = _value(xr, rr, sr, i) - c
+        u = value_at(xr, rr, sr, i) - c
         p1 += u
         p2 += u * u
     m1 = (s1 + p1) / d
@@ -124,12 +124,12 @@ def _variance(xr, n, mean):
     for j in range(0, full, BLOCK):
         part = np.float32(0.0)
         for i in range(j, j + BLOCK):
-            c = _centred(_load(xr, i), mhi, mlo)
+            c = _centred(load_at(xr, i), mhi, mlo)
             part += c * c
         total += part
     part = np.float32(0.0)
     for i in range(full, n):
-        c = _centred(_load(xr, i), mhi, mlo)
+        c = _centred(load_at(xr, i), mhi, mlo)
         part += c * c
     return (total + part) / n
 
@@ -151,11 +151,11 @@ def _ln_write(xr, w, bias, yr, mean, row_rstd, stage, stream, ahead1, ahead2):
     """The row's outputs; ahead1 and ahead2 are the inputs whose next rows pass 2 prefetches."""
     d = yr.shape[0]
     mhi, mlo = _split(mean)
-    a, b = _spans(yr, 0, d, stream)
+    a, b = block_spans(yr, 0, d, stream)
     for i in range(a):
         _ln_y(xr, w, bias, yr, mhi, mlo, row_rstd, i)
     for j in range(a, b, EMIT):
-        _prefetch_pass2(ahead1, ahead2, j, 1)
+        prefetch_pass2(ahead1, ahead2, j, 1)
         _y_block(yr, j, xr, w, bias, stage, mhi, mlo, row_rstd, stream)
     for i in range(b, d):
         _ln_y(xr, w, bias, yr, mhi, mlo, row_rstd, i)
@@ -163,7 +163,7 @@ def _ln_write(xr, w, bias, yr, mean, row_rstd, stage, stream, ahead1, ahead2):
 
 @njit
 def _ln_y(xr, w, bias, out, mhi, mlo, row_rstd, i):
-    _store(out, i, _centred(_load(xr, i), mhi, mlo) * row_rstd * _load(w, i) + _load(bias, i))
+    store_at(out, i, _centred(load_at(xr, i), mhi, mlo) * row_rstd * load_at(w, i) + load_at(bias, i))
 
 
 def _y_vector(builder, x, w, b, mhi, mlo, row_rstd):
@@ -205,14 +205,14 @@ def _ov_y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream):
 def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream):
     n, d = x.shape
     nchunks = stages.shape[0]
-    span = d - d % BLOCK if _paired(x, dy) else 0
+    span = d - d % BLOCK if reads_pairs(x, dy) else 0
     w_pairs = pair_order(w, span)
-    parts = _partial_row_pairs(nchunks, d)
-    dw_sum = _partial_sums(nchunks, d)
-    db_sum = _partial_sums(nchunks, d)
-    pairs = _row_pairs(x, dy, d)
+    parts = partial_row_pairs(nchunks, d)
+    dw_sum = partial_sums(nchunks, d)
+    db_sum = partial_sums(nchunks, d)
+    pairs = row_pairs(x, dy, d)
     for c in prange(nchunks):
-        r0, r1 = _chunk(c, nchunks, n)
+        r0, r1 = chunk_span(c, nchunks, n)
         dwc, dbc = parts[2 * c], parts[2 * c + 1]
         stage = stages[c]
         paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
@@ -227,16 +227,16 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream):
                 sg, sgx, sg2, sgx2 = _ln_sums_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, mu, row_rstd, mean[r + 1], rstd[r + 1], dwc, dbc)
             else:
                 sg, sgx = sg2, sgx2
-            _ln_bwd_write(dyr, xr, w, w_pairs, _row(ds, r), dx[r], mu, row_rstd, sg, sgx, stage, stream, ahead)
+            _ln_bwd_write(dyr, xr, w, w_pairs, row_of(ds, r), dx[r], mu, row_rstd, sg, sgx, stage, stream, ahead)
             if (r - r0) % FLUSH == FLUSH - 1:
-                _flush(dwc, dw_sum[c])
-                _flush(dbc, db_sum[c])
-        _flush(dwc, dw_sum[c])
-        _flush(dbc, db_sum[c])
+                flush_into(dwc, dw_sum[c])
+                flush_into(dbc, db_sum[c])
+        flush_into(dwc, dw_sum[c])
+        flush_into(dbc, db_sum[c])
         if stream:
-            _store_fence()
-    _sum_partials(dw_sum, span, dw)
-    _sum_partials(db_sum, span, db)
+            store_fence()
+    sum_partials(dw_sum, span, dw)
+    sum_partials(db_sum, span, db)
 
 
 # ------------------------------------------------------------------------- backward, pass 1
@@ -265,10 +265,10 @@ def _ln_dw(dyr, xr, dwc, dbc, mhi, row_rstd, lo, i):
     """Add element i's dw and db terms to dwc and dbc; returns xhat[i], computed as
     fma(x - mhi, rstd, lo) with lo = -mlo * rstd (as exact as ((x - mhi) - mlo) * rstd, an
     operation fewer: 0 for a constant row)."""
-    dyv = _load(dyr, i)
-    xh = _fma32(_load(xr, i) - mhi, row_rstd, lo)
-    dwc[i] = _fma32(dyv, xh, dwc[i])
-    _accumulate(dbc, i, dyv)
+    dyv = load_at(dyr, i)
+    xh = fma32(load_at(xr, i) - mhi, row_rstd, lo)
+    dwc[i] = fma32(dyv, xh, dwc[i])
+    add_at(dbc, i, dyv)
     return xh
 
 
@@ -277,8 +277,8 @@ def _grad_terms(builder, x, dy, w, c, s0, s1, a, aux_kind, hw):
     mhi, row_rstd, lo = c
     g = builder.fmul(dy, w)
     s0[a] = builder.fadd(s0[a], g)
-    xh = _fma(builder, builder.fsub(x, mhi), row_rstd, lo)
-    s1[a] = _fma(builder, g, xh, s1[a])
+    xh = fma_ir(builder, builder.fsub(x, mhi), row_rstd, lo)
+    s1[a] = fma_ir(builder, g, xh, s1[a])
     return xh
 
 
@@ -291,11 +291,11 @@ def _ln_blocks_loop(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc):
     tg = 0.0
     tgx = 0.0
     for j in range(0, full, BLOCK):
-        _prefetch_pass1(xr, dyr, j)
+        prefetch_pass1(xr, dyr, j)
         pg = np.float32(0.0)
         pgx = np.float32(0.0)
         for i in range(j, j + BLOCK):
-            g = _load(dyr, i) * _load(w, i)
+            g = load_at(dyr, i) * load_at(w, i)
             pg += g
             pgx += g * _ln_dw(dyr, xr, dwc, dbc, mhi, row_rstd, lo, i)
         tg += pg
@@ -311,7 +311,7 @@ def _ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc):  # pragm
 
 @overload(_ln_blocks, inline="always")
 def _ov_ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc):
-    if not _pair_types(xr, dyr):
+    if not pair_types(xr, dyr):
         return lambda dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc: _ln_blocks_loop(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc)
     sums = _GRAD_SUMS[1]
     return lambda dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc: sums(dyr, xr, w_pairs, dwc, dbc, full, mhi, row_rstd, lo)
@@ -323,7 +323,7 @@ def _ln_tail(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc):
     pg = np.float32(0.0)
     pgx = np.float32(0.0)
     for i in range(full, xr.shape[0]):
-        g = _load(dyr, i) * _load(w, i)
+        g = load_at(dyr, i) * load_at(w, i)
         pg += g
         pgx += g * _ln_dw(dyr, xr, dwc, dbc, mhi, row_rstd, lo, i)
     return pg, pgx
@@ -337,7 +337,7 @@ def _ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rst
 
 @overload(_ln_sums_pair, inline="always")
 def _ov_ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc):
-    if not _pair_types(xr, dyr):
+    if not pair_types(xr, dyr):
         return lambda dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc: (0.0, 0.0, 0.0, 0.0)
     sums = _GRAD_SUMS[2]
 
@@ -367,17 +367,17 @@ def _ln_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, mean, row_rstd, sg, sgx, stage,
     r = np.float64(row_rstd)
     p = np.float32(-r * r * (sgx / d))
     q = np.float32(-r * (sg / d) - np.float64(p) * mlo)
-    a, b = _spans(dxr, 0, d, stream)
+    a, b = block_spans(dxr, 0, d, stream)
     for i in range(a):
         _ln_dx(dyr, xr, w, dsr, dxr, mhi, p, q, row_rstd, i)
     c = a
-    if a == 0 and _paired(xr, dyr, dsr):  # whole blocks of bf16 rows: in pairs
+    if a == 0 and reads_pairs(xr, dyr, dsr):  # whole blocks of bf16 rows: in pairs
         c = d - d % BLOCK
         for j in range(0, c, EMIT):
-            _prefetch_pass2(xr, dyr, j, ahead)
+            prefetch_pass2(xr, dyr, j, ahead)
             _dx_block("pairs", dxr, j, dyr, xr, w_pairs, dsr, stage, mhi, p, q, row_rstd, stream)
     for j in range(c, b, EMIT):
-        _prefetch_pass2(xr, dyr, j, ahead)
+        prefetch_pass2(xr, dyr, j, ahead)
         _dx_block("plain", dxr, j, dyr, xr, w, dsr, stage, mhi, p, q, row_rstd, stream)
     for i in range(b, d):
         _ln_dx(dyr, xr, w, dsr, dxr, mhi, p, q, row_rstd, i)
@@ -385,17 +385,17 @@ def _ln_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, mean, row_rstd, sg, sgx, stage,
 
 @njit
 def _ln_dx(dyr, xr, w, dsr, out, mhi, p, q, row_rstd, i):
-    v = _fma32(_load(dyr, i) * _load(w, i), row_rstd, _fma32(_load(xr, i) - mhi, p, q))
+    v = fma32(load_at(dyr, i) * load_at(w, i), row_rstd, fma32(load_at(xr, i) - mhi, p, q))
     if dsr is not None:
-        v += _load(dsr, i)
-    _store(out, i, v)
+        v += load_at(dsr, i)
+    store_at(out, i, v)
 
 
 def _dx_vector(builder, dy, x, w, c, row_rstd):
     """_ln_dx on 16 lanes (c = mhi, p, q)."""
     g = builder.fmul(dy, w)
     xc = builder.fsub(x, c[0])
-    return _fma(builder, g, row_rstd, _fma(builder, xc, c[1], c[2]))
+    return fma_ir(builder, g, row_rstd, fma_ir(builder, xc, c[1], c[2]))
 
 
 _DX_BLOCK = {
@@ -414,8 +414,8 @@ def _dx_block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream):
 @overload(_dx_block, prefer_literal=True)
 def _ov_dx_block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream):
     name = variant.literal_value
-    if name == "pairs" and not (_pair_types(x, dy, ds) and dx.dtype == dy.dtype):
-        return lambda variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream: None  # not called: _paired is False
+    if name == "pairs" and not (pair_types(x, dy, ds) and dx.dtype == dy.dtype):
+        return lambda variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream: None  # not called: reads_pairs is False
     plain, streamed = _DX_BLOCK[name, False], _DX_BLOCK[name, True]
 
     def block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream):

@@ -22,7 +22,7 @@ from torch import Tensor
 from .simd import STAGE_WIDTH
 
 
-def _as_numpy(t: Tensor) -> np.ndarray:
+def as_numpy(t: Tensor) -> np.ndarray:
     """A numpy view of a contiguous CPU tensor in the encoding the kernels expect. (An integer
     view never requires grad, so only float32 needs the detach; each step is a microsecond or
     two of every call.)"""
@@ -181,7 +181,7 @@ STREAM_MIN_BYTES = (
 
 
 @functools.cache
-def _zero_stages(count: int) -> np.ndarray:
+def zero_stages(count: int) -> np.ndarray:
     """The kernels' staging rows, one per chunk (simd.STAGE_WIDTH). Nothing writes them, so calls
     and threads share one set per chunk count; torch aligns them to 64 bytes, so the line of
     zeros the kernels load is one cache line."""

@@ -36,10 +36,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .cache import kernel
-from .codecs import _LANES, _load, _store, _widen
-from .rows import FLUSH, _chunk, _flush, _partial_row_pairs, _spans
-from .simd import (_ZERO, EMIT, HW_BF16, _add_blocks, _f32x16, _f64_totals, _fma, _fma32, _load_f32, _load_row,
-                   _prefetch_ahead, _store_block, _store_fence, _totals)
+from .codecs import LANES, load_at, store_at, widen_bits
+from .rows import FLUSH, chunk_span, flush_into, partial_row_pairs, block_spans
+from .simd import (ZERO, EMIT, HW_BF16, add_blocks, f32x16, f64_totals, fma_ir, fma32, load_f32, load_row,
+                   prefetch_ahead, store_block, store_fence, scalar_totals)
 from .tanh_erf import AVX512, F32, I32, const, erf, erf_grad, tanh, tanh_grad
 
 
@@ -49,7 +49,7 @@ from .tanh_erf import AVX512, F32, I32, const, erf, erf_grad, tanh, tanh_grad
 
 def _z(builder, a, x, s):
     """The argument of f for 16 lanes: a x (DyT) or a x + s rounded once (Derf)."""
-    return builder.fmul(a, x) if s is None else _fma(builder, a, x, s)
+    return builder.fmul(a, x) if s is None else fma_ir(builder, a, x, s)
 
 
 def _f(builder, z, s):
@@ -62,13 +62,13 @@ def _f_grad(builder, z, s):
 
 def _shift(builder, signature, args, k):
     """Argument k, the shift, as 16 lanes; None where it is None (DyT)."""
-    return None if isinstance(signature.args[k], types.NoneType) else _f32x16(builder, args[k])
+    return None if isinstance(signature.args[k], types.NoneType) else f32x16(builder, args[k])
 
 
 def _lane0(context, builder, signature, args, body):
     """A scalar intrinsic's codegen from a 16-lane one: the scalars splatted, ``body`` on the
     vectors, lane 0 of each result. The same instructions give the same bits as the blocks."""
-    outs = body(builder, *(_f32x16(builder, a) for a in args))
+    outs = body(builder, *(f32x16(builder, a) for a in args))
     if not isinstance(outs, tuple):
         return builder.extract_element(outs, ir.Constant(ir.IntType(32), 0))
     lanes = [builder.extract_element(v, ir.Constant(ir.IntType(32), 0)) for v in outs]
@@ -117,10 +117,10 @@ def _tabled(kind):
 
 def _gather_dps(builder, table, idx):
     """table[idx] for 16 lanes (float32 entries, idx an <16 x i32> of patterns)."""
-    i8p, mask = ir.IntType(8).as_pointer(), ir.VectorType(ir.IntType(1), _LANES)
+    i8p, mask = ir.IntType(8).as_pointer(), ir.VectorType(ir.IntType(1), LANES)
     fnty = ir.FunctionType(F32, [F32, i8p, I32, mask, ir.IntType(32)])
     fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.mask.gather.dps.512")
-    return builder.call(fn, [const(0.0), builder.bitcast(table, i8p), idx, ir.Constant(mask, [1] * _LANES), ir.Constant(ir.IntType(32), 4)])
+    return builder.call(fn, [const(0.0), builder.bitcast(table, i8p), idx, ir.Constant(mask, [1] * LANES), ir.Constant(ir.IntType(32), 4)])
 
 
 def _gather_pairs(builder, table, idx):
@@ -140,14 +140,14 @@ def _gather_pairs(builder, table, idx):
 
 def _patterns(builder, base, v):
     """Vector v of a 16-bit row's bit patterns, as table indices (<16 x i32>)."""
-    ty = ir.VectorType(ir.IntType(16), _LANES)
-    ptr = builder.gep(base, [ir.Constant(ir.IntType(64), v * _LANES)])
+    ty = ir.VectorType(ir.IntType(16), LANES)
+    ptr = builder.gep(base, [ir.Constant(ir.IntType(64), v * LANES)])
     return builder.zext(builder.load(builder.bitcast(ptr, ty.as_pointer()), align=2), I32)
 
 
 def _x_of(builder, idx, kind):
     """The float32 value of 16 bit patterns (the inverse of _patterns)."""
-    return _widen(builder, builder.trunc(idx, ir.VectorType(ir.IntType(16), _LANES)), kind)
+    return widen_bits(builder, builder.trunc(idx, ir.VectorType(ir.IntType(16), LANES)), kind)
 
 
 def _either(builder, flag, then, otherwise):
@@ -169,7 +169,7 @@ def _either(builder, flag, then, otherwise):
 def _splat_i32(builder, scalar):
     """An i32 scalar splatted to 16 lanes."""
     v = builder.insert_element(ir.Constant(I32, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(v, v, ir.Constant(I32, [0] * _LANES))
+    return builder.shuffle_vector(v, v, ir.Constant(I32, [0] * LANES))
 
 
 def _make_fill(grad):
@@ -181,21 +181,21 @@ def _make_fill(grad):
         if not _tabled(kind):  # (float32 x: never called, no table)
             return context.get_dummy_value()
         table = context.make_array(signature.args[0])(context, builder, args[0]).data
-        av, sv = _f32x16(builder, args[3]), _shift(builder, signature, args, 4)
+        av, sv = f32x16(builder, args[3]), _shift(builder, signature, args, 4)
         first = builder.trunc(args[1], ir.IntType(32))
-        for v in range(EMIT // _LANES):
-            idx = builder.add(_splat_i32(builder, builder.add(first, ir.Constant(ir.IntType(32), v * _LANES))),
-                              ir.Constant(I32, list(range(_LANES))))
+        for v in range(EMIT // LANES):
+            idx = builder.add(_splat_i32(builder, builder.add(first, ir.Constant(ir.IntType(32), v * LANES))),
+                              ir.Constant(I32, list(range(LANES))))
             z = _z(builder, av, _x_of(builder, idx, kind), sv)
             if grad:
                 t, s = _f_grad(builder, z, sv)
                 lines = [builder.shuffle_vector(t, s, ir.Constant(I32, [k // 2 + 16 * (k % 2) + 8 * h for k in range(16)]))
                          for h in range(2)]
-                at = builder.mul(builder.add(args[1], ir.Constant(ir.IntType(64), v * _LANES)), ir.Constant(ir.IntType(64), 2))
+                at = builder.mul(builder.add(args[1], ir.Constant(ir.IntType(64), v * LANES)), ir.Constant(ir.IntType(64), 2))
             else:
-                lines, at = [_f(builder, z, sv)], builder.add(args[1], ir.Constant(ir.IntType(64), v * _LANES))
+                lines, at = [_f(builder, z, sv)], builder.add(args[1], ir.Constant(ir.IntType(64), v * LANES))
             for k, line in enumerate(lines):
-                ptr = builder.gep(table, [builder.add(at, ir.Constant(ir.IntType(64), k * _LANES))])
+                ptr = builder.gep(table, [builder.add(at, ir.Constant(ir.IntType(64), k * LANES))])
                 builder.store(line, builder.bitcast(ptr, F32.as_pointer()), align=4)
         return context.get_dummy_value()
 
@@ -211,7 +211,7 @@ _fill_t, _fill_ts = _make_fill(False), _make_fill(True)
 @njit(inline="always")
 def _fill_table(fill, table, x, a, s, c, nchunks):
     """Chunk c's share of the table's patterns."""
-    b0, b1 = _chunk(c, nchunks, TABLE_SIZE // EMIT)
+    b0, b1 = chunk_span(c, nchunks, TABLE_SIZE // EMIT)
     for k in range(b0, b1):
         fill(table, k * EMIT, x, a, s)
 
@@ -221,7 +221,7 @@ def _fill_table(fill, table, x, a, s, c, nchunks):
 
 def _y(builder, x, w, b, a, s=None):
     """16 outputs: w * f(z) + b."""
-    return _fma(builder, w, _f(builder, _z(builder, a, x, s), s), b)
+    return fma_ir(builder, w, _f(builder, _z(builder, a, x, s), s), b)
 
 
 @intrinsic
@@ -245,26 +245,26 @@ def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, stream, table, use):
         i64 = ir.IntType(64)
         ykind, xkind = signature.args[0].dtype, signature.args[3].dtype
         yd, xd, wd, bd, sd, td = (context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 3, 4, 5, 6, 10))
-        zero = builder.gep(sd, [ir.Constant(i64, _ZERO)])
-        av, sv = _f32x16(builder, args[7]), _shift(builder, signature, args, 8)
+        zero = builder.gep(sd, [ir.Constant(i64, ZERO)])
+        av, sv = f32x16(builder, args[7]), _shift(builder, signature, args, 8)
         count = builder.udiv(builder.sub(args[2], args[1]), ir.Constant(i64, EMIT))
         with cgutils.for_range(builder, count) as loop:
             at = builder.add(args[1], builder.mul(loop.index, ir.Constant(i64, EMIT)))
-            _prefetch_ahead(context, builder, signature.args[3], args[3], at, EMIT)
+            prefetch_ahead(context, builder, signature.args[3], args[3], at, EMIT)
             xb, wb, bb = (builder.gep(data, [at]) for data in (xd, wd, bd))
-            blocks = range(EMIT // _LANES)
-            ws, bs = [_load_f32(builder, wb, v) for v in blocks], [_load_f32(builder, bb, v) for v in blocks]
+            blocks = range(EMIT // LANES)
+            ws, bs = [load_f32(builder, wb, v) for v in blocks], [load_f32(builder, bb, v) for v in blocks]
             if _tabled(xkind):
                 idx = [_patterns(builder, xb, v) for v in blocks]
                 ts = _either(builder, args[11], lambda: [_gather_dps(builder, td, i) for i in idx],
                              lambda: [_f(builder, _z(builder, av, _x_of(builder, i, xkind), sv), sv) for i in idx])
-                values = [_fma(builder, ws[v], ts[v], bs[v]) for v in blocks]
+                values = [fma_ir(builder, ws[v], ts[v], bs[v]) for v in blocks]
             else:
-                values = [_y(builder, _load_row(builder, xb, v, xkind), ws[v], bs[v], av, sv) for v in blocks]
+                values = [_y(builder, load_row(builder, xb, v, xkind), ws[v], bs[v], av, sv) for v in blocks]
             with builder.if_else(args[9]) as (streamed, plain):
                 for flag, branch in ((True, streamed), (False, plain)):
                     with branch:
-                        _store_block(builder, ykind, builder.gep(yd, [at]), wb, values, False, flag, HW_BF16, zero)
+                        store_block(builder, ykind, builder.gep(yd, [at]), wb, values, False, flag, HW_BF16, zero)
         return context.get_dummy_value()
 
     return types.void(y, types.int64, types.int64, x, w, b, stage, types.float32, s, types.boolean, table, types.boolean), codegen
@@ -281,18 +281,18 @@ def pointwise_fwd(x, a, s, w, b, y, stages, stream, table):
         for c in prange(nchunks):
             _fill_table(_fill_t, table, x, a32, s, c, nchunks)
     for c in prange(nchunks):
-        r0, r1 = _chunk(c, nchunks, n)
+        r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
         for r in range(r0, r1):
             xr, yr = x[r], y[r]
-            head, body = _spans(yr, 0, d, stream)
+            head, body = block_spans(yr, 0, d, stream)
             for i in range(head):
-                _store(yr, i, _y_scalar(_load(xr, i), _load(w, i), _load(b, i), a32, s))
+                store_at(yr, i, _y_scalar(load_at(xr, i), load_at(w, i), load_at(b, i), a32, s))
             _y_blocks(yr, head, body, xr, w, b, stage, a32, s, stream, table, use)
             for i in range(body, d):
-                _store(yr, i, _y_scalar(_load(xr, i), _load(w, i), _load(b, i), a32, s))
+                store_at(yr, i, _y_scalar(load_at(xr, i), load_at(w, i), load_at(b, i), a32, s))
         if stream:
-            _store_fence()
+            store_fence()
 
 
 # --------------------------------------------------------------------------------- backward
@@ -328,11 +328,11 @@ def _grad_scalar(typingctx, g, x, w, a, s):
 @njit
 def _grad_element(dyr, xr, w, dxr, dwc, dbc, a, s, i):
     """Element i's dx stored and its dw, db terms added; returns its da and ds terms (quarters)."""
-    g = _load(dyr, i)
-    dx, vx, v, t = _grad_scalar(g, _load(xr, i), _load(w, i), a, s)
-    _store(dxr, i, dx)
+    g = load_at(dyr, i)
+    dx, vx, v, t = _grad_scalar(g, load_at(xr, i), load_at(w, i), a, s)
+    store_at(dxr, i, dx)
     j = np.uint64(i)  # unsigned: an affine address (see codecs.py)
-    dwc[j] = _fma32(g, t, dwc[j])
+    dwc[j] = fma32(g, t, dwc[j])
     dbc[j] += g
     return np.float64(vx), np.float64(v)
 
@@ -352,23 +352,23 @@ def _make_grad_blocks(rows=1, hw=HW_BF16):
     row's sums are its own: the bits do not change."""
 
     def codegen(context, builder, signature, args):
-        f32 = ir.VectorType(ir.FloatType(), _LANES)
+        f32 = ir.VectorType(ir.FloatType(), LANES)
         i64 = ir.IntType(64)
         rows_in = [(0, 3, 4), (14, 15, 16)][:rows]  # each row's (dx, dy, x) arguments
         data = {k: context.make_array(signature.args[k])(context, builder, args[k]).data for k in (5, 6, 7, 8, 12, *sum(rows_in, ()))}
-        zero = builder.gep(data[8], [ir.Constant(i64, _ZERO)])
-        av, sv = _f32x16(builder, args[9]), _shift(builder, signature, args, 10)
+        zero = builder.gep(data[8], [ir.Constant(i64, ZERO)])
+        av, sv = f32x16(builder, args[9]), _shift(builder, signature, args, 10)
         derf = sv is not None
-        totals = _f64_totals(builder, 2 * rows if derf else rows)
+        totals = f64_totals(builder, 2 * rows if derf else rows)
         count = builder.udiv(builder.sub(args[2], args[1]), ir.Constant(i64, EMIT))
         xkind = signature.args[4].dtype
-        blocks = range(EMIT // _LANES)
+        blocks = range(EMIT // LANES)
         with cgutils.for_range(builder, count) as loop:
             at = builder.add(args[1], builder.mul(loop.index, ir.Constant(i64, EMIT)))
             wb, dwb, dbb = (builder.gep(data[k], [at]) for k in (5, 6, 7))
             for row in rows_in:
                 for k in row[1:]:
-                    _prefetch_ahead(context, builder, signature.args[k], args[k], at, EMIT, rows)
+                    prefetch_ahead(context, builder, signature.args[k], args[k], at, EMIT, rows)
             xs, tabled = {}, {}  # (row, v) -> x, and (t, slope) where the blocks may gather
             if _tabled(xkind):
                 idx = {(r, v): _patterns(builder, builder.gep(data[kx], [at]), v) for r, (_, _, kx) in enumerate(rows_in) for v in blocks}
@@ -378,17 +378,17 @@ def _make_grad_blocks(rows=1, hw=HW_BF16):
                 tabled = {key: (flat[2 * k], flat[2 * k + 1]) for k, key in enumerate(idx)}
             values, terms, shifts = [[] for _ in rows_in], [[] for _ in rows_in], [[] for _ in rows_in]
             for v in blocks:
-                w = _load_f32(builder, wb, v)
-                dwp, dbp = (builder.bitcast(builder.gep(base, [ir.Constant(i64, v * _LANES)]), f32.as_pointer()) for base in (dwb, dbb))
+                w = load_f32(builder, wb, v)
+                dwp, dbp = (builder.bitcast(builder.gep(base, [ir.Constant(i64, v * LANES)]), f32.as_pointer()) for base in (dwb, dbb))
                 dw, db = builder.load(dwp, align=4), builder.load(dbp, align=4)
                 for r, (kdx, kdy, kx) in enumerate(rows_in):
-                    g = _load_row(builder, builder.gep(data[kdy], [at]), v, signature.args[kdy].dtype)
-                    x = xs[r, v] if xs else _load_row(builder, builder.gep(data[kx], [at]), v, xkind)
+                    g = load_row(builder, builder.gep(data[kdy], [at]), v, signature.args[kdy].dtype)
+                    x = xs[r, v] if xs else load_row(builder, builder.gep(data[kx], [at]), v, xkind)
                     dxv, vx, u, t = _grad(builder, g, x, w, av, sv, tabled.get((r, v)))
                     values[r].append(dxv)
                     terms[r].append(vx)
                     shifts[r].append(u)
-                    dw, db = _fma(builder, g, t, dw), builder.fadd(db, g)
+                    dw, db = fma_ir(builder, g, t, dw), builder.fadd(db, g)
                 builder.store(dw, dwp, align=4)
                 builder.store(db, dbp, align=4)
             with builder.if_else(args[11]) as (streamed, plain):
@@ -396,9 +396,9 @@ def _make_grad_blocks(rows=1, hw=HW_BF16):
                     with branch:
                         for r, (kdx, _, _) in enumerate(rows_in):
                             base = builder.gep(data[kdx], [at])
-                            _store_block(builder, signature.args[kdx].dtype, base, wb, values[r], False, stream, hw, zero)
-            _add_blocks(builder, terms + shifts if derf else terms, totals)
-        sums = _totals(builder, totals)
+                            store_block(builder, signature.args[kdx].dtype, base, wb, values[r], False, stream, hw, zero)
+            add_blocks(builder, terms + shifts if derf else terms, totals)
+        sums = scalar_totals(builder, totals)
         if not derf:
             sums += [ir.Constant(ir.DoubleType(), 0.0)] * rows
         return context.make_tuple(builder, signature.return_type, sums)
@@ -436,22 +436,22 @@ def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, stream, ta
     n, d = x.shape
     a32 = np.float32(a)
     nchunks = stages.shape[0]
-    parts = _partial_row_pairs(nchunks, d)
+    parts = partial_row_pairs(nchunks, d)
     pairs = d >= (DYT_PAIRS_MIN_16 if x.itemsize == 2 else DYT_PAIRS_MIN_32)
     use = table.shape[0] > 0
     if use:
         for c in prange(nchunks):
             _fill_table(_fill_ts, table, x, a32, s, c, nchunks)
     for c in prange(nchunks):
-        r0, r1 = _chunk(c, nchunks, n)
+        r0, r1 = chunk_span(c, nchunks, n)
         dwc, dbc, stage = parts[2 * c], parts[2 * c + 1], stages[c]
         paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
         da, ds = 0.0, 0.0
         for r in range(r0, r1):
             dyr, xr, dxr = dy[r], x[r], dx[r]
-            head, body = _spans(dxr, 0, d, stream)
+            head, body = block_spans(dxr, 0, d, stream)
             partner = r + 1 if (r - r0) % 2 == 0 else r - 1
-            in_pair = r < paired_to and _spans(dx[partner], 0, d, stream) == (head, body)  # (streamed rows: alike)
+            in_pair = r < paired_to and block_spans(dx[partner], 0, d, stream) == (head, body)  # (streamed rows: alike)
             if not in_pair:
                 da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, 0, head, da, ds)
                 ba, bs = _grad_blocks(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s, stream, table, use)
@@ -469,11 +469,11 @@ def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, stream, ta
                 da, ds = _grad_edges(dyr2, xr2, w, dxr2, dwc, dbc, a32, s, body, d, da, ds)
             # (else: the second row of a pair, done with the first)
             if (r - r0) % FLUSH == FLUSH - 1:
-                _flush(dwc, dw_sum[c])
-                _flush(dbc, db_sum[c])
-        _flush(dwc, dw_sum[c])
-        _flush(dbc, db_sum[c])
+                flush_into(dwc, dw_sum[c])
+                flush_into(dbc, db_sum[c])
+        flush_into(dwc, dw_sum[c])
+        flush_into(dbc, db_sum[c])
         if stream:
-            _store_fence()
+            store_fence()
         da_sum[c, 0] = 4.0 * da  # the terms came as quarters (_grad)
         da_sum[c, 1] = 4.0 * ds

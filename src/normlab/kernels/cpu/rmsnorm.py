@@ -28,11 +28,11 @@ from numba import njit, prange
 from numba.extending import overload
 
 from .cache import kernel
-from .codecs import _load, _round_like, _store
-from .rows import (FLUSH, _chunk, _flush, _is_llama, _pair_types, _paired, _partial_rows, _partial_sums, _recip, _row,
-                   _row_pairs, _spans, _sum_partials, _value, _vector_sums)
-from .simd import (BLOCK, EMIT, _fma, _fma32, _narrow, _prefetch_pass1, _prefetch_pass2, _row_sumsq,
-                   _store_fence, _widen, backward_block, forward_block, grad_sums, pair_order)
+from .codecs import load_at, round_like, store_at
+from .rows import (FLUSH, chunk_span, flush_into, is_llama, pair_types, reads_pairs, partial_rows, partial_sums, recip, row_of,
+                   row_pairs, block_spans, sum_partials, value_at, vector_sums)
+from .simd import (BLOCK, EMIT, fma_ir, fma32, narrow_bits, prefetch_pass1, prefetch_pass2, row_sumsq,
+                   store_fence, widen_bits, backward_block, forward_block, grad_sums, pair_order)
 
 # ---------------------------------------------------------------------------------- forward
 # ``stages``: one float32 staging row per chunk (their count is the chunk count; see simd.py).
@@ -45,7 +45,7 @@ def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream):
     n = x.shape[0]
     nchunks = stages.shape[0]
     for c in prange(nchunks):
-        r0, r1 = _chunk(c, nchunks, n)
+        r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
         for r in range(r0, r1):
             xr = x[r]
@@ -53,7 +53,7 @@ def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream):
             rstd[r] = row_rstd
             _rms_write(xr, w, y[r], row_rstd, round_to, stage, stream, xr, None)
         if stream:
-            _store_fence()
+            store_fence()
 
 
 @kernel
@@ -61,7 +61,7 @@ def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, round_to, stages, stream)
     n = x.shape[0]
     nchunks = stages.shape[0]
     for c in prange(nchunks):
-        r0, r1 = _chunk(c, nchunks, n)
+        r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
         for r in range(r0, r1):
             xr, rr, sr = x[r], res[r], s[r]
@@ -70,31 +70,31 @@ def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, round_to, stages, stream)
             rstd[r] = row_rstd
             _rms_write(sr, w, y[r], row_rstd, round_to, stage, stream, xr, rr)
         if stream:
-            _store_fence()
+            store_fence()
 
 
 @njit(inline="always")
 def _sumsq(xr, rr, sr, k):
     """Sum of the row's squares over [:k] (forming the whole residual sum when rr is given)."""
     full = k - k % BLOCK
-    if rr is None and _vector_sums(xr):
-        total = _row_sumsq(xr, full, np.float32(0.0), xr, None)[0]
+    if rr is None and vector_sums(xr):
+        total = row_sumsq(xr, full, np.float32(0.0), xr, None)[0]
     else:
         total = 0.0
         for j in range(0, full, BLOCK):
-            _prefetch_pass1(xr, rr, j)
+            prefetch_pass1(xr, rr, j)
             part = np.float32(0.0)
             for i in range(j, j + BLOCK):
-                v = _value(xr, rr, sr, i)
+                v = value_at(xr, rr, sr, i)
                 part += v * v
             total += part
     part = np.float32(0.0)
     for i in range(full, k):
-        v = _value(xr, rr, sr, i)
+        v = value_at(xr, rr, sr, i)
         part += v * v
     if rr is not None:
         for i in range(k, xr.shape[0]):  # past the statistic: the sum is still formed
-            _value(xr, rr, sr, i)
+            value_at(xr, rr, sr, i)
     return total + part
 
 
@@ -102,19 +102,19 @@ def _sumsq(xr, rr, sr, k):
 def _rms_scale(ss, k, eps, inside):
     ms = ss / k
     if inside:
-        return _recip(math.sqrt(ms + eps))
-    return _recip(math.sqrt(ms) + eps)
+        return recip(math.sqrt(ms + eps))
+    return recip(math.sqrt(ms) + eps)
 
 
 @njit(inline="always")
 def _rms_write(xr, w, yr, row_rstd, round_to, stage, stream, ahead1, ahead2):
     """The row's outputs; ahead1 and ahead2 are the inputs whose next rows pass 2 prefetches."""
     d = yr.shape[0]
-    a, b = _spans(yr, 0, d, stream)
+    a, b = block_spans(yr, 0, d, stream)
     for i in range(a):
         _rms_y(xr, w, yr, row_rstd, round_to, i)
     for j in range(a, b, EMIT):
-        _prefetch_pass2(ahead1, ahead2, j, 1)
+        prefetch_pass2(ahead1, ahead2, j, 1)
         _y_block(yr, j, xr, w, stage, row_rstd, stream, round_to)
     for i in range(b, d):
         _rms_y(xr, w, yr, row_rstd, round_to, i)
@@ -122,7 +122,7 @@ def _rms_write(xr, w, yr, row_rstd, round_to, stage, stream, ahead1, ahead2):
 
 @njit
 def _rms_y(xr, w, yr, row_rstd, round_to, i):
-    _store(yr, i, _round_like(round_to, _load(xr, i) * row_rstd) * _load(w, i))
+    store_at(yr, i, round_like(round_to, load_at(xr, i) * row_rstd) * load_at(w, i))
 
 
 def _y_vector(llama):
@@ -145,7 +145,7 @@ def _y_block(y, j, x, w, stage, row_rstd, stream, round_to):  # pragma: no cover
 
 @overload(_y_block)
 def _ov_y_block(y, j, x, w, stage, row_rstd, stream, round_to):
-    plain, streamed = (_Y_BLOCK[_is_llama(round_to), t] for t in (False, True))
+    plain, streamed = (_Y_BLOCK[is_llama(round_to), t] for t in (False, True))
 
     def block(y, j, x, w, stage, row_rstd, stream, round_to):
         z = np.float32(0.0)
@@ -169,19 +169,19 @@ def _ov_y_block(y, j, x, w, stage, row_rstd, stream, round_to):
 def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream):
     n, d = x.shape
     nchunks = stages.shape[0]
-    span = k - k % BLOCK if _paired(x, dy) else 0
+    span = k - k % BLOCK if reads_pairs(x, dy) else 0
     w_pairs = pair_order(w, span)
-    dw_part = _partial_rows(nchunks, d)
-    dw_sum = _partial_sums(nchunks, d)
-    pairs = _row_pairs(x, dy, k)
+    dw_part = partial_rows(nchunks, d)
+    dw_sum = partial_sums(nchunks, d)
+    pairs = row_pairs(x, dy, k)
     for c in prange(nchunks):
-        r0, r1 = _chunk(c, nchunks, n)
+        r0, r1 = chunk_span(c, nchunks, n)
         dwc = dw_part[c]
         stage = stages[c]
         paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
         gx2, ss2 = 0.0, 0.0
         for r in range(r0, r1):
-            dyr, xr, dxr, dsr = dy[r], x[r], dx[r], _row(ds, r)
+            dyr, xr, dxr, dsr = dy[r], x[r], dx[r], row_of(ds, r)
             row_rstd = rstd[r]
             ahead = 1 if r >= paired_to else 2  # rows ahead that pass 2 prefetches
             if ahead == 1:
@@ -195,11 +195,11 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream
             if k < d:  # pRMSNorm: the features past the statistic
                 _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, k, d, False, stage, stream, ahead)
             if (r - r0) % FLUSH == FLUSH - 1:
-                _flush(dwc, dw_sum[c])
-        _flush(dwc, dw_sum[c])
+                flush_into(dwc, dw_sum[c])
+        flush_into(dwc, dw_sum[c])
         if stream:
-            _store_fence()
-    _sum_partials(dw_sum, span, dw)
+            store_fence()
+    sum_partials(dw_sum, span, dw)
 
 
 # ------------------------------------------------------------------------- backward, pass 1
@@ -218,8 +218,8 @@ def _dot_gx(dyr, w, w_pairs, xr, k, dwc, row_rstd, round_to, squares):
 @njit
 def _rms_dw(dyr, xr, dwc, row_rstd, round_to, i):
     """Add element i's dw term to dwc; returns x[i]."""
-    xv = _load(xr, i)
-    dwc[np.uint64(i)] = _fma32(_load(dyr, i), _round_like(round_to, xv * row_rstd), dwc[np.uint64(i)])
+    xv = load_at(xr, i)
+    dwc[np.uint64(i)] = fma32(load_at(dyr, i), round_like(round_to, xv * row_rstd), dwc[np.uint64(i)])
     return xv
 
 
@@ -229,12 +229,12 @@ def _grad_terms(llama, squares):
 
     def terms(builder, x, dy, w, c, s0, s1, a, rnd_kind, hw):
         g = builder.fmul(dy, w)
-        s0[a] = _fma(builder, g, x, s0[a])
+        s0[a] = fma_ir(builder, g, x, s0[a])
         if squares:
-            s1[a] = _fma(builder, x, x, s1[a])
+            s1[a] = fma_ir(builder, x, x, s1[a])
         xh = builder.fmul(x, c[0])
         if llama:
-            xh = _widen(builder, _narrow(builder, xh, rnd_kind, hw), rnd_kind)
+            xh = widen_bits(builder, narrow_bits(builder, xh, rnd_kind, hw), rnd_kind)
         return xh
 
     return terms
@@ -252,12 +252,12 @@ def _rms_blocks_loop(dyr, w, xr, full, dwc, row_rstd, round_to):
     tgx = 0.0
     tss = 0.0
     for j in range(0, full, BLOCK):
-        _prefetch_pass1(xr, dyr, j)
+        prefetch_pass1(xr, dyr, j)
         pgx = np.float32(0.0)
         pss = np.float32(0.0)
         for i in range(j, j + BLOCK):
             xv = _rms_dw(dyr, xr, dwc, row_rstd, round_to, i)
-            pgx += (_load(dyr, i) * _load(w, i)) * xv
+            pgx += (load_at(dyr, i) * load_at(w, i)) * xv
             pss += xv * xv
         tgx += pgx
         tss += pss
@@ -272,9 +272,9 @@ def _rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares):  #
 
 @overload(_rms_blocks, inline="always")
 def _ov_rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares):
-    if not _pair_types(xr, dyr):
+    if not pair_types(xr, dyr):
         return lambda dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares: _rms_blocks_loop(dyr, w, xr, full, dwc, row_rstd, round_to)
-    with_squares, without = (_GRAD_SUMS[_is_llama(round_to), s, 1] for s in (True, False))
+    with_squares, without = (_GRAD_SUMS[is_llama(round_to), s, 1] for s in (True, False))
 
     def blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares):
         z = np.float32(0.0)
@@ -292,25 +292,25 @@ def _rms_tail(dyr, w, xr, full, k, dwc, row_rstd, round_to):
     pss = np.float32(0.0)
     for i in range(full, k):
         xv = _rms_dw(dyr, xr, dwc, row_rstd, round_to, i)
-        pgx += (_load(dyr, i) * _load(w, i)) * xv
+        pgx += (load_at(dyr, i) * load_at(w, i)) * xv
         pss += xv * xv
     for i in range(k, xr.shape[0]):
-        pgx += (_load(dyr, i) * _load(w, i)) * _rms_dw(dyr, xr, dwc, row_rstd, round_to, i)
+        pgx += (load_at(dyr, i) * load_at(w, i)) * _rms_dw(dyr, xr, dwc, row_rstd, round_to, i)
     return pgx, pss
 
 
 def _dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares):  # pragma: no cover - the overload below
     """_dot_gx of two bf16 rows, their whole blocks in one pass (grad_sums, rows=2): (gx, ss) of
     the first row, then of the second; the bits of two _dot_gx calls. Other dtypes compile a
-    stub (_row_pairs is False for them), which saves compile time."""
+    stub (row_pairs is False for them), which saves compile time."""
     raise NotImplementedError
 
 
 @overload(_dot_gx_pair, inline="always")
 def _ov_dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares):
-    if not _pair_types(xr, dyr):
+    if not pair_types(xr, dyr):
         return lambda dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares: (0.0, 0.0, 0.0, 0.0)
-    with_squares, without = (_GRAD_SUMS[_is_llama(round_to), s, 2] for s in (True, False))
+    with_squares, without = (_GRAD_SUMS[is_llama(round_to), s, 2] for s in (True, False))
 
     def pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares):
         full = k - k % BLOCK
@@ -344,17 +344,17 @@ def _rms_coef(row_rstd, gx, ss, k, inside):
 def _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, i0, i1, head, stage, stream, ahead):
     """dx over [i0, i1) (``head``: inside the first k, where the coef term applies; there, with
     i0 = 0, the whole blocks of bf16 rows are read in pairs)."""
-    a, b = _spans(dxr, i0, i1, stream)
+    a, b = block_spans(dxr, i0, i1, stream)
     for i in range(i0, a):
         _rms_dx(dyr, xr, w, dsr, dxr, row_rstd, coef, i, head)
     c = a
-    if head and a == 0 and _paired(xr, dyr, dsr):
+    if head and a == 0 and reads_pairs(xr, dyr, dsr):
         c = i1 - i1 % BLOCK
         for j in range(0, c, EMIT):
-            _prefetch_pass2(xr, dyr, j, ahead)
+            prefetch_pass2(xr, dyr, j, ahead)
             _dx_block("head/pairs", dxr, j, dyr, xr, w_pairs, dsr, stage, coef, row_rstd, stream)
     for j in range(c, b, EMIT):
-        _prefetch_pass2(xr, dyr, j, ahead)
+        prefetch_pass2(xr, dyr, j, ahead)
         if head:
             _dx_block("head", dxr, j, dyr, xr, w, dsr, stage, coef, row_rstd, stream)
         else:
@@ -365,14 +365,14 @@ def _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, i0, i1, head, 
 
 @njit
 def _rms_dx(dyr, xr, w, dsr, out, row_rstd, coef, i, in_head):
-    xv = _load(xr, i)
-    dyv = _load(dyr, i)
-    v = row_rstd * (dyv * _load(w, i))
+    xv = load_at(xr, i)
+    dyv = load_at(dyr, i)
+    v = row_rstd * (dyv * load_at(w, i))
     if in_head:
-        v = _fma32(xv, -coef, v)
+        v = fma32(xv, -coef, v)
     if dsr is not None:
-        v += _load(dsr, i)
-    _store(out, i, v)
+        v += load_at(dsr, i)
+    store_at(out, i, v)
 
 
 def _dx_vector(head):
@@ -380,7 +380,7 @@ def _dx_vector(head):
 
     def dx(builder, dy, x, w, p, row_rstd):
         t = builder.fmul(row_rstd, builder.fmul(dy, w))
-        return _fma(builder, x, builder.fneg(p[0]), t) if head else t
+        return fma_ir(builder, x, builder.fneg(p[0]), t) if head else t
 
     return dx
 
@@ -401,8 +401,8 @@ def _dx_block(variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream):  # p
 @overload(_dx_block, prefer_literal=True)
 def _ov_dx_block(variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream):
     name = variant.literal_value
-    if name.endswith("/pairs") and not (_pair_types(x, dy, ds) and dx.dtype == dy.dtype):
-        return lambda variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream: None  # not called: _paired is False
+    if name.endswith("/pairs") and not (pair_types(x, dy, ds) and dx.dtype == dy.dtype):
+        return lambda variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream: None  # not called: reads_pairs is False
     plain, streamed = (_DX_BLOCK[name, t] for t in (False, True))
 
     def block(variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream):

@@ -12,16 +12,16 @@ The chunk loop is the same in all eight kernels, written out in each so that a k
 to bottom (each row's work differs in its arguments, pairs of rows and partial rows)::
 
     for c in prange(nchunks):
-        r0, r1 = _chunk(c, nchunks, n)
+        r0, r1 = chunk_span(c, nchunks, n)
         for r in range(r0, r1):
             ...                                   # the row's two passes
             if (r - r0) % FLUSH == FLUSH - 1:     # backward: the chunk's float32 partial rows
-                _flush(dwc, dw_sum[c])            # (dw, db) into its float64 rows, every FLUSH rows
-        _flush(dwc, dw_sum[c])                    # backward: and at the chunk's end
+                flush_into(dwc, dw_sum[c])            # (dw, db) into its float64 rows, every FLUSH rows
+        flush_into(dwc, dw_sum[c])                    # backward: and at the chunk's end
         if stream:                                # after non-temporal stores, the fence that
-            _store_fence()                        # orders them before the call returns
+            store_fence()                        # orders them before the call returns
 
-The float64 rows are then summed in chunk order (``_sum_partials``), so the gradients do not
+The float64 rows are then summed in chunk order (``sum_partials``), so the gradients do not
 depend on which thread ran which chunk.
 """
 
@@ -34,7 +34,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from .cache import kernel
-from .codecs import _load, _round_like, _store
+from .codecs import load_at, round_like, store_at
 from .simd import BLOCK, EMIT, pair_unorder
 
 
@@ -48,32 +48,32 @@ def start_threads(n):
 
 
 @njit
-def _chunk(c, nchunks, n):
+def chunk_span(c, nchunks, n):
     return c * n // nchunks, (c + 1) * n // nchunks
 
 
 @njit
-def _value(xr, rr, sr, i):
+def value_at(xr, rr, sr, i):
     """Element i of the row being normalized: x, or in the add variants (rr given) the residual
     sum x + r rounded to sr's dtype, which is stored in sr on the way."""
     if rr is None:
-        return _load(xr, i)
-    v = _round_like(sr, _load(xr, i) + _load(rr, i))
-    _store(sr, i, v)
+        return load_at(xr, i)
+    v = round_like(sr, load_at(xr, i) + load_at(rr, i))
+    store_at(sr, i, v)
     return v
 
 
 @njit
-def _recip(x):
+def recip(x):
     """1 / x as float32, inf at 0 (eps = 0 on a zero row) where numba would raise ZeroDivisionError."""
     return np.float32(math.inf) if x == 0.0 else np.float32(1.0 / x)
 
 
-def _row(a, r):  # pragma: no cover - replaced by the overload below
+def row_of(a, r):  # pragma: no cover - replaced by the overload below
     raise NotImplementedError
 
 
-@overload(_row)
+@overload(row_of)
 def _ov_row(a, r):
     """a[r], or None when a is None (an optional input such as the residual gradient). An
     overload rather than an ``if a is None`` branch: numba would type that value Optional."""
@@ -83,7 +83,7 @@ def _ov_row(a, r):
 
 
 @njit
-def _spans(out, i0, i1, stream):
+def block_spans(out, i0, i1, stream):
     """Split [i0, i1) of an output row into a plain head [i0, a), whole blocks [a, b) and a plain
     tail [b, i1). With ``stream`` the blocks start at the row's first 64-byte boundary, as
     non-temporal stores need."""
@@ -103,34 +103,34 @@ def _is_none(t):
     return t is None or isinstance(t, (types.NoneType, types.Omitted))
 
 
-def _is_llama(round_to):
+def is_llama(round_to):
     return not _is_none(round_to) and round_to.dtype != types.float32
 
 
-def _pair_types(x, dy, ds=None):
+def pair_types(x, dy, ds=None):
     """Whether numba array types x and dy (and ds, when given) are all bf16: the rows the
-    backward reads in pairs (_bf16_pair)."""
+    backward reads in pairs (bf16_pair)."""
     return x.dtype == dy.dtype == types.uint16 and (_is_none(ds) or ds.dtype == types.uint16)
 
 
-def _paired(x, dy, ds=None):  # pragma: no cover - replaced by the overload below
+def reads_pairs(x, dy, ds=None):  # pragma: no cover - replaced by the overload below
     """Whether the backward reads its rows in bf16 pairs with w in pair_order."""
     raise NotImplementedError
 
 
-@overload(_paired)
+@overload(reads_pairs)
 def _ov_paired(x, dy, ds=None):
-    every = _pair_types(x, dy, ds)
+    every = pair_types(x, dy, ds)
     return lambda x, dy, ds=None: every
 
 
-def _vector_sums(a):  # pragma: no cover - replaced by the overload below
+def vector_sums(a):  # pragma: no cover - replaced by the overload below
     """Whether pass 1 over row ``a`` takes the vector loops (simd._row_sums): 16-bit rows,
     where the sums set the pace. A float32 row waits on memory, and there they were slower."""
     raise NotImplementedError
 
 
-@overload(_vector_sums)
+@overload(vector_sums)
 def _ov_vector_sums(a):
     vector = a.dtype != types.float32
     return lambda a: vector
@@ -143,23 +143,23 @@ PAIR_ROWS_MIN = 4096
 
 
 @njit
-def _row_pairs(x, dy, k):
+def row_pairs(x, dy, k):
     """Whether the backward takes its rows in pairs (see PAIR_ROWS_MIN)."""
-    return _paired(x, dy) and k - k % BLOCK >= max(PAIR_ROWS_MIN, BLOCK)
+    return reads_pairs(x, dy) and k - k % BLOCK >= max(PAIR_ROWS_MIN, BLOCK)
 
 
 # ------------------------------------------------------------------ weight-gradient partials
 
 
 @njit
-def _partial_rows(nchunks, d):
+def partial_rows(nchunks, d):
     """Zeroed float32 rows, one per chunk. (Its own function: in a parallel kernel's body numba
     turns np.zeros into a parallel loop, more compile time for every signature.)"""
     return np.zeros((nchunks, d), np.float32)
 
 
 @njit
-def _partial_row_pairs(nchunks, d):
+def partial_row_pairs(nchunks, d):
     """Zeroed float32 rows, two per chunk (rows 2c and 2c + 1: dw's and db's), each starting half
     a 4 KiB page from its partner. A loop that updates both at the same index loads one just
     after it stored the other, and where the two sit at the same address modulo 4 KiB (as two
@@ -176,13 +176,13 @@ FLUSH = 64  # even, so that a pair of rows never straddles a flush
 
 
 @njit
-def _partial_sums(nchunks, d):
+def partial_sums(nchunks, d):
     """Zeroed float64 rows, one per chunk: the flushed partial rows."""
     return np.zeros((nchunks, d), np.float64)
 
 
 @njit
-def _flush(part, total):
+def flush_into(part, total):
     """total += part in float64, and part = 0 (part may run past total's end: padding)."""
     for i in range(total.shape[0]):
         total[i] += part[i]
@@ -190,7 +190,7 @@ def _flush(part, total):
 
 
 @njit
-def _sum_partials(part, span, out):
+def sum_partials(part, span, out):
     """out = the float64 partial rows summed in chunk order (deterministic for a chunk count),
     rounded to float32, put back in place from pair order over [0, span) and stored in out's
     dtype (rounded to nearest even, as torch converts)."""
@@ -199,4 +199,4 @@ def _sum_partials(part, span, out):
         total += part[c]
     total = pair_unorder(total.astype(np.float32), span)
     for i in range(total.shape[0]):
-        _store(out, i, total[i])
+        store_at(out, i, total[i])

@@ -20,7 +20,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .codecs import _LANES, _bf16_pair, _narrow, _narrow_line, _pair_line, _widen
+from .codecs import LANES, bf16_pair, narrow_bits, narrow_line, pair_line, widen_bits
 
 BLOCK = 256  # values per block of a row's first pass (its sums)
 EMIT = 64  # outputs per block of the second pass: small, so stores interleave with the arithmetic
@@ -28,16 +28,16 @@ _ACC = 4  # independent float32 accumulators per sum in a block
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 HW_BF16 = numba.config.CPU_NAME is None and bool(llvm.get_host_cpu_features().get("avx512bf16", False))
 
-# A staging row (one per chunk, float32, 64-byte aligned): a line of zeros at _ZERO, which
-# _narrow_line needs (the launcher zeroes the row, the kernels never write it); [0, EMIT) holds
+# A staging row (one per chunk, float32, 64-byte aligned): a line of zeros at ZERO, which
+# narrow_line needs (the launcher zeroes the row, the kernels never write it); [0, EMIT) holds
 # a block where _EMIT (the tests) converts one.
-_ZERO = 128
+ZERO = 128
 STAGE_WIDTH = 192
 
 # ------------------------------------------------------------------------------- arithmetic
 
 
-def _fma(builder, a, b, c):
+def fma_ir(builder, a, b, c):
     """a * b + c rounded once, for float32 scalars or vectors of 16."""
     ty = a.type
     name = "llvm.fma.v16f32" if isinstance(ty, ir.VectorType) else "llvm.fma.f32"
@@ -45,19 +45,19 @@ def _fma(builder, a, b, c):
 
 
 @intrinsic
-def _fma32(typingctx, a, b, c):
+def fma32(typingctx, a, b, c):
     """a * b + c for float32 scalars, rounded once (the vector blocks' fma, element by element)."""
 
     def codegen(context, builder, signature, args):
-        return _fma(builder, *args)
+        return fma_ir(builder, *args)
 
     f = types.float32
     return f(f, f, f), codegen
 
 
-def _f32x16(builder, scalar):
-    v = builder.insert_element(ir.Constant(ir.VectorType(ir.FloatType(), _LANES), ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES))
+def f32x16(builder, scalar):
+    v = builder.insert_element(ir.Constant(ir.VectorType(ir.FloatType(), LANES), ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
 
 
 def _tree(builder, vectors):
@@ -83,31 +83,31 @@ def _lanes_sum(builder, v):
 # ------------------------------------------------------------------------------------ loads
 
 
-def _load_f32(builder, base, v):
+def load_f32(builder, base, v):
     """Float32 vector v (16 lanes) from a float32 pointer."""
-    f32 = ir.VectorType(ir.FloatType(), _LANES)
-    ptr = builder.gep(base, [ir.Constant(ir.IntType(64), v * _LANES)])
+    f32 = ir.VectorType(ir.FloatType(), LANES)
+    ptr = builder.gep(base, [ir.Constant(ir.IntType(64), v * LANES)])
     return builder.load(builder.bitcast(ptr, f32.as_pointer()), align=4)
 
 
-def _load_row(builder, base, v, kind):
+def load_row(builder, base, v, kind):
     """Vector v (16 lanes, in order) from a row of ``kind``, widened to float32."""
     element = ir.FloatType() if kind == types.float32 else ir.IntType(kind.bitwidth)
-    ptr = builder.gep(base, [ir.Constant(ir.IntType(64), v * _LANES)])
-    bits = builder.load(builder.bitcast(ptr, ir.VectorType(element, _LANES).as_pointer()), align=kind.bitwidth // 8)
-    return _widen(builder, bits, kind)
+    ptr = builder.gep(base, [ir.Constant(ir.IntType(64), v * LANES)])
+    bits = builder.load(builder.bitcast(ptr, ir.VectorType(element, LANES).as_pointer()), align=kind.bitwidth // 8)
+    return widen_bits(builder, bits, kind)
 
 
 def _block_stream(builder, data, base, kind):
     """The BLOCK values from element ``base`` of ``data`` as float32 vectors of 16, emitted as
-    they are used, in an order fit for sums (bf16 read in pairs: _bf16_pair)."""
+    they are used, in an order fit for sums (bf16 read in pairs: bf16_pair)."""
     start = builder.gep(data, [base])
     if kind == types.uint16:
         for v in range(BLOCK // 32):
-            yield from _bf16_pair(builder, start, 32 * v)
+            yield from bf16_pair(builder, start, 32 * v)
     else:
-        for v in range(BLOCK // _LANES):
-            yield _load_row(builder, start, v, kind)
+        for v in range(BLOCK // LANES):
+            yield load_row(builder, start, v, kind)
 
 
 # ------------------------------------------------------------------------------- prefetches
@@ -129,7 +129,7 @@ def _prefetch_next_block(builder, base, kind):
         _prefetch_ir(builder, builder.gep(first, [ir.Constant(ir.IntType(64), 64 * line)]), write=True)
 
 
-def _prefetch_ahead(context, builder, aryty, ary, j, values, ahead=1):
+def prefetch_ahead(context, builder, aryty, ary, j, values, ahead=1):
     """Prefetch (for reading) the lines of values [j, j + ``values``) of the row ``ahead`` rows
     after the row ``ary`` in memory; nothing for a None."""
     if isinstance(aryty, (types.NoneType, types.Omitted)):
@@ -151,7 +151,7 @@ def _make_prefetch(values):
 
     def prefetch(typingctx, a, j):
         def codegen(context, builder, signature, args):
-            _prefetch_ahead(context, builder, signature.args[0], args[0], args[1], values)
+            prefetch_ahead(context, builder, signature.args[0], args[0], args[1], values)
             return context.get_dummy_value()
 
         return types.void(a, types.int64), codegen
@@ -175,7 +175,7 @@ _prefetch_narrow = _make_prefetch(EMIT // 2)
 
 
 @njit(inline="always")  # LLVM left a call per block otherwise (docs/cpu-kernels.md, "Prefetch")
-def _prefetch_pass1(a1, a2, j):
+def prefetch_pass1(a1, a2, j):
     """Prefetch what block j of pass 1 asks of the rows that follow a1 and a2 (a2 may be None):
     the values from j // 2, so the first half of the next row arrives during this pass 1."""
     _prefetch_wide(a1, j // 2)
@@ -183,7 +183,7 @@ def _prefetch_pass1(a1, a2, j):
 
 
 @njit(inline="always")
-def _prefetch_pass2(a1, a2, j, ahead):
+def prefetch_pass2(a1, a2, j, ahead):
     """Pass 2's share for block j: the values from d // 2 + j // 2 of the rows ``ahead`` rows
     after a1 and a2 (1, or 2 where rows go in pairs)."""
     h = a1.shape[0] * (ahead - 1) + a1.shape[0] // 2 + j // 2
@@ -194,29 +194,29 @@ def _prefetch_pass2(a1, a2, j, ahead):
 # ----------------------------------------------------------------------------------- stores
 
 
-def _store_block(builder, kind, base, wbase, values, llama, stream, hw, zero):
+def store_block(builder, kind, base, wbase, values, llama, stream, hw, zero):
     """Store EMIT float32 values (16-lane vectors) at ``base`` in the output's dtype. ``llama``:
     the values are x * rstd, rounded to the output's dtype, widened, multiplied by the weights at
     ``wbase`` and rounded again. ``stream``: non-temporal stores (``base`` 64-byte aligned), of whole
-    64-byte lines. ``zero``: a staging row's line of zeros (see _narrow_line)."""
+    64-byte lines. ``zero``: a staging row's line of zeros (see narrow_line)."""
     nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
     if not stream:
         _prefetch_next_block(builder, base, kind)
     pending = None
     for v, x in enumerate(values):
-        off = ir.Constant(ir.IntType(64), v * _LANES)
+        off = ir.Constant(ir.IntType(64), v * LANES)
         if llama:
-            x = builder.fmul(_widen(builder, _narrow(builder, x, kind, hw), kind), _load_f32(builder, wbase, v))
+            x = builder.fmul(widen_bits(builder, narrow_bits(builder, x, kind, hw), kind), load_f32(builder, wbase, v))
         if stream and kind != types.float32:  # 16-bit outputs: a line holds two vectors
             if pending is None:
                 pending = x
                 continue
-            y = _narrow_line(builder, pending, x, kind, hw, zero)
-            ptr = builder.bitcast(builder.gep(base, [ir.Constant(ir.IntType(64), (v - 1) * _LANES)]), y.type.as_pointer())
+            y = narrow_line(builder, pending, x, kind, hw, zero)
+            ptr = builder.bitcast(builder.gep(base, [ir.Constant(ir.IntType(64), (v - 1) * LANES)]), y.type.as_pointer())
             builder.store(y, ptr, align=64).set_metadata("nontemporal", nontemporal)
             pending = None
             continue
-        y = _narrow(builder, x, kind, hw)
+        y = narrow_bits(builder, x, kind, hw)
         ptr = builder.bitcast(builder.gep(base, [off]), y.type.as_pointer())
         if stream:
             builder.store(y, ptr, align=64).set_metadata("nontemporal", nontemporal)
@@ -225,13 +225,13 @@ def _store_block(builder, kind, base, wbase, values, llama, stream, hw, zero):
 
 
 def _store_pairs(builder, base, values, stream, hw, zero):
-    """Store float32 vectors (even, odd, even, odd, ...: see _bf16_pair) as bf16 at ``base``, 32
+    """Store float32 vectors (even, odd, even, odd, ...: see bf16_pair) as bf16 at ``base``, 32
     values a line (``stream``: non-temporal, ``base`` 64-byte aligned)."""
     if not stream:
         _prefetch_next_block(builder, base, types.uint16)
     nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
     for c in range(len(values) // 2):
-        line = _pair_line(builder, values[2 * c], values[2 * c + 1], hw, zero)
+        line = pair_line(builder, values[2 * c], values[2 * c + 1], hw, zero)
         ptr = builder.bitcast(builder.gep(base, [ir.Constant(ir.IntType(64), 32 * c)]), line.type.as_pointer())
         if stream:
             builder.store(line, ptr, align=64).set_metadata("nontemporal", nontemporal)
@@ -240,7 +240,7 @@ def _store_pairs(builder, base, values, stream, hw, zero):
 
 
 @intrinsic
-def _store_fence(typingctx):
+def store_fence(typingctx):
     """This thread's non-temporal stores become visible before anything after it: sfence on
     x86 (a plain fence there orders only normal stores), a full fence elsewhere."""
 
@@ -263,7 +263,7 @@ def forward_block(math, llama, stream, hw=HW_BF16):
     block y[j:j + EMIT]. ``math(builder, x, w, b, mhi, mlo, rstd)`` gives one 16-lane vector of
     outputs from one of x; ``w`` and ``b`` are functions that load the matching weights, so a
     form that does not use them loads nothing. ``llama``: the weight multiply happens as the
-    block is stored (see _store_block), not in ``math``."""
+    block is stored (see store_block), not in ``math``."""
 
     def codegen(context, builder, signature, args):
         kind, xkind = signature.args[0].dtype, signature.args[2].dtype
@@ -272,14 +272,14 @@ def forward_block(math, llama, stream, hw=HW_BF16):
         )
         at = args[1]
         xbase, wbase, bbase = (builder.gep(data, [at]) for data in (x_data, w_data, b_data))
-        mhi, mlo, row_rstd = (_f32x16(builder, args[k]) for k in (6, 7, 8))
+        mhi, mlo, row_rstd = (f32x16(builder, args[k]) for k in (6, 7, 8))
         values = []
-        for v in range(EMIT // _LANES):
-            t = _load_row(builder, xbase, v, xkind)
-            values.append(math(builder, t, lambda v=v: _load_f32(builder, wbase, v),
-                               lambda v=v: _load_f32(builder, bbase, v), mhi, mlo, row_rstd))
-        zero = builder.gep(stage_data, [ir.Constant(ir.IntType(64), _ZERO)])
-        _store_block(builder, kind, builder.gep(y_data, [at]), wbase, values, llama, stream, hw, zero)
+        for v in range(EMIT // LANES):
+            t = load_row(builder, xbase, v, xkind)
+            values.append(math(builder, t, lambda v=v: load_f32(builder, wbase, v),
+                               lambda v=v: load_f32(builder, bbase, v), mhi, mlo, row_rstd))
+        zero = builder.gep(stage_data, [ir.Constant(ir.IntType(64), ZERO)])
+        store_block(builder, kind, builder.gep(y_data, [at]), wbase, values, llama, stream, hw, zero)
         return context.get_dummy_value()
 
     def block(typingctx, y, j, x, w, b, stage, mhi, mlo, row_rstd):
@@ -294,7 +294,7 @@ def backward_block(math, stream, paired=False, reads_x=True, hw=HW_BF16):
     dx block at j, plus ds (the residual's gradient) when it is not None. ``math(builder, dy, x,
     w, (p0, p1, p2), rstd)`` gives one 16-lane vector of dx from one of dy and x (x None without
     ``reads_x``). ``paired`` (bf16 rows, the block's start a multiple of 32 from the row's): the
-    inputs are read two values to a 32-bit lane (_bf16_pair), w is in pair_order, and each 32
+    inputs are read two values to a 32-bit lane (bf16_pair), w is in pair_order, and each 32
     results are interleaved back into place as they are stored (_store_pairs)."""
 
     def block(typingctx, dx, j, dy, x, w, ds, stage, p0, p1, p2, row_rstd):
@@ -306,28 +306,28 @@ def backward_block(math, stream, paired=False, reads_x=True, hw=HW_BF16):
                 data[5] = context.make_array(signature.args[5])(context, builder, args[5]).data
             at = args[1]
             base = {k: builder.gep(v, [at]) for k, v in data.items()}
-            p = [_f32x16(builder, args[k]) for k in (7, 8, 9)]
-            row_rstd = _f32x16(builder, args[10])
+            p = [f32x16(builder, args[k]) for k in (7, 8, 9)]
+            row_rstd = f32x16(builder, args[10])
 
             def row(k, kind):
                 if paired:
-                    return [u for c in range(EMIT // 32) for u in _bf16_pair(builder, base[k], 32 * c)]
-                return [_load_row(builder, base[k], v, kind) for v in range(EMIT // _LANES)]
+                    return [u for c in range(EMIT // 32) for u in bf16_pair(builder, base[k], 32 * c)]
+                return [load_row(builder, base[k], v, kind) for v in range(EMIT // LANES)]
 
             dys = row(2, dy.dtype)
-            xs = row(3, x.dtype) if reads_x else [None] * (EMIT // _LANES)
+            xs = row(3, x.dtype) if reads_x else [None] * (EMIT // LANES)
             dss = row(5, ds.dtype) if has_ds else None
             values = []
-            for v in range(EMIT // _LANES):
-                t = math(builder, dys[v], xs[v], _load_f32(builder, base[4], v), p, row_rstd)
+            for v in range(EMIT // LANES):
+                t = math(builder, dys[v], xs[v], load_f32(builder, base[4], v), p, row_rstd)
                 if has_ds:
                     t = builder.fadd(t, dss[v])
                 values.append(t)
-            zero = builder.gep(data[6], [ir.Constant(ir.IntType(64), _ZERO)])
+            zero = builder.gep(data[6], [ir.Constant(ir.IntType(64), ZERO)])
             if paired:
                 _store_pairs(builder, base[0], values, stream, hw, zero)
             else:
-                _store_block(builder, dx.dtype, base[0], base[4], values, False, stream, hw, zero)
+                store_block(builder, dx.dtype, base[0], base[4], values, False, stream, hw, zero)
             return context.get_dummy_value()
 
         f = types.float32
@@ -337,7 +337,7 @@ def backward_block(math, stream, paired=False, reads_x=True, hw=HW_BF16):
 
 
 def _make_emit(llama, stream, hw=HW_BF16):
-    """dst[j:j + EMIT] = src[:EMIT] (a staging row) converted to dst's dtype (see _store_block)."""
+    """dst[j:j + EMIT] = src[:EMIT] (a staging row) converted to dst's dtype (see store_block)."""
 
     def emit(typingctx, dst, j, src, w):
         kind = dst.dtype
@@ -346,10 +346,10 @@ def _make_emit(llama, stream, hw=HW_BF16):
             dst_data, src_data, w_data = (
                 context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 2, 3)
             )
-            values = [_load_f32(builder, src_data, v) for v in range(EMIT // _LANES)]
-            zero = builder.gep(src_data, [ir.Constant(ir.IntType(64), _ZERO)])
+            values = [load_f32(builder, src_data, v) for v in range(EMIT // LANES)]
+            zero = builder.gep(src_data, [ir.Constant(ir.IntType(64), ZERO)])
             base, wbase = builder.gep(dst_data, [args[1]]), builder.gep(w_data, [args[1]])
-            _store_block(builder, kind, base, wbase, values, llama, stream, hw, zero)
+            store_block(builder, kind, base, wbase, values, llama, stream, hw, zero)
             return context.get_dummy_value()
 
         return types.void(dst, types.uint64, src, w), codegen
@@ -357,7 +357,7 @@ def _make_emit(llama, stream, hw=HW_BF16):
     return intrinsic(emit)
 
 
-# The conversions on their own, from a staging row: tests/test_cpu_blocks.py checks _store_block
+# The conversions on their own, from a staging row: tests/test_cpu_blocks.py checks store_block
 # through them against the scalar conversions (the integer bf16 path too, on every CPU).
 _EMIT = {(llama, stream): _make_emit(llama, stream) for llama in (False, True) for stream in (False, True)}
 _EMIT_INTEGER_BF16 = {key: _make_emit(*key, hw=False) for key in _EMIT}
@@ -368,22 +368,22 @@ _EMIT_INTEGER_BF16 = {key: _make_emit(*key, hw=False) for key in _EMIT}
 # As fast as a float32 sum and as accurate as a float64 one for any row length.
 
 
-def _f64_totals(builder, count):
+def f64_totals(builder, count):
     """``count`` running float64 totals, each two 8-lane vectors (a 16-lane float32 block's halves)."""
-    f64 = ir.VectorType(ir.DoubleType(), _LANES // 2)
+    f64 = ir.VectorType(ir.DoubleType(), LANES // 2)
     return [[cgutils.alloca_once_value(builder, ir.Constant(f64, [0.0] * f64.count)) for _ in range(2)] for _ in range(count)]
 
 
-def _add_blocks(builder, acc, totals):
+def add_blocks(builder, acc, totals):
     """Add each sum's block (its _ACC float32 accumulators, added pairwise) to its float64 total."""
-    f64 = ir.VectorType(ir.DoubleType(), _LANES // 2)
+    f64 = ir.VectorType(ir.DoubleType(), LANES // 2)
     for sums, total in zip(acc, totals):
         block = _tree(builder, sums)
         for h, t in enumerate(total):
             builder.store(builder.fadd(builder.load(t), builder.fpext(_half(builder, block, h), f64)), t)
 
 
-def _totals(builder, totals):
+def scalar_totals(builder, totals):
     """The float64 totals as scalars."""
     return [_lanes_sum(builder, _tree(builder, [builder.load(t) for t in total])) for total in totals]
 
@@ -391,34 +391,34 @@ def _totals(builder, totals):
 def _make_row_sums(centred):
     """An intrinsic (xr, n, c, a1, a2) -> (float64, float64) over the values [0, n) of row xr
     (n a multiple of BLOCK): with ``centred`` the sums of u and u^2 for u = x - c, else the sum
-    of x^2 (and 0.0; c is not used). Block j prefetches as _prefetch_pass1(a1, a2, j) does."""
+    of x^2 (and 0.0; c is not used). Block j prefetches as prefetch_pass1(a1, a2, j) does."""
 
     def row_sums(typingctx, xr, n, c, a1, a2):
         kind = xr.dtype
 
         def codegen(context, builder, signature, args):
-            f32 = ir.VectorType(ir.FloatType(), _LANES)
+            f32 = ir.VectorType(ir.FloatType(), LANES)
             data = context.make_array(signature.args[0])(context, builder, args[0]).data
-            shift = _f32x16(builder, args[2])
+            shift = f32x16(builder, args[2])
             nsums = 2 if centred else 1
-            totals = _f64_totals(builder, nsums)
+            totals = f64_totals(builder, nsums)
             blocks = builder.udiv(args[1], ir.Constant(ir.IntType(64), BLOCK))
             with cgutils.for_range(builder, blocks) as loop:
                 base = builder.mul(loop.index, ir.Constant(ir.IntType(64), BLOCK))
                 half = builder.udiv(base, ir.Constant(ir.IntType(64), 2))
                 for k in (3, 4):
-                    _prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2)
-                acc = [[ir.Constant(f32, [0.0] * _LANES)] * _ACC for _ in range(nsums)]
+                    prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2)
+                acc = [[ir.Constant(f32, [0.0] * LANES)] * _ACC for _ in range(nsums)]
                 for v, x in enumerate(_block_stream(builder, data, base, kind)):
                     a = v % _ACC
                     if centred:
                         x = builder.fsub(x, shift)
-                        acc[1][a] = _fma(builder, x, x, acc[1][a])
+                        acc[1][a] = fma_ir(builder, x, x, acc[1][a])
                         acc[0][a] = builder.fadd(acc[0][a], x)
                     else:
-                        acc[0][a] = _fma(builder, x, x, acc[0][a])
-                _add_blocks(builder, acc, totals)
-            out = _totals(builder, totals)
+                        acc[0][a] = fma_ir(builder, x, x, acc[0][a])
+                add_blocks(builder, acc, totals)
+            out = scalar_totals(builder, totals)
             if not centred:
                 out.append(ir.Constant(ir.DoubleType(), 0.0))
             return context.make_tuple(builder, signature.return_type, out)
@@ -428,8 +428,8 @@ def _make_row_sums(centred):
     return intrinsic(row_sums)
 
 
-_row_moments = _make_row_sums(centred=True)
-_row_sumsq = _make_row_sums(centred=False)
+row_moments = _make_row_sums(centred=True)
+row_sumsq = _make_row_sums(centred=False)
 
 
 def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
@@ -437,7 +437,7 @@ def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
     sums its dx formula needs, and the rows' dw (and db) terms added to the chunk's partial rows
     on the way. Arguments (dyr, xr, w_pairs, dwc, aux, n, c0, c1, c2) -> (float64, float64), over
     values [0, n) (a multiple of BLOCK); ``aux`` is the db partial row (``with_db``) or any array
-    whose dtype ``terms`` reads. Values arrive in pair order (_bf16_pair), so w_pairs, dwc and aux are
+    whose dtype ``terms`` reads. Values arrive in pair order (bf16_pair), so w_pairs, dwc and aux are
     kept in pair_order.
 
     ``terms(builder, x, dy, w, (c0, c1, c2), s0, s1, a, aux_kind, hw)`` adds one vector's terms
@@ -449,28 +449,28 @@ def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
     both. The terms reach dwc in the order two calls would add them: the bits do not change."""
 
     def codegen(context, builder, signature, args):
-        f32 = ir.VectorType(ir.FloatType(), _LANES)
+        f32 = ir.VectorType(ir.FloatType(), LANES)
         i64 = ir.IntType(64)
         data = [context.make_array(signature.args[k])(context, builder, args[k]).data for k in range(2 * rows + 2)]
         w_data, dw_data = data[2 * rows :]
         aux_type = signature.args[2 * rows + 2]
         db_data = context.make_array(aux_type)(context, builder, args[2 * rows + 2]).data if with_db else None
-        c = [[_f32x16(builder, args[2 * rows + 4 + 3 * r + k]) for k in range(3)] for r in range(rows)]
-        totals = _f64_totals(builder, 2 * rows)
+        c = [[f32x16(builder, args[2 * rows + 4 + 3 * r + k]) for k in range(3)] for r in range(rows)]
+        totals = f64_totals(builder, 2 * rows)
         blocks = builder.udiv(args[2 * rows + 3], ir.Constant(i64, BLOCK))
         with cgutils.for_range(builder, blocks) as loop:
             base = builder.mul(loop.index, ir.Constant(i64, BLOCK))
             half = builder.udiv(base, ir.Constant(i64, 2))
             for r in range(rows):
                 for k in (2 * r + 1, 2 * r):
-                    _prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2, rows)
-            acc = [[ir.Constant(f32, [0.0] * _LANES)] * _ACC for _ in range(2 * rows)]
+                    prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2, rows)
+            acc = [[ir.Constant(f32, [0.0] * LANES)] * _ACC for _ in range(2 * rows)]
             streams = [(_block_stream(builder, data[2 * r + 1], base, signature.args[2 * r + 1].dtype),
                         _block_stream(builder, data[2 * r], base, signature.args[2 * r].dtype)) for r in range(rows)]
-            for v in range(BLOCK // _LANES):
+            for v in range(BLOCK // LANES):
                 a = v % _ACC
-                at = builder.add(base, ir.Constant(i64, v * _LANES))
-                w = _load_f32(builder, builder.gep(w_data, [at]), 0)
+                at = builder.add(base, ir.Constant(i64, v * LANES))
+                w = load_f32(builder, builder.gep(w_data, [at]), 0)
                 dwp = builder.bitcast(builder.gep(dw_data, [at]), f32.as_pointer())
                 dw = builder.load(dwp, align=4)
                 if with_db:
@@ -481,12 +481,12 @@ def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
                     xh = terms(builder, x, dy, w, c[r], acc[2 * r], acc[2 * r + 1], a, aux_type.dtype, hw)
                     if with_db:
                         db = builder.fadd(db, dy)
-                    dw = _fma(builder, dy, xh, dw)
+                    dw = fma_ir(builder, dy, xh, dw)
                 if with_db:
                     builder.store(db, dbp, align=4)
                 builder.store(dw, dwp, align=4)
-            _add_blocks(builder, acc, totals)
-        out = _totals(builder, totals)
+            add_blocks(builder, acc, totals)
+        out = scalar_totals(builder, totals)
         return context.make_tuple(builder, signature.return_type, out)
 
     f = types.float32
@@ -519,7 +519,7 @@ def _make_pair_shuffle(to_pairs):
             groups = builder.udiv(args[2], ir.Constant(i64, 32))
             with cgutils.for_range(builder, groups) as loop:
                 at = builder.mul(loop.index, ir.Constant(i64, 32))
-                a, b = (_load_f32(builder, builder.gep(src_data, [at]), v) for v in (0, 1))
+                a, b = (load_f32(builder, builder.gep(src_data, [at]), v) for v in (0, 1))
                 for v, mask in enumerate(masks):
                     out = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 16), mask))
                     ptr = builder.gep(dst_data, [builder.add(at, ir.Constant(i64, 16 * v))])

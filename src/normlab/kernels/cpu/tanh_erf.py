@@ -12,8 +12,8 @@ from llvmlite import binding as llvm
 from llvmlite import ir
 from numba.core import cgutils
 
-from .codecs import _LANES
-from .simd import X86, _fma
+from .codecs import LANES
+from .simd import X86, fma_ir
 
 # ------------------------------------------------------------------------------------- tanh
 # With e = exp(-2|z|) and m = e - 1 = expm1(-2|z|):
@@ -43,14 +43,14 @@ _EXPM1_POLY = tuple(c * 2.0 ** (len(_EXPM1_P0) - i) for i, c in enumerate(_EXPM1
 _TWO_LOG2E = 2 * 1.44269504088896341
 _ROUND = 1.5 * 2.0**23  # x + _ROUND - _ROUND rounds x to a whole number (|x| < 2^22)
 _LN2_HI, _LN2_LO = 0.693359375 / 2, -2.12194440e-4 / 2  # (ln 2) / 2 = HI + LO, n * HI exact for the n here
-F32 = ir.VectorType(ir.FloatType(), _LANES)
-I32 = ir.VectorType(ir.IntType(32), _LANES)
+F32 = ir.VectorType(ir.FloatType(), LANES)
+I32 = ir.VectorType(ir.IntType(32), LANES)
 AVX512 = X86 and numba.config.CPU_NAME is None and bool(llvm.get_host_cpu_features().get("avx512f", False))
 
 
 def const(value, ty=F32):
     """A vector constant (float32 values rounded to float32)."""
-    return ir.Constant(ty, [float(np.float32(value)) if ty == F32 else value] * _LANES)
+    return ir.Constant(ty, [float(np.float32(value)) if ty == F32 else value] * LANES)
 
 
 def _llvm(builder, name, *args):
@@ -77,21 +77,21 @@ def _exps(builder, z):
     exp(-2u) = 2^n (2q + 1). A nan stays nan."""
     az = _llvm(builder, "fabs", z)
     u = builder.select(builder.fcmp_ordered("<", const(TANH_CAP), az), const(TANH_CAP), az)  # min(10, |z|), nan kept
-    n = builder.fsub(_fma(builder, u, const(-_TWO_LOG2E), const(_ROUND)), const(_ROUND))
-    r = _fma(builder, n, const(-_LN2_HI), builder.fneg(u))
-    r = _fma(builder, n, const(-_LN2_LO), r)
+    n = builder.fsub(fma_ir(builder, u, const(-_TWO_LOG2E), const(_ROUND)), const(_ROUND))
+    r = fma_ir(builder, n, const(-_LN2_HI), builder.fneg(u))
+    r = fma_ir(builder, n, const(-_LN2_LO), r)
     poly = const(_EXPM1_POLY[0])
     for coef in _EXPM1_POLY[1:]:
-        poly = _fma(builder, poly, r, const(coef))
-    return _fma(builder, builder.fmul(r, r), poly, r), n, u
+        poly = fma_ir(builder, poly, r, const(coef))
+    return fma_ir(builder, builder.fmul(r, r), poly, r), n, u
 
 
 def tanh(builder, z):
     """The forward's tanh z, for 16 lanes."""
     q, n, _ = _exps(builder, z)
     p2 = pow2(builder, n, 2)
-    m = _fma(builder, p2, q, _fma(builder, p2, const(0.5), const(-1.0)))  # 2p q + (p - 1)
-    den = _fma(builder, p2, q, _fma(builder, p2, const(0.5), const(1.0)))  # 2p q + (p + 1) = 1 + e, one rounding
+    m = fma_ir(builder, p2, q, fma_ir(builder, p2, const(0.5), const(-1.0)))  # 2p q + (p - 1)
+    den = fma_ir(builder, p2, q, fma_ir(builder, p2, const(0.5), const(1.0)))  # 2p q + (p + 1) = 1 + e, one rounding
     return _llvm(builder, "copysign", builder.fdiv(m, den), z)
 
 
@@ -101,11 +101,11 @@ def tanh_grad(builder, z):
     itself: up to an ulp apart)."""
     q, n, u = _exps(builder, z)
     p, p2 = pow2(builder, n), pow2(builder, n, 2)
-    m, e = _fma(builder, p2, q, builder.fsub(p, const(1.0))), _fma(builder, p2, q, p)
+    m, e = fma_ir(builder, p2, q, builder.fsub(p, const(1.0))), fma_ir(builder, p2, q, p)
     rden = builder.fdiv(const(1.0), builder.fadd(e, const(1.0)))  # (an estimate and a Newton step: no faster)
     t = _llvm(builder, "copysign", builder.fmul(m, rden), z)
     h = builder.select(builder.fcmp_ordered(">=", u, const(TANH_CAP)), const(0.0), builder.fmul(e, rden))
-    return t, _fma(builder, builder.fneg(h), h, h)  # h (1 - h) = h - h^2
+    return t, fma_ir(builder, builder.fneg(h), h, h)  # h (1 - h) = h - h^2
 
 
 # ------------------------------------------------------------------------------------- erf
@@ -134,7 +134,7 @@ def _poly(builder, coefs, v):
     """The polynomial with ``coefs`` (highest degree first) at v, by Horner's rule in fmas."""
     out = const(coefs[0])
     for coef in coefs[1:]:
-        out = _fma(builder, out, v, const(coef))
+        out = fma_ir(builder, out, v, const(coef))
     return out
 
 
@@ -146,20 +146,20 @@ def _min_cap(builder, v, cap):
 def _exp_neg(builder, r):
     """exp(-r) for 16 lanes with 0 <= r <= 36 (a nan stays nan): -r = n ln 2 + f with |f| <= ln2 / 2,
     exp(f) = 1 + expm1(f), times 2^n."""
-    n = builder.fsub(_fma(builder, r, const(-_LOG2E), const(_ROUND)), const(_ROUND))
-    f = _fma(builder, n, const(-2 * _LN2_HI), builder.fneg(r))
-    f = _fma(builder, n, const(-2 * _LN2_LO), f)
-    q = _fma(builder, builder.fmul(f, f), _poly(builder, _EXPM1_P0, f), f)
+    n = builder.fsub(fma_ir(builder, r, const(-_LOG2E), const(_ROUND)), const(_ROUND))
+    f = fma_ir(builder, n, const(-2 * _LN2_HI), builder.fneg(r))
+    f = fma_ir(builder, n, const(-2 * _LN2_LO), f)
+    q = fma_ir(builder, builder.fmul(f, f), _poly(builder, _EXPM1_P0, f), f)
     p = pow2(builder, n)
-    return _fma(builder, p, q, p)
+    return fma_ir(builder, p, q, p)
 
 
 def erf(builder, z):
     """The forward's erf z, for 16 lanes."""
     az = _llvm(builder, "fabs", z)
-    small = _fma(builder, z, _poly(builder, ERF_P, builder.fmul(z, z)), z)
+    small = fma_ir(builder, z, _poly(builder, ERF_P, builder.fmul(z, z)), z)
     t = _min_cap(builder, az, ERF_CAP)
-    r = _fma(builder, t, _poly(builder, ERF_Q, t), t)
+    r = fma_ir(builder, t, _poly(builder, ERF_Q, t), t)
     large = _llvm(builder, "copysign", builder.fsub(const(1.0), _exp_neg(builder, r)), z)
     return builder.select(builder.fcmp_ordered("<", az, const(ERF_SPLIT)), small, large)
 
@@ -168,7 +168,7 @@ def erf_grad(builder, z):
     """The backward's (t, s) for 16 lanes: t = erf z and s = erf'(z) / 4, 0 from |z| = 6 on."""
     u = _min_cap(builder, _llvm(builder, "fabs", z), SLOPE_CAP)
     u2 = builder.fmul(u, u)
-    e = _fma(builder, u, u, builder.fneg(u2))  # u^2 = u2 + e exactly
+    e = fma_ir(builder, u, u, builder.fneg(u2))  # u^2 = u2 + e exactly
     ex = _exp_neg(builder, u2)
-    s = builder.fmul(_fma(builder, builder.fneg(e), ex, ex), const(SLOPE))  # exp(-u2 - e) = exp(-u2) (1 - e)
+    s = builder.fmul(fma_ir(builder, builder.fneg(e), ex, ex), const(SLOPE))  # exp(-u2 - e) = exp(-u2) (1 - e)
     return erf(builder, z), builder.select(builder.fcmp_ordered(">=", u, const(SLOPE_CAP)), const(0.0), s)
