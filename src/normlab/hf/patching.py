@@ -151,11 +151,13 @@ def _probe_input(d: int, gen: torch.Generator) -> torch.Tensor:
     return (torch.randn(2, 2, 16, d, generator=gen, dtype=torch.float64) + 0.5) * scale
 
 
-def _apply(spec: dict, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+def _apply(spec: dict, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, backend: str | None = None) -> torch.Tensor:
+    """normlab's op for ``spec``: what the probe compares and what a patched forward runs."""
     if spec["op"] == "ln":
-        return F.layer_norm(x, w, b, eps=spec["eps"])
+        return F.layer_norm(x, w, b, eps=spec["eps"], backend=backend)
+    # eps None: torch takes the machine epsilon of the dtype it computes in (fp32 for fp16/bf16/fp32)
     eps = spec["eps"] if spec["eps"] is not None else torch.finfo(torch.float32).eps
-    return F.rms_norm(x, w, eps, eps_mode=spec["eps_mode"], cast=spec["cast"], offset=spec["offset"])
+    return F.rms_norm(x, w, eps, eps_mode=spec["eps_mode"], cast=spec["cast"], offset=spec["offset"], backend=backend)
 
 
 def _differences(probe: nn.Module, spec: dict, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, str]:
@@ -220,11 +222,7 @@ def _make_forward(spec: dict, backend: str | None, d: int | None):
             return self._normlab_original(x, *args, **kwargs)  # a call the probe did not see
         if (w is not None and w.dtype != x.dtype) or (b is not None and b.dtype != x.dtype) or x.dtype == torch.float64:
             return self._normlab_original(x)  # mixed dtypes: the original's promotion rules apply
-        if op == "ln":
-            return F.layer_norm(x, w, b, eps=spec["eps"], backend=backend)
-        # eps None: torch takes the machine epsilon of the dtype it computes in (fp32 for fp16/bf16/fp32)
-        eps = spec["eps"] if spec["eps"] is not None else torch.finfo(torch.float32).eps
-        return F.rms_norm(x, w, eps, eps_mode=spec["eps_mode"], cast=spec["cast"], offset=spec["offset"], backend=backend)
+        return _apply(spec, x, w, b, backend)
 
     forward.spec = spec
     return forward
