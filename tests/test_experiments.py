@@ -926,23 +926,22 @@ def test_collect_trains_nothing_and_lists_the_runs_it_still_needs(finished, tmp_
 def test_two_jobs_at_once_give_the_verdicts_of_one(finished, tmp_path, capsys):
     out, results = finished
     _timings_of(out, tmp_path)
-    args = ["compare", "norms", "batchnorm", "--size", "tiny", "--data", results["meta"]["data"], "--out", str(tmp_path), "--quiet"]
+    # one preset: what is tested is the sweep's scheduling, which every preset's runs go through alike
+    args = ["compare", "norms", "--size", "tiny", "--data", results["meta"]["data"], "--out", str(tmp_path), "--quiet"]
     assert main([*args, "--jobs", "2"]) == 0
     logs = list((tmp_path / "logs").iterdir())
-    # norms' 5 arms at one seed, and the trend's 2 norms at each batch size and once accumulated
-    assert len(logs) == 5 + 2 * (len(E.BATCH_SIZES) + 1) and all("completed" in log.read_text() for log in logs)
+    assert len(logs) == 5 and all("completed" in log.read_text() for log in logs)  # norms' 5 arms at one seed
     two = json.loads((tmp_path / "results.json").read_text())
     # the verdicts of what was trained; a clock's (the speed claim's) can differ between any two runs
 
     def verdicts(res):
         return {name: {cid: verdict for cid, (verdict, _) in section["claims"].items()}
-                for name, section in _untimed(res, ("norms", "batchnorm")).items()}
+                for name, section in _untimed(res, ("norms",)).items()}
 
     assert verdicts(two) == verdicts(results) and "norms.rms_quality" in verdicts(results)["norms"]
     # one thread each instead of two: the losses agree to float32 rounding, not bit for bit
-    for name in ("norms", "batchnorm"):
-        for a, b in zip(two["presets"][name]["rows"], results["presets"][name]["rows"]):
-            assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-3)
+    for a, b in zip(two["presets"]["norms"]["rows"], results["presets"]["norms"]["rows"]):
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-3)
 
 
 def test_a_job_that_fails_is_reported_with_its_log(tmp_path):
