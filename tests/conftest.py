@@ -6,6 +6,9 @@ import torch
 
 # Tests pick their backends explicitly; a NORMLAB_BACKEND left in the shell must not change them.
 os.environ.pop("NORMLAB_BACKEND", None)
+# Kernels compiled ahead of time (tools/build_tiers.py) would be loaded where the tests count what
+# compiles; a checkout that built them keeps them for its users, not for the tests (test_cpu_tiers).
+os.environ["NORMLAB_CPU_TIERS"] = "off"
 # Without a GPU the Triton kernels run under Triton's interpreter, on CPU tensors. Triton reads the
 # flag when a kernel is defined, so it is set before anything imports normlab.kernels.triton.
 if not torch.cuda.is_available():

@@ -23,3 +23,24 @@ assert reason is None, f"the wheel installed without a working cpu backend: {rea
 assert kernels.resolve("auto", torch.device("cpu")) == "cpu", "auto does not pick the fused CPU kernels"
 print("wheel check: the cpu backend is available and auto picks it")
 PY
+
+# The release wheel (tools/build_wheel.sh) with a small tier (rms_norm fp32 for x86-64-v3, where
+# this CPU runs it): installed in a fresh venv with an empty numba cache, the first call loads the
+# shipped kernels and compiles nothing.
+if "$py" -c 'from llvmlite import binding as b; f = b.get_host_cpu_features(); import sys; sys.exit(not (f.get("avx2") and f.get("fma") and f.get("bmi2") and f.get("movbe")))'; then
+  cp -r src/normlab/kernels/cpu/tiers "$tmp/kept-tiers" 2>/dev/null || true  # a checkout's full tiers, put back after
+  TIER_ARGS="--tiers x86-64-v3 --ops rms_norm --dtypes fp32" PYTHON="$py" bash tools/build_wheel.sh "$tmp/release" > "$tmp/release.log" 2>&1 \
+    || { tail -30 "$tmp/release.log"; exit 1; }
+  rm -rf src/normlab/kernels/cpu/tiers
+  [ -d "$tmp/kept-tiers" ] && mv "$tmp/kept-tiers" src/normlab/kernels/cpu/tiers
+  "$tmp/venv/bin/python" -m pip install -q --force-reinstall --no-deps "$tmp"/release/normlab-*.whl
+  NUMBA_CACHE_DIR="$tmp/empty-cache" "$tmp/venv/bin/python" - <<'PY'
+import torch, normlab
+from normlab.kernels import cpu
+x = torch.randn(8, 512, requires_grad=True)
+normlab.rms_norm(x, torch.ones(512), backend="cpu").sum().backward()
+compiled, loaded = cpu.compiled_and_loaded()
+assert compiled == 0 and loaded >= 2, f"the release wheel's kernels were not loaded: {compiled} compiled, {loaded} loaded"
+print(f"release wheel check: {cpu.cache.host_tier()[0]} kernels loaded, none compiled")
+PY
+fi

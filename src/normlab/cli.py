@@ -59,6 +59,9 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
         status = cpu.cache_status()
         console.print(f"numba cache: {status['state']}; {cpu.cached_signatures()} kernel signatures compiled in {escape(str(status['dir']))} "
                       f"(`normlab warmup` compiles them ahead of time)")
+        tier = cpu.cache.host_tier()
+        console.print(f"ahead-of-time kernels: {tier[0]} in {escape(tier[1])} (loaded where the cache above has no entry)" if tier else
+                      "ahead-of-time kernels: none for this CPU and install (NORMLAB_CPU_TIERS; tools/build_tiers.py builds them)")
     return 0
 
 
@@ -127,6 +130,7 @@ def cmd_warmup(args: argparse.Namespace, console: Console) -> int:
             console.print(f"[red]{name} takes a comma-separated list from {', '.join(choices)}; got {escape(','.join(value))}[/red]")
             return 2
     calls = warmup_calls(ops, dtypes)
+    cpu.cache.compile_for_host()
     before = cpu.compiled_and_loaded()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, disable=args.quiet) as progress:
@@ -336,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("warmup", help="compile the fused CPU kernels into numba's cache now (for a container build or before a job)",
                        description="Compile the fused CPU kernels for these ops and dtypes into numba's on-disk cache, so that "
-                                   "the first call of a later process loads them instead of compiling (seconds per kernel).")
+                                   "the first call of a later process loads them instead of compiling (seconds per kernel). They are compiled for "
+                                   "this exact CPU and then preferred to the portable ones a release wheel ships.")
     p.add_argument("--ops", default="rms_norm,layer_norm,add_rms_norm,add_layer_norm,dyt,derf", help="comma-separated")
     p.add_argument("--dtypes", default="fp32,bf16,fp16", help="comma-separated, from fp32,bf16,fp16")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -12,6 +12,15 @@ with the same sources reuses the kernels): NUMBA_CACHE_DIR if set, else ~/.cache
 Each cache file carries the sha256 of its contents, checked before pickle or LLVM reads a byte
 (LLVM aborts the process on some damaged object code): an entry that cannot be loaded is
 discarded with a warning and the kernel compiled again.
+
+**Tiers.** A fresh install has no cache, and compiling a kernel takes 5-30 s. So a platform wheel
+ships kernels compiled ahead of time for the portable x86-64 levels ``x86-64-v3`` (AVX2) and
+``x86-64-v4`` (AVX-512) in ``tiers/<level>/`` (tools/build_tiers.py). Compiling for a level
+rather than the builder's CPU makes the code run on every CPU with that level's features, and
+numba's cache key then names the level instead of the CPU. A kernel with no entry in the user's
+cache is loaded from the best level this CPU supports; only where neither holds it (another CPU
+family, another numba or Python) is it compiled here. NORMLAB_CPU_TIERS=off turns tiers off
+(the kernels are then always compiled for this exact CPU), a path points at another tiers folder.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ import pickle
 import sys
 import warnings
 
+import numba
+from llvmlite import binding as llvm
 from numba import njit
 from numba.core import caching
 
@@ -36,6 +47,40 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # IEEE says (and stay in their row). No contraction either: an FMA in g - mean(g) leaves the
 # rounding error of g (times rstd, up to 1/sqrt(eps)) where the exact answer is 0.
 FASTMATH = {"reassoc"}
+
+
+# The x86-64 psABI's microarchitecture levels that tiers are built for, with the LLVM features each
+# requires (every level includes the ones before it).
+_V2 = ("cx16", "popcnt", "sahf", "sse3", "sse4.1", "sse4.2", "ssse3")
+_V3 = _V2 + ("avx", "avx2", "bmi", "bmi2", "f16c", "fma", "lzcnt", "movbe", "xsave")
+TIERS = {"x86-64-v4": _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"), "x86-64-v3": _V3}
+TIERS_DIR = os.path.join(HERE, "tiers")
+
+
+def target_features() -> dict[str, bool]:
+    """The CPU features the kernels are compiled for: the host's, or in a process whose numba
+    targets a named CPU (NUMBA_CPU_NAME, as a tier build does) that level's, and none for any
+    other name (no AVX-512 or bf16 instruction the named CPU may lack)."""
+    if numba.config.CPU_NAME is None:
+        return dict(llvm.get_host_cpu_features())
+    return dict.fromkeys(TIERS.get(numba.config.CPU_NAME, ()), True)
+
+
+@functools.cache
+def host_tier() -> tuple[str, str] | None:
+    """(level, folder) of the best shipped tier this CPU can run for these sources, or None:
+    tiers off, numba told to target a CPU, not x86-64, or no tier folder for this code."""
+    setting = os.environ.get("NORMLAB_CPU_TIERS", "")
+    if setting.lower() in ("off", "0", "false", "no") or numba.config.CPU_NAME is not None:
+        return None
+    if llvm.get_process_triple().split("-")[0] not in ("x86_64", "amd64"):
+        return None
+    host = llvm.get_host_cpu_features()
+    for level, needs in TIERS.items():
+        folder = os.path.join(setting or TIERS_DIR, level, "normlab-" + sources_hash())
+        if all(host.get(f, False) for f in needs) and os.path.isdir(folder):
+            return level, folder
+    return None
 
 
 @functools.cache
@@ -135,12 +180,39 @@ def _say_compiling(folder: str) -> None:
               "`normlab warmup` compiles them ahead of time.", file=sys.stderr, flush=True)
 
 
+_host_only = False  # set by compile_for_host()
+
+
+def compile_for_host() -> None:
+    """From now on this process compiles what the user's cache lacks for this exact CPU instead of
+    loading a tier (`normlab warmup`: host code can use more, e.g. AVX512-BF16, than a level)."""
+    global _host_only
+    _host_only = True
+
+
 class _Cache(caching.FunctionCache):
     _impl_class = _Impl
+    _tiered = True
 
     def __init__(self, py_func) -> None:
         super().__init__(py_func)
-        self._cache_file = _CheckedFile(self._cache_path, self._impl.filename_base, self._impl.locator.get_source_stamp())
+        stamp = self._impl.locator.get_source_stamp()
+        self._cache_file = _CheckedFile(self._cache_path, self._impl.filename_base, stamp)
+        tier = host_tier() if self._tiered else None
+        self._tier = tier and (tier[0], _CheckedFile(tier[1], self._impl.filename_base, stamp))
+
+    def _load_overload(self, sig, target_context):
+        loaded = super()._load_overload(sig, target_context)
+        if loaded is None and self._tier and not _host_only:  # the key of the same code compiled for the level
+            level, tier_file = self._tier
+            key = self._index_key(sig, target_context.codegen())
+            try:
+                data = tier_file.load((key[0], (key[1][0], level, ""), *key[2:]))
+                return data and self._impl.rebuild(target_context, data)
+            except Exception as err:  # damaged in the install: compile it for this CPU (the tier is left as it is)
+                warnings.warn(f"normlab: the {level} kernel {self._py_func.__name__} in {tier_file._index_path} could not be "
+                              f"loaded ({type(err).__name__}: {str(err)[:200]}); compiling it for this CPU", RuntimeWarning, stacklevel=2)
+        return loaded
 
     def load_overload(self, sig, target_context):
         try:
@@ -170,6 +242,7 @@ class _SerialImpl(caching.CompileResultCacheImpl):
 
 class _SerialCache(_Cache):
     _impl_class = _SerialImpl
+    _tiered = False  # only forked workers meet these: not worth a wheel's space
 
 
 def kernel(fn):

@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import platform
 
-import numba
-from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from .cache import target_features
 from .codecs import LANES, bf16_pair, narrow_bits, narrow_line, pair_line, widen_bits
 
 BLOCK = 256  # values per block of a row's first pass (its sums)
 EMIT = 64  # outputs per block of the second pass: small, so stores interleave with the arithmetic
 _ACC = 4  # independent float32 accumulators per sum in a block
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-HW_BF16 = numba.config.CPU_NAME is None and bool(llvm.get_host_cpu_features().get("avx512bf16", False))
+HW_BF16 = bool(target_features().get("avx512bf16", False))
 
 # A staging row (one per chunk, float32, 64-byte aligned): a line of zeros at ZERO, which
 # narrow_line needs (the launcher zeroes the row, the kernels never write it); [0, EMIT) holds

@@ -6,12 +6,11 @@ over every float32 by tools/pointwise_ulp.py; erf's polynomials come from tools/
 
 from __future__ import annotations
 
-import numba
 import numpy as np
-from llvmlite import binding as llvm
 from llvmlite import ir
 from numba.core import cgutils
 
+from .cache import target_features
 from .codecs import LANES
 from .simd import X86, fma_ir
 
@@ -45,7 +44,7 @@ _ROUND = 1.5 * 2.0**23  # x + _ROUND - _ROUND rounds x to a whole number (|x| < 
 _LN2_HI, _LN2_LO = 0.693359375 / 2, -2.12194440e-4 / 2  # (ln 2) / 2 = HI + LO, n * HI exact for the n here
 F32 = ir.VectorType(ir.FloatType(), LANES)
 I32 = ir.VectorType(ir.IntType(32), LANES)
-AVX512 = X86 and numba.config.CPU_NAME is None and bool(llvm.get_host_cpu_features().get("avx512f", False))
+AVX512 = X86 and bool(target_features().get("avx512f", False))
 
 
 def const(value, ty=F32):

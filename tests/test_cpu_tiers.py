@@ -1,0 +1,149 @@
+"""Kernels compiled ahead of time for a portable x86-64 level (tools/build_tiers.py), as a platform
+wheel ships them: a fresh process loads them instead of compiling, with the host kernels' bits; a
+level the CPU cannot run, or a tier from another numba, is never loaded."""
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("numba", reason="the cpu backend needs numba")
+from llvmlite import binding as llvm  # noqa: E402
+
+from normlab.kernels.cpu import cache  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import build_tiers  # noqa: E402
+
+HOST = llvm.get_host_cpu_features()
+V3_HOST = all(HOST.get(f, False) for f in cache.TIERS["x86-64-v3"])
+
+# A fresh process: its first rms_norm forward and backward on fixed inputs, what it compiled and
+# loaded, and its outputs saved for a comparison of bits.
+PROBE = """
+import sys, torch
+import normlab
+from normlab.kernels import cpu
+from normlab.kernels.cpu import cache
+g = torch.Generator().manual_seed(0)
+x = torch.randn(64, 1000, generator=g, requires_grad=True)
+w = torch.randn(1000, generator=g, requires_grad=True)
+y = normlab.rms_norm(x, w, backend="cpu")
+if sys.argv[2] == "both":
+    y.backward(torch.randn(64, 1000, generator=g))
+compiled, loaded = cpu.compiled_and_loaded()
+print(compiled, loaded, (cache.host_tier() or ["none"])[0])
+torch.save({"y": y.detach(), "dx": x.grad, "dw": w.grad}, sys.argv[1])
+"""
+
+
+def _probe(tmp_path: Path, tiers: str, name: str, passes: str = "both") -> tuple[int, int, str, dict, str]:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / f"numba-{name}"), "NORMLAB_CPU_TIERS": tiers}
+    out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / f"{name}.pt"), passes], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    compiled, loaded, level = out.stdout.split()
+    return int(compiled), int(loaded), level, torch.load(tmp_path / f"{name}.pt", weights_only=True), out.stderr
+
+
+def _host_kernels() -> dict:
+    """The probe's call in this process, whose kernels are compiled for this CPU (tiers are off in tests)."""
+    import normlab
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 1000, generator=g, requires_grad=True)
+    w = torch.randn(1000, generator=g, requires_grad=True)
+    y = normlab.rms_norm(x, w, backend="cpu")
+    y.backward(torch.randn(64, 1000, generator=g))
+    return {"y": y.detach(), "dx": x.grad, "dw": w.grad}
+
+
+@pytest.fixture(scope="module")
+def tiers(tmp_path_factory) -> Path:
+    """The x86-64-v3 level of the fp32 rms_norm kernels, built as a wheel's would be."""
+    out = tmp_path_factory.mktemp("tiers")
+    build_tiers.build("x86-64-v3", out, ops="rms_norm", dtypes="fp32")
+    return out
+
+
+@pytest.mark.skipif(not V3_HOST, reason="loading an x86-64-v3 tier needs a CPU with AVX2 (an x86-64-v3 CPU)")
+def test_a_tier_built_in_one_process_loads_without_compiling_in_another(tiers, tmp_path):
+    assert (tiers / "x86-64-v3" / f"normlab-{cache.sources_hash()}").is_dir()
+    compiled, loaded, level, got, err = _probe(tmp_path, str(tiers), "tier")
+    assert (compiled, level) == (0, "x86-64-v3") and loaded >= 2, err
+    assert "compiling" not in err  # not even the kernel that starts numba's threads
+    host = _host_kernels()  # the kernels compiled for this very CPU give the same bits
+    for key in ("y", "dx", "dw"):
+        assert torch.equal(got[key], host[key]), key
+
+
+@pytest.mark.skipif(not V3_HOST, reason="loading an x86-64-v3 tier needs a CPU with AVX2 (an x86-64-v3 CPU)")
+def test_a_tier_from_another_numba_is_compiled_over_not_loaded(tiers, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(tiers, other)
+    for index in other.rglob("*.nbi"):
+        data = index.read_bytes()
+        version = pickle.loads(data)  # the index starts with the numba version that wrote it
+        index.write_bytes(pickle.dumps("0.1.0") + data[len(pickle.dumps(version)):])
+    compiled, loaded, _, _, err = _probe(tmp_path, str(other), "other", passes="forward")
+    assert compiled == 1 and loaded == 0 and "compiling" in err
+
+
+@pytest.mark.skipif(not V3_HOST, reason="loading an x86-64-v3 tier needs a CPU with AVX2 (an x86-64-v3 CPU)")
+def test_a_damaged_tier_entry_is_compiled_over_with_a_warning(tiers, tmp_path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiers, damaged)
+    for data in damaged.rglob("rmsnorm.rms_fwd-*.nbc"):
+        blob = bytearray(data.read_bytes())
+        blob[len(blob) // 2] ^= 0xFF
+        data.write_bytes(bytes(blob))
+    compiled, loaded, level, got, err = _probe(tmp_path, str(damaged), "damaged", passes="forward")
+    assert (compiled, level) == (1, "x86-64-v3") and "could not be loaded" in err and "rms_fwd" in err
+    assert torch.equal(got["y"], _host_kernels()["y"])
+
+
+def test_the_host_loads_the_best_level_it_can_run_and_nothing_else(tmp_path, monkeypatch):
+    for level in cache.TIERS:
+        (tmp_path / level / f"normlab-{cache.sources_hash()}").mkdir(parents=True)
+    monkeypatch.setenv("NORMLAB_CPU_TIERS", str(tmp_path))
+
+    def host_with(features):
+        monkeypatch.setattr(cache.llvm, "get_host_cpu_features", lambda: dict.fromkeys(features, True))
+        cache.host_tier.cache_clear()
+        found = cache.host_tier()
+        return found and found[0]
+
+    try:
+        assert host_with(cache.TIERS["x86-64-v4"] + ("avx512bf16",)) == "x86-64-v4"
+        assert host_with(cache.TIERS["x86-64-v3"] + ("avx512f",)) == "x86-64-v3"  # AVX-512 in part is not v4
+        assert host_with([f for f in cache.TIERS["x86-64-v3"] if f != "movbe"]) is None
+        shutil.rmtree(tmp_path / "x86-64-v3")
+        assert host_with(cache.TIERS["x86-64-v3"]) is None  # an AVX2 CPU never loads the AVX-512 level
+        monkeypatch.setenv("NORMLAB_CPU_TIERS", "off")
+        assert host_with(cache.TIERS["x86-64-v4"]) is None
+        monkeypatch.setenv("NORMLAB_CPU_TIERS", str(tmp_path))
+        monkeypatch.setattr(cache.numba.config, "CPU_NAME", "skylake-avx512")  # the user chose a target
+        assert host_with(cache.TIERS["x86-64-v4"]) is None
+    finally:
+        cache.host_tier.cache_clear()
+
+
+def test_a_level_build_compiles_for_the_levels_features_not_the_hosts(monkeypatch):
+    monkeypatch.setattr(cache.numba.config, "CPU_NAME", "x86-64-v4")
+    v4 = cache.target_features()
+    assert v4["avx512f"] and not v4.get("avx512bf16")  # v4 does not promise AVX512-BF16
+    monkeypatch.setattr(cache.numba.config, "CPU_NAME", "x86-64-v3")
+    assert cache.target_features()["avx2"] and not cache.target_features().get("avx512f")
+    monkeypatch.setattr(cache.numba.config, "CPU_NAME", None)
+    assert cache.target_features() == dict(llvm.get_host_cpu_features())
+
+
+def test_build_tiers_names_an_unknown_level(tmp_path):
+    with pytest.raises(ValueError, match="x86-64-v3"):
+        build_tiers.build("x86-64-v9", tmp_path)

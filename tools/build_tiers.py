@@ -1,0 +1,81 @@
+"""Compile the fused CPU kernels ahead of time for the portable x86-64 levels, for a platform wheel.
+
+    python tools/build_tiers.py [--tiers x86-64-v3,x86-64-v4] [--ops ...] [--dtypes ...] [--out DIR]
+
+Each level is compiled in its own process whose numba targets that level (NUMBA_CPU_NAME=<level>,
+no extra features) and writes its cache to DIR/<level>/ (default: the package's kernels/cpu/tiers/,
+which the wheel ships). That process makes `normlab warmup`'s calls with every kernel replaced by
+its compilation for the arguments it gets: code for a level this machine lacks (AVX-512 on an AVX2
+CPU) is compiled, never run, so any x86-64 machine can build every level. The result is tied to this numba
+and Python version: build a wheel per Python version, as platform wheels are anyway.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from normlab.kernels.cpu.cache import TIERS, TIERS_DIR  # noqa: E402
+
+
+def build(level: str, out: Path, ops: str | None = None, dtypes: str | None = None) -> float:
+    """Compile the warmup signatures for ``level`` into out/<level>/; returns the seconds it took."""
+    if level not in TIERS:
+        raise ValueError(f"--tiers takes levels from {', '.join(TIERS)}; got {level!r}")
+    env = {**os.environ, "NUMBA_CPU_NAME": level, "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": str(out / level),
+           "NORMLAB_CPU_TIERS": "off", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, __file__, "--compile-only", "--ops", ops or "", "--dtypes", dtypes or ""]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, env=env, check=True)
+    # numba puts a NUMBA_CACHE_DIR entry under a folder named after the source tree's path; the
+    # tier is read from out/<level>/normlab-<sources hash>/ wherever the package is installed
+    for folder in list((out / level).glob("*/normlab-*")):
+        target = out / level / folder.name
+        if target.exists():
+            shutil.rmtree(target)
+        folder.rename(target)
+        folder.parent.rmdir()
+    return time.perf_counter() - t0
+
+
+def compile_only(ops: str, dtypes: str) -> None:
+    """In the level's process: warmup's calls, each kernel compiled for its arguments, not run."""
+    import numba
+
+    from normlab import cli
+    from normlab.kernels.cpu import KERNELS, launch
+
+    def compiler(dispatcher):
+        return lambda *args: dispatcher.compile(tuple(numba.typeof(a) for a in args))
+
+    for name in [k.__name__ for k in KERNELS] + ["start_threads"]:
+        setattr(launch, name, compiler(getattr(launch, name)))
+    calls = cli.warmup_calls(*[v.split(",") if v else default for v, default in ((ops, cli.WARMUP_OPS), (dtypes, cli.WARMUP_DTYPES))])
+    for _, call in calls:
+        call()  # outputs are left unwritten: nothing reads them but the next compile-only call
+    print(f"{sum(len(k.signatures) for k in KERNELS)} kernel signatures compiled")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiers", default=",".join(TIERS), help="comma-separated levels (default: all)")
+    parser.add_argument("--ops", help="as `normlab warmup --ops` (default: every op)")
+    parser.add_argument("--dtypes", help="as `normlab warmup --dtypes` (default: every dtype)")
+    parser.add_argument("--out", default=TIERS_DIR, help="the tiers folder (default: the package's)")
+    parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)  # the level's process
+    args = parser.parse_args()
+    if args.compile_only:
+        return compile_only(args.ops, args.dtypes)
+    for level in args.tiers.split(","):
+        seconds = build(level.strip(), Path(args.out), args.ops, args.dtypes)
+        print(f"{level}: compiled in {seconds:.0f} s into {Path(args.out) / level}")
+
+
+if __name__ == "__main__":
+    main()
