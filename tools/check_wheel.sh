@@ -27,7 +27,8 @@ PY
 # The release wheel (tools/build_wheel.sh) with a small tier (rms_norm fp32 for x86-64-v3, where
 # this CPU runs it): installed in a fresh venv with an empty numba cache, the first call loads the
 # shipped kernels and compiles nothing.
-if "$py" -c 'from llvmlite import binding as b; f = b.get_host_cpu_features(); import sys; sys.exit(not (f.get("avx2") and f.get("fma") and f.get("bmi2") and f.get("movbe")))'; then
+if PYTHONPATH=src "$py" -c 'import sys; from llvmlite import binding as b; from normlab.kernels.cpu.cache import TIERS
+f = b.get_host_cpu_features(); sys.exit(not all(f.get(x, False) for x in TIERS["x86-64-v3"]))'; then
   cp -r src/normlab/kernels/cpu/tiers "$tmp/kept-tiers" 2>/dev/null || true  # a checkout's full tiers, put back after
   TIER_ARGS="--tiers x86-64-v3 --ops rms_norm --dtypes fp32" PYTHON="$py" bash tools/build_wheel.sh "$tmp/release" > "$tmp/release.log" 2>&1 \
     || { tail -30 "$tmp/release.log"; exit 1; }
