@@ -24,8 +24,10 @@ demo: setup
 	$(PY) -m normlab info
 	$(PY) -m normlab compare demo --out $(DEMO_OUT)
 
+# One pytest worker per core; a test file stays on one worker, so its module fixtures (the
+# lab's every-preset run) are built once.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -2,7 +2,13 @@ import os
 import random
 
 import pytest
-import torch
+
+# Under pytest-xdist (make test) each core runs a worker, and each worker's torch and numba keep
+# OpenMP threads; spinning ones would take the other worker's core (set before torch loads OpenMP).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 # Tests pick their backends explicitly; a NORMLAB_BACKEND left in the shell must not change them.
 os.environ.pop("NORMLAB_BACKEND", None)

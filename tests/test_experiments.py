@@ -432,9 +432,16 @@ def test_precision_finds_the_fp16_overflow(finished):
     assert all(r["broken_scales"] == 0 for r in rows if r["impl"] == "normlab")
 
 
-def test_report_renders(finished):
+@pytest.fixture(scope="module")
+def rendered(finished):
+    """The report of every preset, rendered once (each render draws every preset's plots)."""
     out, results = finished
-    paths = report.render(results, out)
+    return report.render(results, out)
+
+
+def test_report_renders(finished, rendered):
+    out, results = finished
+    paths = rendered
     page = paths["html"].read_text()
     assert page.count("data:image/png;base64,") == sum(len(v) for v in _images(out))
     png = page.split("data:image/png;base64,")[1].split("'")[0]
@@ -473,6 +480,7 @@ def test_a_full_disk_keeps_the_previous_report_whole(finished, tmp_path, monkeyp
     from pathlib import Path
 
     out, results = finished
+    results = {**results, "presets": {"precision": results["presets"]["precision"]}}  # one preset: fewer plots
     folder = tmp_path / "report"
     report.render(results, folder)
     before = (folder / "report.html").read_bytes()
@@ -490,11 +498,11 @@ def test_a_full_disk_keeps_the_previous_report_whole(finished, tmp_path, monkeyp
     assert (folder / "report.html").read_bytes() == before and not list(folder.glob(".*.tmp"))
 
 
-def test_the_report_writes_tables_others_can_reuse(finished):
+def test_the_report_writes_tables_others_can_reuse(finished, rendered):
     import csv
 
     out, results = finished
-    paths = report.render(results, out)
+    paths = rendered
     rows = list(csv.DictReader(paths["results_csv"].open()))
     norms = results["presets"]["norms"]
     mine = [r for r in rows if r["preset"] == "norms" and r["quantity"] == "rmsnorm_val"]
@@ -556,8 +564,9 @@ def test_overriding_what_a_preset_compares_is_an_error():
     assert E.expand(["demo", "norms"]) == ["norms", "gradients", "batchnorm", "precision"]
 
 
-def test_cli_compare_and_report(finished, capsys):
+def test_cli_compare_and_report(finished, capsys, tmp_path):
     out, results = finished
+    out = tmp_path  # precision alone: it trains nothing, and its report draws one preset's plots
     code = main(["compare", "precision", "--size", "tiny", "--out", str(out), "--data", results["meta"]["data"], "--quiet"])
     assert code == 0
     text = capsys.readouterr().out
@@ -890,10 +899,11 @@ def test_planned_commands_then_collect_train_nothing_more_and_match_a_direct_run
     out, results = finished
     data = results["meta"]["data"]
     _timings_of(out, tmp_path)
-    assert main(["compare", "norms", "gradients", "--size", "tiny", "--data", data, "--out", str(tmp_path), "--plan"]) == 0
+    # sandwich trains two runs at tiny (each a fresh process here), gradients none
+    assert main(["compare", "sandwich", "gradients", "--size", "tiny", "--data", data, "--out", str(tmp_path), "--plan"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     *trains, collect = [shlex.split(line) for line in lines]
-    assert len(trains) == 5 and all(t[:2] == ["normlab", "train"] for t in trains)  # norms: five norms, one seed at tiny
+    assert len(trains) == 2 and all(t[:2] == ["normlab", "train"] for t in trains)  # pre-LN and sandwich, one seed
     assert collect[:2] == ["normlab", "compare"] and collect[-1] == "--collect"
     for argv in trains:  # what a job array or GNU parallel would do with them
         subprocess.run([sys.executable, "-m", "normlab", *argv[1:]], check=True, capture_output=True)
@@ -904,7 +914,7 @@ def test_planned_commands_then_collect_train_nothing_more_and_match_a_direct_run
     monkeypatch.setattr(lab_module, "train", fail)
     assert main(collect[1:]) == 0
     collected = json.loads((tmp_path / "results.json").read_text())
-    assert _untimed(collected, ["norms", "gradients"]) == _untimed(results, ["norms", "gradients"])
+    assert _untimed(collected, ["sandwich", "gradients"]) == _untimed(results, ["sandwich", "gradients"])
 
 
 def test_collect_trains_nothing_and_lists_the_runs_it_still_needs(finished, tmp_path, capsys, monkeypatch):
@@ -926,21 +936,22 @@ def test_collect_trains_nothing_and_lists_the_runs_it_still_needs(finished, tmp_
 def test_two_jobs_at_once_give_the_verdicts_of_one(finished, tmp_path, capsys):
     out, results = finished
     _timings_of(out, tmp_path)
-    # one preset: what is tested is the sweep's scheduling, which every preset's runs go through alike
-    args = ["compare", "norms", "--size", "tiny", "--data", results["meta"]["data"], "--out", str(tmp_path), "--quiet"]
+    # one preset of two runs, one per job: what is tested is the sweep's scheduling, which every
+    # preset's runs go through alike
+    args = ["compare", "sandwich", "--size", "tiny", "--data", results["meta"]["data"], "--out", str(tmp_path), "--quiet"]
     assert main([*args, "--jobs", "2"]) == 0
     logs = list((tmp_path / "logs").iterdir())
-    assert len(logs) == 5 and all("completed" in log.read_text() for log in logs)  # norms' 5 arms at one seed
+    assert len(logs) == 2 and all("completed" in log.read_text() for log in logs)  # pre-LN and sandwich, one seed
     two = json.loads((tmp_path / "results.json").read_text())
     # the verdicts of what was trained; a clock's (the speed claim's) can differ between any two runs
 
     def verdicts(res):
         return {name: {cid: verdict for cid, (verdict, _) in section["claims"].items()}
-                for name, section in _untimed(res, ("norms",)).items()}
+                for name, section in _untimed(res, ("sandwich",)).items()}
 
-    assert verdicts(two) == verdicts(results) and "norms.rms_quality" in verdicts(results)["norms"]
+    assert verdicts(two) == verdicts(results) and "sandwich.quality" in verdicts(results)["sandwich"]
     # one thread each instead of two: the losses agree to float32 rounding, not bit for bit
-    for a, b in zip(two["presets"]["norms"]["rows"], results["presets"]["norms"]["rows"]):
+    for a, b in zip(two["presets"]["sandwich"]["rows"], results["presets"]["sandwich"]["rows"], strict=True):
         assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-3)
 
 
