@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from normlab import bench
+from normlab import functional as F
 from normlab.cli import main
 
 
@@ -48,6 +49,36 @@ def test_compile_peer_runs():
     records, _ = bench.run_bench(ops=("rms_norm",), backends=("compile",), dtypes=("fp32",), shapes=("4x32",),
                                  passes=("fwd",), allocs=("alloc",), repeat=1, warmup=1)
     assert [r["backend"] for r in records] == ["torch", "compile"]
+
+
+def test_ipex_peer_times_its_forward_norms_and_says_why_not_the_backward(monkeypatch):
+    import sys
+    import types
+
+    calls = []
+
+    def rms_norm(x, w, eps):
+        calls.append(("rms_norm", tuple(x.shape), tuple(w.shape), eps))
+        return F.rms_norm(x, w, eps, backend="reference")
+
+    def fast_layer_norm(x, shape, w, b, eps):
+        calls.append(("fast_layer_norm", tuple(x.shape), shape, eps))
+        return torch.nn.functional.layer_norm(x, shape, w, b, eps)
+
+    fake = types.ModuleType("intel_extension_for_pytorch")
+    fake.llm = types.SimpleNamespace(functional=types.SimpleNamespace(rms_norm=rms_norm, fast_layer_norm=fast_layer_norm))
+    monkeypatch.setitem(sys.modules, "intel_extension_for_pytorch", fake)
+    records, notes = bench.run_bench(ops=("rms_norm", "layer_norm"), backends=("ipex",), dtypes=("fp32",), shapes=("4x32",),
+                                     passes=("fwd", "bwd"), allocs=("alloc",), repeat=1, warmup=1)
+    assert sorted((r["op"], r["pass"]) for r in records if r["backend"] == "ipex") == [("layer_norm", "fwd"), ("rms_norm", "fwd")]
+    assert {c[0] for c in calls} == {"rms_norm", "fast_layer_norm"} and all(c[1] == (4, 32) for c in calls)
+    assert ("fast_layer_norm", (4, 32), (32,), bench.EPS) in calls
+    assert any(n.startswith("ipex: forward only") for n in notes), notes
+    monkeypatch.setitem(sys.modules, "intel_extension_for_pytorch", None)  # not installed: import fails
+    records, notes = bench.run_bench(ops=("rms_norm",), backends=("ipex",), dtypes=("fp32",), shapes=("4x32",),
+                                     passes=("fwd",), allocs=("alloc",), repeat=1, warmup=1)
+    assert [r["backend"] for r in records] == ["torch"]  # the copy alone
+    assert any("intel_extension_for_pytorch is not installed" in n and "ipex_peer.sh" in n for n in notes), notes
 
 
 def test_summary_rows_compare_with_normlab():

@@ -14,8 +14,10 @@ compilation) come first and are not timed.
 
 Peers: torch eager (``torch``: F.rms_norm / F.layer_norm; ``torch-module``: nn.RMSNorm /
 nn.LayerNorm), Hugging Face's LlamaRMSNorm math written out (``hf``), torch.compile of the
-reference (``compile``), normlab's own reference (``reference``), and Liger-Kernel / apex when
-they are importable (CUDA only).
+reference (``compile``), normlab's own reference (``reference``), Liger-Kernel / apex when
+they are importable (CUDA only), and Intel Extension for PyTorch's fused CPU norms (``ipex``,
+forward only: they are for inference; IPEX pins its own torch, so benchmarks/ipex_peer.sh runs
+it in an environment of its own).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ ALLOCS = ("alloc", "prealloc")
 # their compute limit, fall behind a copy that runs fast.
 REPEAT = 30
 CASE_SECONDS = 0.5
-PEERS = ("normlab", "reference", "torch", "torch-module", "hf", "compile", "liger", "apex", "quack")
+PEERS = ("normlab", "reference", "torch", "torch-module", "hf", "compile", "liger", "apex", "quack", "ipex")
+FORWARD_ONLY = {"ipex": "its fused norms are for inference (with autograd they fall back to torch ops)"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SHAPES = ("8192x1024", "4096x4096", "1024x16384")
 EPS = 1e-6
@@ -213,6 +216,17 @@ def make_peer(name: str, op: str, d: int, dtype: torch.dtype, device: torch.devi
         except ImportError:
             return "quack is not installed"
         norm = lambda s: quack_rmsnorm(s, params[0], EPS)  # noqa: E731
+    elif name == "ipex":  # Intel Extension for PyTorch: ipex.llm.functional's fused CPU norms
+        if device.type != "cpu":
+            return "ipex's fused norms here are its CPU ones"
+        try:
+            import intel_extension_for_pytorch as ipex
+        except ImportError:
+            return "intel_extension_for_pytorch is not installed (it pins its own torch: benchmarks/ipex_peer.sh)"
+        if _norm_kind(op) == "rms":
+            norm = lambda s: ipex.llm.functional.rms_norm(s, params[0], EPS)  # noqa: E731
+        else:
+            norm = lambda s: ipex.llm.functional.fast_layer_norm(s, (d,), params[0], params[1], EPS)  # noqa: E731
     elif name in FUSED_PEERS:
         label, module_name, rms_cls, ln_cls = FUSED_PEERS[name]
         if device.type != "cuda":
@@ -270,6 +284,10 @@ def _build_group(ops, peers, passes, allocs, dtype_name, shape, device, gen) -> 
                 notes.append(f"{name} skipped for {op}: {peer}")
                 continue
             for pass_ in passes:
+                if pass_ != "fwd" and name in FORWARD_ONLY:
+                    note = f"{name}: forward only ({FORWARD_ONLY[name]})"
+                    notes.extend([note] if note not in notes else [])
+                    continue
                 nbytes = moved_bytes(op, pass_, shape, dtype)
                 if pass_ == "fwd":
                     for alloc in allocs:
@@ -466,7 +484,8 @@ def readme_summary(run: dict, record: str, shape: str = "4096x4096") -> str:
     env, records = run["environment"], run["records"]
     ms = {(r["op"], r["backend"], r["dtype"], r["pass"]): r["ms"] for r in records if r["shape"] == shape and r["alloc"] == "alloc"}
     cols = [(d, p) for d in ("fp32", "bf16") for p in ("fwd", "bwd")]
-    lines = [f"On {env['cpus']} cores of an {env['processor']} ({env['date'][:10]}, torch {env['torch']}, numba "
+    vectors = f", {env['vectors']}" if env.get("vectors") else ""
+    lines = [f"On {env['cpus']} cores of an {env['processor']}{vectors} ({env['date'][:10]}, torch {env['torch']}, numba "
              f"{env.get('numba')}, normlab at git {env.get('git', '?')}, `normlab bench --json {record}`; every case is in "
              f"[{record.removesuffix('.json')}.md]({record.removesuffix('.json')}.md)):", "",
              f"| {shape}, allocating calls | " + " | ".join(f"{d} {'forward' if p == 'fwd' else 'backward'} ms" for d, p in cols) + " |",

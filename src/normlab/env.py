@@ -46,6 +46,27 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_vectors() -> str:
+    """The widest vector instructions the CPU has, as a bench record names them: the CPU kernels'
+    speed depends on them (x86 AVX2 or AVX-512, with or without AVX512-BF16; ARM NEON or SVE)."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    if "avx512f" in flags:
+        return "AVX-512 with AVX512-BF16" if "avx512_bf16" in flags else "AVX-512"
+    if "avx2" in flags:
+        return "AVX2"
+    if "asimd" in flags:
+        return "SVE" if "sve" in flags else "NEON"
+    return "unknown"
+
+
 def git_commit() -> str | None:
     """The checkout's short commit, when normlab runs from one."""
     try:
@@ -72,7 +93,7 @@ def environment() -> dict:
 
     env = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": platform.machine(), "processor": cpu_name(), "cpus": os.cpu_count(),
+        "machine": platform.machine(), "processor": cpu_name(), "vectors": cpu_vectors(), "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(), **versions(),
     }
     if torch.cuda.is_available():
