@@ -13,10 +13,13 @@ cd "$(dirname "$0")/.."
 out="${1:?usage: bash benchmarks/ipex_peer.sh OUT.json [normlab bench options]}"
 shift
 venv="${IPEX_VENV:-$HOME/.cache/normlab/ipex-venv}"
-if ! "$venv/bin/python" -c "import intel_extension_for_pytorch" 2>/dev/null; then
-    python3 -m venv "$venv"
+if ! "$venv/bin/python" -c "import intel_extension_for_pytorch, normlab" 2>/dev/null; then
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
     "$venv/bin/pip" install -q "torch==${IPEX_TORCH:-2.8.0}" "intel-extension-for-pytorch==${IPEX_VERSION:-2.8.0}" -e .
 fi
+# Threads wait passively: spinning after one peer's call took the cores from the next case's
+# (normlab's bf16 layer_norm measured 0.19x copy after IPEX's calls with spinning, 0.93x without).
+export OMP_WAIT_POLICY=PASSIVE KMP_BLOCKTIME=0
 # forward only: IPEX's fused norms are for inference (with autograd they fall back to torch ops)
 "$venv/bin/python" -m normlab bench --backends normlab,ipex --ops rms_norm,layer_norm --dtypes fp32,bf16 \
     --passes fwd --alloc alloc --json "$out" "$@"

@@ -65,8 +65,8 @@ def test_readme_demo_time_is_stated_once():
 
 def test_readme_speedups_lie_in_the_records():
     text = README.read_text()
-    cpu = json.loads(next(RESULTS.glob("cpu-bench-*.json")).read_text())["records"]
-    lo, hi = bench.speedup_range(cpu, "rms_norm")
+    ranges = [bench.speedup_range(json.loads(p.read_text())["records"], "rms_norm") for p in RESULTS.glob("cpu-bench-*.json")]
+    lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)  # over every machine's record
     quoted = re.search(r"(\d+)-(\d+)x faster than `F\.rms_norm`", text)
     assert quoted, "the introduction should quote rms_norm's speedup over F.rms_norm"
     assert (quoted[1], quoted[2]) == (f"{lo:.0f}", f"{hi:.0f}"), (quoted[0], lo, hi)

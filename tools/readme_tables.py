@@ -1,6 +1,6 @@
 """Rewrite the README's generated blocks from the committed records, so the README quotes what a
 run measured rather than what somebody typed: the demo tables (from the demo record's
-results.json) and the speed summary (from the CPU bench record's JSON).
+results.json) and the speed summary (from each machine's CPU bench record's JSON).
 
     python tools/readme_tables.py
 """
@@ -24,11 +24,12 @@ def only(pattern: str) -> Path:
 
 def blocks() -> dict[tuple[str, str], str]:
     """Each generated block's (start marker, end marker) -> its text, from the records."""
-    demo, speed = only("compare-demo-*/results.json"), only("cpu-bench-*.json")
+    demo = only("compare-demo-*/results.json")
+    speeds = sorted(RESULTS.glob("cpu-bench-*.json"))  # one record per machine
     return {
         (report.README_START, report.README_END): report.readme_tables(json.loads(demo.read_text())),
-        (bench.README_START, bench.README_END): bench.readme_summary(json.loads(speed.read_text()),
-                                                                     speed.relative_to(ROOT).as_posix()),
+        (bench.README_START, bench.README_END): "\n\n".join(
+            bench.readme_summary(json.loads(p.read_text()), p.relative_to(ROOT).as_posix()) for p in speeds),
     }
 
 

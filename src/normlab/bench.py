@@ -485,8 +485,9 @@ def readme_summary(run: dict, record: str, shape: str = "4096x4096") -> str:
     ms = {(r["op"], r["backend"], r["dtype"], r["pass"]): r["ms"] for r in records if r["shape"] == shape and r["alloc"] == "alloc"}
     cols = [(d, p) for d in ("fp32", "bf16") for p in ("fwd", "bwd")]
     vectors = f", {env['vectors']}" if env.get("vectors") else ""
+    wait = f"OMP_WAIT_POLICY={env['omp_wait_policy']} " if env.get("omp_wait_policy") else ""
     lines = [f"On {env['cpus']} cores of an {env['processor']}{vectors} ({env['date'][:10]}, torch {env['torch']}, numba "
-             f"{env.get('numba')}, normlab at git {env.get('git', '?')}, `normlab bench --json {record}`; every case is in "
+             f"{env.get('numba')}, normlab at git {env.get('git', '?')}, `{wait}normlab bench --json {record}`; every case is in "
              f"[{record.removesuffix('.json')}.md]({record.removesuffix('.json')}.md)):", "",
              f"| {shape}, allocating calls | " + " | ".join(f"{d} {'forward' if p == 'fwd' else 'backward'} ms" for d, p in cols) + " |",
              "|---" * (len(cols) + 1) + "|"]

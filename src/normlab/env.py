@@ -96,6 +96,8 @@ def environment() -> dict:
         "machine": platform.machine(), "processor": cpu_name(), "vectors": cpu_vectors(), "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(), **versions(),
     }
+    if os.environ.get("OMP_WAIT_POLICY"):  # how idle OpenMP threads wait moves a bench's interleaved cases
+        env["omp_wait_policy"] = os.environ["OMP_WAIT_POLICY"]
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
     commit = git_commit()
