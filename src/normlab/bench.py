@@ -286,7 +286,8 @@ def _build_group(ops, peers, passes, allocs, dtype_name, shape, device, gen) -> 
             for pass_ in passes:
                 if pass_ != "fwd" and name in FORWARD_ONLY:
                     note = f"{name}: forward only ({FORWARD_ONLY[name]})"
-                    notes.extend([note] if note not in notes else [])
+                    if note not in notes:
+                        notes.append(note)
                     continue
                 nbytes = moved_bytes(op, pass_, shape, dtype)
                 if pass_ == "fwd":

@@ -35,29 +35,26 @@ def versions(missing: str | None = None) -> dict[str, str]:
     return {"normlab": out.pop("normlab"), **out}
 
 
-def cpu_name() -> str:
+def _cpuinfo(*keys: str) -> str | None:
+    """The value of the first /proc/cpuinfo line that starts with one of ``keys`` (Linux only)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(keys):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return None
+
+
+def cpu_name() -> str:
+    return _cpuinfo("model name") or platform.processor() or "unknown"
 
 
 def cpu_vectors() -> str:
     """The widest vector instructions the CPU has, as a bench record names them: the CPU kernels'
     speed depends on them (x86 AVX2 or AVX-512, with or without AVX512-BF16; ARM NEON or SVE)."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    flags = set((_cpuinfo("flags", "Features") or "").split())  # x86, ARM
     if "avx512f" in flags:
         return "AVX-512 with AVX512-BF16" if "avx512_bf16" in flags else "AVX-512"
     if "avx2" in flags:
