@@ -1,6 +1,7 @@
 """normlab bench: records, byte counts and the command line (tiny sizes: a tool, not a timing test)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -114,6 +115,28 @@ def test_command_line_writes_json(tmp_path, capsys):
     main(["bench", "--ops", "rms_norm,layer_norm", "--backends", "normlab", "--dtypes", "fp32", "--shapes", "4x64",
           "--passes", "fwd", "--alloc", "alloc", "--repeat", "1", "--quiet"])
     assert "RMSNorm time / LayerNorm time" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, vectors", [
+    ("fpu sse2 avx avx2 fma", "AVX2"),
+    ("avx2 avx512f avx512bw avx512vl", "AVX-512"),
+    ("avx2 avx512f avx512_bf16", "AVX-512 with AVX512-BF16"),
+    ("fp asimd evtstrm", "NEON"),
+    ("fp asimd sve sve2", "SVE"),
+    (None, "unknown"),
+])
+def test_records_name_the_cpus_vector_instructions(monkeypatch, flags, vectors):
+    from normlab import env
+
+    monkeypatch.setattr(env, "_cpuinfo", lambda *keys: flags if {"flags", "Features"} & set(keys) else "Some CPU")
+    assert env.cpu_vectors() == vectors
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    summary = bench.readme_summary({"environment": {**env.environment(), "date": "2026-12-03 00:00:00 UTC"}, "records": [
+        {"op": op, "backend": b, "dtype": "fp32", "shape": "4096x4096", "pass": p, "alloc": "alloc", "ms": ms,
+         "frac_of_copy": 1.0} for op in ("rms_norm", "layer_norm") for b, ms in (("normlab", 1.0), ("torch", 3.0))
+        for p in ("fwd", "bwd")]}, "x.json")
+    assert summary.startswith(f"On {os.cpu_count()} cores of an Some CPU, {vectors} (2026-12-03")
+    assert "`OMP_WAIT_POLICY=PASSIVE normlab bench --json x.json`" in summary
 
 
 def test_command_line_rejects_unknown_names(capsys):
