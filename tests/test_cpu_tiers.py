@@ -26,29 +26,35 @@ import build_tiers  # noqa: E402
 HOST = llvm.get_host_cpu_features()
 V3_HOST = all(HOST.get(f, False) for f in cache.TIERS["x86-64-v3"])
 
-# A fresh process: its first rms_norm forward and backward on fixed inputs, what it compiled and
-# loaded, and its outputs saved for a comparison of bits.
+# A fresh process: its first rms_norm forward and backward on fixed inputs in each dtype of
+# argv[3] (default fp32), what it compiled and loaded, and the first dtype's outputs saved for a
+# comparison of bits.
 PROBE = """
 import sys, torch
 import normlab
 from normlab.kernels import cpu
 from normlab.kernels.cpu import cache
-g = torch.Generator().manual_seed(0)
-x = torch.randn(64, 1000, generator=g, requires_grad=True)
-w = torch.randn(1000, generator=g, requires_grad=True)
-y = normlab.rms_norm(x, w, backend="cpu")
-if sys.argv[2] == "both":
-    y.backward(torch.randn(64, 1000, generator=g))
+saved = None
+for name in (sys.argv[3] if len(sys.argv) > 3 else "fp32").split(","):
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 1000, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(1000, generator=g).to(dtype).requires_grad_()
+    y = normlab.rms_norm(x, w, backend="cpu")
+    if sys.argv[2] == "both":
+        y.backward(torch.randn(64, 1000, generator=g).to(dtype))
+    saved = saved or {"y": y.detach(), "dx": x.grad, "dw": w.grad}
 compiled, loaded = cpu.compiled_and_loaded()
 print(compiled, loaded, (cache.host_tier() or ["none"])[0])
-torch.save({"y": y.detach(), "dx": x.grad, "dw": w.grad}, sys.argv[1])
+torch.save(saved, sys.argv[1])
 """
 
 
-def _probe(tmp_path: Path, tiers: str, name: str, passes: str = "both", **extra_env: str) -> tuple[int, int, str, dict, str]:
+def _probe(tmp_path: Path, tiers: str, name: str, passes: str = "both", dtypes: str = "fp32",
+           **extra_env: str) -> tuple[int, int, str, dict, str]:
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / f"numba-{name}"), "NORMLAB_CPU_TIERS": tiers, **extra_env}
-    out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / f"{name}.pt"), passes], env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / f"{name}.pt"), passes, dtypes], env=env,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     compiled, loaded, level = out.stdout.split()
     return int(compiled), int(loaded), level, torch.load(tmp_path / f"{name}.pt", weights_only=True), out.stderr
@@ -122,6 +128,24 @@ def test_a_damaged_tier_entry_is_compiled_over_with_a_warning(tiers, tmp_path):
     assert torch.equal(got["y"], _host_kernels()["y"])
 
 
+@pytest.mark.skipif(not all(HOST.get(f, False) for f in cache.TIERS["x86-64-v4-bf16"]),
+                    reason="loading the x86-64-v4-bf16 level needs a CPU with AVX-512 and AVX512-BF16")
+def test_bf16_kernels_load_from_the_bf16_level_and_the_rest_from_v4(tmp_path):
+    # Each level holds one dtype here, so nothing compiled means each call found its own level.
+    out = tmp_path / "tiers"
+    build_tiers.build("x86-64-v4", out, ops="rms_norm", dtypes="fp32")
+    assert build_tiers.build("x86-64-v4-bf16", out, ops="rms_norm", dtypes="fp32") is None  # it holds bf16 only
+    build_tiers.build("x86-64-v4-bf16", out, ops="rms_norm")
+    assert sorted(p.name for p in out.iterdir()) == ["x86-64-v4", "x86-64-v4-bf16"]
+    compiled, loaded, level, got, err = _probe(tmp_path, str(out), "tier", dtypes="bf16,fp32")
+    assert (compiled, level) == (0, "x86-64-v4-bf16") and loaded >= 4, err
+    # the bits of the same level compiled here, with the AVX512-BF16 conversion
+    _, _, _, level_here, _ = _probe(tmp_path, "off", "level", dtypes="bf16", NUMBA_CPU_NAME="x86-64-v4",
+                                    NUMBA_CPU_FEATURES="+avx512bf16")
+    for key in ("y", "dx", "dw"):
+        assert torch.equal(got[key], level_here[key]), key
+
+
 def test_the_host_loads_the_best_level_it_can_run_and_nothing_else(tmp_path, monkeypatch):
     for level in cache.TIERS:
         (tmp_path / level / f"normlab-{cache.sources_hash()}").mkdir(parents=True)
@@ -129,12 +153,15 @@ def test_the_host_loads_the_best_level_it_can_run_and_nothing_else(tmp_path, mon
 
     def host_with(features):
         monkeypatch.setattr(cache.llvm, "get_host_cpu_features", lambda: dict.fromkeys(features, True))
-        cache.host_tier.cache_clear()
+        cache.host_tiers.cache_clear()
         found = cache.host_tier()
         return found and found[0]
 
     try:
-        assert host_with(cache.TIERS["x86-64-v4"] + ("avx512bf16",)) == "x86-64-v4"
+        assert host_with(cache.TIERS["x86-64-v4"] + ("avx512bf16",)) == "x86-64-v4-bf16"
+        assert [level for level, _ in cache.host_tiers()] == ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3"]
+        assert host_with(cache.TIERS["x86-64-v4"]) == "x86-64-v4"  # AVX-512 without the bf16 conversions
+        assert [level for level, _ in cache.host_tiers()] == ["x86-64-v4", "x86-64-v3"]
         assert host_with(cache.TIERS["x86-64-v3"] + ("avx512f",)) == "x86-64-v3"  # AVX-512 in part is not v4
         assert host_with([f for f in cache.TIERS["x86-64-v3"] if f != "movbe"]) is None
         shutil.rmtree(tmp_path / "x86-64-v3")
@@ -145,13 +172,33 @@ def test_the_host_loads_the_best_level_it_can_run_and_nothing_else(tmp_path, mon
         monkeypatch.setattr(cache.numba.config, "CPU_NAME", "skylake-avx512")  # the user chose a target
         assert host_with(cache.TIERS["x86-64-v4"]) is None
     finally:
-        cache.host_tier.cache_clear()
+        cache.host_tiers.cache_clear()
+
+
+def test_info_names_the_levels_it_would_load_best_first(tmp_path, monkeypatch, capsys):
+    from normlab import cli
+
+    for level in cache.TIERS:
+        (tmp_path / level / f"normlab-{cache.sources_hash()}").mkdir(parents=True)
+    monkeypatch.setenv("NORMLAB_CPU_TIERS", str(tmp_path))
+    monkeypatch.setattr(cache.llvm, "get_host_cpu_features", lambda: dict.fromkeys(cache.TIERS["x86-64-v4"], True))
+    cache.host_tiers.cache_clear()
+    try:
+        assert cli.main(["info"]) == 0
+    finally:
+        cache.host_tiers.cache_clear()
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"ahead-of-time kernels: x86-64-v4, x86-64-v3 in {tmp_path}" in out
 
 
 def test_a_level_build_compiles_for_the_levels_features_not_the_hosts(monkeypatch):
     monkeypatch.setattr(cache.numba.config, "CPU_NAME", "x86-64-v4")
+    monkeypatch.setattr(cache.numba.config, "CPU_FEATURES", "")
     v4 = cache.target_features()
     assert v4["avx512f"] and not v4.get("avx512bf16")  # v4 does not promise AVX512-BF16
+    monkeypatch.setattr(cache.numba.config, "CPU_FEATURES", "+avx512bf16")  # the x86-64-v4-bf16 level
+    assert cache.target_features()["avx512bf16"] and cache.target_features()["avx512f"]
+    monkeypatch.setattr(cache.numba.config, "CPU_FEATURES", "")
     monkeypatch.setattr(cache.numba.config, "CPU_NAME", "x86-64-v3")
     assert cache.target_features()["avx2"] and not cache.target_features().get("avx512f")
     monkeypatch.setattr(cache.numba.config, "CPU_NAME", None)

@@ -1,14 +1,14 @@
 """Compile the fused CPU kernels ahead of time for the portable x86-64 levels, for a platform wheel.
 
-    python tools/build_tiers.py [--tiers x86-64-v3,x86-64-v4] [--ops ...] [--dtypes ...] [--out DIR]
+    python tools/build_tiers.py [--tiers x86-64-v4-bf16,x86-64-v4,x86-64-v3] [--ops ...] [--dtypes ...] [--out DIR]
 
 Each level is compiled in its own process whose numba targets that level (NUMBA_CPU_NAME=<level>,
-no extra features) and writes its cache to DIR/<level>/ (default: the package's kernels/cpu/tiers/,
-which the wheel ships). That process makes `normlab warmup`'s calls with every kernel replaced by
-its compilation for the arguments it gets: code for a level this machine lacks (AVX-512 on an AVX2
-CPU) is compiled, never run, so any x86-64 machine can build every level. The result is tied to this numba
-and Python version: build a wheel per Python version, as platform wheels are anyway.
-"""
+no extra features; x86-64-v4-bf16 is x86-64-v4 with +avx512bf16, built for the bf16 kernels only)
+and writes its cache to DIR/<level>/ (default: the package's kernels/cpu/tiers/, which the wheel
+ships). That process makes `normlab warmup`'s calls with every kernel replaced by its compilation
+for the arguments it gets: code for a level this machine lacks (AVX-512 on an AVX2 CPU) is
+compiled, never run, so any x86-64 machine can build every level. The result is tied to this
+numba and Python version: build a wheel per Python version, as platform wheels are anyway."""
 
 import argparse
 import os
@@ -21,14 +21,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from normlab.kernels.cpu.cache import TIERS, TIERS_DIR  # noqa: E402
+from normlab.kernels.cpu.cache import EXTENDED, TIERS, TIERS_DIR, llvm_target  # noqa: E402
 
 
-def build(level: str, out: Path, ops: str | None = None, dtypes: str | None = None) -> float:
-    """Compile the warmup signatures for ``level`` into out/<level>/; returns the seconds it took."""
+def build(level: str, out: Path, ops: str | None = None, dtypes: str | None = None) -> float | None:
+    """Compile the warmup signatures for ``level`` into out/<level>/; returns the seconds it took.
+    A level that extends another (cache.EXTENDED) gets only the dtypes its features change (None:
+    ``dtypes`` holds none of them)."""
     if level not in TIERS:
         raise ValueError(f"--tiers takes levels from {', '.join(TIERS)}; got {level!r}")
-    env = {**os.environ, "NUMBA_CPU_NAME": level, "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": str(out / level),
+    if level in EXTENDED:
+        only = EXTENDED[level][2].split(",")
+        dtypes = ",".join(d for d in (dtypes.split(",") if dtypes else only) if d in only)
+        if not dtypes:
+            return None
+    cpu_name, features = llvm_target(level)
+    env = {**os.environ, "NUMBA_CPU_NAME": cpu_name, "NUMBA_CPU_FEATURES": features, "NUMBA_CACHE_DIR": str(out / level),
            "NORMLAB_CPU_TIERS": "off", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, __file__, "--compile-only", "--ops", ops or "", "--dtypes", dtypes or ""]
     t0 = time.perf_counter()
@@ -74,7 +82,8 @@ def main() -> None:
         return compile_only(args.ops, args.dtypes)
     for level in args.tiers.split(","):
         seconds = build(level.strip(), Path(args.out), args.ops, args.dtypes)
-        print(f"{level}: compiled in {seconds:.0f} s into {Path(args.out) / level}")
+        print(f"{level}: compiled in {seconds:.0f} s into {Path(args.out) / level}" if seconds is not None else
+              f"{level}: nothing to build (it holds only {EXTENDED[level.strip()][2]} kernels)")
 
 
 if __name__ == "__main__":

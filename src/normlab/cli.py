@@ -59,8 +59,9 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
         status = cpu.cache_status()
         console.print(f"numba cache: {status['state']}; {cpu.cached_signatures()} kernel signatures compiled in {escape(str(status['dir']))} "
                       f"(`normlab warmup` compiles them ahead of time)")
-        tier = cpu.cache.host_tier()
-        console.print(f"ahead-of-time kernels: {tier[0]} in {escape(tier[1])} (loaded where the cache above has no entry)" if tier else
+        tiers = cpu.cache.host_tiers()
+        console.print(f"ahead-of-time kernels: {', '.join(level for level, _ in tiers)} in {escape(os.path.dirname(os.path.dirname(tiers[0][1])))} "
+                      "(loaded, best first, where the cache above has no entry)" if tiers else
                       "ahead-of-time kernels: none for this CPU and install (NORMLAB_CPU_TIERS; tools/build_tiers.py builds them)")
     return 0
 

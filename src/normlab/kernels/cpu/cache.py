@@ -15,11 +15,12 @@ discarded with a warning and the kernel compiled again.
 
 **Tiers.** A fresh install has no cache, and compiling a kernel takes 5-30 s. So a platform wheel
 ships kernels compiled ahead of time for the portable x86-64 levels ``x86-64-v3`` (AVX2) and
-``x86-64-v4`` (AVX-512) in ``tiers/<level>/`` (tools/build_tiers.py). Compiling for a level
+``x86-64-v4`` (AVX-512), and the bf16 kernels once more for ``x86-64-v4-bf16`` (v4 with the
+AVX512-BF16 conversions), in ``tiers/<level>/`` (tools/build_tiers.py). Compiling for a level
 rather than the builder's CPU makes the code run on every CPU with that level's features, and
 numba's cache key then names the level instead of the CPU. A kernel with no entry in the user's
-cache is loaded from the best level this CPU supports; only where neither holds it (another CPU
-family, another numba or Python) is it compiled here. NORMLAB_CPU_TIERS=off turns tiers off
+cache is loaded from the best level this CPU supports that holds it; only where none does
+(another CPU family, another numba or Python) is it compiled here. NORMLAB_CPU_TIERS=off turns tiers off
 (the kernels are then always compiled for this exact CPU), a path points at another tiers folder.
 """
 
@@ -53,8 +54,21 @@ FASTMATH = {"reassoc"}
 # requires (every level includes the ones before it).
 _V2 = ("cx16", "popcnt", "sahf", "sse3", "sse4.1", "sse4.2", "ssse3")
 _V3 = _V2 + ("avx", "avx2", "bmi", "bmi2", "f16c", "fma", "lzcnt", "movbe", "xsave")
-TIERS = {"x86-64-v4": _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"), "x86-64-v3": _V3}
+_V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+TIERS = {"x86-64-v4-bf16": _V4 + ("avx512bf16",), "x86-64-v4": _V4, "x86-64-v3": _V3}
 TIERS_DIR = os.path.join(HERE, "tiers")
+
+# A level that is not a psABI level is its base level plus LLVM features, and only the dtypes whose
+# code those features change are built for it (the rest load from the base). Without the
+# instruction v4 rounds bf16 with integer arithmetic: 0.75-0.8x the speed of a Zen 5's own code in
+# bf16 forwards on rows of 1024 (docs/cpu-kernels.md, "tiers").
+EXTENDED = {"x86-64-v4-bf16": ("x86-64-v4", "+avx512bf16", "bf16")}
+
+
+def llvm_target(level: str) -> tuple[str, str]:
+    """(NUMBA_CPU_NAME, NUMBA_CPU_FEATURES) a level's kernels are compiled for: its cache key."""
+    name, features, _ = EXTENDED.get(level, (level, "", None))
+    return name, features
 
 
 def target_features() -> dict[str, bool]:
@@ -63,24 +77,31 @@ def target_features() -> dict[str, bool]:
     other name (no AVX-512 or bf16 instruction the named CPU may lack)."""
     if numba.config.CPU_NAME is None:
         return dict(llvm.get_host_cpu_features())
-    return dict.fromkeys(TIERS.get(numba.config.CPU_NAME, ()), True)
+    target = (numba.config.CPU_NAME, numba.config.CPU_FEATURES or "")
+    return next((dict.fromkeys(needs, True) for level, needs in TIERS.items() if llvm_target(level) == target), {})
 
 
 @functools.cache
-def host_tier() -> tuple[str, str] | None:
-    """(level, folder) of the best shipped tier this CPU can run for these sources, or None:
-    tiers off, numba told to target a CPU, not x86-64, or no tier folder for this code."""
+def host_tiers() -> tuple[tuple[str, str], ...]:
+    """(level, folder) of every shipped tier this CPU can run for these sources, best first; none
+    when tiers are off, numba is told to target a CPU, the CPU is not x86-64, or nothing is shipped."""
     setting = os.environ.get("NORMLAB_CPU_TIERS", "")
     if setting.lower() in ("off", "0", "false", "no") or numba.config.CPU_NAME is not None:
-        return None
+        return ()
     if llvm.get_process_triple().split("-")[0] not in ("x86_64", "amd64"):
-        return None
+        return ()
     host = llvm.get_host_cpu_features()
+    found = []
     for level, needs in TIERS.items():
         folder = os.path.join(setting or TIERS_DIR, level, "normlab-" + sources_hash())
         if all(host.get(f, False) for f in needs) and os.path.isdir(folder):
-            return level, folder
-    return None
+            found.append((level, folder))
+    return tuple(found)
+
+
+def host_tier() -> tuple[str, str] | None:
+    """(level, folder) of the best shipped tier this CPU can run, or None."""
+    return next(iter(host_tiers()), None)
 
 
 @functools.cache
@@ -198,21 +219,24 @@ class _Cache(caching.FunctionCache):
         super().__init__(py_func)
         stamp = self._impl.locator.get_source_stamp()
         self._cache_file = _CheckedFile(self._cache_path, self._impl.filename_base, stamp)
-        tier = host_tier() if self._tiered else None
-        self._tier = tier and (tier[0], _CheckedFile(tier[1], self._impl.filename_base, stamp))
+        tiers = host_tiers() if self._tiered else ()
+        self._tiers = [(level, _CheckedFile(folder, self._impl.filename_base, stamp)) for level, folder in tiers]
 
     def _load_overload(self, sig, target_context):
         loaded = super()._load_overload(sig, target_context)
-        if loaded is None and self._tier and not _host_only:  # the key of the same code compiled for the level
-            level, tier_file = self._tier
-            key = self._index_key(sig, target_context.codegen())
+        if loaded is not None or _host_only:
+            return loaded
+        key = self._index_key(sig, target_context.codegen())
+        for level, tier_file in self._tiers:  # the key of the same code compiled for the level
             try:
-                data = tier_file.load((key[0], (key[1][0], level, ""), *key[2:]))
-                return data and self._impl.rebuild(target_context, data)
+                data = tier_file.load((key[0], (key[1][0], *llvm_target(level)), *key[2:]))
+                if data:
+                    return self._impl.rebuild(target_context, data)
             except Exception as err:  # damaged in the install: compile it for this CPU (the tier is left as it is)
                 warnings.warn(f"normlab: the {level} kernel {self._py_func.__name__} in {tier_file._index_path} could not be "
                               f"loaded ({type(err).__name__}: {str(err)[:200]}); compiling it for this CPU", RuntimeWarning, stacklevel=2)
-        return loaded
+                return None
+        return None
 
     def load_overload(self, sig, target_context):
         try:
