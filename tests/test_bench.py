@@ -46,6 +46,32 @@ def test_every_op_and_peer_runs_and_records_have_the_documented_keys():
         assert r["gbps"] == pytest.approx(r["bytes"] / r["ms"] / 1e6, rel=0.02)
 
 
+@pytest.mark.parametrize("scrub", [True, False])
+def test_the_cache_is_scrubbed_before_every_timed_call_and_before_a_timed_backward(monkeypatch, scrub):
+    # A log of what ran, in order: the scrub must come right before each timed forward, and
+    # between a backward's untimed forward and its timed backward.
+    log = []
+    monkeypatch.setattr(bench, "scrubber", lambda device: lambda: log.append("scrub"))
+    real_grad = torch.autograd.grad
+    monkeypatch.setattr(bench.torch.autograd, "grad", lambda *a, **k: (log.append("backward"), real_grad(*a, **k))[1])
+    fn = bench.make_peer("normlab", "rms_norm", 16, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(bench, "make_peer", lambda name, *a: bench.Peer(lambda x, r: (log.append("forward"), fn.fn(x, r))[1],
+                                                                       fn.params, fn.out_fn))
+    bench.run_bench(ops=("rms_norm",), backends=("normlab",), dtypes=("fp32",), shapes=("4x16",), passes=("fwd", "bwd"),
+                    allocs=("alloc",), repeat=3, warmup=0, scrub=scrub)
+    rounds = "".join({"scrub": "s", "forward": "f", "backward": "b"}[e] for e in log)
+    assert rounds == ("s" + "sf" + "sfsb") * 3 if scrub else ("f" + "fb") * 3  # copy, forward, backward per round
+
+
+def test_a_record_says_whether_the_cache_was_scrubbed(tmp_path):
+    records, _ = bench.run_bench(ops=("rms_norm",), backends=("normlab",), dtypes=("fp32",), shapes=("4x16",),
+                                 passes=("fwd",), allocs=("alloc",), repeat=1, warmup=0)
+    for scrub in (True, False):
+        bench.write_json(str(tmp_path / "r.json"), records, {}, scrub=scrub)
+        method = json.loads((tmp_path / "r.json").read_text())["method"]
+        assert method == {"scrub_bytes": bench.ROTATE_BYTES if scrub else 0}
+
+
 def test_compile_peer_runs():
     records, _ = bench.run_bench(ops=("rms_norm",), backends=("compile",), dtypes=("fp32",), shapes=("4x32",),
                                  passes=("fwd",), allocs=("alloc",), repeat=1, warmup=1)

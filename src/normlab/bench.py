@@ -6,11 +6,15 @@ residual and write the sum, or read the sum's gradient) and as a fraction of a c
 tensor measured in the same run (``y.copy_(x)`` into a preallocated ``y``).
 
 How it measures: cases that share a dtype and shape form a group with one pool of inputs,
-rotated so that the inputs of consecutive calls do not sit in the last-level cache. Within a
-group the cases run round-robin, one call each per round, with the copy among them, and each
-case reports its median: a machine whose bandwidth drifts (a shared host) shifts every case of a
-round alike instead of favouring whichever ran in a quiet moment. Warm-up calls (and any
-compilation) come first and are not timed.
+rotated over rounds. Within a group the cases run round-robin, one call each per round, with the
+copy among them, and each case reports its median: a machine whose bandwidth drifts (a shared
+host) shifts every case of a round alike instead of favouring whichever ran in a quiet moment.
+Before each timed call (and between a backward's untimed forward and the backward), a buffer of
+ROTATE_BYTES is read, untimed: every call starts with none of its inputs in the last-level cache
+and no dirty lines of the call before it left to write back. Without it, the cases of a round
+read the round's input after the first had brought it into the cache, and the case after the
+copy wrote back the copy's output: results then depended on the cases' order (docs/cpu-kernels.md,
+"How the bench clears the cache"). Warm-up calls (and any compilation) come first, not timed.
 
 Peers: torch eager (``torch``: F.rms_norm / F.layer_norm; ``torch-module``: nn.RMSNorm /
 nn.LayerNorm), Hugging Face's LlamaRMSNorm math written out (``hf``), torch.compile of the
@@ -60,7 +64,8 @@ FUSED_PEERS = {
     "apex": ("apex", "apex.normalization", "FusedRMSNorm", "FusedLayerNorm"),
 }
 
-# Inputs rotate over at least this many bytes, four times a 32 MiB last-level cache.
+# Inputs rotate over at least this many bytes, and the scrub between timed calls reads as many:
+# four times a 32 MiB last-level cache.
 ROTATE_BYTES = 128 << 20
 
 
@@ -262,7 +267,7 @@ def rotation(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return max(2, min(8, math.ceil(ROTATE_BYTES / nbytes)))
 
 
-def _build_group(ops, peers, passes, allocs, dtype_name, shape, device, gen) -> tuple[list[Case], list[str]]:
+def _build_group(ops, peers, passes, allocs, dtype_name, shape, device, gen, scrub) -> tuple[list[Case], list[str]]:
     """The cases for one (dtype, shape) group, plus notes on peers that cannot run."""
     dtype = DTYPES[dtype_name]
     d = shape[-1]
@@ -296,7 +301,7 @@ def _build_group(ops, peers, passes, allocs, dtype_name, shape, device, gen) -> 
                             continue
                         cases.append(Case(op, name, dtype_name, shape_s, pass_, alloc, nbytes, _fwd_runner(peer, alloc, xs, rs, out)))
                 else:
-                    cases.append(Case(op, name, dtype_name, shape_s, pass_, "alloc", nbytes, _bwd_runner(peer, pass_, xs, rs, dys, dss, device)))
+                    cases.append(Case(op, name, dtype_name, shape_s, pass_, "alloc", nbytes, _bwd_runner(peer, pass_, xs, rs, dys, dss, device, scrub)))
     return cases, notes
 
 
@@ -312,10 +317,20 @@ def _fwd_runner(peer: Peer, alloc: str, xs, rs, out):
     return run
 
 
-def _bwd_runner(peer: Peer, pass_: str, xs, rs, dys, dss, device):
-    """fwdbwd: times forward + backward. bwd: builds the graph untimed, then times the backward
-    alone and returns that duration (a fresh graph each call: no retain_graph, which compiled
-    backwards with donated buffers refuse)."""
+def scrubber(device: torch.device) -> Callable[[], None]:
+    """What runs before each timed call: on CPU, a read of ROTATE_BYTES (it evicts the last
+    call's inputs and writes back its dirty lines; a read leaves no dirty lines of its own). On
+    CUDA nothing: the input rotation already exceeds the GPU's L2, and the writes are posted."""
+    if device.type != "cpu":
+        return lambda: None
+    buf = torch.ones(ROTATE_BYTES // 4)
+    return lambda: buf.sum()
+
+
+def _bwd_runner(peer: Peer, pass_: str, xs, rs, dys, dss, device, scrub: Callable[[], None] = lambda: None):
+    """fwdbwd: times forward + backward. bwd: builds the graph untimed, scrubs the cache, then
+    times the backward alone and returns that duration (a fresh graph each call: no retain_graph,
+    which compiled backwards with donated buffers refuse)."""
     k = len(xs)
     leaves = [(x.detach().clone().requires_grad_(), r.detach().clone().requires_grad_()) for x, r in zip(xs, rs)]
 
@@ -333,6 +348,7 @@ def _bwd_runner(peer: Peer, pass_: str, xs, rs, dys, dss, device):
             outs, grads, inputs = forward(j)
             return torch.autograd.grad(outs, inputs, grads)
         outs, grads, inputs = forward(j)
+        scrub()
         _sync(device)
         t0 = time.perf_counter()
         torch.autograd.grad(outs, inputs, grads)
@@ -359,11 +375,14 @@ def run_bench(
     device: str = "cpu",
     progress=None,
     seed: int = 0,
+    scrub: bool = True,
 ) -> tuple[list[dict], list[str]]:
     """Measure every (op, backend, dtype, shape, pass, alloc) case; returns (records, notes).
 
     Each case runs in up to ``repeat`` rounds; a case that has had 3 rounds and spent
-    ``case_seconds`` sits out the rest (slow peers need fewer samples to be told apart)."""
+    ``case_seconds`` sits out the rest (slow peers need fewer samples to be told apart).
+    ``scrub=False`` leaves the cache as the last call left it (the method of records before
+    the scrub)."""
     for value, valid, what in ((ops, OPS, "op"), (backends, PEERS, "backend"), (dtypes, tuple(DTYPES), "dtype"),
                                (passes, PASSES, "pass"), (allocs, ALLOCS, "alloc")):
         bad = [v for v in value if v not in valid]
@@ -376,12 +395,13 @@ def run_bench(
     gen = torch.Generator().manual_seed(seed)
     records: list[dict] = []
     notes: list[str] = []
+    clear = scrubber(dev) if scrub else (lambda: None)
     groups = [(dt, sh) for dt in dtypes for sh in parsed]
     task = progress.add_task("bench", total=len(groups)) if progress else None
     for dt, sh in groups:
         if progress:
             progress.update(task, description=f"{dt} {'x'.join(map(str, sh))}")
-        cases, group_notes = _build_group(ops, backends, passes, allocs, dt, sh, dev, gen)
+        cases, group_notes = _build_group(ops, backends, passes, allocs, dt, sh, dev, gen, clear)
         notes.extend(n for n in group_notes if n not in notes)
         for case in cases:  # warm-up, compilation included
             for i in range(warmup):
@@ -391,6 +411,7 @@ def run_bench(
             for case in cases:
                 if len(case.times) >= 3 and sum(case.times) >= case_seconds:
                     continue
+                clear()
                 _sync(dev)
                 t0 = time.perf_counter()
                 result = case.run(warmup + i)
@@ -421,9 +442,11 @@ def _records(cases: list[Case], device: torch.device) -> list[dict]:
     return out
 
 
-def write_json(path: str, records: list[dict], env: dict) -> None:
+def write_json(path: str, records: list[dict], env: dict, scrub: bool = True) -> None:
+    """``method.scrub_bytes``: what was read before each timed call (0: nothing, the method of
+    records made before the scrub, which have no ``method``)."""
     with open(path, "w") as f:
-        json.dump({"environment": env, "records": records}, f, indent=1)
+        json.dump({"environment": env, "method": {"scrub_bytes": ROTATE_BYTES if scrub else 0}, "records": records}, f, indent=1)
 
 
 def summary_rows(records: list[dict]) -> list[dict]:
@@ -487,9 +510,12 @@ def readme_summary(run: dict, record: str, shape: str = "4096x4096") -> str:
     cols = [(d, p) for d in ("fp32", "bf16") for p in ("fwd", "bwd")]
     vectors = f", {env['vectors']}" if env.get("vectors") else ""
     wait = f"OMP_WAIT_POLICY={env['omp_wait_policy']} " if env.get("omp_wait_policy") else ""
+    scrubbed = run.get("method", {}).get("scrub_bytes", 0)
+    cache = (f"{scrubbed >> 20} MiB read before each timed call, so none starts with its input cached" if scrubbed else
+             "without the read before each timed call that later runs make (`--no-scrub`)")
     lines = [f"On {env['cpus']} cores of an {env['processor']}{vectors} ({env['date'][:10]}, torch {env['torch']}, numba "
-             f"{env.get('numba')}, normlab at git {env.get('git', '?')}, `{wait}normlab bench --json {record}`; every case is in "
-             f"[{record.removesuffix('.json')}.md]({record.removesuffix('.json')}.md)):", "",
+             f"{env.get('numba')}, normlab at git {env.get('git', '?')}, `{wait}normlab bench --json {record}`, {cache}; "
+             f"every case is in [{record.removesuffix('.json')}.md]({record.removesuffix('.json')}.md)):", "",
              f"| {shape}, allocating calls | " + " | ".join(f"{d} {'forward' if p == 'fwd' else 'backward'} ms" for d, p in cols) + " |",
              "|---" * (len(cols) + 1) + "|"]
     for op, backend, label in _SHOWN:

@@ -162,11 +162,11 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         records, notes = bench.run_bench(
             ops=_csv(args.ops), backends=backends, dtypes=_csv(args.dtypes), shapes=_csv(args.shapes),
             passes=_csv(args.passes), allocs=_csv(args.alloc), repeat=args.repeat, device=args.device, progress=progress,
-            case_seconds=args.case_seconds,
+            case_seconds=args.case_seconds, scrub=not args.no_scrub,
         )
     env = environment()
     if args.json:
-        bench.write_json(args.json, records, env)
+        bench.write_json(args.json, records, env, scrub=not args.no_scrub)
     table = Table(title=f"normlab bench: {env['processor']}, {env['torch_threads']} threads, torch {env['torch']}")
     for col in ("op", "pass", "alloc", "dtype", "shape", "backend", "ms", "GB/s", "x copy", "x normlab"):
         table.add_column(col, justify="right" if col in ("ms", "GB/s", "x copy", "x normlab") else "left")
@@ -335,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--case-seconds", type=float, default=bench.CASE_SECONDS,
                    help="a case that has run 3 rounds and this many seconds sits out the rest")
     p.add_argument("--device", default="cuda" if cuda() else "cpu", help="cpu or cuda")
+    p.add_argument("--no-scrub", action="store_true",
+                   help="do not read a cache-sized buffer before each timed call (the method of records made before it)")
     p.add_argument("--json", metavar="PATH", help="write one record per measurement to PATH")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
