@@ -9,6 +9,8 @@ How it measures: cases that share a dtype and shape form a group with one pool o
 rotated over rounds. Within a group the cases run round-robin, one call each per round, with the
 copy among them, and each case reports its median: a machine whose bandwidth drifts (a shared
 host) shifts every case of a round alike instead of favouring whichever ran in a quiet moment.
+Each round starts one case later than the last, so no case always follows the same one (on a
+Zen 5 the case right after the copy ran up to 0.15 ms slower in some runs, scrub or not).
 Before each timed call (and between a backward's untimed forward and the backward), a buffer of
 ROTATE_BYTES is read, untimed: every call starts with none of its inputs in the last-level cache
 and no dirty lines of the call before it left to write back. Without it, the cases of a round
@@ -408,7 +410,8 @@ def run_bench(
                 case.run(i)
         _sync(dev)
         for i in range(repeat):
-            for case in cases:
+            start = i % len(cases)  # each round starts one case later: none always runs right after the same one
+            for case in cases[start:] + cases[:start]:
                 if len(case.times) >= 3 and sum(case.times) >= case_seconds:
                     continue
                 clear()
