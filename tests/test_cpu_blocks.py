@@ -195,6 +195,49 @@ def test_wide_bf16_rows_in_pairs(gen, op):
             assert torch.equal(together["x"][r : r + 1], alone["x"]), (opts, r)
 
 
+@pytest.mark.parametrize("hw", [False, True] if simd.HW_BF16 else [False], ids=["integer-bf16", "instruction"][: 2 if simd.HW_BF16 else 1])
+def test_the_backwards_bf16_line_holds_each_pairs_rounded_bits_in_order(gen, hw):
+    # The backward stores dx 32 bf16 values at a time from the evens and odds of bf16_pair's
+    # order (codecs.pair_line): value 2i from even[i], 2i+1 from odd[i], each rounded to nearest
+    # even as torch rounds, overflow to inf, a nan to a nan. The integer path (every CPU without
+    # AVX512-BF16) builds each 32-bit lane in place; it is checked on every CPU.
+    from llvmlite import ir
+    from numba import njit, types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def store_line(typingctx, src, dst, zero):
+        def codegen(context, builder, signature, args):
+            s, d, z = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args))
+            f32x16 = ir.VectorType(ir.FloatType(), codecs.LANES)
+            even = builder.load(builder.bitcast(s.data, f32x16.as_pointer()), align=4)
+            odd = builder.load(builder.bitcast(builder.gep(s.data, [ir.Constant(ir.IntType(64), codecs.LANES)]),
+                                               f32x16.as_pointer()), align=4)
+            line = codecs.pair_line(builder, even, odd, hw, z.data)
+            builder.store(line, builder.bitcast(d.data, line.type.as_pointer()), align=2)
+            return context.get_dummy_value()
+
+        return types.void(src, dst, zero), codegen
+
+    @njit
+    def run(src, dst, zero):
+        store_line(src, dst, zero)
+
+    values = _special_floats(gen, 32 * 8).astype(np.float32)
+    values[::37] = np.nan
+    zero = np.zeros(32, np.uint16)
+    for at in range(0, values.size, 32):
+        src, dst = values[at:at + 32], np.zeros(32, np.uint16)
+        run(src, dst, zero)
+        in_order = np.empty(32, np.float32)
+        in_order[0::2], in_order[1::2] = src[:16], src[16:]
+        want = torch.from_numpy(in_order).to(torch.bfloat16)
+        got = torch.from_numpy(dst.view(np.int16)).view(torch.bfloat16)
+        finite = ~torch.isnan(want)
+        assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))
+        assert torch.isnan(got[~finite].float()).all()
+
+
 def test_pair_order_is_undone_by_pair_unorder(gen):
     v = torch.randn(3 * 32 + 5, generator=gen).numpy()
     ordered = simd.pair_order(v, 96)

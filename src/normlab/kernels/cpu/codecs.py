@@ -167,11 +167,18 @@ def narrow_bits(builder, x, kind, hw):
         return builder.bitcast(builder.fptrunc(x, ir.VectorType(ir.HalfType(), LANES)), ir.VectorType(i16, LANES))
     if hw:
         return builder.bitcast(builder.fptrunc(x, ir.VectorType(_BFloat(), LANES)), ir.VectorType(i16, LANES))
-    b = builder.bitcast(x, ir.VectorType(i32, LANES))
-    lsb = builder.and_(builder.lshr(b, _vconst(i32, 16)), _vconst(i32, 1))
-    r = builder.lshr(builder.add(builder.add(b, _vconst(i32, 0x7FFF)), lsb), _vconst(i32, 16))
+    r = builder.lshr(_rounded_high(builder, x), _vconst(i32, 16))
     r = builder.select(builder.fcmp_unordered("uno", x, x), _vconst(i32, 0x7FC0), r)
     return builder.trunc(r, ir.VectorType(i16, LANES))
+
+
+def _rounded_high(builder, x):
+    """<16 x float> -> <16 x i32> whose high halves are x's bf16 bits, rounded to nearest even
+    (the low halves are left over; a nan's are not a quiet nan: callers select for it)."""
+    i32 = ir.IntType(32)
+    b = builder.bitcast(x, ir.VectorType(i32, LANES))
+    lsb = builder.and_(builder.lshr(b, _vconst(i32, 16)), _vconst(i32, 1))
+    return builder.add(builder.add(b, _vconst(i32, 0x7FFF)), lsb)
 
 
 def widen_bits(builder, bits, kind):
@@ -219,8 +226,19 @@ _INTERLEAVE = ir.Constant(ir.VectorType(ir.IntType(32), 32), [i // 2 + 16 * (i %
 
 
 def pair_line(builder, even, odd, hw, zero):
-    """The inverse of bf16_pair: 32 bf16 bits (<32 x i16>) in place: narrow_line's line (the
-    evens, then the odds), interleaved by one shuffle."""
-    line = narrow_line(builder, even, odd, types.uint16, hw, zero)
-    return builder.shuffle_vector(line, line, _INTERLEAVE)
+    """The inverse of bf16_pair: 32 bf16 bits (<32 x i16>) in place. With the CPU's instruction,
+    narrow_line's line (the evens, then the odds) interleaved by one shuffle; without it, each
+    32-bit lane built where it is: the odd value's rounded bits kept in the high half, the even
+    value's shifted into the low one. The same bits as narrowing, with no shuffle (AVX2 needed
+    12 per 32 values to narrow and interleave)."""
+    if hw:
+        line = narrow_line(builder, even, odd, types.uint16, hw, zero)
+        return builder.shuffle_vector(line, line, _INTERLEAVE)
+    i32 = ir.IntType(32)
+
+    def rounded(x):  # a nan becomes the quiet nan narrow_bits gives (0x7FC0 in the high half)
+        return builder.select(builder.fcmp_unordered("uno", x, x), _vconst(i32, 0x7FC00000), _rounded_high(builder, x))
+
+    lane = builder.or_(builder.and_(rounded(odd), _vconst(i32, 0xFFFF0000)), builder.lshr(rounded(even), _vconst(i32, 16)))
+    return builder.bitcast(lane, ir.VectorType(ir.IntType(16), 2 * LANES))
 
