@@ -74,6 +74,25 @@ def test_a_record_says_whether_the_cache_was_scrubbed(tmp_path):
         assert method == {"scrub_bytes": bench.ROTATE_BYTES if scrub else 0}
 
 
+def test_a_record_cut_short_by_a_full_disk_leaves_the_last_one_whole(tmp_path, monkeypatch):
+    import errno
+    import pathlib
+
+    path = tmp_path / "r.json"
+    bench.write_json(str(path), [{"op": "copy", "ms": 1.0}], {"cpus": 2})
+    before = path.read_text()
+
+    def half_then_full(self, text):  # the disk fills halfway through the new file
+        with open(self, "w") as f:
+            f.write(text[: len(text) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", half_then_full)
+    with pytest.raises(OSError, match="r.json"):
+        bench.write_json(str(path), [{"op": "copy", "ms": 2.0}] * 100, {"cpus": 2})
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
 def test_compile_peer_runs():
     records, _ = bench.run_bench(ops=("rms_norm",), backends=("compile",), dtypes=("fp32",), shapes=("4x32",),
                                  passes=("fwd",), allocs=("alloc",), repeat=1, warmup=1)

@@ -29,7 +29,6 @@ it in an environment of its own).
 from __future__ import annotations
 
 import importlib
-import json
 import math
 import statistics
 import time
@@ -41,6 +40,7 @@ import torch
 import torch.nn.functional as TF
 
 from normlab import functional as F
+from normlab import runs
 
 OPS = ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "prms_norm", "dyt", "derf")
 PASSES = ("fwd", "bwd", "fwdbwd")
@@ -448,8 +448,7 @@ def _records(cases: list[Case], device: torch.device) -> list[dict]:
 def write_json(path: str, records: list[dict], env: dict, scrub: bool = True) -> None:
     """``method.scrub_bytes``: what was read before each timed call (0: nothing, the method of
     records made before the scrub, which have no ``method``)."""
-    with open(path, "w") as f:
-        json.dump({"environment": env, "method": {"scrub_bytes": ROTATE_BYTES if scrub else 0}, "records": records}, f, indent=1)
+    runs.write_json(path, {"environment": env, "method": {"scrub_bytes": ROTATE_BYTES if scrub else 0}, "records": records})
 
 
 def summary_rows(records: list[dict]) -> list[dict]:
