@@ -60,6 +60,13 @@ def _probe(tmp_path: Path, tiers: str, name: str, passes: str = "both", dtypes: 
     return int(compiled), int(loaded), level, torch.load(tmp_path / f"{name}.pt", weights_only=True), out.stderr
 
 
+def _level_compiled_here(tmp_path: Path, level: str, dtypes: str = "fp32") -> dict:
+    """The probe's outputs from ``level``'s code compiled in a fresh process (numba told to target
+    the level, as build_tiers does), not loaded from a tier."""
+    cpu_name, features = cache.llvm_target(level)
+    return _probe(tmp_path, "off", f"{level}-here", dtypes=dtypes, NUMBA_CPU_NAME=cpu_name, NUMBA_CPU_FEATURES=features)[3]
+
+
 def _host_kernels(backend: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
     """The probe's call in this process, whose kernels are compiled for this CPU (tiers are off in
     tests); with backend="reference" and float64, the truth it approximates."""
@@ -91,7 +98,7 @@ def test_a_tier_built_in_one_process_loads_without_compiling_in_another(tiers, t
     if HOST.get("avx512f", False):
         # Host code sums in AVX-512's 16 lanes, the level's in AVX2's 8: other bits, the same bound.
         # The tier must give what the level's code compiled here gives, bit for bit.
-        _, _, _, level_here, _ = _probe(tmp_path, "off", "level", NUMBA_CPU_NAME="x86-64-v3", NUMBA_CPU_FEATURES="")
+        level_here = _level_compiled_here(tmp_path, "x86-64-v3")
         for key in ("y", "dx", "dw"):
             assert torch.equal(got[key], level_here[key]), key
         truth = _host_kernels("reference", torch.float64)
@@ -140,8 +147,7 @@ def test_bf16_kernels_load_from_the_bf16_level_and_the_rest_from_v4(tmp_path):
     compiled, loaded, level, got, err = _probe(tmp_path, str(out), "tier", dtypes="bf16,fp32")
     assert (compiled, level) == (0, "x86-64-v4-bf16") and loaded >= 4, err
     # the bits of the same level compiled here, with the AVX512-BF16 conversion
-    _, _, _, level_here, _ = _probe(tmp_path, "off", "level", dtypes="bf16", NUMBA_CPU_NAME="x86-64-v4",
-                                    NUMBA_CPU_FEATURES="+avx512bf16")
+    level_here = _level_compiled_here(tmp_path, "x86-64-v4-bf16", dtypes="bf16")
     for key in ("y", "dx", "dw"):
         assert torch.equal(got[key], level_here[key]), key
 
