@@ -8,6 +8,11 @@ import pytest
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# Small calls run on one thread (memory.SERIAL_MAX_BYTES); the tests' tensors are small, and the
+# chunked paths (several threads, the weight gradients' per-chunk rows) must stay under test.
+# tests/test_cpu_memory.py checks the one-thread rule itself.
+os.environ.setdefault("NORMLAB_CPU_SERIAL_MB", "0")
+
 import torch  # noqa: E402
 
 # Tests pick their backends explicitly; a NORMLAB_BACKEND left in the shell must not change them.

@@ -11,7 +11,7 @@ import torch
 
 from normlab import functional as F
 
-from opcheck import DTYPES, OPS, op_leaves, run_op
+from opcheck import DTYPES, OPS, check, op_leaves, run_op
 
 pytest.importorskip("numba", reason="the cpu backend needs numba (pip install normlab[cpu])")
 from normlab.kernels.cpu import launch, memory  # noqa: E402
@@ -35,6 +35,35 @@ def test_streaming_stores_give_the_same_bits(gen, op, dtype, monkeypatch):
     assert all(torch.equal(plain_g[k], streamed_g[k]) for k in plain_g)
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_a_small_call_on_one_thread_matches_the_chunked_call(gen, op, monkeypatch):
+    # Below SERIAL_MAX_BYTES a call runs as one chunk on the calling thread. Rows do not depend
+    # on each other, so outputs and dx keep their bits; the weight gradients are summed over
+    # one chunk instead of several, so they may move by rounding: checked against float64.
+    leaves = op_leaves(gen, op, (37, 256), torch.bfloat16)
+    grads = [torch.randn(37, 256, generator=gen).bfloat16()] * 2
+    runs = []
+    for limit in (0, 1 << 20):
+        monkeypatch.setattr(launch, "SERIAL_MAX_BYTES", limit)
+        runs.append(run_op(op, leaves, {}, "cpu", grads))
+        assert launch.nchunks(37, 37 * 256 * 2) == (1 if limit else min(37, torch.get_num_threads()))
+    (chunked, chunked_g), (one, one_g) = runs
+    assert all(torch.equal(a, b) for a, b in zip(chunked, one))
+    for name in ("x", "residual"):
+        if name in one_g:
+            assert torch.equal(chunked_g[name], one_g[name]), name
+    check(gen, op, (37, 256), torch.bfloat16, leaves=leaves)  # still under the one-thread limit
+
+
+def test_small_calls_leave_numbas_other_threads_asleep_and_large_ones_use_torchs_count(monkeypatch):
+    monkeypatch.setattr(launch, "SERIAL_MAX_BYTES", 128 << 10)
+    import numba
+
+    assert launch.nchunks(1000, (128 << 10) - 1) == 1 and numba.get_num_threads() == 1
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    assert launch.nchunks(1000, 128 << 10) == threads and numba.get_num_threads() == threads
+
+
 def test_shared_staging_rows_stay_zero_and_aligned(gen, monkeypatch):
     # The launchers share one set of staging rows per chunk count between calls and threads
     # (memory.zero_stages), and the streamed 16-bit stores read a line of zeros from them. A kernel
@@ -48,8 +77,8 @@ def test_shared_staging_rows_stay_zero_and_aligned(gen, monkeypatch):
                 leaves = op_leaves(gen, op, shape, dtype)
                 grads = [torch.randn(shape, generator=gen).to(dtype)] * 2
                 run_op(op, leaves, {}, "cpu", grads)
-    stages = memory.zero_stages(launch.nchunks(shape[0]))
-    assert stages.shape[0] == launch.nchunks(shape[0]) and not stages.any()
+    stages = memory.zero_stages(launch.nchunks(shape[0], 1 << 30))
+    assert stages.shape[0] == launch.nchunks(shape[0], 1 << 30) and not stages.any()
     assert stages.ctypes.data % 64 == 0
 
 
@@ -104,7 +133,7 @@ def test_outputs_from_the_pool_are_not_overwritten_while_alive(gen):
 
 
 @pytest.mark.parametrize("name, value", [("NORMLAB_CPU_POOL_MB", "lots"), ("NORMLAB_CPU_STREAM_MB", "-4"),
-                                         ("NORMLAB_CPU_ALLOC", "malloc")])
+                                         ("NORMLAB_CPU_ALLOC", "malloc"), ("NORMLAB_CPU_SERIAL_MB", "nan")])
 def test_a_bad_environment_setting_names_its_variable(name, value):
     import subprocess
     import sys
@@ -118,13 +147,13 @@ def test_threads_follow_torch():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert launch.nchunks(1000) == 1
+        assert launch.nchunks(1000, 1 << 30) == 1
         import numba
 
         assert numba.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
-    assert launch.nchunks(1000) == min(before, launch.numba.config.NUMBA_NUM_THREADS)
+    assert launch.nchunks(1000, 1 << 30) == min(before, launch.numba.config.NUMBA_NUM_THREADS)
 
 
 @pytest.mark.parametrize("how", ["torch.set_num_threads(1)", "OMP_NUM_THREADS=1"])

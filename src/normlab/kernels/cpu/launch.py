@@ -24,7 +24,7 @@ from normlab.kernels.ops import rows
 
 from .pointwise import pointwise_bwd, pointwise_fwd, table_for
 from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
-from .memory import STREAM_MIN_BYTES, as_numpy, zero_stages, empty
+from .memory import SERIAL_MAX_BYTES, STREAM_MIN_BYTES, as_numpy, zero_stages, empty
 from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
 from .rows import start_threads
 from .simd import X86
@@ -73,12 +73,16 @@ def _k(kernel):
     return kernel.serial() if _forked_from_openmp else kernel
 
 
-def nchunks(rows: int) -> int:
+def nchunks(rows: int, nbytes: int) -> int:
+    """The chunk count of a call whose output is ``nbytes``, and numba's thread count set to it."""
     if _forked_from_openmp:
         return 1
     if not _threads_started:
         _start_numba_threads()
-    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if nbytes < SERIAL_MAX_BYTES:
+        threads = 1
+    else:
+        threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     # numba's count is per thread. Asking numba for it cost 6 us a call (a tenth of a small
     # call's launcher), so remember what was set instead.
     if getattr(_numba_threads, "count", None) != threads:
@@ -101,8 +105,8 @@ def _round_to(out_dtype: torch.dtype, llama: bool) -> np.ndarray:
 def _stages(out: Tensor, rows: int) -> tuple[np.ndarray, bool]:
     """The kernels' float32 staging rows (one per chunk: their count is the chunk count) and
     whether ``out`` is streamed."""
-    stream = X86 and out.numel() * out.element_size() >= STREAM_MIN_BYTES
-    return zero_stages(nchunks(rows)), stream
+    nbytes = out.numel() * out.element_size()
+    return zero_stages(nchunks(rows, nbytes)), X86 and nbytes >= STREAM_MIN_BYTES
 
 
 

@@ -180,6 +180,12 @@ STREAM_MIN_BYTES = (
 )
 
 
+# Calls whose output is smaller than this run on the calling thread alone: waking numba's idle
+# workers costs more than they save there (docs/cpu-kernels.md, "Fixed costs of a call").
+# NORMLAB_CPU_SERIAL_MB overrides it (0: every call may use all threads).
+SERIAL_MAX_BYTES = int(env_setting("NORMLAB_CPU_SERIAL_MB", "0.125") * (1 << 20))
+
+
 @functools.cache
 def zero_stages(count: int) -> np.ndarray:
     """The kernels' staging rows, one per chunk (simd.STAGE_WIDTH). Nothing writes them, so calls
