@@ -159,6 +159,37 @@ def test_backend_argument_context_manager_and_environment_in_that_order(monkeypa
             pass
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "add_rms_norm"])
+def test_the_fused_call_records_a_graph_exactly_when_autograd_needs_one(gen, op):
+    # Without a graph to record the call skips its autograd.Function (ops._records_nothing):
+    # same bits, no grad_fn; any input that requires grad brings the graph back.
+    x, r, w = rand(gen, 6, 32, dtype=torch.float32), rand(gen, 6, 32, dtype=torch.float32), rand(gen, 32, dtype=torch.float32)
+    fn = getattr(F, op)
+
+    def call(x, w):
+        out = fn(x, r, w, backend="cpu") if op.startswith("add") else fn(x, w, backend="cpu")
+        return out[0] if isinstance(out, tuple) else out
+
+    plain = call(x, w)
+    assert plain.grad_fn is None
+    for grad_x, grad_w in ((True, False), (False, True)):
+        y = call(x.clone().requires_grad_(grad_x), w.clone().requires_grad_(grad_w))
+        assert y.grad_fn is not None and torch.equal(y.detach(), plain)
+        with torch.no_grad():
+            y = call(x.clone().requires_grad_(grad_x), w.clone().requires_grad_(grad_w))
+        assert y.grad_fn is None and torch.equal(y, plain)
+
+
+def test_forward_mode_ad_is_refused_rather_than_its_tangent_dropped(gen):
+    import torch.autograd.forward_ad as fwAD
+
+    x = rand(gen, 4, 16, dtype=torch.float32)
+    with fwAD.dual_level(), torch.no_grad():  # no_grad does not turn forward AD off
+        dual = fwAD.make_dual(x, torch.ones_like(x))
+        with pytest.raises(NotImplementedError, match="jvp"):
+            F.rms_norm(dual, backend="cpu")
+
+
 def test_unavailable_backend_says_why(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if torch.cuda.is_available():

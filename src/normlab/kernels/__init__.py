@@ -134,8 +134,15 @@ def resolve(backend: str | None, device: torch.device) -> str:
 
 
 def _resolve(backend: str | None, device_type: str, device_index: int | None) -> str:
-    device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
     name = check_name(backend or _override.get() or os.environ.get("NORMLAB_BACKEND") or "auto")
+    return _choose(name, device_type, device_index, _interpret())
+
+
+@functools.cache
+def _choose(name: str, device_type: str, device_index: int | None, interpret: bool) -> str:
+    """_resolve's answer once the name is known: the same for every call on a device (``interpret``,
+    TRITON_INTERPRET's setting, is part of the key), and a tenth of a small call's time to work out."""
+    device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
     if name == "auto":
         fused = {"cpu": "cpu", "cuda": "triton"}.get(device.type)
         if fused and unavailable_reason(fused) is None and _device_reason(fused, device) is None:

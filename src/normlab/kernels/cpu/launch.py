@@ -116,8 +116,8 @@ def _rms_weight(weight: Tensor | None, d: int, out_dtype: torch.dtype, llama: bo
     w = weight.detach().float()
     if offset:
         w = w + offset
-    if llama:  # the llama order multiplies in the output dtype: the weight is rounded to it
-        w = w.to(out_dtype).float()
+    if llama and (offset or weight.dtype != out_dtype):  # the llama order multiplies in the output dtype:
+        w = w.to(out_dtype).float()                      # the weight is rounded to it (a no-op if it has it)
     return w.contiguous().numpy()
 
 
