@@ -8,7 +8,7 @@ import pytest
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# Small calls run on one thread (memory.SERIAL_MAX_BYTES); the tests' tensors are small, and the
+# Small calls run on one thread (memory.serial_max_bytes); the tests' tensors are small, and the
 # chunked paths (several threads, the weight gradients' per-chunk rows) must stay under test.
 # tests/test_cpu_memory.py checks the one-thread rule itself.
 os.environ.setdefault("NORMLAB_CPU_SERIAL_MB", "0")

@@ -55,6 +55,23 @@ def test_a_small_call_on_one_thread_matches_the_chunked_call(gen, op, monkeypatc
     check(gen, op, (37, 256), torch.bfloat16, leaves=leaves)  # still under the one-thread limit
 
 
+@pytest.mark.parametrize("policy, limit", [("PASSIVE", 2 << 20), ("", 128 << 10)])
+def test_the_one_thread_limit_follows_how_numbas_idle_threads_wait(policy, limit):
+    # Waking a sleeping worker (passive waits) costs more than waking a spinning one, so more
+    # calls are worth keeping on one thread there. Each policy needs a fresh process: GNU
+    # OpenMP reads it once, as it loads.
+    import subprocess
+    import sys
+
+    code = ("import torch, numba, normlab; from normlab.kernels.cpu import launch; normlab.rms_norm(torch.randn(2, 8), "
+            "backend='cpu'); print(numba.threading_layer(), launch._serial_limit)")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "NORMLAB_CPU_SERIAL_MB")}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": policy}, capture_output=True,
+                         text=True)
+    layer, value = out.stdout.split()
+    assert int(value) == (limit if layer == "omp" else 2 << 20), out.stdout
+
+
 def test_small_calls_leave_numbas_other_threads_asleep_and_large_ones_use_torchs_count(monkeypatch):
     monkeypatch.setattr(launch, "SERIAL_MAX_BYTES", 128 << 10)
     import numba

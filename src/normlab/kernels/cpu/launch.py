@@ -24,7 +24,7 @@ from normlab.kernels.ops import rows
 
 from .pointwise import pointwise_bwd, pointwise_fwd, table_for
 from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
-from .memory import SERIAL_MAX_BYTES, STREAM_MIN_BYTES, as_numpy, zero_stages, empty
+from .memory import STREAM_MIN_BYTES, as_numpy, empty, serial_max_bytes, zero_stages
 from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
 from .rows import start_threads
 from .simd import X86
@@ -33,6 +33,8 @@ _numba_threads = threading.local()  # what this thread last set numba's thread c
 
 
 _threads_started = False
+_serial_limit = 0  # memory.serial_max_bytes for how the threads wait, known once they start
+SERIAL_MAX_BYTES: int | None = None  # that limit's override (tests)
 _forked_from_openmp = False  # forked after the parent started GNU OpenMP: only serial kernels run here
 
 
@@ -40,12 +42,15 @@ def _start_numba_threads() -> None:
     """numba's OpenMP layer, when it starts, sets the process's OpenMP thread count to all cores,
     and torch reads that same count: a user's torch.set_num_threads(1) would be undone by the
     first kernel. Start the layer once, before any kernel, and put torch's count back."""
-    global _threads_started
+    global _threads_started, _serial_limit
     before = torch.get_num_threads()
     start_threads(2)
     if torch.get_num_threads() != before:
         torch.set_num_threads(before)
     _threads_started = True
+    # GNU OpenMP read its wait policy from the environment as it loaded
+    passive = numba.threading_layer() != "omp" or os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+    _serial_limit = serial_max_bytes(passive)
 
 
 def threading_layer() -> str | None:
@@ -79,7 +84,7 @@ def nchunks(rows: int, nbytes: int) -> int:
         return 1
     if not _threads_started:
         _start_numba_threads()
-    if nbytes < SERIAL_MAX_BYTES:
+    if nbytes < (_serial_limit if SERIAL_MAX_BYTES is None else SERIAL_MAX_BYTES):
         threads = 1
     else:
         threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))

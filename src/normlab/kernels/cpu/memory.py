@@ -180,10 +180,19 @@ STREAM_MIN_BYTES = (
 )
 
 
-# Calls whose output is smaller than this run on the calling thread alone: waking numba's idle
-# workers costs more than they save there (docs/cpu-kernels.md, "Fixed costs of a call").
-# NORMLAB_CPU_SERIAL_MB overrides it (0: every call may use all threads).
-SERIAL_MAX_BYTES = int(env_setting("NORMLAB_CPU_SERIAL_MB", "0.125") * (1 << 20))
+_SERIAL_MB = env_setting("NORMLAB_CPU_SERIAL_MB", "") if os.environ.get("NORMLAB_CPU_SERIAL_MB") else None
+
+
+def serial_max_bytes(passive: bool) -> int:
+    """Calls whose output is smaller than this run on the calling thread alone: waking numba's
+    idle workers costs more than they save there. Where they sleep when idle (``passive``:
+    OMP_WAIT_POLICY=PASSIVE, or the tbb and workqueue layers) a wake costs 40-80 us and one
+    thread wins up to about 2 MiB; where they spin (GNU OpenMP's default), up to about 128 KiB
+    (docs/cpu-kernels.md, "Fixed costs of a call"). NORMLAB_CPU_SERIAL_MB overrides both (0:
+    every call may use all threads)."""
+    if _SERIAL_MB is not None:
+        return int(_SERIAL_MB * (1 << 20))
+    return (2 << 20) if passive else (128 << 10)
 
 
 @functools.cache
