@@ -1077,7 +1077,7 @@ def test_settings_are_a_readable_table_not_raw_json():
 
     from pathlib import Path
 
-    results = json.loads((Path(__file__).parents[1] / "docs/results/compare-demo-epyc-2core/results.json").read_text())
+    results = json.loads((Path(__file__).parents[1] / "docs/results/compare-demo-epyc-avx512/results.json").read_text())
     md = report.markdown(results, {})
     assert '{"train"' not in md and "| setting | value |" in md
     rows = dict(report.settings_rows(results["presets"]["norms"]["settings"]))

@@ -134,7 +134,7 @@ def rejudged(path: Path) -> dict:
     return results
 
 
-@pytest.mark.parametrize("record", ["compare-demo-epyc-2core", "compare-all-quick-epyc-2core"])
+@pytest.mark.parametrize("record", ["compare-demo-epyc-avx512", "compare-all-quick-epyc-avx2"])
 def test_every_evidence_line_agrees_with_its_verdict_and_rule(record, tmp_path):
     results = rejudged(RESULTS / record / "results.json")
     text = report.markdown(results, {})
@@ -182,7 +182,7 @@ def test_the_step_time_expectation_says_whether_the_measurement_fits_it():
 def test_runs_trained_under_mixed_conditions_are_said_at_the_top_and_not_plotted_per_second(tmp_path):
     # issue 42: the header said torch_threads 1 while some runs used 2, and the per-second plot
     # compared runs timed under different thread counts
-    results = rejudged(RESULTS / "compare-demo-epyc-2core" / "results.json")
+    results = rejudged(RESULTS / "compare-demo-epyc-avx512" / "results.json")
     one, two = {"processor": "AMD EPYC", "threads": 1}, {"processor": "AMD EPYC", "threads": 2}
     for section in results["presets"].values():
         section["clocks"] = {"runs": [one], "timings": [two]}

@@ -2,7 +2,7 @@
 each arm's pilot losses and learning rate, and each preset's seed count with its power
 calculation. Run after committing a new `normlab compare ... --tune` design.json:
 
-    python tools/design_record.py epyc-2core
+    python tools/design_record.py epyc
 """
 
 import sys
@@ -32,7 +32,7 @@ run of this design (the pilot's seeds, 100-102, are never test seeds). How it de
 
 
 def main() -> None:
-    machine = sys.argv[1] if len(sys.argv) > 1 else "epyc-2core"
+    machine = sys.argv[1] if len(sys.argv) > 1 else "epyc"
     design = DS.load()
     body = INTRO + DS.markdown(design, "quick") + "\n"
     path = ROOT / "docs" / "results" / f"lab-design-{machine}.md"

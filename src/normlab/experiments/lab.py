@@ -413,7 +413,7 @@ RESULT_SOURCES = ("model.py", "model_config.py", "train.py", "data.py", "nn.py",
 def design_key(size: str, train_fields: dict) -> str:
     """Where the design keeps the tuned rates of runs of this size and these training fields: the
     size, and for tokens other than characters the tokenizer too ("quick|bpe2048"). A rate tuned
-    on characters is not one tuned on BPE tokens (docs/results/ladder-shallow-depth-quick-epyc-2core,
+    on characters is not one tuned on BPE tokens (docs/results/ladder-shallow-depth-quick-epyc,
     its BPE condition)."""
     kind = str(train_fields.get("tokenizer", "char"))
     if kind == "char":

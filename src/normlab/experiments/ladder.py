@@ -44,7 +44,7 @@ rates tuned under its own tokens where the design holds a pilot for them (`compa
 --tune tokenizer=bpe bpe_vocab=2048` writes them under "quick|bpe2048"); where it does not, at
 the character rates, and each arm's entry in results.json (settings.arm_lrs) says which. The rule
 was fixed after the first BPE ladder, whose character rates left deep Post-LN and DeepNorm at 1/3 and 3x
-Pre-LN's rate and reversed the character signs (docs/results/ladder-shallow-depth-quick-epyc-2core).
+Pre-LN's rate and reversed the character signs (docs/results/ladder-shallow-depth-quick-epyc).
 
 **The gpu size** (``--size gpu``) applies the same rule once, from the full size to a width meant
 for one GPU: d_model 768 with 64-wide heads (12 heads: GPT-2 small's width), depth unchanged (the
