@@ -174,6 +174,9 @@ def test_the_host_loads_the_best_level_it_can_run_and_nothing_else(tmp_path, mon
         assert host_with(cache.TIERS["x86-64-v3"]) is None  # an AVX2 CPU never loads the AVX-512 level
         monkeypatch.setenv("NORMLAB_CPU_TIERS", "off")
         assert host_with(cache.TIERS["x86-64-v4"]) is None
+        monkeypatch.setenv("NORMLAB_CPU_TIERS", str(tmp_path / "typo"))
+        with pytest.warns(UserWarning, match="NORMLAB_CPU_TIERS=.*typo.* neither off nor a folder"):
+            assert host_with(cache.TIERS["x86-64-v4"]) is None
         monkeypatch.setenv("NORMLAB_CPU_TIERS", str(tmp_path))
         monkeypatch.setattr(cache.numba.config, "CPU_NAME", "skylake-avx512")  # the user chose a target
         assert host_with(cache.TIERS["x86-64-v4"]) is None

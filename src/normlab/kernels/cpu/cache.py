@@ -21,7 +21,8 @@ rather than the builder's CPU makes the code run on every CPU with that level's 
 numba's cache key then names the level instead of the CPU. A kernel with no entry in the user's
 cache is loaded from the best level this CPU supports that holds it; only where none does
 (another CPU family, another numba or Python) is it compiled here. NORMLAB_CPU_TIERS=off turns tiers off
-(the kernels are then always compiled for this exact CPU), a path points at another tiers folder.
+(the kernels are then always compiled for this exact CPU), a path points at another tiers folder
+(one that is not a folder is warned about, and no tiers are loaded).
 """
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ def host_tiers() -> tuple[tuple[str, str], ...]:
     if setting.lower() in ("off", "0", "false", "no") or numba.config.CPU_NAME is not None:
         return ()
     if llvm.get_process_triple().split("-")[0] not in ("x86_64", "amd64"):
+        return ()
+    if setting and not os.path.isdir(setting):
+        warnings.warn(f"NORMLAB_CPU_TIERS={setting!r} is neither off nor a folder: no shipped kernels are loaded, "
+                      "each is compiled for this CPU", stacklevel=2)
         return ()
     host = llvm.get_host_cpu_features()
     found = []
