@@ -71,8 +71,22 @@ def test_gradient_penalty_matches_the_float64_math(gen, backend, dtype, op):
     want = _penalized(exact, {k: v.detach().double().requires_grad_() for k, v in leaves.items()}, weights.double())
     tol = 1e-4 if dtype == torch.float32 else 0.06  # relative, in norm over the whole gradient
     for name, g, w in zip(names, got, want):
-        err = ((g.double() - w).norm() / w.norm().clamp_min(1e-30)).item()
+        scale = w.norm()
+        if name == "a":  # one number summed over every element: it can cancel far below its terms
+            scale = torch.maximum(scale, _scalar_terms(exact, leaves, weights))
+        err = ((g.double() - w).norm() / scale.clamp_min(1e-30)).item()
         assert err < tol, f"{op} {backend} {dtype}: d/d{name} off by {err:.2e} relative"
+
+
+def _scalar_terms(exact, leaves, weights):
+    """The float64 gradient of the scalar leaf "a" as the sum of its absolute terms, one per
+    element of x (a expanded to x's shape). Where the terms cancel (one seed in some hundreds),
+    bf16 inputs leave even torch's own math 10% off the small sum, so the error is judged against
+    the terms instead."""
+    v = {k: t.detach().double() for k, t in leaves.items()}
+    v["a"] = v["a"].expand(v["x"].shape).clone()
+    grads = _penalized(exact, {k: t.requires_grad_() for k, t in v.items()}, weights.double())
+    return grads[list(v).index("a")].abs().sum()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
