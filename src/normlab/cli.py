@@ -63,6 +63,10 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
         console.print(f"ahead-of-time kernels: {', '.join(level for level, _ in tiers)} in {escape(os.path.dirname(os.path.dirname(tiers[0][1])))} "
                       "(loaded, best first, where the cache above has no entry)" if tiers else
                       "ahead-of-time kernels: none for this CPU and install (NORMLAB_CPU_TIERS; tools/build_tiers.py builds them)")
+        layer, threads, serial = cpu.launch.thread_plan()
+        small = (f"outputs under {serial >> 10} KiB on one thread (NORMLAB_CPU_SERIAL_MB)" if serial else
+                 "every call on all of them (NORMLAB_CPU_SERIAL_MB=0)")
+        console.print(f"cpu threads: {threads} (torch's count), numba's {layer} layer; {small}")
     return 0
 
 

@@ -58,6 +58,13 @@ def threading_layer() -> str | None:
     return numba.threading_layer() if _threads_started else None
 
 
+def thread_plan() -> tuple[str, int, int]:
+    """(numba's threading layer, the threads a large call uses, the output size in bytes below
+    which a call runs on one thread), starting the layer if no kernel has yet."""
+    big = nchunks(1 << 30, 1 << 62)
+    return numba.threading_layer(), big, _serial_limit if SERIAL_MAX_BYTES is None else SERIAL_MAX_BYTES
+
+
 def _after_fork() -> None:
     # GNU OpenMP cannot run in a child forked after it started (numba's omp layer kills the child
     # at its first parallel loop: a DataLoader's fork workers): the child runs the same kernels
