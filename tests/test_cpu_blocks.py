@@ -238,6 +238,39 @@ def test_the_backwards_bf16_line_holds_each_pairs_rounded_bits_in_order(gen, hw)
         assert torch.isnan(got[~finite].float()).all()
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["stored", "streamed"])
+@pytest.mark.parametrize("op", ["rms gemma", "rms llama", "layer"])
+def test_a_forward_block_in_pairs_gives_the_in_order_blocks_bits(gen, op, stream):
+    # Without AVX512-BF16 the bf16 forwards read x and write y in pairs (simd.writes_pairs), w and
+    # b in pair_order: the same operations per value, so the same bits as the in-order block.
+    # Both are built here with the integer rounding, so this runs on every CPU.
+    from numba import njit
+
+    llama = op == "rms llama"
+    math = LN._y_vector if op == "layer" else RMS._y_vector(llama)
+    blocks = [simd.forward_block(math, llama, stream, hw=False, paired=paired) for paired in (False, True)]
+
+    def runner(block):
+        @njit
+        def run(y, x, w, b, stage, mhi, mlo, rstd):
+            for j in range(0, y.shape[0], simd.EMIT):
+                block(y, np.uint64(j), x, w, b, stage, mhi, mlo, rstd)
+
+        return run
+
+    plain, paired = (runner(b) for b in blocks)
+    n = 4 * simd.EMIT
+    x = torch.from_numpy(_special_floats(gen, n)).bfloat16().view(torch.int16).numpy().view(np.uint16)
+    x[::29] = 0x7FC0  # nan
+    w, b = (torch.randn(n, generator=gen).bfloat16().float().numpy() for _ in range(2))
+    stage = memory.zero_stages(1)[0]
+    want, got = torch.zeros(n, dtype=torch.int16).numpy(), torch.zeros(n, dtype=torch.int16).numpy()  # 64-byte aligned
+    args = (np.float32(0.25), np.float32(-1e-3), np.float32(1.7))
+    plain(want.view(np.uint16), x, w, b, stage, *args)
+    paired(got.view(np.uint16), x, simd.pair_order(w, n), simd.pair_order(b, n), stage, *args)
+    assert np.array_equal(got, want)
+
+
 def test_pair_order_is_undone_by_pair_unorder(gen):
     v = torch.randn(3 * 32 + 5, generator=gen).numpy()
     ordered = simd.pair_order(v, 96)

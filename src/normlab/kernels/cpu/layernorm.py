@@ -30,7 +30,7 @@ from .codecs import add_at, load_at, store_at
 from .rows import (FLUSH, chunk_span, flush_into, pair_types, reads_pairs, partial_row_pairs, partial_sums, recip, row_of, row_pairs, block_spans,
                    sum_partials, value_at, vector_sums)
 from .simd import (BLOCK, EMIT, fma_ir, fma32, prefetch_pass1, prefetch_pass2, row_moments, store_fence,
-                   backward_block, forward_block, grad_sums, pair_order)
+                   backward_block, forward_block, grad_sums, pair_order, pairs_fit, writes_pairs)
 
 # ---------------------------------------------------------------------------------- forward
 # ``stages``: one float32 staging row per chunk (their count is the chunk count; see simd.py).
@@ -39,8 +39,10 @@ from .simd import (BLOCK, EMIT, fma_ir, fma32, prefetch_pass1, prefetch_pass2, r
 
 @kernel
 def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream):
-    n = x.shape[0]
+    n, d = x.shape
     nchunks = stages.shape[0]
+    span = d - d % EMIT if writes_pairs(x, y) else 0
+    w_pairs, b_pairs = pair_order(w, span), pair_order(b, span)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
@@ -50,15 +52,17 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream):
             row_rstd = recip(math.sqrt(var + eps))
             mean[r] = mu
             rstd[r] = row_rstd
-            _ln_write(xr, w, b, y[r], mu, row_rstd, stage, stream, xr, None)
+            _ln_write(xr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, xr, None)
         if stream:
             store_fence()
 
 
 @kernel
 def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream):
-    n = x.shape[0]
+    n, d = x.shape
     nchunks = stages.shape[0]
+    span = d - d % EMIT if writes_pairs(s, y) else 0
+    w_pairs, b_pairs = pair_order(w, span), pair_order(b, span)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
@@ -68,7 +72,7 @@ def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream):
             row_rstd = recip(math.sqrt(var + eps))
             mean[r] = mu
             rstd[r] = row_rstd
-            _ln_write(sr, w, b, y[r], mu, row_rstd, stage, stream, xr, rr)
+            _ln_write(sr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, xr, rr)
         if stream:
             store_fence()
 
@@ -147,16 +151,24 @@ def _centred(v, mhi, mlo):
 
 
 @njit(inline="always")
-def _ln_write(xr, w, bias, yr, mean, row_rstd, stage, stream, ahead1, ahead2):
-    """The row's outputs; ahead1 and ahead2 are the inputs whose next rows pass 2 prefetches."""
+def _ln_write(xr, w, bias, w_pairs, b_pairs, yr, mean, row_rstd, stage, stream, ahead1, ahead2):
+    """The row's outputs; ahead1 and ahead2 are the inputs whose next rows pass 2 prefetches.
+    With writes_pairs and the row's blocks starting at 0, they go in pairs (w_pairs, b_pairs:
+    w and b in pair_order over the whole blocks)."""
     d = yr.shape[0]
     mhi, mlo = _split(mean)
     a, b = block_spans(yr, 0, d, stream)
     for i in range(a):
         _ln_y(xr, w, bias, yr, mhi, mlo, row_rstd, i)
-    for j in range(a, b, EMIT):
+    c = a
+    if a == 0 and writes_pairs(xr, yr):
+        c = b
+        for j in range(0, b, EMIT):
+            prefetch_pass2(ahead1, ahead2, j, 1)
+            _y_block(yr, j, xr, w_pairs, b_pairs, stage, mhi, mlo, row_rstd, stream, True)
+    for j in range(c, b, EMIT):
         prefetch_pass2(ahead1, ahead2, j, 1)
-        _y_block(yr, j, xr, w, bias, stage, mhi, mlo, row_rstd, stream)
+        _y_block(yr, j, xr, w, bias, stage, mhi, mlo, row_rstd, stream, False)
     for i in range(b, d):
         _ln_y(xr, w, bias, yr, mhi, mlo, row_rstd, i)
 
@@ -172,19 +184,23 @@ def _y_vector(builder, x, w, b, mhi, mlo, row_rstd):
     return builder.fadd(builder.fmul(t, w()), b())
 
 
-_Y_BLOCK = {stream: forward_block(_y_vector, False, stream) for stream in (False, True)}
+_Y_BLOCK = {(stream, paired): forward_block(_y_vector, False, stream, paired=paired) for stream in (False, True) for paired in (False, True)}
 
 
-def _y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream):  # pragma: no cover - replaced by the overload below
-    """The output block y[j:j + EMIT] (simd.forward_block)."""
+def _y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired):  # pragma: no cover - replaced by the overload below
+    """The output block y[j:j + EMIT] (simd.forward_block; ``paired`` a literal bool: x and y in
+    bf16 pairs, w and b in pair_order)."""
     raise NotImplementedError
 
 
-@overload(_y_block)
-def _ov_y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream):
-    plain, streamed = _Y_BLOCK[False], _Y_BLOCK[True]
+@overload(_y_block, prefer_literal=True)
+def _ov_y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired):
+    pairs = paired.literal_value
+    if pairs and not pairs_fit(x, y):
+        return lambda y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired: None  # not called: writes_pairs is False
+    plain, streamed = _Y_BLOCK[False, pairs], _Y_BLOCK[True, pairs]
 
-    def block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream):
+    def block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired):
         if stream:
             streamed(y, np.uint64(j), x, w, b, stage, mhi, mlo, row_rstd)
         else:

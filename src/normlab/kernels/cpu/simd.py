@@ -257,12 +257,15 @@ def store_fence(typingctx):
 # ----------------------------------------------------------------------------- output blocks
 
 
-def forward_block(math, llama, stream, hw=HW_BF16):
+def forward_block(math, llama, stream, hw=HW_BF16, paired=False):
     """An intrinsic (y, j, x, w, b, stage, mhi, mlo, rstd) that computes and stores the output
     block y[j:j + EMIT]. ``math(builder, x, w, b, mhi, mlo, rstd)`` gives one 16-lane vector of
     outputs from one of x; ``w`` and ``b`` are functions that load the matching weights, so a
     form that does not use them loads nothing. ``llama``: the weight multiply happens as the
-    block is stored (see store_block), not in ``math``."""
+    block is stored (see store_block), not in ``math``. ``paired`` (bf16 x and y): x is read two
+    values to a 32-bit lane (bf16_pair), w and b are in pair_order, and each 32 results are put
+    back in place as they are stored (_store_pairs): no shuffles where bf16 is rounded with
+    integer arithmetic (see writes_pairs)."""
 
     def codegen(context, builder, signature, args):
         kind, xkind = signature.args[0].dtype, signature.args[2].dtype
@@ -272,13 +275,23 @@ def forward_block(math, llama, stream, hw=HW_BF16):
         at = args[1]
         xbase, wbase, bbase = (builder.gep(data, [at]) for data in (x_data, w_data, b_data))
         mhi, mlo, row_rstd = (f32x16(builder, args[k]) for k in (6, 7, 8))
+        if paired:
+            xs = [u for c in range(EMIT // 32) for u in bf16_pair(builder, xbase, 32 * c)]
+        else:
+            xs = [load_row(builder, xbase, v, xkind) for v in range(EMIT // LANES)]
         values = []
-        for v in range(EMIT // LANES):
-            t = load_row(builder, xbase, v, xkind)
+        for v, t in enumerate(xs):
             values.append(math(builder, t, lambda v=v: load_f32(builder, wbase, v),
                                lambda v=v: load_f32(builder, bbase, v), mhi, mlo, row_rstd))
         zero = builder.gep(stage_data, [ir.Constant(ir.IntType(64), ZERO)])
-        store_block(builder, kind, builder.gep(y_data, [at]), wbase, values, llama, stream, hw, zero)
+        ybase = builder.gep(y_data, [at])
+        if paired:
+            if llama:  # as store_block does it: round, widen, times the weight
+                values = [builder.fmul(widen_bits(builder, narrow_bits(builder, u, kind, hw), kind), load_f32(builder, wbase, v))
+                          for v, u in enumerate(values)]
+            _store_pairs(builder, ybase, values, stream, hw, zero)
+        else:
+            store_block(builder, kind, ybase, wbase, values, llama, stream, hw, zero)
         return context.get_dummy_value()
 
     def block(typingctx, y, j, x, w, b, stage, mhi, mlo, row_rstd):
@@ -500,6 +513,25 @@ def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
 
 
 # ------------------------------------------------------------------------------- pair order
+
+
+def writes_pairs(x, y):  # pragma: no cover - replaced by the overload below
+    """Whether a forward reads bf16 row x and writes bf16 row y in pairs (forward_block's
+    ``paired``): where bf16 is rounded with integer arithmetic (no AVX512-BF16), which then
+    needs no shuffle to put values back in place; with the instruction the in-order path is
+    kept."""
+    raise NotImplementedError
+
+
+def pairs_fit(x, y) -> bool:
+    """writes_pairs on numba array types, at typing time."""
+    return x.dtype == y.dtype == types.uint16 and not HW_BF16
+
+
+@overload(writes_pairs)
+def _ov_writes_pairs(x, y):
+    both = pairs_fit(x, y)
+    return lambda x, y: both
 
 
 def _make_pair_shuffle(to_pairs):
