@@ -241,7 +241,7 @@ def test_the_backwards_bf16_line_holds_each_pairs_rounded_bits_in_order(gen, hw)
 @pytest.mark.parametrize("stream", [False, True], ids=["stored", "streamed"])
 @pytest.mark.parametrize("op", ["rms gemma", "rms llama", "layer"])
 def test_a_forward_block_in_pairs_gives_the_in_order_blocks_bits(gen, op, stream):
-    # Without AVX512-BF16 the bf16 forwards read x and write y in pairs (simd.writes_pairs), w and
+    # Without AVX512-BF16 the bf16 forwards read x and write y in pairs (rows.writes_pairs), w and
     # b in pair_order: the same operations per value, so the same bits as the in-order block.
     # Both are built here with the integer rounding, so this runs on every CPU.
     from numba import njit

@@ -27,10 +27,10 @@ from numba.extending import overload
 
 from .cache import kernel
 from .codecs import add_at, load_at, store_at
-from .rows import (FLUSH, chunk_span, flush_into, pair_types, reads_pairs, partial_row_pairs, partial_sums, recip, row_of, row_pairs, block_spans,
-                   sum_partials, value_at, vector_sums)
+from .rows import (FLUSH, chunk_span, flush_into, pair_types, pairs_fit, reads_pairs, partial_row_pairs, partial_sums, recip, row_of,
+                   row_pairs, block_spans, sum_partials, value_at, vector_sums, writes_pairs)
 from .simd import (BLOCK, EMIT, fma_ir, fma32, prefetch_pass1, prefetch_pass2, row_moments, store_fence,
-                   backward_block, forward_block, grad_sums, pair_order, pairs_fit, writes_pairs)
+                   backward_block, forward_block, grad_sums, pair_order)
 
 # ---------------------------------------------------------------------------------- forward
 # ``stages``: one float32 staging row per chunk (their count is the chunk count; see simd.py).

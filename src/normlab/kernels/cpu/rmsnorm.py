@@ -29,10 +29,10 @@ from numba.extending import overload
 
 from .cache import kernel
 from .codecs import load_at, round_like, store_at
-from .rows import (FLUSH, chunk_span, flush_into, is_llama, pair_types, reads_pairs, partial_rows, partial_sums, recip, row_of,
-                   row_pairs, block_spans, sum_partials, value_at, vector_sums)
+from .rows import (FLUSH, chunk_span, flush_into, is_llama, pair_types, pairs_fit, reads_pairs, partial_rows, partial_sums,
+                   recip, row_of, row_pairs, block_spans, sum_partials, value_at, vector_sums, writes_pairs)
 from .simd import (BLOCK, EMIT, fma_ir, fma32, narrow_bits, prefetch_pass1, prefetch_pass2, row_sumsq,
-                   store_fence, widen_bits, backward_block, forward_block, grad_sums, pair_order, pairs_fit, writes_pairs)
+                   store_fence, widen_bits, backward_block, forward_block, grad_sums, pair_order)
 
 # ---------------------------------------------------------------------------------- forward
 # ``stages``: one float32 staging row per chunk (their count is the chunk count; see simd.py).

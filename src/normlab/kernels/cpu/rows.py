@@ -35,7 +35,7 @@ from numba.extending import overload
 
 from .cache import kernel
 from .codecs import load_at, round_like, store_at
-from .simd import BLOCK, EMIT, pair_unorder
+from .simd import BLOCK, EMIT, HW_BF16, pair_unorder
 
 
 @kernel
@@ -122,6 +122,25 @@ def reads_pairs(x, dy, ds=None):  # pragma: no cover - replaced by the overload 
 def _ov_paired(x, dy, ds=None):
     every = pair_types(x, dy, ds)
     return lambda x, dy, ds=None: every
+
+
+def writes_pairs(x, y):  # pragma: no cover - replaced by the overload below
+    """Whether a forward reads bf16 row x and writes bf16 row y in pairs (forward_block's
+    ``paired``): where bf16 is rounded with integer arithmetic (no AVX512-BF16), which then
+    needs no shuffle to put values back in place; with the instruction the in-order path is
+    kept."""
+    raise NotImplementedError
+
+
+def pairs_fit(x, y) -> bool:
+    """writes_pairs on numba array types, at typing time."""
+    return pair_types(x, y) and not HW_BF16
+
+
+@overload(writes_pairs)
+def _ov_writes_pairs(x, y):
+    both = pairs_fit(x, y)
+    return lambda x, y: both
 
 
 def vector_sums(a):  # pragma: no cover - replaced by the overload below

@@ -265,7 +265,7 @@ def forward_block(math, llama, stream, hw=HW_BF16, paired=False):
     block is stored (see store_block), not in ``math``. ``paired`` (bf16 x and y): x is read two
     values to a 32-bit lane (bf16_pair), w and b are in pair_order, and each 32 results are put
     back in place as they are stored (_store_pairs): no shuffles where bf16 is rounded with
-    integer arithmetic (see writes_pairs)."""
+    integer arithmetic (see rows.writes_pairs)."""
 
     def codegen(context, builder, signature, args):
         kind, xkind = signature.args[0].dtype, signature.args[2].dtype
@@ -515,25 +515,6 @@ def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
 # ------------------------------------------------------------------------------- pair order
 
 
-def writes_pairs(x, y):  # pragma: no cover - replaced by the overload below
-    """Whether a forward reads bf16 row x and writes bf16 row y in pairs (forward_block's
-    ``paired``): where bf16 is rounded with integer arithmetic (no AVX512-BF16), which then
-    needs no shuffle to put values back in place; with the instruction the in-order path is
-    kept."""
-    raise NotImplementedError
-
-
-def pairs_fit(x, y) -> bool:
-    """writes_pairs on numba array types, at typing time."""
-    return x.dtype == y.dtype == types.uint16 and not HW_BF16
-
-
-@overload(writes_pairs)
-def _ov_writes_pairs(x, y):
-    both = pairs_fit(x, y)
-    return lambda x, y: both
-
-
 def _make_pair_shuffle(to_pairs):
     """An intrinsic (src, dst, span): dst[:span] = src[:span] in pair order (``to_pairs``) or
     back from it, 32 float32 values at a time as two shuffles of two vectors."""
@@ -568,9 +549,12 @@ _from_pairs = _make_pair_shuffle(False)
 
 @njit
 def pair_order(v, span):
-    """A copy of the float32 vector v with each 32 values of [0, span) (span a multiple of 32)
-    in the order the bf16 passes read them: the 16 even-indexed ones, then the 16 odd-indexed
-    ones; past span, in place."""
+    """The float32 vector v with each 32 values of [0, span) (span a multiple of 32) in the
+    order the bf16 passes read them: the 16 even-indexed ones, then the 16 odd-indexed ones;
+    past span, in place. A copy, or v itself when span is 0 (a call that reads nothing in
+    pairs allocates nothing); callers only read it."""
+    if span == 0:
+        return v
     out = v.copy()
     _to_pairs(v, out, span)
     return out
