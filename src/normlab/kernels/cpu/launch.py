@@ -62,7 +62,12 @@ def thread_plan() -> tuple[str, int, int]:
     """(numba's threading layer, the threads a large call uses, the output size in bytes below
     which a call runs on one thread), starting the layer if no kernel has yet."""
     big = nchunks(1 << 30, 1 << 62)
-    return numba.threading_layer(), big, _serial_limit if SERIAL_MAX_BYTES is None else SERIAL_MAX_BYTES
+    return numba.threading_layer(), big, _one_thread_below()
+
+
+def _one_thread_below() -> int:
+    """The output size in bytes below which a call runs on one thread (threads started)."""
+    return _serial_limit if SERIAL_MAX_BYTES is None else SERIAL_MAX_BYTES
 
 
 def _after_fork() -> None:
@@ -91,7 +96,7 @@ def nchunks(rows: int, nbytes: int) -> int:
         return 1
     if not _threads_started:
         _start_numba_threads()
-    if nbytes < (_serial_limit if SERIAL_MAX_BYTES is None else SERIAL_MAX_BYTES):
+    if nbytes < _one_thread_below():
         threads = 1
     else:
         threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
