@@ -239,3 +239,36 @@ def test_dataloader_workers_forked_after_a_kernel_call_run_the_kernels():
     assert got["err"] <= 2 ** -8  # bf16 output: within one rounding of the float64 math
     assert got["ran"] >= 1  # a compiled rms_fwd signature in every worker: the kernels ran there
     assert got["serial"] == [got["layer"] == "omp"], got
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_every_allocator_gives_the_same_outputs_and_gradients(gen, op, dtype, monkeypatch):
+    # Outputs and per-row statistics come from the pool, numpy or torch (NORMLAB_CPU_ALLOC),
+    # each made together with the array the kernel writes (memory.empty, memory.vector): a 3-D
+    # input checks the tensor's shape and dtype views on top of that array. With the pool's
+    # minimum at 0 every output and statistic takes the pool's path, which bf16 and fp16 reach
+    # through integer arrays.
+    shape = (3, 7, 96)
+    leaves = op_leaves(gen, op, shape, dtype)
+    grads = [torch.randn(shape, generator=gen).to(dtype)] * 2
+    runs = []
+    for allocator in ("torch", "numpy", "pool"):
+        monkeypatch.setattr(memory, "ALLOCATOR", allocator)
+        monkeypatch.setattr(memory.POOL, "min_bytes", 0)
+        outs, gs = run_op(op, leaves, {}, "cpu", grads)
+        assert all(o.shape == shape for o in outs) and outs[0].dtype == dtype
+        runs.append((outs, gs))
+        # the statistics a compiled graph's backward receives, from the pool and below its
+        # minimum: the shapes and dtypes the fake ops declare
+        for min_bytes in (0, 1 << 20):
+            monkeypatch.setattr(memory.POOL, "min_bytes", min_bytes)
+            *_, rstd = launch.rms_fwd_launch(leaves["x"], None, 1e-6, True, True, 0.0, shape[-1])
+            *_, mean, ln_rstd = launch.ln_fwd_launch(leaves["x"], None, None, 1e-5)
+            assert rstd.shape == ln_rstd.shape == mean.shape == shape[:-1]
+            assert (rstd.dtype, ln_rstd.dtype, mean.dtype) == (torch.float32, torch.float32, torch.float64)
+    (first, first_g), *rest = runs
+    for outs, gs in rest:
+        assert all(torch.equal(a, b) for a, b in zip(first, outs))
+        assert all(torch.equal(first_g[k], gs[k]) for k in first_g)
+    check(gen, op, shape, dtype, leaves=leaves)  # the pool's path, against float64

@@ -77,7 +77,7 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False):
     sets = [(memory.as_numpy(torch.randn(n, d, dtype=dtype)), memory.as_numpy(torch.randn(n, d, dtype=dtype))) for _ in range(k)]
     y = memory.as_numpy(torch.empty(n, d, dtype=dtype))
     w, b = torch.randn(d).numpy(), torch.randn(d).numpy()
-    stages, nt = C._stages(torch.empty(n, d, dtype=dtype), n)
+    stages, nt = C._stages(n * d * dtype.itemsize, n)
     rstd, mean, rnd = np.empty(n, np.float32), np.empty(n, np.float64), C._round_to(dtype, llama)
     dw, db = np.zeros(d, np.float32), np.zeros(d, np.float32)
     chunks = stages.shape[0]

@@ -81,7 +81,7 @@ def main() -> None:
 
     xn, dyn = memory.as_numpy(x.detach().view(n, d)), memory.as_numpy(dy.view(n, d))
     out = memory.as_numpy(torch.empty(n, d, dtype=dtype))
-    stages, nt = C._stages(torch.empty(n, d, dtype=dtype), n)
+    stages, nt = C._stages(n * d * dtype.itemsize, n)
     wn, bn = w.detach().float().numpy(), b.detach().float().numpy()
     mean, rstd = np.empty(n), np.empty(n, np.float32)
     dw = np.zeros(d, np.float32)

@@ -20,11 +20,10 @@ import torch
 from torch import Tensor
 
 from normlab import reference
-from normlab.kernels.ops import rows
 
 from .pointwise import pointwise_bwd, pointwise_fwd, table_for
 from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
-from .memory import STREAM_MIN_BYTES, as_numpy, empty, serial_max_bytes, zero_stages
+from .memory import STREAM_MIN_BYTES, as_numpy, empty, serial_max_bytes, vector, zero_stages
 from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
 from .rows import start_threads
 from .simd import X86
@@ -119,28 +118,36 @@ def _round_to(out_dtype: torch.dtype, llama: bool) -> np.ndarray:
     return np.zeros(1, _NP_CODE[out_dtype] if llama else np.float32)
 
 
-def _stages(out: Tensor, rows: int) -> tuple[np.ndarray, bool]:
+def _stages(nbytes: int, rows: int) -> tuple[np.ndarray, bool]:
     """The kernels' float32 staging rows (one per chunk: their count is the chunk count) and
-    whether ``out`` is streamed."""
-    nbytes = out.numel() * out.element_size()
+    whether an output of ``nbytes`` is streamed."""
     return zero_stages(nchunks(rows, nbytes)), X86 and nbytes >= STREAM_MIN_BYTES
 
 
-
-def _rms_weight(weight: Tensor | None, d: int, out_dtype: torch.dtype, llama: bool, offset: float) -> np.ndarray:
-    if weight is None:
-        return np.ones(d, np.float32)
-    w = weight.detach().float()
-    if offset:
-        w = w + offset
-    if llama and (offset or weight.dtype != out_dtype):  # the llama order multiplies in the output dtype:
-        w = w.to(out_dtype).float()                      # the weight is rounded to it (a no-op if it has it)
-    return w.contiguous().numpy()
+def _rows(t: Tensor, d: int) -> np.ndarray:
+    """``t`` (..., d) as the contiguous (rows, d) array the kernels read."""
+    return as_numpy(t if t.is_contiguous() else t.contiguous()).reshape(-1, d)
 
 
 def _f32_vector(t: Tensor | None, d: int, fill: float) -> np.ndarray:
     """A weight or bias as a float32 vector, ``fill`` everywhere when there is none."""
-    return np.full(d, fill, np.float32) if t is None else t.detach().float().contiguous().numpy()
+    if t is None:
+        return np.full(d, fill, np.float32)
+    t = t.detach()
+    if t.dtype != torch.float32:
+        t = t.float()
+    return (t if t.is_contiguous() else t.contiguous()).numpy()
+
+
+def _rms_weight(weight: Tensor | None, d: int, out_dtype: torch.dtype, llama: bool, offset: float) -> np.ndarray:
+    if weight is None or not (offset or llama and weight.dtype != out_dtype):
+        return _f32_vector(weight, d, 1.0)
+    w = weight.detach().float()
+    if offset:  # not + 0.0, which would turn a -0.0 weight into +0.0
+        w = w + offset
+    if llama:  # the llama order multiplies in the output dtype: the weight is rounded to it
+        w = w.to(out_dtype).float()
+    return w.numpy()
 
 
 def _ln_weights(weight: Tensor | None, bias: Tensor | None, d: int) -> tuple[np.ndarray, np.ndarray]:
@@ -148,53 +155,54 @@ def _ln_weights(weight: Tensor | None, bias: Tensor | None, d: int) -> tuple[np.
 
 
 # -------------------------------------------------------------------------------- launchers
+# Each torch call on the way to a kernel costs about a microsecond, and many more after a cache
+# miss: the launchers take numpy views once and reshape those instead of the tensors.
 
 
 def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None, residual_in_fp32=False):
     """Returns (y, s or None, rstd). With ``residual``: s = x + residual is written and normalized."""
     shape, d = x.shape, x.shape[-1]
-    x2 = rows(x)
-    n = x2.shape[0]
-    y = empty(shape, x.dtype) if y is None else y
-    rstd = empty(shape[:-1], torch.float32)
+    xn = _rows(x, d)
+    n = xn.shape[0]
+    y, yn = empty(shape, x.dtype, xn.shape) if y is None else (y, as_numpy(y).reshape(n, d))
+    rstd, rn = vector(shape[:-1], torch.float32, n)
     w = _rms_weight(weight, d, x.dtype, llama, offset)
     s = None
     if residual is not None:
-        s = empty(shape, reference.sum_dtype(x, residual, residual_in_fp32))
+        s, sn = empty(shape, reference.sum_dtype(x, residual, residual_in_fp32), xn.shape)
     if n:
+        rnd, stages = _round_to(x.dtype, llama), _stages(yn.nbytes, n)
         if s is None:
-            _k(rms_fwd)(as_numpy(x2), w, as_numpy(y.view(n, d)), rstd.view(n).numpy(), eps, inside, k, _round_to(x.dtype, llama),
-                      *_stages(y, n))
+            _k(rms_fwd)(xn, w, yn, rn, eps, inside, k, rnd, *stages)
         else:
-            _k(add_rms_fwd)(
-                as_numpy(x2), as_numpy(rows(residual)), w, as_numpy(y.view(n, d)), as_numpy(s.view(n, d)),
-                rstd.view(n).numpy(), eps, inside, k, _round_to(x.dtype, llama), *_stages(y, n),
-            )
+            _k(add_rms_fwd)(xn, _rows(residual, d), w, yn, sn, rn, eps, inside, k, rnd, *stages)
     return y, s, rstd
 
 
-def _weight_grads(grad_dtypes: tuple | None, count: int, d: int, rows: int) -> list[Tensor]:
-    """The (d,) outputs the kernels store weight (and bias) gradients into: in ``grad_dtypes``,
-    else float32; zeros when there are no rows."""
-    dtypes = grad_dtypes or (torch.float32,) * count
-    return [torch.empty(d, dtype=t) if rows else torch.zeros(d, dtype=t) for t in dtypes]
+def _weight_grads(grad_dtypes: tuple | None, count: int, d: int, rows: int) -> list[tuple[Tensor, np.ndarray]]:
+    """The (d,) outputs the kernels store weight (and bias) gradients into, with their arrays: in
+    ``grad_dtypes``, else float32; zeros when there are no rows (no kernel runs)."""
+    grads = [vector((d,), t, d) for t in grad_dtypes or (torch.float32,) * count]
+    if not rows:
+        for _, array in grads:
+            array.fill(0)
+    return grads
 
 
 def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k, *, grad_dtypes=None):
     """Returns (dx in x's dtype, dw (d,) float32 or in ``grad_dtypes[0]``). ``ds`` (optional) is
     added to dx."""
     shape, d = x.shape, x.shape[-1]
-    x2, dy2 = rows(x), rows(dy)
-    n = x2.shape[0]
-    dx = empty(shape, x.dtype)
-    stages, stream = _stages(dx, n)
-    (dw,) = _weight_grads(grad_dtypes, 1, d, n)
+    xn, dyn = _rows(x, d), _rows(dy, d)
+    n = xn.shape[0]
+    dx, dxn = empty(shape, x.dtype, xn.shape)
+    ((dw, dwn),) = _weight_grads(grad_dtypes, 1, d, n)
     if n:
         w = _rms_weight(weight, d, dy.dtype, llama, offset)
-        ds2 = as_numpy(rows(ds)) if ds is not None else None
+        dsn = _rows(ds, d) if ds is not None else None
         _k(rms_bwd)(
-            as_numpy(dy2), as_numpy(x2), w, rstd.reshape(n).numpy(), ds2, as_numpy(dx.view(n, d)),
-            as_numpy(dw), eps, inside, k, _round_to(dy.dtype, llama), stages, stream,
+            dyn, xn, w, as_numpy(rstd).reshape(n), dsn, dxn, dwn, eps, inside, k, _round_to(dy.dtype, llama),
+            *_stages(dxn.nbytes, n),
         )
     return dx, dw
 
@@ -202,72 +210,65 @@ def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k, *, gr
 def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp32=False):
     """Returns (y, s or None, mean float64, rstd float32)."""
     shape, d = x.shape, x.shape[-1]
-    x2 = rows(x)
-    n = x2.shape[0]
-    y = empty(shape, x.dtype) if y is None else y
-    mean = empty(shape[:-1], torch.float64)
-    rstd = empty(shape[:-1], torch.float32)
+    xn = _rows(x, d)
+    n = xn.shape[0]
+    y, yn = empty(shape, x.dtype, xn.shape) if y is None else (y, as_numpy(y).reshape(n, d))
+    mean, mn = vector(shape[:-1], torch.float64, n)
+    rstd, rn = vector(shape[:-1], torch.float32, n)
     w, b = _ln_weights(weight, bias, d)
     s = None
     if residual is not None:
-        s = empty(shape, reference.sum_dtype(x, residual, residual_in_fp32))
+        s, sn = empty(shape, reference.sum_dtype(x, residual, residual_in_fp32), xn.shape)
     if n:
-        stats = (mean.view(n).numpy(), rstd.view(n).numpy())
+        stages = _stages(yn.nbytes, n)
         if s is None:
-            _k(ln_fwd)(as_numpy(x2), w, b, as_numpy(y.view(n, d)), *stats, eps, *_stages(y, n))
+            _k(ln_fwd)(xn, w, b, yn, mn, rn, eps, *stages)
         else:
-            _k(add_ln_fwd)(
-                as_numpy(x2), as_numpy(rows(residual)), w, b, as_numpy(y.view(n, d)), as_numpy(s.view(n, d)),
-                *stats, eps, *_stages(y, n),
-            )
+            _k(add_ln_fwd)(xn, _rows(residual, d), w, b, yn, sn, mn, rn, eps, *stages)
     return y, s, mean, rstd
 
 
 def ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None):
     """Returns (dx in x's dtype, dw, db), (d,) float32 or in ``grad_dtypes``."""
     shape, d = x.shape, x.shape[-1]
-    x2, dy2 = rows(x), rows(dy)
-    n = x2.shape[0]
-    dx = empty(shape, x.dtype)
-    stages, stream = _stages(dx, n)
-    dw, db = _weight_grads(grad_dtypes, 2, d, n)
+    xn, dyn = _rows(x, d), _rows(dy, d)
+    n = xn.shape[0]
+    dx, dxn = empty(shape, x.dtype, xn.shape)
+    (dw, dwn), (db, dbn) = _weight_grads(grad_dtypes, 2, d, n)
     if n:
         w = _f32_vector(weight, d, 1.0)
-        ds2 = as_numpy(rows(ds)) if ds is not None else None
+        dsn = _rows(ds, d) if ds is not None else None
         _k(ln_bwd)(
-            as_numpy(dy2), as_numpy(x2), w, mean.reshape(n).numpy(), rstd.reshape(n).numpy(),
-            ds2, as_numpy(dx.view(n, d)), as_numpy(dw), as_numpy(db), stages, stream,
+            dyn, xn, w, as_numpy(mean).reshape(n), as_numpy(rstd).reshape(n), dsn, dxn, dwn, dbn,
+            *_stages(dxn.nbytes, n),
         )
     return dx, dw, db
 
 
 def _pointwise_fwd(x, alpha, shift, weight, bias):
     shape, d = x.shape, x.shape[-1]
-    x2 = rows(x)
-    n = x2.shape[0]
-    y = empty(shape, x.dtype)
+    xn = _rows(x, d)
+    n = xn.shape[0]
+    y, yn = empty(shape, x.dtype, xn.shape)
     w, b = _ln_weights(weight, bias, d)
     if n:
-        xn = as_numpy(x2)
         s = None if shift is None else np.float32(float(shift.float()))
-        _k(pointwise_fwd)(xn, float(alpha.float()), s, w, b, as_numpy(y.view(n, d)), *_stages(y, n), table_for(xn, grad=False))
+        _k(pointwise_fwd)(xn, float(alpha.float()), s, w, b, yn, *_stages(yn.nbytes, n), table_for(xn, grad=False))
     return y
 
 
 def _pointwise_bwd(dy, x, alpha, shift, weight):
     shape, d = x.shape, x.shape[-1]
-    x2, dy2 = rows(x), rows(dy)
-    n = x2.shape[0]
-    dx = empty(shape, x.dtype)
-    stages, stream = _stages(dx, n)
+    xn, dyn = _rows(x, d), _rows(dy, d)
+    n = xn.shape[0]
+    dx, dxn = empty(shape, x.dtype, xn.shape)
+    stages, stream = _stages(dxn.nbytes, n)
     chunks = stages.shape[0]
     das, dw, db = np.zeros((chunks, 2)), np.zeros((chunks, d)), np.zeros((chunks, d))
     if n:
         w = _f32_vector(weight, d, 1.0)
-        xn = as_numpy(x2)
         s = None if shift is None else np.float32(float(shift.float()))
-        _k(pointwise_bwd)(as_numpy(dy2), xn, float(alpha.float()), s, w, as_numpy(dx.view(n, d)), das, dw, db, stages, stream,
-                          table_for(xn, grad=True))
+        _k(pointwise_bwd)(dyn, xn, float(alpha.float()), s, w, dxn, das, dw, db, stages, stream, table_for(xn, grad=True))
     # the chunks' float64 sums, added in chunk order (deterministic for a thread count)
     da, ds = das.sum(0)
     return dx, da, ds, torch.from_numpy(dw.sum(0).astype(np.float32)), torch.from_numpy(db.sum(0).astype(np.float32))

@@ -22,20 +22,20 @@ from torch import Tensor
 from .simd import STAGE_WIDTH
 
 
+# How each dtype travels to the kernels: its numpy dtype (bfloat16 and float16 as their bits) and
+# the torch dtype of the integer view that exposes those bits (None: numpy has the dtype itself).
+KERNEL_CODE = {torch.float32: np.float32, torch.float64: np.float64, torch.bfloat16: np.uint16, torch.float16: np.int16}
+_BITS = {torch.float32: None, torch.float64: None, torch.bfloat16: torch.uint16, torch.float16: torch.int16}
+
+
 def as_numpy(t: Tensor) -> np.ndarray:
     """A numpy view of a contiguous CPU tensor in the encoding the kernels expect. (An integer
-    view never requires grad, so only float32 needs the detach; each step is a microsecond or
-    two of every call.)"""
-    if t.dtype == torch.float32:
-        return t.detach().numpy()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.uint16).numpy()
-    if t.dtype == torch.float16:
-        return t.view(torch.int16).numpy()
-    raise TypeError(f"cpu kernels take float32, bfloat16 or float16 tensors, got {t.dtype}")
-
-
-_NP_STORAGE = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.int16, torch.float64: np.float64}
+    view never requires grad, so only the float types need the detach; each step is a microsecond
+    or two of every call.)"""
+    if t.dtype not in _BITS:
+        raise TypeError(f"cpu kernels take float32, bfloat16 or float16 tensors, got {t.dtype}")
+    bits = _BITS[t.dtype]
+    return t.detach().numpy() if bits is None else t.view(bits).numpy()
 
 
 ALIGN = 64  # bytes: a cache line, and what the streaming stores need (torch aligns to 64 too)
@@ -61,8 +61,8 @@ class BufferPool:
     large blocks to the OS on free, so every call would fault again (docs/cpu-kernels.md,
     "Output buffers"). This pool keeps the pages: a buffer goes back into use when
     its reference count shows that no tensor, view or autograd graph holds it (the tensor
-    returned keeps its numpy view, and the view its buffer, alive). Buffers smaller than
-    ``min_bytes`` come from torch's allocator, which recycles small blocks itself.
+    returned keeps its numpy view, and the view its buffer, alive). Smaller outputs come from
+    torch's allocator (per-row statistics from numpy's), which recycle small blocks themselves.
 
     ``max_bytes`` caps what the pool holds (in use or free); past it, outputs come from numpy's
     allocator unpooled, and free buffers are dropped oldest first to make room.
@@ -143,16 +143,35 @@ ALLOCATOR = env_setting("NORMLAB_CPU_ALLOC", "pool", choices=("pool", "numpy", "
 POOL = BufferPool(int(env_setting("NORMLAB_CPU_POOL_MB", "1024")) << 20)
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    nbytes = math.prod(shape) * dtype.itemsize
+def empty(shape: tuple[int, ...], dtype: torch.dtype, array_shape: tuple[int, ...]) -> tuple[Tensor, np.ndarray]:
+    """A new output: the tensor of ``shape`` the caller returns, and the same memory as the numpy
+    array of ``array_shape`` (same size, as_numpy's encoding) the kernel writes. Made together,
+    because every torch call between the two costs a microsecond hot and far more after a cache
+    miss (docs/cpu-kernels.md, "Fixed costs of a call")."""
+    nbytes = math.prod(array_shape) * dtype.itemsize
     if ALLOCATOR == "torch" or nbytes < POOL.min_bytes:
-        return torch.empty(shape, dtype=dtype)
-    if ALLOCATOR == "pool":
-        raw = POOL.take(nbytes)
-    else:
-        raw = _aligned(_raw(nbytes), nbytes)
-    buf = torch.from_numpy(raw.view(_NP_STORAGE[dtype]).reshape(shape))
-    return buf if buf.dtype == dtype else buf.view(dtype)
+        t = torch.empty(shape, dtype=dtype)
+        return t, as_numpy(t).reshape(array_shape)
+    raw = POOL.take(nbytes) if ALLOCATOR == "pool" else _aligned(_raw(nbytes), nbytes)
+    array = raw.view(KERNEL_CODE[dtype]).reshape(array_shape)
+    t = torch.from_numpy(array)
+    if t.dtype != dtype:
+        t = t.view(dtype)
+    return (t if shape == array_shape else t.view(shape)), array
+
+
+def vector(shape: tuple[int, ...], dtype: torch.dtype, length: int) -> tuple[Tensor, np.ndarray]:
+    """A result the kernel writes as a vector of ``length`` (a per-row statistic, a weight
+    gradient), made as ``empty`` makes outputs but from numpy's allocator below the pool's size:
+    kernels write these a value at a time, so numpy's alignment serves, and a numpy array becomes
+    a tensor faster than torch.empty's tensor becomes an array."""
+    if ALLOCATOR == "torch" or length * dtype.itemsize >= POOL.min_bytes:
+        return empty(shape, dtype, (length,))
+    array = np.empty(length, KERNEL_CODE[dtype])
+    t = torch.from_numpy(array)
+    if t.dtype != dtype:
+        t = t.view(dtype)
+    return (t if len(shape) == 1 else t.view(shape)), array
 
 
 def _last_level_cache_bytes(default: int = 32 << 20) -> int:
