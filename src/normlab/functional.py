@@ -60,6 +60,8 @@ def _check_device(t: Tensor, name: str, x: Tensor) -> None:
 
 
 def check_eps(eps: object, name: str = "eps") -> float:
+    if type(eps) is float and 0 <= eps < math.inf:  # the usual case, without the ABC check below
+        return eps
     if isinstance(eps, bool) or not isinstance(eps, Real):
         raise TypeError(f"{name} must be a real number, got {type(eps).__name__}")
     # comparisons, not math.isfinite: under torch.compile(dynamic=True) eps may be a SymFloat,
@@ -86,6 +88,8 @@ def check_partial(partial: object) -> float | None:
 
 
 def check_offset(offset: object) -> float:
+    if type(offset) is float and -math.inf < offset < math.inf:
+        return offset
     if isinstance(offset, bool) or not isinstance(offset, Real) or not -math.inf < offset < math.inf:
         raise ValueError(f"offset must be a finite number (Gemma uses 1.0), got {offset!r}")
     return float(offset)

@@ -135,7 +135,9 @@ def resolve(backend: str | None, device: torch.device) -> str:
 
 def _resolve(backend: str | None, device_type: str, device_index: int | None) -> str:
     name = check_name(backend or _override.get() or os.environ.get("NORMLAB_BACKEND") or "auto")
-    return _choose(name, device_type, device_index, _interpret())
+    # TRITON_INTERPRET changes only what "triton" means (auto picks triton only for a CUDA tensor,
+    # where it is moot): read it for that name alone, as each read is a few Python calls
+    return _choose(name, device_type, device_index, name == "triton" and _interpret())
 
 
 @functools.cache

@@ -453,7 +453,10 @@ def _under_torch_func(tensors: tuple) -> bool:
     """Whether a torch.func transform (vmap, grad, jacrev, ...) wraps an input. The kernels read
     raw memory, which a transform's wrapper tensors do not expose, so the reference math runs
     there instead: every transform then works, with the reference's numerics."""
-    return any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    for t in tensors:
+        if t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return True
+    return False
 
 
 def _records_nothing(inputs: tuple) -> bool:
@@ -463,7 +466,11 @@ def _records_nothing(inputs: tuple) -> bool:
     jvp is an error rather than a dropped tangent."""
     if forward_ad._current_level >= 0:
         return False
-    return not torch.is_grad_enabled() or not any(isinstance(t, Tensor) and t.requires_grad for t in inputs)
+    if torch.is_grad_enabled():
+        for t in inputs:
+            if isinstance(t, Tensor) and t.requires_grad:
+                return False
+    return True
 
 
 def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.dtype) -> SimpleNamespace:
@@ -473,49 +480,55 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
     launchers = {op.name: functools.partial(op.launch, L) for op in OPS}
     public = {op.name: op.public for op in OPS}
 
-    def call(name: str, *inputs):
-        """The op's outputs callers see: through its custom op while torch.compile traces, else
-        eagerly; straight from the launcher when there is no graph to record."""
-        if torch.compiler.is_compiling():
+    # A small call's time is mostly this Python (docs/cpu-kernels.md, "Fixed costs of a call"),
+    # so the path below asks each question once and makes no generator.
+
+    def fused(tensors: tuple, compiling: bool) -> bool:
+        """Whether the kernels take these tensors: their dtypes, and (outside torch.compile, which
+        traces no functorch wrapper) no torch.func transform around them."""
+        for t in tensors:
+            if t is not None and t.dtype not in fused_dtypes:
+                return False
+        return compiling or not _under_torch_func(tensors)
+
+    def call(name: str, tensors: tuple, inputs: tuple, reference_math: Callable):
+        """The op's outputs callers see: the reference math where the kernels cannot run; through
+        its custom op while torch.compile traces; straight from the launcher when there is no
+        graph to record; else through its autograd.Function."""
+        compiling = torch.compiler.is_compiling()
+        if not fused(tensors, compiling):
+            return reference_math()
+        if compiling:
             return public[name](traced[name](*inputs))
         if _records_nothing(inputs):
             return public[name](launchers[name](*inputs))
         return eager[name].apply(*inputs)
 
-    def fused(*tensors: Tensor | None) -> bool:
-        if not all(t is None or t.dtype in fused_dtypes for t in tensors):
-            return False
-        return torch.compiler.is_compiling() or not _under_torch_func(tensors)
-
     def layer_norm(x, weight=None, bias=None, eps=1e-5):
-        if not fused(x, weight, bias):
-            return reference.layer_norm(x, weight, bias, eps)
-        return call("layer_norm", x, weight, bias, eps)
+        return call("layer_norm", (x, weight, bias), (x, weight, bias, eps),
+                    lambda: reference.layer_norm(x, weight, bias, eps))
 
     def rms_norm(x, weight=None, eps=1e-6, *, eps_mode="inside", cast="llama", offset=0.0, partial=None):
-        if not fused(x, weight):
-            return reference.rms_norm(x, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset, partial=partial)
         k = reference.partial_size(x.shape[-1], partial)
-        return call("rms_norm", x, weight, eps, eps_mode == "inside", cast == "llama", offset, k)
+        return call("rms_norm", (x, weight), (x, weight, eps, eps_mode == "inside", cast == "llama", offset, k),
+                    lambda: reference.rms_norm(x, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset, partial=partial))
 
     def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, *, residual_in_fp32=False):
-        if not fused(x, residual, weight, bias):
-            return reference.add_layer_norm(x, residual, weight, bias, eps, residual_in_fp32=residual_in_fp32)
-        return call("add_layer_norm", x, residual, weight, bias, eps, residual_in_fp32)
+        return call("add_layer_norm", (x, residual, weight, bias), (x, residual, weight, bias, eps, residual_in_fp32),
+                    lambda: reference.add_layer_norm(x, residual, weight, bias, eps, residual_in_fp32=residual_in_fp32))
 
     def add_rms_norm(x, residual, weight=None, eps=1e-6, *, eps_mode="inside", cast="llama", offset=0.0, partial=None,
                      residual_in_fp32=False):
-        if not fused(x, residual, weight):
-            return reference.add_rms_norm(x, residual, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset,
-                                          partial=partial, residual_in_fp32=residual_in_fp32)
         k = reference.partial_size(x.shape[-1], partial)
-        return call("add_rms_norm", x, residual, weight, eps, eps_mode == "inside", cast == "llama", offset, k,
-                    residual_in_fp32)
+        return call("add_rms_norm", (x, residual, weight),
+                    (x, residual, weight, eps, eps_mode == "inside", cast == "llama", offset, k, residual_in_fp32),
+                    lambda: reference.add_rms_norm(x, residual, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset,
+                                                   partial=partial, residual_in_fp32=residual_in_fp32))
 
     # ``out=`` variants: eager, no autograd, the kernel writes straight into ``out``.
 
     def rms_norm_out(x, weight=None, eps=1e-6, *, eps_mode="inside", cast="llama", offset=0.0, partial=None, out):
-        if not (fused(x, weight) and out.is_contiguous()):
+        if not (fused((x, weight), torch.compiler.is_compiling()) and out.is_contiguous()):
             return out.copy_(reference.rms_norm(x, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset,
                                                 partial=partial))
         k = reference.partial_size(x.shape[-1], partial)
@@ -523,7 +536,7 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
         return out
 
     def layer_norm_out(x, weight=None, bias=None, eps=1e-5, *, out):
-        if not (fused(x, weight, bias) and out.is_contiguous()):
+        if not (fused((x, weight, bias), torch.compiler.is_compiling()) and out.is_contiguous()):
             return out.copy_(reference.layer_norm(x, weight, bias, eps))
         L.ln_fwd_launch(x, weight, bias, eps, y=out)
         return out
@@ -531,14 +544,15 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
     has_dyt, has_derf = hasattr(L, "dyt_fwd_launch"), hasattr(L, "derf_fwd_launch")
 
     def dyt(x, alpha, weight=None, bias=None):
-        if not (has_dyt and fused(x, weight, bias)):
+        if not has_dyt:
             return reference.dyt(x, alpha, weight, bias)
-        return call("dyt", x, alpha, weight, bias)
+        return call("dyt", (x, weight, bias), (x, alpha, weight, bias), lambda: reference.dyt(x, alpha, weight, bias))
 
     def derf(x, alpha, shift, weight=None, bias=None):
-        if not (has_derf and fused(x, weight, bias)):
+        if not has_derf:
             return reference.derf(x, alpha, shift, weight, bias)
-        return call("derf", x, alpha, shift, weight, bias)
+        return call("derf", (x, weight, bias), (x, alpha, shift, weight, bias),
+                    lambda: reference.derf(x, alpha, shift, weight, bias))
 
     return SimpleNamespace(layer_norm=layer_norm, rms_norm=rms_norm, add_layer_norm=add_layer_norm,
                            add_rms_norm=add_rms_norm, rms_norm_out=rms_norm_out, layer_norm_out=layer_norm_out,
