@@ -39,7 +39,7 @@ def test_block_conversions_match_the_scalar_ones(gen, dtype, llama, path, nt):
     src = _special_floats(gen, simd.EMIT)
     stage = np.zeros(simd.STAGE_WIDTH, np.float32)  # a staging row, as the launchers make them
     w = (torch.randn(simd.EMIT, generator=gen) * 3).numpy()
-    code = launch._NP_CODE[dtype]
+    code = memory.KERNEL_CODE[dtype]
     nbytes = simd.EMIT * np.dtype(code).itemsize
     vec = memory._aligned(memory._raw(nbytes), nbytes).view(code)  # streamed stores need 64-byte alignment
     scalar = np.zeros(simd.EMIT, code)

@@ -23,7 +23,7 @@ from normlab import reference
 
 from .pointwise import pointwise_bwd, pointwise_fwd, table_for
 from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
-from .memory import STREAM_MIN_BYTES, as_numpy, empty, serial_max_bytes, vector, zero_stages
+from .memory import KERNEL_CODE, STREAM_MIN_BYTES, as_numpy, empty, serial_max_bytes, vector, zero_stages
 from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
 from .rows import start_threads
 from .simd import X86
@@ -107,15 +107,12 @@ def nchunks(rows: int, nbytes: int) -> int:
     return max(1, min(rows, threads))
 
 
-_NP_CODE = {torch.float32: np.float32, torch.bfloat16: np.uint16, torch.float16: np.int16}
-
-
 @functools.cache
 def _round_to(out_dtype: torch.dtype, llama: bool) -> np.ndarray:
     """The kernels' ``round_to``: a 1-element array of the dtype xhat is rounded to before the weight
     multiply (the output dtype in the llama order; float32, no rounding, in the gemma order).
     Only its dtype is read, so one array per key serves every call."""
-    return np.zeros(1, _NP_CODE[out_dtype] if llama else np.float32)
+    return np.zeros(1, KERNEL_CODE[out_dtype] if llama else np.float32)
 
 
 def _stages(nbytes: int, rows: int) -> tuple[np.ndarray, bool]:
