@@ -137,7 +137,7 @@ def _f32_vector(t: Tensor | None, d: int, fill: float) -> np.ndarray:
 
 
 def _rms_weight(weight: Tensor | None, d: int, out_dtype: torch.dtype, llama: bool, offset: float) -> np.ndarray:
-    if weight is None or not (offset or llama and weight.dtype != out_dtype):
+    if weight is None or not (offset or (llama and weight.dtype != out_dtype)):
         return _f32_vector(weight, d, 1.0)
     w = weight.detach().float()
     if offset:  # not + 0.0, which would turn a -0.0 weight into +0.0

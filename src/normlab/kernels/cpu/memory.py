@@ -153,11 +153,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, array_shape: tuple[int, ..
         t = torch.empty(shape, dtype=dtype)
         return t, as_numpy(t).reshape(array_shape)
     raw = POOL.take(nbytes) if ALLOCATOR == "pool" else _aligned(_raw(nbytes), nbytes)
-    array = raw.view(KERNEL_CODE[dtype]).reshape(array_shape)
-    t = torch.from_numpy(array)
-    if t.dtype != dtype:
-        t = t.view(dtype)
-    return (t if shape == array_shape else t.view(shape)), array
+    return _with_tensor(raw.view(KERNEL_CODE[dtype]).reshape(array_shape), shape, dtype)
 
 
 def vector(shape: tuple[int, ...], dtype: torch.dtype, length: int) -> tuple[Tensor, np.ndarray]:
@@ -167,11 +163,15 @@ def vector(shape: tuple[int, ...], dtype: torch.dtype, length: int) -> tuple[Ten
     a tensor faster than torch.empty's tensor becomes an array."""
     if ALLOCATOR == "torch" or length * dtype.itemsize >= POOL.min_bytes:
         return empty(shape, dtype, (length,))
-    array = np.empty(length, KERNEL_CODE[dtype])
+    return _with_tensor(np.empty(length, KERNEL_CODE[dtype]), shape, dtype)
+
+
+def _with_tensor(array: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Tensor, np.ndarray]:
+    """(the tensor of ``shape`` and ``dtype`` over ``array``'s memory, ``array``)."""
     t = torch.from_numpy(array)
-    if t.dtype != dtype:
+    if t.dtype != dtype:  # bfloat16 and float16 arrive as their bits
         t = t.view(dtype)
-    return (t if len(shape) == 1 else t.view(shape)), array
+    return (t if t.shape == shape else t.view(shape)), array
 
 
 def _last_level_cache_bytes(default: int = 32 << 20) -> int:
