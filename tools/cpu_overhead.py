@@ -1,13 +1,15 @@
 """The fixed cost of a CPU call: what a small tensor pays around the kernel.
 
-    python tools/cpu_overhead.py [--shape 8x1024] [--dtype bf16] [--calls 3000]
+    python tools/cpu_overhead.py [--shape 8x1024] [--dtype bf16] [--calls 3000] [--cold]
 
 For rms_norm and layer_norm it times, per call (median of ``--calls`` after a warm-up): the
 numba kernel alone, the launcher (allocation, argument conversion, the kernel, the weight
 gradient's chunk sum), the public function without and with autograd's graph, and the backward
 through ``torch.autograd.grad`` (what a training step pays). A do-nothing autograd.Function
-gives the floor of the last one. At a large shape the kernel's time swamps these; at the
-shapes of small models, and in decode, they are the call.
+gives the floor of the last one, torch's eager function (no grad) and a copy of x the yardsticks.
+At a large shape the kernel's time swamps these; at the shapes of small models, and in decode,
+they are the call. ``--cold`` reads the bench's 128 MiB before each timed call (code and data
+then start from memory, as after a large matmul); use a few hundred calls there.
 """
 
 import argparse
@@ -16,31 +18,38 @@ import time
 
 import numpy as np
 import torch
+import torch.nn.functional as TF
 
 import normlab.functional as F
-from normlab.bench import parse_shape
+from normlab.bench import parse_shape, scrubber
 from normlab.kernels.cpu import launch as C
 from normlab.kernels.cpu import layernorm, memory, rmsnorm
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
-def median_us(fn, calls: int) -> float:
+def _no_scrub() -> None:
+    pass
+
+
+def median_us(fn, calls: int, scrub=_no_scrub) -> float:
     for _ in range(calls // 10):
         fn()
     times = []
     for _ in range(calls):
+        scrub()
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
     return 1e6 * statistics.median(times)
 
 
-def timed_backward(make_output, inputs, dy):
+def timed_backward(make_output, inputs, dy, scrub=_no_scrub):
     """A callable that builds the graph untimed and returns the backward's own duration."""
 
     def run():
         y = make_output()
+        scrub()
         t = time.perf_counter()
         torch.autograd.grad(y, inputs, dy)
         return time.perf_counter() - t
@@ -71,8 +80,10 @@ def main() -> None:
     parser.add_argument("--shape", default="8x1024")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--cold", action="store_true", help="read 128 MiB before each timed call")
     args = parser.parse_args()
     shape, dtype, calls = parse_shape(args.shape), DTYPES[args.dtype], args.calls
+    scrub = scrubber(torch.device("cpu")) if args.cold else _no_scrub
     n, d = int(np.prod(shape[:-1])), shape[-1]
     x = torch.randn(shape, dtype=dtype, requires_grad=True)
     dy = torch.randn(shape, dtype=dtype)
@@ -98,7 +109,8 @@ def main() -> None:
             "launcher bwd": lambda: C.rms_bwd_launch(dy, x.detach(), w, rstd_t, None, 1e-6, True, False, 0.0, d),
             "fwd, no grad": lambda: F.rms_norm(x.detach(), w.detach(), backend="cpu"),
             "fwd, with graph": lambda: F.rms_norm(x, w, backend="cpu"),
-            "bwd (autograd.grad)": timed_backward(lambda: F.rms_norm(x, w, backend="cpu"), [x, w], dy),
+            "bwd (autograd.grad)": timed_backward(lambda: F.rms_norm(x, w, backend="cpu"), [x, w], dy, scrub),
+            "torch eager fwd": lambda: TF.rms_norm(x.detach(), (d,), w.detach(), 1e-6),
         },
         "layer_norm": {
             "kernel fwd": lambda: layernorm.ln_fwd(xn, wn, bn, out, mean, rstd, 1e-5, stages, nt),
@@ -107,21 +119,25 @@ def main() -> None:
             "launcher bwd": lambda: C.ln_bwd_launch(dy, x.detach(), w, mean_t, lrstd_t, None),
             "fwd, no grad": lambda: F.layer_norm(x.detach(), w.detach(), b.detach(), backend="cpu"),
             "fwd, with graph": lambda: F.layer_norm(x, w, b, backend="cpu"),
-            "bwd (autograd.grad)": timed_backward(lambda: F.layer_norm(x, w, b, backend="cpu"), [x, w, b], dy),
+            "bwd (autograd.grad)": timed_backward(lambda: F.layer_norm(x, w, b, backend="cpu"), [x, w, b], dy, scrub),
+            "torch eager fwd": lambda: TF.layer_norm(x.detach(), (d,), w.detach(), b.detach(), 1e-5),
         },
     }
-    floor = median_self_timed_us(timed_backward(lambda: _Nothing.apply(x, w), [x], dy), calls)
+    floor = median_self_timed_us(timed_backward(lambda: _Nothing.apply(x, w), [x], dy, scrub), calls)
+    copy = median_us(lambda: x.detach().clone(), calls, scrub)
+    cache = "after a 128 MiB read each" if args.cold else "in a loop"
     print(f"shape {args.shape} {args.dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"median of {calls} calls (us)")
+          f"median of {calls} calls {cache} (us)")
     print(f"{'':22s}" + "".join(f"{op:>12s}" for op in rows))
     for name in rows["rms_norm"]:
         cells = []
         for op in rows:
             fn = rows[op][name]
-            us = median_self_timed_us(fn, calls) if name.startswith("bwd") else median_us(fn, calls)
+            us = median_self_timed_us(fn, calls) if name.startswith("bwd") else median_us(fn, calls, scrub)
             cells.append(f"{us:12.1f}")
         print(f"{name:22s}" + "".join(cells))
     print(f"{'do-nothing Function bwd':22s}{floor:12.1f}")
+    print(f"{'copy of x (clone)':22s}{copy:12.1f}")
 
 
 if __name__ == "__main__":
