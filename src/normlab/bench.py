@@ -93,6 +93,13 @@ class Case:
     run: Callable[[int], object] = field(repr=False)
     times: list[float] = field(default_factory=list, repr=False)
 
+    @property
+    def grad_mode(self) -> bool:
+        """Autograd on for the backward passes, off for forwards and the copy. Set around each
+        call, outside its timing: a `with torch.no_grad()` inside it cost ~35 us after the cache
+        read, which the copy's call did not pay (docs/cpu-kernels.md, "A shorter path")."""
+        return self.pass_ in ("bwd", "fwdbwd")
+
 
 def parse_shape(text: str) -> tuple[int, ...]:
     try:
@@ -174,11 +181,10 @@ def make_peer(name: str, op: str, d: int, dtype: torch.dtype, device: torch.devi
         call = _reference_call(op, None if name == "normlab" else "reference")
         out_fn = None
         if name == "normlab" and not add and _norm_kind(op) != "pointwise":
-            def out_fn(x, r, out):
-                with torch.no_grad():
-                    if op == "layer_norm":
-                        return F.layer_norm(x, params[0], params[1], EPS, out=out)
-                    return F.rms_norm(x, params[0], EPS, partial=PARTIAL if op == "prms_norm" else None, out=out)
+            def out_fn(x, r, out):  # called with autograd off (Case.grad_mode)
+                if op == "layer_norm":
+                    return F.layer_norm(x, params[0], params[1], EPS, out=out)
+                return F.rms_norm(x, params[0], EPS, partial=PARTIAL if op == "prms_norm" else None, out=out)
         return Peer(lambda x, r: call(x, r, *params), params, out_fn)
     if name == "compile":
         # One compiled function per (op, dtype, shape, grad mode): past dynamo's default limit
@@ -311,12 +317,7 @@ def _fwd_runner(peer: Peer, alloc: str, xs, rs, out):
     k = len(xs)
     if alloc == "prealloc":
         return lambda i: peer.out_fn(xs[i % k], rs[i % k], out)
-
-    def run(i):
-        with torch.no_grad():
-            return peer.fn(xs[i % k], rs[i % k])
-
-    return run
+    return lambda i: peer.fn(xs[i % k], rs[i % k])  # with autograd off (Case.grad_mode)
 
 
 def scrubber(device: torch.device) -> Callable[[], None]:
@@ -406,21 +407,23 @@ def run_bench(
         cases, group_notes = _build_group(ops, backends, passes, allocs, dt, sh, dev, gen, clear)
         notes.extend(n for n in group_notes if n not in notes)
         for case in cases:  # warm-up, compilation included
-            for i in range(warmup):
-                case.run(i)
+            with torch.set_grad_enabled(case.grad_mode):
+                for i in range(warmup):
+                    case.run(i)
         _sync(dev)
         for i in range(repeat):
             start = i % len(cases)  # each round starts one case later: none always runs right after the same one
             for case in cases[start:] + cases[:start]:
                 if len(case.times) >= 3 and sum(case.times) >= case_seconds:
                     continue
-                clear()
-                _sync(dev)
-                t0 = time.perf_counter()
-                result = case.run(warmup + i)
-                _sync(dev)
-                # a runner that times itself (the backward alone) returns its duration
-                case.times.append(result if isinstance(result, float) else time.perf_counter() - t0)
+                with torch.set_grad_enabled(case.grad_mode):
+                    clear()
+                    _sync(dev)
+                    t0 = time.perf_counter()
+                    result = case.run(warmup + i)
+                    _sync(dev)
+                    # a runner that times itself (the backward alone) returns its duration
+                    case.times.append(result if isinstance(result, float) else time.perf_counter() - t0)
                 del result
         records.extend(_records(cases, dev))
         del cases
@@ -447,8 +450,11 @@ def _records(cases: list[Case], device: torch.device) -> list[dict]:
 
 def write_json(path: str, records: list[dict], env: dict, scrub: bool = True) -> None:
     """``method.scrub_bytes``: what was read before each timed call (0: nothing, the method of
-    records made before the scrub, which have no ``method``)."""
-    runs.write_json(path, {"environment": env, "method": {"scrub_bytes": ROTATE_BYTES if scrub else 0}, "records": records})
+    records made before the scrub, which have no ``method``). ``method.grad_mode``: "untimed"
+    where autograd's mode is set outside each timed call (Case.grad_mode); records without it
+    timed a `torch.no_grad()` block inside each forward."""
+    method = {"scrub_bytes": ROTATE_BYTES if scrub else 0, "grad_mode": "untimed"}
+    runs.write_json(path, {"environment": env, "method": method, "records": records})
 
 
 def summary_rows(records: list[dict]) -> list[dict]:
