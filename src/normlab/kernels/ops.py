@@ -50,15 +50,6 @@ from normlab import reference
 from normlab.reference import sum_dtype
 
 
-def rows(t: Tensor, *, dense: bool = True) -> Tensor:
-    """(..., d) as a 2-D (rows, d) tensor: contiguous when ``dense`` (what the cpu kernels read),
-    else any row stride with unit column stride (what the Triton kernels read)."""
-    if dense:
-        return t if t.dim() == 2 and t.is_contiguous() else t.contiguous().view(-1, t.shape[-1])
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 # ------------------------------------------------------------------------------- helpers
 
 

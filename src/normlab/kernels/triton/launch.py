@@ -19,12 +19,17 @@ import triton
 from torch import Tensor
 
 from normlab import reference
-from normlab.kernels.ops import rows
 from normlab.kernels.triton import kernels as K
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KIND = {torch.float32: K.FP32, torch.bfloat16: K.BF16, torch.float16: K.FP16}
 MAX_BLOCK = 4096  # columns per step; wider rows loop
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``t`` (..., d) as a 2-D (rows, d) tensor with any row stride and unit column stride."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
 def _block(d: int) -> int:
@@ -139,11 +144,11 @@ def _programs(device: torch.device) -> int:
 
 def _launch_fwd(x, residual, weight, bias, y, s, mean, rstd, eps, offset, k, is_rms, llama, inside):
     d = x.shape[-1]
-    x2 = rows(x, dense=False)
+    x2 = _rows(x)
     n = x2.shape[0]
     if n == 0:
         return
-    r2 = rows(residual, dense=False) if residual is not None else x2
+    r2 = _rows(residual) if residual is not None else x2
     y2, s2 = y.view(n, d), (s.view(n, d) if s is not None else y.view(n, d))
     spec = fwd_spec(d, x.dtype, weight=_dtype(weight), bias=_dtype(bias), residual=_dtype(residual), sum_dtype=_dtype(s),
                     is_rms=is_rms, llama=llama, inside=inside)
@@ -184,7 +189,7 @@ def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp
 
 def _launch_bwd(dy, x, weight, mean, rstd, ds, offset, k, is_rms, llama, inside, want_db):
     d = x.shape[-1]
-    x2, dy2 = rows(x, dense=False), rows(dy, dense=False)
+    x2, dy2 = _rows(x), _rows(dy)
     n = x2.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     spec = bwd_spec(d, dy.dtype, x.dtype, weight=_dtype(weight), ds=_dtype(ds), is_rms=is_rms, llama=llama, inside=inside,
@@ -194,7 +199,7 @@ def _launch_bwd(dy, x, weight, mean, rstd, ds, offset, k, is_rms, llama, inside,
     dw = torch.zeros((programs, d), dtype=torch.float32, device=x.device)
     db = torch.zeros((programs, d), dtype=torch.float32, device=x.device) if want_db else dw
     if n:
-        ds2 = rows(ds, dense=False) if ds is not None else dy2
+        ds2 = _rows(ds) if ds is not None else dy2
         dx2 = dx.view(n, d)
         K.norm_bwd[(programs,)](
             dy2, x2, weight if weight is not None else dy2, mean if mean is not None else rstd, rstd.reshape(-1), ds2, dx2,
@@ -220,7 +225,7 @@ def ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None):
 def dyt_fwd_launch(x, alpha, weight, bias):
     """Returns y in x's dtype."""
     d = x.shape[-1]
-    x2 = rows(x, dense=False)
+    x2 = _rows(x)
     n = x2.shape[0]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n:
@@ -238,7 +243,7 @@ def dyt_bwd_launch(dy, x, alpha, weight, bias):
     """Returns (dx in x's dtype, dalpha float32 in alpha's shape, dw and db float32 (d,)), the
     sums over a fixed number of programs added in program order (deterministic for a device)."""
     d = x.shape[-1]
-    x2, dy2 = rows(x, dense=False), rows(dy, dense=False)
+    x2, dy2 = _rows(x), _rows(dy)
     n = x2.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     programs = max(1, min(n, _programs(x.device)))
