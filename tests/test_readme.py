@@ -33,6 +33,20 @@ def test_readme_generated_blocks_match_the_records():
         assert block.strip() == expected.strip(), f"README block {start} is stale: run python tools/readme_tables.py"
 
 
+def test_cpu_bench_records_tables_are_their_json():
+    # A record's md quotes its run (tools/record_table.py prints the table); records made before
+    # that table's layout (no "into out=" column) are left as they were written.
+    checked = 0
+    for md in sorted(RESULTS.glob("cpu-bench-*.md")):
+        text = md.read_text()
+        if bench.RECORD_HEADER not in text:
+            continue
+        records = json.loads(md.with_suffix(".json").read_text())["records"]
+        assert bench.record_table(records) in text, f"{md.name}: its table differs from its JSON (tools/record_table.py)"
+        checked += 1
+    assert checked, "no CPU bench record in the current layout"
+
+
 MACHINE = r"-(xeon|epyc|h100|h200|a100)(-\w+)?$"
 
 

@@ -510,6 +510,38 @@ def _span(values: list[float], digits: int = 2) -> str:
     return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
 
 
+RECORD_HEADER = ("| op | pass | dtype | shape | normlab ms | x copy | into out=, x copy | torch ms | torch / normlab "
+                 "| compile ms | compile / normlab |")
+
+
+def _ms(value: float) -> str:
+    return f"{value:.3g}" if value < 100 else f"{value:.0f}"
+
+
+def record_table(records: list[dict]) -> str:
+    """A CPU bench record's table (docs/results/cpu-bench-*.md), from its JSON: normlab's
+    allocating calls per dtype, shape, op and pass, with the forward into ``out=`` and the torch
+    and torch.compile peers beside them."""
+    by = {(r["op"], r["backend"], r["dtype"], r["shape"], r["pass"], r["alloc"]): r for r in records}
+    shapes = list(dict.fromkeys(r["shape"] for r in records))
+    lines = [RECORD_HEADER, "|" + "---|" * (RECORD_HEADER.count("|") - 1)]
+    for dtype in ("fp32", "bf16"):
+        for shape in shapes:
+            for op in ("rms_norm", "layer_norm"):
+                for pass_ in ("fwd", "bwd"):
+                    ours = by.get((op, "normlab", dtype, shape, pass_, "alloc"))
+                    if ours is None:
+                        continue
+                    into = by.get((op, "normlab", dtype, shape, pass_, "prealloc"))
+                    cells = [op, pass_, dtype, shape, _ms(ours["ms"]), f"{ours['frac_of_copy']:.2f}",
+                             f"{into['frac_of_copy']:.2f}" if into else "-"]
+                    for peer in ("torch", "compile"):
+                        theirs = by.get((op, peer, dtype, shape, pass_, "alloc"))
+                        cells += [_ms(theirs["ms"]), f"{theirs['ms'] / ours['ms']:.1f}"] if theirs else ["-", "-"]
+                    lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def readme_summary(run: dict, record: str, shape: str = "4096x4096") -> str:
     """The README's speed summary from one ``normlab bench --json`` run (``record``: its path,
     named in the text)."""

@@ -1,0 +1,22 @@
+"""Print a CPU bench record's table (docs/results/cpu-bench-*.md) from its JSON, so the md quotes
+what the run measured.
+
+    python tools/record_table.py docs/results/cpu-bench-epyc-avx512.json
+"""
+
+import argparse
+import json
+
+from normlab import bench
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("record", help="a `normlab bench --json` file")
+    args = parser.parse_args()
+    with open(args.record) as f:
+        print(bench.record_table(json.load(f)["records"]))
+
+
+if __name__ == "__main__":
+    main()
