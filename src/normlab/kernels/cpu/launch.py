@@ -161,7 +161,7 @@ def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual
     shape, d = x.shape, x.shape[-1]
     xn = _rows(x, d)
     n = xn.shape[0]
-    y, yn = empty(shape, x.dtype, xn.shape) if y is None else (y, as_numpy(y).reshape(n, d))
+    y, yn = empty(shape, x.dtype, xn.shape) if y is None else (y, _rows(y, d))
     rstd, rn = vector(shape[:-1], torch.float32, n)
     w = _rms_weight(weight, d, x.dtype, llama, offset)
     s = None
@@ -209,7 +209,7 @@ def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp
     shape, d = x.shape, x.shape[-1]
     xn = _rows(x, d)
     n = xn.shape[0]
-    y, yn = empty(shape, x.dtype, xn.shape) if y is None else (y, as_numpy(y).reshape(n, d))
+    y, yn = empty(shape, x.dtype, xn.shape) if y is None else (y, _rows(y, d))
     mean, mn = vector(shape[:-1], torch.float64, n)
     rstd, rn = vector(shape[:-1], torch.float32, n)
     w, b = _ln_weights(weight, bias, d)
