@@ -1,9 +1,10 @@
 """The CPU backend's memory and threads: streaming stores give the plain path's bits, staging rows
-stay zero, the output buffer pool, out=, environment settings, torch's thread count, and kernels
-in forked DataLoader workers."""
+stay zero, the output buffer pool, out=, statistics no graph keeps, environment settings, torch's
+thread count, and kernels in forked DataLoader workers."""
 
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from normlab import functional as F
 
-from opcheck import DTYPES, OPS, check, op_leaves, run_op
+from opcheck import DTYPES, OPS, call_op, check, op_leaves, run_op
 
 pytest.importorskip("numba", reason="the cpu backend needs numba (pip install normlab[cpu])")
 from normlab.kernels.cpu import launch, memory  # noqa: E402
@@ -272,3 +273,58 @@ def test_every_allocator_gives_the_same_outputs_and_gradients(gen, op, dtype, mo
         assert all(torch.equal(a, b) for a, b in zip(first, outs))
         assert all(torch.equal(first_g[k], gs[k]) for k in first_g)
     check(gen, op, shape, dtype, leaves=leaves)  # the pool's path, against float64
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_forward_without_a_graph_makes_no_statistics_and_the_same_outputs(gen, op, monkeypatch):
+    # No graph reads a no-grad forward's per-row statistics: the kernels write them to a scratch
+    # array (memory.scratch) and no tensor is made for them, while a forward that records a
+    # graph keeps them for its backward. The outputs must not depend on which.
+    shape = (5, 3, 80)
+    leaves = op_leaves(gen, op, shape, torch.bfloat16)
+    made = []
+    real = memory.vector
+    monkeypatch.setattr(launch, "vector", lambda *a: made.append(a) or real(*a))
+    with torch.no_grad():
+        no_graph = call_op(op, leaves, {}, "cpu")
+    assert made == []
+    kept = call_op(op, {k: v.clone().requires_grad_() for k, v in leaves.items()}, {}, "cpu")
+    assert {a[1] for a in made} == ({torch.float32} if "rms" in op else {torch.float32, torch.float64})
+    assert all(torch.equal(a, b) for a, b in zip(no_graph, kept))
+    check(gen, op, shape, torch.bfloat16, leaves=leaves)
+
+
+def test_scratch_statistics_are_per_thread_and_grow():
+    first = memory.scratch(10, torch.float32)
+    assert first.shape == (10,) and first.dtype == np.float32
+    assert memory.scratch(3, torch.float64).dtype == np.float64
+    grown = memory.scratch(100_000, torch.float32)
+    assert grown.shape == (100_000,)
+    other = []
+    thread = threading.Thread(target=lambda: other.append(memory.scratch(10, torch.float32)))
+    thread.start()
+    thread.join()
+    assert not np.shares_memory(other[0], memory.scratch(10, torch.float32))
+
+
+def test_no_grad_forwards_in_threads_give_the_one_thread_results(gen):
+    # Threads share nothing a caller reads: each writes its discarded statistics to its own
+    # scratch, and its outputs are those of the same calls made one after another.
+    xs = [torch.randn(rows, 256, generator=gen).to(torch.bfloat16) for rows in (7, 300, 64, 1000)]
+    w, b = torch.randn(256, generator=gen), torch.randn(256, generator=gen)
+    with torch.no_grad():
+        alone = [(F.rms_norm(x, w, backend="cpu"), F.layer_norm(x, w, b, backend="cpu")) for x in xs]
+    results = {}
+
+    def work(i):
+        with torch.no_grad():
+            for _ in range(20):
+                got = (F.rms_norm(xs[i], w, backend="cpu"), F.layer_norm(xs[i], w, b, backend="cpu"))
+                results.setdefault(i, []).append(all(torch.equal(a, e) for a, e in zip(got, alone[i])))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(all(ok) for ok in results.values()) and len(results) == len(xs)

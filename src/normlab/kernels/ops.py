@@ -20,15 +20,18 @@ tensors, which carry a graph, instead of silently dropping it.
 The launchers a backend provides (``L``):
 
 - ``rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None,
-  residual_in_fp32=False)`` -> (y, s or None, rstd float32)
+  residual_in_fp32=False, stats=True)`` -> (y, s or None, rstd float32)
 - ``rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k, *, grad_dtypes=None)``
   -> (dx, dw)
-- ``ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp32=False)``
-  -> (y, s or None, mean (the backend's ``mean_dtype``), rstd float32)
+- ``ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp32=False,
+  stats=True)`` -> (y, s or None, mean (the backend's ``mean_dtype``), rstd float32)
 - ``ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None)`` -> (dx, dw, db)
 - optional: ``dyt_fwd_launch(x, alpha, weight, bias)`` -> y and ``dyt_bwd_launch(dy, x, alpha,
   weight, bias)`` -> (dx, dalpha, dw, db); ``derf_fwd_launch(x, alpha, shift, weight, bias)`` and
   ``derf_bwd_launch(...)`` -> (dx, dalpha, dshift, dw, db). Without them the op runs the reference.
+
+``stats=False``: nothing will read the per-row statistics (a forward that records no graph, or
+one into ``out=``); a backend may then return None in their place and make no tensor for them.
 
 dw and db are float32, or with ``grad_dtypes`` (the weight's and the bias's dtypes) already in
 those: the cpu kernels round their sums as they store them, which saves conversions right after
@@ -130,8 +133,8 @@ class RMSNorm:
     backward_schema = f"(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, Tensor? ds, {RMS_OPTIONS}) -> (Tensor, Tensor)"
 
     @staticmethod
-    def launch(L, x, weight, *options):
-        y, _, rstd = L.rms_fwd_launch(x, weight, *options)
+    def launch(L, x, weight, *options, stats=True):
+        y, _, rstd = L.rms_fwd_launch(x, weight, *options, stats=stats)
         return y, rstd
 
     @staticmethod
@@ -181,9 +184,9 @@ class AddRMSNorm(RMSNorm):
               " -> (Tensor, Tensor, Tensor)")
 
     @staticmethod
-    def launch(L, x, residual, weight, *options):
+    def launch(L, x, residual, weight, *options, stats=True):
         *options, residual_in_fp32 = options
-        return L.rms_fwd_launch(x, weight, *options, residual=residual, residual_in_fp32=residual_in_fp32)
+        return L.rms_fwd_launch(x, weight, *options, residual=residual, residual_in_fp32=residual_in_fp32, stats=stats)
 
     @staticmethod
     def fake(mean_dtype, x, residual, *options):
@@ -226,8 +229,8 @@ class LayerNorm:
     backward_schema = "(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, Tensor? ds) -> (Tensor, Tensor, Tensor)"
 
     @staticmethod
-    def launch(L, x, weight, bias, eps):
-        y, _, mean, rstd = L.ln_fwd_launch(x, weight, bias, eps)
+    def launch(L, x, weight, bias, eps, stats=True):
+        y, _, mean, rstd = L.ln_fwd_launch(x, weight, bias, eps, stats=stats)
         return y, mean, rstd
 
     @staticmethod
@@ -278,8 +281,8 @@ class AddLayerNorm(LayerNorm):
               " -> (Tensor, Tensor, Tensor, Tensor)")
 
     @staticmethod
-    def launch(L, x, residual, weight, bias, eps, residual_in_fp32):
-        return L.ln_fwd_launch(x, weight, bias, eps, residual=residual, residual_in_fp32=residual_in_fp32)
+    def launch(L, x, residual, weight, bias, eps, residual_in_fp32, stats=True):
+        return L.ln_fwd_launch(x, weight, bias, eps, residual=residual, residual_in_fp32=residual_in_fp32, stats=stats)
 
     @staticmethod
     def fake(mean_dtype, x, residual, weight, bias, eps, residual_in_fp32):
@@ -326,7 +329,7 @@ class DyT:
     formula = staticmethod(reference.dyt)
 
     @staticmethod
-    def launch(L, *inputs):
+    def launch(L, *inputs, stats=True):  # DyT keeps no statistics
         return L.dyt_fwd_launch(*inputs)
 
     @staticmethod
@@ -371,7 +374,7 @@ class Derf(DyT):
     formula = staticmethod(reference.derf)
 
     @staticmethod
-    def launch(L, *inputs):
+    def launch(L, *inputs, stats=True):
         return L.derf_fwd_launch(*inputs)
 
     @staticmethod
@@ -468,7 +471,7 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
     """The public functions of a backend whose launchers are the attributes of ``L``."""
     traced = _custom_ops(prefix, device_types, L, mean_dtype)
     eager = {op.name: _eager_function(prefix, op, L) for op in OPS}
-    launchers = {op.name: functools.partial(op.launch, L) for op in OPS}
+    untraced = {op.name: functools.partial(op.launch, L, stats=False) for op in OPS}  # no graph keeps the statistics
     public = {op.name: op.public for op in OPS}
 
     # A small call's time is mostly this Python (docs/cpu-kernels.md, "Fixed costs of a call"),
@@ -492,7 +495,7 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
         if compiling:
             return public[name](traced[name](*inputs))
         if _records_nothing(inputs):
-            return public[name](launchers[name](*inputs))
+            return public[name](untraced[name](*inputs))
         return eager[name].apply(*inputs)
 
     def layer_norm(x, weight=None, bias=None, eps=1e-5):
@@ -523,13 +526,13 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
             return out.copy_(reference.rms_norm(x, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset,
                                                 partial=partial))
         k = reference.partial_size(x.shape[-1], partial)
-        L.rms_fwd_launch(x, weight, eps, eps_mode == "inside", cast == "llama", offset, k, y=out)
+        L.rms_fwd_launch(x, weight, eps, eps_mode == "inside", cast == "llama", offset, k, y=out, stats=False)
         return out
 
     def layer_norm_out(x, weight=None, bias=None, eps=1e-5, *, out):
         if not (fused((x, weight, bias), torch.compiler.is_compiling()) and out.is_contiguous()):
             return out.copy_(reference.layer_norm(x, weight, bias, eps))
-        L.ln_fwd_launch(x, weight, bias, eps, y=out)
+        L.ln_fwd_launch(x, weight, bias, eps, y=out, stats=False)
         return out
 
     has_dyt, has_derf = hasattr(L, "dyt_fwd_launch"), hasattr(L, "derf_fwd_launch")

@@ -23,7 +23,7 @@ from normlab import reference
 
 from .pointwise import pointwise_bwd, pointwise_fwd, table_for
 from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
-from .memory import KERNEL_CODE, STREAM_MIN_BYTES, as_numpy, empty, serial_max_bytes, vector, zero_stages
+from .memory import KERNEL_CODE, STREAM_MIN_BYTES, as_numpy, empty, scratch, serial_max_bytes, vector, zero_stages
 from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
 from .rows import start_threads
 from .simd import X86
@@ -156,13 +156,20 @@ def _ln_weights(weight: Tensor | None, bias: Tensor | None, d: int) -> tuple[np.
 # miss: the launchers take numpy views once and reshape those instead of the tensors.
 
 
-def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None, residual_in_fp32=False):
-    """Returns (y, s or None, rstd). With ``residual``: s = x + residual is written and normalized."""
+def _per_row(shape: tuple[int, ...], dtype: torch.dtype, rows: int, stats: bool) -> tuple[Tensor | None, np.ndarray]:
+    """A per-row statistic (None when the caller does not keep ``stats``) and the array the kernel
+    writes it to."""
+    return vector(shape, dtype, rows) if stats else (None, scratch(rows, dtype))
+
+
+def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None, residual_in_fp32=False, stats=True):
+    """Returns (y, s or None, rstd, None without ``stats``). With ``residual``: s = x + residual is
+    written and normalized."""
     shape, d = x.shape, x.shape[-1]
     xn = _rows(x, d)
     n = xn.shape[0]
     y, yn = empty(shape, x.dtype, xn.shape) if y is None else (y, _rows(y, d))
-    rstd, rn = vector(shape[:-1], torch.float32, n)
+    rstd, rn = _per_row(shape[:-1], torch.float32, n, stats)
     w = _rms_weight(weight, d, x.dtype, llama, offset)
     s = None
     if residual is not None:
@@ -204,14 +211,14 @@ def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k, *, gr
     return dx, dw
 
 
-def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp32=False):
-    """Returns (y, s or None, mean float64, rstd float32)."""
+def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp32=False, stats=True):
+    """Returns (y, s or None, mean float64, rstd float32; both None without ``stats``)."""
     shape, d = x.shape, x.shape[-1]
     xn = _rows(x, d)
     n = xn.shape[0]
     y, yn = empty(shape, x.dtype, xn.shape) if y is None else (y, _rows(y, d))
-    mean, mn = vector(shape[:-1], torch.float64, n)
-    rstd, rn = vector(shape[:-1], torch.float32, n)
+    mean, mn = _per_row(shape[:-1], torch.float64, n, stats)
+    rstd, rn = _per_row(shape[:-1], torch.float32, n, stats)
     w, b = _ln_weights(weight, bias, d)
     s = None
     if residual is not None:

@@ -166,6 +166,21 @@ def vector(shape: tuple[int, ...], dtype: torch.dtype, length: int) -> tuple[Ten
     return _with_tensor(np.empty(length, KERNEL_CODE[dtype]), shape, dtype)
 
 
+_SCRATCH = threading.local()
+
+
+def scratch(length: int, dtype: torch.dtype) -> np.ndarray:
+    """``length`` values of ``dtype`` that nothing reads: where a forward records no graph, the
+    kernels write its per-row statistics here, so that such a call makes no tensor for them. One
+    array per thread and dtype, grown to the most rows a call has had (a statistic is 1/d of
+    its input's size)."""
+    arrays = _SCRATCH.__dict__  # this thread's
+    array = arrays.get(dtype)
+    if array is None or array.shape[0] < length:
+        array = arrays[dtype] = np.empty(max(length, 256), KERNEL_CODE[dtype])
+    return array[:length]
+
+
 def _with_tensor(array: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Tensor, np.ndarray]:
     """(the tensor of ``shape`` and ``dtype`` over ``array``'s memory, ``array``)."""
     t = torch.from_numpy(array)

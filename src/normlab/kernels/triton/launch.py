@@ -168,8 +168,9 @@ def _sum_out(x, residual, residual_in_fp32):
     return torch.empty(x.shape, dtype=reference.sum_dtype(x, residual, residual_in_fp32), device=x.device)
 
 
-def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None, residual_in_fp32=False):
-    """Returns (y, s or None, rstd). With ``residual``: s = x + residual is written and normalized."""
+def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None, residual_in_fp32=False, stats=True):
+    """Returns (y, s or None, rstd). With ``residual``: s = x + residual is written and normalized.
+    The statistics are written whatever ``stats`` says (the caching allocator makes them cheap)."""
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if y is None else y
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     s = _sum_out(x, residual, residual_in_fp32)
@@ -177,8 +178,8 @@ def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual
     return y, s, rstd
 
 
-def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp32=False):
-    """Returns (y, s or None, mean float64, rstd float32)."""
+def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp32=False, stats=True):
+    """Returns (y, s or None, mean float64, rstd float32), whatever ``stats`` says."""
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if y is None else y
     mean = torch.empty(x.shape[:-1], dtype=torch.float64, device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
