@@ -287,6 +287,10 @@ def test_a_forward_without_a_graph_makes_no_statistics_and_the_same_outputs(gen,
     monkeypatch.setattr(launch, "vector", lambda *a: made.append(a) or real(*a))
     with torch.no_grad():
         no_graph = call_op(op, leaves, {}, "cpu")
+        if op in ("rms_norm", "layer_norm"):  # into out= too
+            into = torch.empty_like(no_graph[0])
+            call_op(op, leaves, {"out": into}, "cpu")
+            assert torch.equal(into, no_graph[0])
     assert made == []
     kept = call_op(op, {k: v.clone().requires_grad_() for k, v in leaves.items()}, {}, "cpu")
     assert {a[1] for a in made} == ({torch.float32} if "rms" in op else {torch.float32, torch.float64})

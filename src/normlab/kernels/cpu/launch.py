@@ -163,8 +163,8 @@ def _per_row(shape: tuple[int, ...], dtype: torch.dtype, rows: int, stats: bool)
 
 
 def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None, residual_in_fp32=False, stats=True):
-    """Returns (y, s or None, rstd, None without ``stats``). With ``residual``: s = x + residual is
-    written and normalized."""
+    """Returns (y, s or None, rstd; rstd is None without ``stats``). With ``residual``: s = x +
+    residual is written and normalized."""
     shape, d = x.shape, x.shape[-1]
     xn = _rows(x, d)
     n = xn.shape[0]
