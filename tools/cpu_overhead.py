@@ -4,7 +4,7 @@
 
 For rms_norm and layer_norm it times, per call (median of ``--calls`` after a warm-up): the
 numba kernel alone, the launcher (allocation, argument conversion, the kernel, the weight
-gradient's chunk sum), the public function without and with autograd's graph, and the backward
+gradient's chunk sum; the forward's as a call without a graph runs it, no statistics kept), the public function without and with autograd's graph, and the backward
 through ``torch.autograd.grad`` (what a training step pays). A do-nothing autograd.Function
 gives the floor of the last one, torch's eager function (no grad) and a copy of x the yardsticks.
 At a large shape the kernel's time swamps these; at the shapes of small models, and in decode,
@@ -105,7 +105,7 @@ def main() -> None:
         "rms_norm": {
             "kernel fwd": lambda: rmsnorm.rms_fwd(xn, wn, out, rstd, 1e-6, True, d, rnd, stages, nt),
             "kernel bwd": lambda: rmsnorm.rms_bwd(dyn, xn, wn, rstd, None, out, dw, 1e-6, True, d, rnd, stages, nt),
-            "launcher fwd": lambda: C.rms_fwd_launch(x.detach(), w, 1e-6, True, False, 0.0, d),
+            "launcher fwd": lambda: C.rms_fwd_launch(x.detach(), w, 1e-6, True, False, 0.0, d, stats=False),
             "launcher bwd": lambda: C.rms_bwd_launch(dy, x.detach(), w, rstd_t, None, 1e-6, True, False, 0.0, d),
             "fwd, no grad": lambda: F.rms_norm(x.detach(), w.detach(), backend="cpu"),
             "fwd, with graph": lambda: F.rms_norm(x, w, backend="cpu"),
@@ -115,7 +115,7 @@ def main() -> None:
         "layer_norm": {
             "kernel fwd": lambda: layernorm.ln_fwd(xn, wn, bn, out, mean, rstd, 1e-5, stages, nt),
             "kernel bwd": lambda: layernorm.ln_bwd(dyn, xn, wn, mean, rstd, None, out, dw, dw.copy(), stages, nt),
-            "launcher fwd": lambda: C.ln_fwd_launch(x.detach(), w, b, 1e-5),
+            "launcher fwd": lambda: C.ln_fwd_launch(x.detach(), w, b, 1e-5, stats=False),
             "launcher bwd": lambda: C.ln_bwd_launch(dy, x.detach(), w, mean_t, lrstd_t, None),
             "fwd, no grad": lambda: F.layer_norm(x.detach(), w.detach(), b.detach(), backend="cpu"),
             "fwd, with graph": lambda: F.layer_norm(x, w, b, backend="cpu"),
