@@ -32,9 +32,10 @@ def as_numpy(t: Tensor) -> np.ndarray:
     """A numpy view of a contiguous CPU tensor in the encoding the kernels expect. (An integer
     view never requires grad, so only the float types need the detach; each step is a microsecond
     or two of every call.)"""
-    if t.dtype not in _BITS:
-        raise TypeError(f"cpu kernels take float32, bfloat16 or float16 tensors, got {t.dtype}")
-    bits = _BITS[t.dtype]
+    dtype = t.dtype
+    if dtype not in _BITS:
+        raise TypeError(f"cpu kernels take float32, bfloat16 or float16 tensors, got {dtype}")
+    bits = _BITS[dtype]
     return t.detach().numpy() if bits is None else t.view(bits).numpy()
 
 
