@@ -238,17 +238,21 @@ def test_the_backwards_bf16_line_holds_each_pairs_rounded_bits_in_order(gen, hw)
         assert torch.isnan(got[~finite].float()).all()
 
 
+@pytest.mark.parametrize("finite", [False, True], ids=["nan", "no-nan"])
 @pytest.mark.parametrize("stream", [False, True], ids=["stored", "streamed"])
 @pytest.mark.parametrize("op", ["rms gemma", "rms llama", "layer"])
-def test_a_forward_block_in_pairs_gives_the_in_order_blocks_bits(gen, op, stream):
+def test_a_forward_block_in_pairs_gives_the_in_order_blocks_bits(gen, op, stream, finite):
     # Without AVX512-BF16 the bf16 forwards read x and write y in pairs (rows.writes_pairs), w and
     # b in pair_order: the same operations per value, so the same bits as the in-order block.
-    # Both are built here with the integer rounding, so this runs on every CPU.
+    # Both are built here with the integer rounding, so this runs on every CPU. ``finite``: the
+    # paired block without the nan select, which rows whose outputs hold no nan take
+    # (rows.nan_free): infinities, overflow to inf and ties must still round as with it.
     from numba import njit
 
     llama = op == "rms llama"
     math = LN._y_vector if op == "layer" else RMS._y_vector(llama)
-    blocks = [simd.forward_block(math, llama, stream, hw=False, paired=paired) for paired in (False, True)]
+    blocks = [simd.forward_block(math, llama, stream, hw=False, paired=False),
+              simd.forward_block(math, llama, stream, hw=False, paired=True, finite=finite)]
 
     def runner(block):
         @njit
@@ -261,7 +265,8 @@ def test_a_forward_block_in_pairs_gives_the_in_order_blocks_bits(gen, op, stream
     plain, paired = (runner(b) for b in blocks)
     n = 4 * simd.EMIT
     x = torch.from_numpy(_special_floats(gen, n)).bfloat16().view(torch.int16).numpy().view(np.uint16)
-    x[::29] = 0x7FC0  # nan
+    if not finite:
+        x[::29] = 0x7FC0  # nan
     w, b = (torch.randn(n, generator=gen).bfloat16().float().numpy() for _ in range(2))
     stage = memory.zero_stages(1)[0]
     want, got = torch.zeros(n, dtype=torch.int16).numpy(), torch.zeros(n, dtype=torch.int16).numpy()  # 64-byte aligned
@@ -269,6 +274,8 @@ def test_a_forward_block_in_pairs_gives_the_in_order_blocks_bits(gen, op, stream
     plain(want.view(np.uint16), x, w, b, stage, *args)
     paired(got.view(np.uint16), x, simd.pair_order(w, n), simd.pair_order(b, n), stage, *args)
     assert np.array_equal(got, want)
+    values = torch.from_numpy(want).view(torch.bfloat16)
+    assert torch.isnan(values).any() != finite and torch.isinf(values).any()  # the cases each kind must round
 
 
 def test_pair_order_is_undone_by_pair_unorder(gen):

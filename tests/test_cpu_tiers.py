@@ -3,6 +3,7 @@ wheel ships them: a fresh process loads them instead of compiling, with the bits
 code compiled here (on an AVX2 host, the host kernels' bits); a level the CPU cannot run, or a tier
 from another numba, is never loaded."""
 
+import math
 import os
 import pickle
 import shutil
@@ -217,3 +218,72 @@ def test_a_level_build_compiles_for_the_levels_features_not_the_hosts(monkeypatc
 def test_build_tiers_names_an_unknown_level(tmp_path):
     with pytest.raises(ValueError, match="x86-64-v3"):
         build_tiers.build("x86-64-v9", tmp_path)
+
+
+# The bf16 forwards as an AVX2 CPU runs them (integer rounding, rows read and written in pairs),
+# compiled for the x86-64-v3 level, on inputs saved by the test.
+AVX2_FORWARDS = """
+import sys, torch
+import normlab
+x, r, w, w_inf, b, b_nan, x_past_k, w_zero = torch.load(sys.argv[1], weights_only=True).values()
+F = dict(backend="cpu", eps=0.0)
+out = {
+    "rms llama": normlab.rms_norm(x, w, cast="llama", **F),
+    "rms gemma offset": normlab.rms_norm(x, w, cast="gemma", offset=1.0, **F),
+    "rms inf weight": normlab.rms_norm(x, w_inf, **F),
+    "rms partial": normlab.rms_norm(x_past_k, w_zero, partial=0.5, **F),
+    "add rms": normlab.add_rms_norm(x, r, w, **F)[0],
+    "layer": normlab.layer_norm(x, w, b, **F),
+    "layer inf weight": normlab.layer_norm(x, w_inf, b, **F),
+    "layer nan bias": normlab.layer_norm(x, w, b_nan, **F),
+    "add layer": normlab.add_layer_norm(x, r, w, b, **F)[0],
+}
+torch.save(out, sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(not V3_HOST, reason="loading an x86-64-v3 tier needs a CPU with AVX2 (an x86-64-v3 CPU)")
+def test_the_avx2_bf16_forwards_give_nan_where_the_math_does_and_torchs_nan_bits(tmp_path, gen):
+    # Where bf16 is rounded with integer arithmetic, a nan needs a select to come out as torch's
+    # quiet nan (0x7FC0); the forwards skip it on rows rows.nan_free proves free of nan. Each row
+    # here is a way to make one (a nan or an inf in x, a zero row with eps = 0, an inf weight
+    # times a zero, a nan bias, an inf past partial RMSNorm's statistic times a zero weight): the
+    # outputs must be nan exactly where the float64 math is, every nan 0x7FC0, the rest in bound.
+    # The host's own kernels cannot show this on a CPU with AVX512-BF16, hence the level's code.
+    d = 1024  # whole paired blocks
+    x = torch.randn(8, d, generator=gen)
+    x[1, 5], x[2, 7], x[3], x[4], x[5] = math.nan, math.inf, 0.0, x[4] * 1e15, x[5] * 1e-15  # squares within float32
+    x[0, 9] = 0.0  # times w_inf's inf
+    w, b, r = torch.randn(d, generator=gen), torch.randn(d, generator=gen), torch.randn(8, d, generator=gen)
+    w_inf, b_nan, w_zero, x_past_k = w.clone(), b.clone(), w.clone(), x.clone()
+    w_inf[9], b_nan[11], w_zero[900], x_past_k[6, 900] = math.inf, math.nan, 0.0, math.inf
+    inputs = {k: v.bfloat16() for k, v in dict(x=x, r=r, w=w, w_inf=w_inf, b=b, b_nan=b_nan, x_past_k=x_past_k, w_zero=w_zero).items()}
+    torch.save(inputs, tmp_path / "in.pt")
+    cpu_name, features = cache.llvm_target("x86-64-v3")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "NORMLAB_CPU_TIERS": "off", "NUMBA_CPU_NAME": cpu_name,
+           "NUMBA_CPU_FEATURES": features}
+    run = subprocess.run([sys.executable, "-c", AVX2_FORWARDS, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    import normlab
+
+    v = {k: t.double() for k, t in inputs.items()}
+    F = dict(backend="reference", eps=0.0)
+    truth = {
+        "rms llama": normlab.rms_norm(v["x"], v["w"], cast="llama", **F),
+        "rms gemma offset": normlab.rms_norm(v["x"], v["w"], cast="gemma", offset=1.0, **F),
+        "rms inf weight": normlab.rms_norm(v["x"], v["w_inf"], **F),
+        "rms partial": normlab.rms_norm(v["x_past_k"], v["w_zero"], partial=0.5, **F),
+        "add rms": normlab.rms_norm((inputs["x"] + inputs["r"]).double(), v["w"], **F),
+        "layer": normlab.layer_norm(v["x"], v["w"], v["b"], **F),
+        "layer inf weight": normlab.layer_norm(v["x"], v["w_inf"], v["b"], **F),
+        "layer nan bias": normlab.layer_norm(v["x"], v["w"], v["b_nan"], **F),
+        "add layer": normlab.layer_norm((inputs["x"] + inputs["r"]).double(), v["w"], v["b"], **F),
+    }
+    for name, want in truth.items():
+        y = got[name]
+        nan = torch.isnan(want)
+        assert nan.any() and torch.equal(torch.isnan(y), nan), name
+        assert (y[nan].view(torch.int16) == 0x7FC0).all(), f"{name}: a nan that is not torch's quiet nan"
+        assert_close(y[~nan], want[~nan], name=name)

@@ -157,9 +157,10 @@ def _vconst(ty, value):
     return ir.Constant(ir.VectorType(ty, LANES), [value] * LANES)
 
 
-def narrow_bits(builder, x, kind, hw):
+def narrow_bits(builder, x, kind, hw, nan=True):
     """<16 x float> -> the output's bits (<16 x i16>), or x itself for float32. ``hw``: bf16
-    through the CPU's instruction."""
+    through the CPU's instruction. ``nan=False``: the caller knows x holds no nan, so the integer
+    rounding skips the select that makes a nan's bits (it rounds infinities right without it)."""
     i16, i32 = ir.IntType(16), ir.IntType(32)
     if kind == types.float32:
         return x
@@ -168,7 +169,8 @@ def narrow_bits(builder, x, kind, hw):
     if hw:
         return builder.bitcast(builder.fptrunc(x, ir.VectorType(_BFloat(), LANES)), ir.VectorType(i16, LANES))
     r = builder.lshr(_rounded_high(builder, x), _vconst(i32, 16))
-    r = builder.select(builder.fcmp_unordered("uno", x, x), _vconst(i32, 0x7FC0), r)
+    if nan:
+        r = builder.select(builder.fcmp_unordered("uno", x, x), _vconst(i32, 0x7FC0), r)
     return builder.trunc(r, ir.VectorType(i16, LANES))
 
 
@@ -225,18 +227,20 @@ def bf16_pair(builder, base, at):
 _INTERLEAVE = ir.Constant(ir.VectorType(ir.IntType(32), 32), [i // 2 + 16 * (i % 2) for i in range(32)])
 
 
-def pair_line(builder, even, odd, hw, zero):
+def pair_line(builder, even, odd, hw, zero, nan=True):
     """The inverse of bf16_pair: 32 bf16 bits (<32 x i16>) in place. With the CPU's instruction,
     narrow_line's line (the evens, then the odds) interleaved by one shuffle; without it, each
     32-bit lane built where it is: the odd value's rounded bits kept in the high half, the even
     value's shifted into the low one. The same bits as narrowing, with no shuffle (AVX2 needed
-    12 per 32 values to narrow and interleave)."""
+    12 per 32 values to narrow and interleave). ``nan``: as narrow_bits's."""
     if hw:
         line = narrow_line(builder, even, odd, types.uint16, hw, zero)
         return builder.shuffle_vector(line, line, _INTERLEAVE)
     i32 = ir.IntType(32)
 
     def rounded(x):  # a nan becomes the quiet nan narrow_bits gives (0x7FC0 in the high half)
+        if not nan:
+            return _rounded_high(builder, x)
         return builder.select(builder.fcmp_unordered("uno", x, x), _vconst(i32, 0x7FC00000), _rounded_high(builder, x))
 
     lane = builder.or_(builder.and_(rounded(odd), _vconst(i32, 0xFFFF0000)), builder.lshr(rounded(even), _vconst(i32, 16)))

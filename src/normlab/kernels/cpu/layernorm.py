@@ -27,8 +27,8 @@ from numba.extending import overload
 
 from .cache import kernel
 from .codecs import add_at, load_at, store_at
-from .rows import (FLUSH, chunk_span, flush_into, pair_types, pairs_fit, reads_pairs, partial_row_pairs, partial_sums, recip, row_of,
-                   row_pairs, block_spans, sum_partials, value_at, vector_sums, writes_pairs)
+from .rows import (FLUSH, all_finite, chunk_span, flush_into, nan_free, pair_types, pairs_fit, reads_pairs, partial_row_pairs,
+                   partial_sums, recip, row_of, row_pairs, block_spans, sum_partials, value_at, vector_sums, writes_pairs)
 from .simd import (BLOCK, EMIT, fma_ir, fma32, prefetch_pass1, prefetch_pass2, row_moments, store_fence,
                    backward_block, forward_block, grad_sums, pair_order)
 
@@ -43,6 +43,7 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream):
     nchunks = stages.shape[0]
     span = d - d % EMIT if writes_pairs(x, y) else 0
     w_pairs, b_pairs = pair_order(w, span), pair_order(b, span)
+    wb_finite = all_finite(w) and all_finite(b)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
@@ -52,7 +53,7 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream):
             row_rstd = recip(math.sqrt(var + eps))
             mean[r] = mu
             rstd[r] = row_rstd
-            _ln_write(xr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, xr, None)
+            _ln_write(xr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, xr, None, nan_free(wb_finite, row_rstd, mu))
         if stream:
             store_fence()
 
@@ -63,6 +64,7 @@ def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream):
     nchunks = stages.shape[0]
     span = d - d % EMIT if writes_pairs(s, y) else 0
     w_pairs, b_pairs = pair_order(w, span), pair_order(b, span)
+    wb_finite = all_finite(w) and all_finite(b)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
@@ -72,7 +74,7 @@ def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream):
             row_rstd = recip(math.sqrt(var + eps))
             mean[r] = mu
             rstd[r] = row_rstd
-            _ln_write(sr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, xr, rr)
+            _ln_write(sr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, xr, rr, nan_free(wb_finite, row_rstd, mu))
         if stream:
             store_fence()
 
@@ -151,10 +153,11 @@ def _centred(v, mhi, mlo):
 
 
 @njit(inline="always")
-def _ln_write(xr, w, bias, w_pairs, b_pairs, yr, mean, row_rstd, stage, stream, ahead1, ahead2):
+def _ln_write(xr, w, bias, w_pairs, b_pairs, yr, mean, row_rstd, stage, stream, ahead1, ahead2, finite):
     """The row's outputs; ahead1 and ahead2 are the inputs whose next rows pass 2 prefetches.
     With writes_pairs and the row's blocks starting at 0, they go in pairs (w_pairs, b_pairs:
-    w and b in pair_order over the whole blocks)."""
+    w and b in pair_order over the whole blocks), rounded without the nan select where the row
+    is ``finite`` (rows.nan_free)."""
     d = yr.shape[0]
     mhi, mlo = _split(mean)
     a, b = block_spans(yr, 0, d, stream)
@@ -163,12 +166,17 @@ def _ln_write(xr, w, bias, w_pairs, b_pairs, yr, mean, row_rstd, stage, stream, 
     c = a
     if a == 0 and writes_pairs(xr, yr):
         c = b
-        for j in range(0, b, EMIT):
-            prefetch_pass2(ahead1, ahead2, j, 1)
-            _y_block(yr, j, xr, w_pairs, b_pairs, stage, mhi, mlo, row_rstd, stream, True)
+        if finite:
+            for j in range(0, b, EMIT):
+                prefetch_pass2(ahead1, ahead2, j, 1)
+                _y_block(yr, j, xr, w_pairs, b_pairs, stage, mhi, mlo, row_rstd, stream, True, True)
+        else:
+            for j in range(0, b, EMIT):
+                prefetch_pass2(ahead1, ahead2, j, 1)
+                _y_block(yr, j, xr, w_pairs, b_pairs, stage, mhi, mlo, row_rstd, stream, True, False)
     for j in range(c, b, EMIT):
         prefetch_pass2(ahead1, ahead2, j, 1)
-        _y_block(yr, j, xr, w, bias, stage, mhi, mlo, row_rstd, stream, False)
+        _y_block(yr, j, xr, w, bias, stage, mhi, mlo, row_rstd, stream, False, False)
     for i in range(b, d):
         _ln_y(xr, w, bias, yr, mhi, mlo, row_rstd, i)
 
@@ -184,23 +192,24 @@ def _y_vector(builder, x, w, b, mhi, mlo, row_rstd):
     return builder.fadd(builder.fmul(t, w()), b())
 
 
-_Y_BLOCK = {(stream, paired): forward_block(_y_vector, False, stream, paired=paired) for stream in (False, True) for paired in (False, True)}
+_Y_BLOCK = {(stream, paired, finite): forward_block(_y_vector, False, stream, paired=paired, finite=finite)
+            for stream in (False, True) for paired, finite in ((False, False), (True, False), (True, True))}
 
 
-def _y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired):  # pragma: no cover - replaced by the overload below
-    """The output block y[j:j + EMIT] (simd.forward_block; ``paired`` a literal bool: x and y in
-    bf16 pairs, w and b in pair_order)."""
+def _y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite):  # pragma: no cover - replaced by the overload below
+    """The output block y[j:j + EMIT] (simd.forward_block; ``paired`` and ``finite`` literal
+    bools: x and y in bf16 pairs, w and b in pair_order; no nan select)."""
     raise NotImplementedError
 
 
 @overload(_y_block, prefer_literal=True)
-def _ov_y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired):
+def _ov_y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite):
     pairs = paired.literal_value
     if pairs and not pairs_fit(x, y):
-        return lambda y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired: None  # not called: writes_pairs is False
-    plain, streamed = _Y_BLOCK[False, pairs], _Y_BLOCK[True, pairs]
+        return lambda y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite: None  # not called: writes_pairs is False
+    plain, streamed = (_Y_BLOCK[t, pairs, finite.literal_value] for t in (False, True))
 
-    def block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired):
+    def block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite):
         if stream:
             streamed(y, np.uint64(j), x, w, b, stage, mhi, mlo, row_rstd)
         else:

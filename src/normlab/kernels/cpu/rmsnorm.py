@@ -29,8 +29,8 @@ from numba.extending import overload
 
 from .cache import kernel
 from .codecs import load_at, round_like, store_at
-from .rows import (FLUSH, chunk_span, flush_into, is_llama, pair_types, pairs_fit, reads_pairs, partial_rows, partial_sums,
-                   recip, row_of, row_pairs, block_spans, sum_partials, value_at, vector_sums, writes_pairs)
+from .rows import (FLUSH, all_finite, chunk_span, flush_into, is_llama, nan_free, pair_types, pairs_fit, reads_pairs, partial_rows,
+                   partial_sums, recip, row_of, row_pairs, block_spans, sum_partials, value_at, vector_sums, writes_pairs)
 from .simd import (BLOCK, EMIT, fma_ir, fma32, narrow_bits, prefetch_pass1, prefetch_pass2, row_sumsq,
                    store_fence, widen_bits, backward_block, forward_block, grad_sums, pair_order)
 
@@ -45,6 +45,7 @@ def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream):
     n, d = x.shape
     nchunks = stages.shape[0]
     w_pairs = pair_order(w, d - d % EMIT if writes_pairs(x, y) else 0)
+    w_finite = k == d and all_finite(w)  # partial: the values past k are in no statistic
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
@@ -52,7 +53,7 @@ def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream):
             xr = x[r]
             row_rstd = _rms_scale(_sumsq(xr, None, None, k), k, eps, inside)
             rstd[r] = row_rstd
-            _rms_write(xr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, xr, None)
+            _rms_write(xr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, xr, None, nan_free(w_finite, row_rstd, 0.0))
         if stream:
             store_fence()
 
@@ -62,6 +63,7 @@ def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, round_to, stages, stream)
     n, d = x.shape
     nchunks = stages.shape[0]
     w_pairs = pair_order(w, d - d % EMIT if writes_pairs(s, y) else 0)
+    w_finite = k == d and all_finite(w)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
@@ -70,7 +72,7 @@ def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, round_to, stages, stream)
             # s is an output too, but the second pass reads it back: plain stores keep it cached
             row_rstd = _rms_scale(_sumsq(xr, rr, sr, k), k, eps, inside)
             rstd[r] = row_rstd
-            _rms_write(sr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, xr, rr)
+            _rms_write(sr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, xr, rr, nan_free(w_finite, row_rstd, 0.0))
         if stream:
             store_fence()
 
@@ -109,10 +111,11 @@ def _rms_scale(ss, k, eps, inside):
 
 
 @njit(inline="always")
-def _rms_write(xr, w, w_pairs, yr, row_rstd, round_to, stage, stream, ahead1, ahead2):
+def _rms_write(xr, w, w_pairs, yr, row_rstd, round_to, stage, stream, ahead1, ahead2, finite):
     """The row's outputs; ahead1 and ahead2 are the inputs whose next rows pass 2 prefetches.
     With writes_pairs and the row's blocks starting at 0, they go in pairs (w_pairs: w in
-    pair_order over the whole blocks)."""
+    pair_order over the whole blocks), rounded without the nan select where the row is
+    ``finite`` (rows.nan_free)."""
     d = yr.shape[0]
     a, b = block_spans(yr, 0, d, stream)
     for i in range(a):
@@ -120,12 +123,17 @@ def _rms_write(xr, w, w_pairs, yr, row_rstd, round_to, stage, stream, ahead1, ah
     c = a
     if a == 0 and writes_pairs(xr, yr):
         c = b
-        for j in range(0, b, EMIT):
-            prefetch_pass2(ahead1, ahead2, j, 1)
-            _y_block(yr, j, xr, w_pairs, stage, row_rstd, stream, round_to, True)
+        if finite:
+            for j in range(0, b, EMIT):
+                prefetch_pass2(ahead1, ahead2, j, 1)
+                _y_block(yr, j, xr, w_pairs, stage, row_rstd, stream, round_to, True, True)
+        else:
+            for j in range(0, b, EMIT):
+                prefetch_pass2(ahead1, ahead2, j, 1)
+                _y_block(yr, j, xr, w_pairs, stage, row_rstd, stream, round_to, True, False)
     for j in range(c, b, EMIT):
         prefetch_pass2(ahead1, ahead2, j, 1)
-        _y_block(yr, j, xr, w, stage, row_rstd, stream, round_to, False)
+        _y_block(yr, j, xr, w, stage, row_rstd, stream, round_to, False, False)
     for i in range(b, d):
         _rms_y(xr, w, yr, row_rstd, round_to, i)
 
@@ -145,24 +153,24 @@ def _y_vector(llama):
     return y
 
 
-_Y_BLOCK = {(llama, stream, paired): forward_block(_y_vector(llama), llama, stream, paired=paired)
-            for llama in (False, True) for stream in (False, True) for paired in (False, True)}
+_Y_BLOCK = {(llama, stream, paired, finite): forward_block(_y_vector(llama), llama, stream, paired=paired, finite=finite)
+            for llama in (False, True) for stream in (False, True) for paired, finite in ((False, False), (True, False), (True, True))}
 
 
-def _y_block(y, j, x, w, stage, row_rstd, stream, round_to, paired):  # pragma: no cover - replaced by the overload below
-    """The output block y[j:j + EMIT] (simd.forward_block; ``paired`` a literal bool: x and y in
-    bf16 pairs, w in pair_order)."""
+def _y_block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite):  # pragma: no cover - replaced by the overload below
+    """The output block y[j:j + EMIT] (simd.forward_block; ``paired`` and ``finite`` literal
+    bools: x and y in bf16 pairs, w in pair_order; no nan select)."""
     raise NotImplementedError
 
 
 @overload(_y_block, prefer_literal=True)
-def _ov_y_block(y, j, x, w, stage, row_rstd, stream, round_to, paired):
+def _ov_y_block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite):
     pairs = paired.literal_value
     if pairs and not pairs_fit(x, y):
-        return lambda y, j, x, w, stage, row_rstd, stream, round_to, paired: None  # not called: writes_pairs is False
-    plain, streamed = (_Y_BLOCK[is_llama(round_to), t, pairs] for t in (False, True))
+        return lambda y, j, x, w, stage, row_rstd, stream, round_to, paired, finite: None  # not called: writes_pairs is False
+    plain, streamed = (_Y_BLOCK[is_llama(round_to), t, pairs, finite.literal_value] for t in (False, True))
 
-    def block(y, j, x, w, stage, row_rstd, stream, round_to, paired):
+    def block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite):
         z = np.float32(0.0)
         if stream:
             streamed(y, np.uint64(j), x, w, w, stage, z, z, row_rstd)

@@ -48,6 +48,25 @@ def start_threads(n):
 
 
 @njit
+def all_finite(v):
+    """Whether every value of vector ``v`` (a weight, a bias) is finite."""
+    for i in range(v.shape[0]):
+        if not math.isfinite(v[i]):
+            return False
+    return True
+
+
+@njit
+def nan_free(params_finite, row_rstd, mean):
+    """Whether a forward's outputs for a row are free of nan (forward_block's ``finite``): with
+    finite weights, a finite row ``mean`` (0 for RMSNorm) and a finite, positive ``row_rstd``.
+    That rstd means every value in the statistic was finite (an inf or nan makes the sum of
+    squares inf or nan, and rstd 0 or nan) and bounds |(x - mean) * rstd| by about sqrt(d), so
+    times a weight and plus a bias the outputs may overflow to inf but never become nan."""
+    return params_finite and math.isfinite(mean) and 0.0 < row_rstd < math.inf
+
+
+@njit
 def chunk_span(c, nchunks, n):
     return c * n // nchunks, (c + 1) * n // nchunks
 

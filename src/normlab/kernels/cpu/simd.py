@@ -223,14 +223,14 @@ def store_block(builder, kind, base, wbase, values, llama, stream, hw, zero):
             builder.store(y, ptr, align=kind.bitwidth // 8)
 
 
-def _store_pairs(builder, base, values, stream, hw, zero):
+def _store_pairs(builder, base, values, stream, hw, zero, nan=True):
     """Store float32 vectors (even, odd, even, odd, ...: see bf16_pair) as bf16 at ``base``, 32
-    values a line (``stream``: non-temporal, ``base`` 64-byte aligned)."""
+    values a line (``stream``: non-temporal, ``base`` 64-byte aligned; ``nan``: see narrow_bits)."""
     if not stream:
         _prefetch_next_block(builder, base, types.uint16)
     nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
     for c in range(len(values) // 2):
-        line = pair_line(builder, values[2 * c], values[2 * c + 1], hw, zero)
+        line = pair_line(builder, values[2 * c], values[2 * c + 1], hw, zero, nan)
         ptr = builder.bitcast(builder.gep(base, [ir.Constant(ir.IntType(64), 32 * c)]), line.type.as_pointer())
         if stream:
             builder.store(line, ptr, align=64).set_metadata("nontemporal", nontemporal)
@@ -257,7 +257,7 @@ def store_fence(typingctx):
 # ----------------------------------------------------------------------------- output blocks
 
 
-def forward_block(math, llama, stream, hw=HW_BF16, paired=False):
+def forward_block(math, llama, stream, hw=HW_BF16, paired=False, finite=False):
     """An intrinsic (y, j, x, w, b, stage, mhi, mlo, rstd) that computes and stores the output
     block y[j:j + EMIT]. ``math(builder, x, w, b, mhi, mlo, rstd)`` gives one 16-lane vector of
     outputs from one of x; ``w`` and ``b`` are functions that load the matching weights, so a
@@ -265,7 +265,9 @@ def forward_block(math, llama, stream, hw=HW_BF16, paired=False):
     block is stored (see store_block), not in ``math``. ``paired`` (bf16 x and y): x is read two
     values to a 32-bit lane (bf16_pair), w and b are in pair_order, and each 32 results are put
     back in place as they are stored (_store_pairs): no shuffles where bf16 is rounded with
-    integer arithmetic (see rows.writes_pairs)."""
+    integer arithmetic (see rows.writes_pairs). ``finite`` (with ``paired``): the caller knows
+    that no output of the block is nan (rows.nan_free), so the rounding skips the nan select: the
+    same bits, 2 fewer instructions per 8 values on AVX2, where these kernels are compute-bound."""
 
     def codegen(context, builder, signature, args):
         kind, xkind = signature.args[0].dtype, signature.args[2].dtype
@@ -287,9 +289,9 @@ def forward_block(math, llama, stream, hw=HW_BF16, paired=False):
         ybase = builder.gep(y_data, [at])
         if paired:
             if llama:  # as store_block does it: round, widen, times the weight
-                values = [builder.fmul(widen_bits(builder, narrow_bits(builder, u, kind, hw), kind), load_f32(builder, wbase, v))
+                values = [builder.fmul(widen_bits(builder, narrow_bits(builder, u, kind, hw, not finite), kind), load_f32(builder, wbase, v))
                           for v, u in enumerate(values)]
-            _store_pairs(builder, ybase, values, stream, hw, zero)
+            _store_pairs(builder, ybase, values, stream, hw, zero, not finite)
         else:
             store_block(builder, kind, ybase, wbase, values, llama, stream, hw, zero)
         return context.get_dummy_value()
