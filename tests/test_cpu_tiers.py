@@ -170,7 +170,14 @@ def test_the_host_loads_the_best_level_it_can_run_and_nothing_else(tmp_path, mon
         assert host_with(cache.TIERS["x86-64-v4"]) == "x86-64-v4"  # AVX-512 without the bf16 conversions
         assert [level for level, _ in cache.host_tiers()] == ["x86-64-v4", "x86-64-v3"]
         assert host_with(cache.TIERS["x86-64-v3"] + ("avx512f",)) == "x86-64-v3"  # AVX-512 in part is not v4
+        assert host_with(cache.TIERS["x86-64-v3"] + ("prfchw",)) == "x86-64-v3"  # an Intel AVX2 CPU: no sse4a
+        zen3 = cache.TIERS["x86-64-v3"] + ("sse4a", "prfchw", "sha", "clzero")
+        assert host_with(zen3) == "x86-64-v3-zen"  # an AMD one, with the generic level behind it (fp32 kernels)
+        assert [level for level, _ in cache.host_tiers()] == ["x86-64-v3-zen", "x86-64-v3"]
+        assert host_with(cache.TIERS["x86-64-v4-bf16"] + ("sse4a", "prfchw")) == "x86-64-v4-bf16"  # Zen 4, 5: AVX-512 first
+        assert [level for level, _ in cache.host_tiers()] == ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3-zen", "x86-64-v3"]
         assert host_with([f for f in cache.TIERS["x86-64-v3"] if f != "movbe"]) is None
+        shutil.rmtree(tmp_path / "x86-64-v3-zen")
         shutil.rmtree(tmp_path / "x86-64-v3")
         assert host_with(cache.TIERS["x86-64-v3"]) is None  # an AVX2 CPU never loads the AVX-512 level
         monkeypatch.setenv("NORMLAB_CPU_TIERS", "off")
@@ -211,6 +218,13 @@ def test_a_level_build_compiles_for_the_levels_features_not_the_hosts(monkeypatc
     monkeypatch.setattr(cache.numba.config, "CPU_FEATURES", "")
     monkeypatch.setattr(cache.numba.config, "CPU_NAME", "x86-64-v3")
     assert cache.target_features()["avx2"] and not cache.target_features().get("avx512f")
+    monkeypatch.setattr(cache.numba.config, "CPU_NAME", "znver3")  # a Zen 3 as LLVM knows it: none promised
+    assert cache.target_features() == {}
+    name, features = cache.llvm_target("x86-64-v3-zen")  # the same CPU without what v3 lacks: the zen level
+    monkeypatch.setattr(cache.numba.config, "CPU_NAME", name)
+    monkeypatch.setattr(cache.numba.config, "CPU_FEATURES", features)
+    zen = cache.target_features()
+    assert zen["avx2"] and zen["sse4a"] and not zen.get("sha") and not zen.get("avx512f")
     monkeypatch.setattr(cache.numba.config, "CPU_NAME", None)
     assert cache.target_features() == dict(llvm.get_host_cpu_features())
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The release wheel: the fused CPU kernels compiled ahead of time for x86-64-v3 (AVX2),
-# x86-64-v4 (AVX-512) and x86-64-v4-bf16 (tools/build_tiers.py), so that a fresh install's first call loads them
+# The release wheel: the fused CPU kernels compiled ahead of time for x86-64-v3 (AVX2), x86-64-v3-zen
+# (AMD's AVX2 CPUs), x86-64-v4 (AVX-512) and x86-64-v4-bf16 (tools/build_tiers.py), so that a fresh install's first call loads them
 # instead of compiling for 5-30 s. numba's cache is tied to the numba and Python versions that
 # wrote it, so the wheel is tagged for this Python and x86-64 Linux (it holds no shared library:
 # the kernels are object code that numba links itself). Run once per Python version.

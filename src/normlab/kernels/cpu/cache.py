@@ -15,8 +15,9 @@ discarded with a warning and the kernel compiled again.
 
 **Tiers.** A fresh install has no cache, and compiling a kernel takes 5-30 s. So a platform wheel
 ships kernels compiled ahead of time for the portable x86-64 levels ``x86-64-v3`` (AVX2) and
-``x86-64-v4`` (AVX-512), and the bf16 kernels once more for ``x86-64-v4-bf16`` (v4 with the
-AVX512-BF16 conversions), in ``tiers/<level>/`` (tools/build_tiers.py). Compiling for a level
+``x86-64-v4`` (AVX-512), the bf16 kernels once more for ``x86-64-v4-bf16`` (v4 with the
+AVX512-BF16 conversions) and the bf16 and fp16 ones for ``x86-64-v3-zen`` (v3 scheduled for
+AMD's CPUs), in ``tiers/<level>/`` (tools/build_tiers.py). Compiling for a level
 rather than the builder's CPU makes the code run on every CPU with that level's features, and
 numba's cache key then names the level instead of the CPU. A kernel with no entry in the user's
 cache is loaded from the best level this CPU supports that holds it; only where none does
@@ -56,14 +57,21 @@ FASTMATH = {"reassoc"}
 _V2 = ("cx16", "popcnt", "sahf", "sse3", "sse4.1", "sse4.2", "ssse3")
 _V3 = _V2 + ("avx", "avx2", "bmi", "bmi2", "f16c", "fma", "lzcnt", "movbe", "xsave")
 _V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
-TIERS = {"x86-64-v4-bf16": _V4 + ("avx512bf16",), "x86-64-v4": _V4, "x86-64-v3": _V3}
+TIERS = {"x86-64-v4-bf16": _V4 + ("avx512bf16",), "x86-64-v4": _V4, "x86-64-v3-zen": _V3 + ("sse4a", "prfchw"), "x86-64-v3": _V3}
 TIERS_DIR = os.path.join(HERE, "tiers")
 
-# A level that is not a psABI level is its base level plus LLVM features, and only the dtypes whose
-# code those features change are built for it (the rest load from the base). Without the
-# instruction v4 rounds bf16 with integer arithmetic: 0.75-0.8x the speed of a Zen 5's own code in
-# bf16 forwards on rows of 1024 (docs/cpu-kernels.md, "tiers").
-EXTENDED = {"x86-64-v4-bf16": ("x86-64-v4", "+avx512bf16", "bf16")}
+# A level that is not a psABI level is compiled for an LLVM CPU name and features of its own, and
+# only for the dtypes whose code they change (the rest load from the next level down):
+# - x86-64-v4-bf16: v4 plus AVX512-BF16. Without the instruction v4 rounds bf16 with integer
+#   arithmetic: 0.75-0.8x the speed of a Zen 5's own code in bf16 forwards on rows of 1024.
+# - x86-64-v3-zen: for AMD's AVX2 CPUs (sse4a only AMD has; prfchw all of them), v3's instructions
+#   scheduled as LLVM does for a Zen 3: instruction for instruction the code a Zen 3 compiles for
+#   itself, where the generic v3 level lost up to a fifth in the bf16 backward there.
+# (docs/cpu-kernels.md, "tiers").
+_ZEN3_BEYOND_V3 = ("adx", "aes", "clflushopt", "clwb", "clzero", "fsgsbase", "invpcid", "mwaitx", "pclmul", "pku", "rdpid",
+                   "rdpru", "rdrnd", "rdseed", "sha", "vaes", "vpclmulqdq", "wbnoinvd", "xsavec", "xsaveopt", "xsaves")
+EXTENDED = {"x86-64-v4-bf16": ("x86-64-v4", "+avx512bf16", "bf16"),
+            "x86-64-v3-zen": ("znver3", ",".join("-" + f for f in _ZEN3_BEYOND_V3), "bf16,fp16")}
 
 
 def llvm_target(level: str) -> tuple[str, str]:
