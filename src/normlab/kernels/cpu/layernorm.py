@@ -43,7 +43,7 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream):
     nchunks = stages.shape[0]
     span = d - d % EMIT if writes_pairs(x, y) else 0
     w_pairs, b_pairs = pair_order(w, span), pair_order(b, span)
-    wb_finite = all_finite(w) and all_finite(b)
+    wb_finite = writes_pairs(x, y) and all_finite(w) and all_finite(b)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
@@ -64,7 +64,7 @@ def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream):
     nchunks = stages.shape[0]
     span = d - d % EMIT if writes_pairs(s, y) else 0
     w_pairs, b_pairs = pair_order(w, span), pair_order(b, span)
-    wb_finite = all_finite(w) and all_finite(b)
+    wb_finite = writes_pairs(s, y) and all_finite(w) and all_finite(b)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
@@ -166,7 +166,7 @@ def _ln_write(xr, w, bias, w_pairs, b_pairs, yr, mean, row_rstd, stage, stream, 
     c = a
     if a == 0 and writes_pairs(xr, yr):
         c = b
-        if finite:
+        if finite:  # a loop each: choosing per block made LLVM slow the paired loop (docs/cpu-kernels.md)
             for j in range(0, b, EMIT):
                 prefetch_pass2(ahead1, ahead2, j, 1)
                 _y_block(yr, j, xr, w_pairs, b_pairs, stage, mhi, mlo, row_rstd, stream, True, True)

@@ -45,7 +45,7 @@ def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream):
     n, d = x.shape
     nchunks = stages.shape[0]
     w_pairs = pair_order(w, d - d % EMIT if writes_pairs(x, y) else 0)
-    w_finite = k == d and all_finite(w)  # partial: the values past k are in no statistic
+    w_finite = writes_pairs(x, y) and k == d and all_finite(w)  # partial: values past k are in no statistic
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
@@ -63,7 +63,7 @@ def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, round_to, stages, stream)
     n, d = x.shape
     nchunks = stages.shape[0]
     w_pairs = pair_order(w, d - d % EMIT if writes_pairs(s, y) else 0)
-    w_finite = k == d and all_finite(w)
+    w_finite = writes_pairs(s, y) and k == d and all_finite(w)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
@@ -123,7 +123,7 @@ def _rms_write(xr, w, w_pairs, yr, row_rstd, round_to, stage, stream, ahead1, ah
     c = a
     if a == 0 and writes_pairs(xr, yr):
         c = b
-        if finite:
+        if finite:  # a loop each: choosing per block made LLVM slow the paired loop (docs/cpu-kernels.md)
             for j in range(0, b, EMIT):
                 prefetch_pass2(ahead1, ahead2, j, 1)
                 _y_block(yr, j, xr, w_pairs, stage, row_rstd, stream, round_to, True, True)
