@@ -4,8 +4,9 @@
 
 For rms_norm and layer_norm it times, per call (median of ``--calls`` after a warm-up): the
 numba kernel alone, the launcher (allocation, argument conversion, the kernel, the weight
-gradient's chunk sum; the forward's as a call without a graph runs it, no statistics kept), the public function without and with autograd's graph, and the backward
-through ``torch.autograd.grad`` (what a training step pays). A do-nothing autograd.Function
+gradient's chunk sum; the forward's as a call without a graph runs it, no statistics kept), the
+public function without and with autograd's graph, and the backward through
+``torch.autograd.grad`` (what a training step pays). A do-nothing autograd.Function
 gives the floor of the last one, torch's eager function (no grad) and a copy of x the yardsticks.
 At a large shape the kernel's time swamps these; at the shapes of small models, and in decode,
 they are the call. ``--cold`` reads the bench's 128 MiB before each timed call (code and data
