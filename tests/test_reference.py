@@ -242,3 +242,16 @@ def test_eps_outside_gives_a_finite_gradient_on_all_zero_rows(gen):
     g = torch.randn(3, 16, generator=gen, dtype=torch.float64)
     R.rms_norm(x, None, 1e-6, eps_mode="outside").backward(g)
     assert torch.allclose(x.grad, g / 1e-6, rtol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_eps_outside_keeps_a_non_finite_row_statistic(gen, bad):
+    # The zero-row guard above must not catch a nan mean square (nan > 0 is false, and it once
+    # made the row's rms 0): one nan in a row makes its whole output nan, as x / (rms + eps)
+    # does written out; one inf makes rms inf and every other output 0.
+    x = torch.randn(2, 16, generator=gen, dtype=torch.float64)
+    x[1, 3] = bad
+    y = R.rms_norm(x, None, 1e-6, eps_mode="outside")
+    want = x / (x.square().mean(-1, keepdim=True).sqrt() + 1e-6)
+    assert torch.equal(torch.isnan(y), torch.isnan(want)) and torch.isnan(y[1]).sum() == (16 if bad != bad else 1)
+    assert_close(y[0], want[0])

@@ -118,8 +118,9 @@ def rms_norm(
     else:
         # sqrt's derivative is infinite at 0 and autograd multiplies it by 0 on an all-zero row
         # (padding): nan. y = x / (rms + eps) has the derivative 1 / eps there, which taking the
-        # root only where ms > 0 gives; the values are sqrt's (0 stays 0, so eps = 0 stays nan).
-        rms = torch.where(ms > 0, torch.sqrt(ms.clamp_min(torch.finfo(sdt).tiny)), torch.zeros_like(ms))
+        # root only where ms != 0 gives; the values are sqrt's (0 stays 0, so eps = 0 stays nan;
+        # a nan ms stays nan, which "ms > 0" would have made 0).
+        rms = torch.where(ms == 0, torch.zeros_like(ms), torch.sqrt(ms.clamp_min(torch.finfo(sdt).tiny)))
         rstd = 1.0 / (rms + eps)
     xhat = xs * rstd
     if weight is None:
