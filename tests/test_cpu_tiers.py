@@ -234,12 +234,13 @@ def test_build_tiers_names_an_unknown_level(tmp_path):
         build_tiers.build("x86-64-v9", tmp_path)
 
 
-# The bf16 forwards as an AVX2 CPU runs them (integer rounding, rows read and written in pairs),
-# compiled for the x86-64-v3 level, on inputs saved by the test.
-AVX2_FORWARDS = """
+# The bf16 kernels as an AVX2 CPU runs them (integer rounding, rows read and written in pairs),
+# compiled for the x86-64-v3 level, on inputs saved by the test: outputs, then gradients of x.
+AVX2_KERNELS = """
 import sys, torch
 import normlab
-x, r, w, w_inf, b, b_nan, x_past_k, w_zero = torch.load(sys.argv[1], weights_only=True).values()
+v = torch.load(sys.argv[1], weights_only=True)
+x, r, w, w_inf, b, b_nan, x_past_k, w_zero, dy, dy_ln, ds = v.values()
 F = dict(backend="cpu", eps=0.0)
 out = {
     "rms llama": normlab.rms_norm(x, w, cast="llama", **F),
@@ -252,18 +253,36 @@ out = {
     "layer nan bias": normlab.layer_norm(x, w, b_nan, **F),
     "add layer": normlab.add_layer_norm(x, r, w, b, **F)[0],
 }
-torch.save(out, sys.argv[2])
+
+
+def grad(f, upstream=(dy,)):
+    leaf = x.clone().requires_grad_()
+    outs = f(leaf)
+    return torch.autograd.grad(outs if isinstance(outs, tuple) else (outs,), leaf, upstream)[0]
+
+
+grads = {
+    "rms llama": grad(lambda t: normlab.rms_norm(t, w, cast="llama", **F)),
+    "rms gemma offset": grad(lambda t: normlab.rms_norm(t, w, cast="gemma", offset=1.0, **F)),
+    "rms partial": grad(lambda t: normlab.rms_norm(t, w, partial=0.5, **F)),
+    "rms outside": grad(lambda t: normlab.rms_norm(t, w, **dict(F, eps=1e-5), eps_mode="outside")),
+    "add rms": grad(lambda t: normlab.add_rms_norm(t, r, w, **F), (dy, ds)),
+    "layer": grad(lambda t: normlab.layer_norm(t, w, b, **F), (dy_ln,)),
+    "add layer": grad(lambda t: normlab.add_layer_norm(t, r, w, b, **F), (dy_ln, ds)),
+}
+torch.save({"out": out, "grads": grads}, sys.argv[2])
 """
 
 
 @pytest.mark.skipif(not V3_HOST, reason="loading an x86-64-v3 tier needs a CPU with AVX2 (an x86-64-v3 CPU)")
-def test_the_avx2_bf16_forwards_give_nan_where_the_math_does_and_torchs_nan_bits(tmp_path, gen):
+def test_the_avx2_bf16_kernels_give_nan_where_the_math_does_and_torchs_nan_bits(tmp_path, gen):
     # Where bf16 is rounded with integer arithmetic, a nan needs a select to come out as torch's
-    # quiet nan (0x7FC0); the forwards skip it on rows rows.nan_free proves free of nan. Each row
-    # here is a way to make one (a nan or an inf in x, a zero row with eps = 0, an inf weight
-    # times a zero, a nan bias, an inf past partial RMSNorm's statistic times a zero weight): the
-    # outputs must be nan exactly where the float64 math is, every nan 0x7FC0, the rest in bound.
-    # The host's own kernels cannot show this on a CPU with AVX512-BF16, hence the level's code.
+    # quiet nan (0x7FC0); the kernels skip it on rows rows.nan_free (forwards) or
+    # rows.grad_nan_free (backwards) proves free of nan. Each row here is a way to make one (a
+    # nan or an inf in x or dy, a zero row with eps = 0, an inf weight times a zero, a nan bias,
+    # an inf past partial RMSNorm's statistic times a zero weight): the results must be nan
+    # exactly where the float64 math is, every nan 0x7FC0, the rest in bound. The host's own
+    # kernels cannot show this on a CPU with AVX512-BF16, hence the level's code.
     d = 1024  # whole paired blocks
     x = torch.randn(8, d, generator=gen)
     x[1, 5], x[2, 7], x[3], x[4], x[5] = math.nan, math.inf, 0.0, x[4] * 1e15, x[5] * 1e-15  # squares within float32
@@ -271,33 +290,59 @@ def test_the_avx2_bf16_forwards_give_nan_where_the_math_does_and_torchs_nan_bits
     w, b, r = torch.randn(d, generator=gen), torch.randn(d, generator=gen), torch.randn(8, d, generator=gen)
     w_inf, b_nan, w_zero, x_past_k = w.clone(), b.clone(), w.clone(), x.clone()
     w_inf[9], b_nan[11], w_zero[900], x_past_k[6, 900] = math.inf, math.nan, 0.0, math.inf
-    inputs = {k: v.bfloat16() for k, v in dict(x=x, r=r, w=w, w_inf=w_inf, b=b, b_nan=b_nan, x_past_k=x_past_k, w_zero=w_zero).items()}
+    dy, ds = torch.randn(8, d, generator=gen), torch.randn(8, d, generator=gen)
+    dy_ln = dy.clone()
+    dy[6, 3] = math.inf  # not for LayerNorm: whether its dx is then inf or nan depends on the formula and the row
+    tensors = dict(x=x, r=r, w=w, w_inf=w_inf, b=b, b_nan=b_nan, x_past_k=x_past_k, w_zero=w_zero, dy=dy, dy_ln=dy_ln, ds=ds)
+    inputs = {k: v.bfloat16() for k, v in tensors.items()}
+    # Negative nans (0xFFC0), which torch's conversion does not make; rounded without the select
+    # their bits would stay so. Row 0's sums are finite, so only ds, which no sum of pass 1 reads,
+    # puts a nan in its gradient. Row 3 is zeros: with eps outside the root its coefficient is 0
+    # whatever its nan sum (rmsnorm._rms_coef), so only the sum shows the nan in dy.
+    for name, at in (("dy", (7, 4)), ("dy_ln", (7, 4)), ("dy", (3, 6)), ("ds", (0, 2))):
+        inputs[name].view(torch.int16)[at] = -64
     torch.save(inputs, tmp_path / "in.pt")
     cpu_name, features = cache.llvm_target("x86-64-v3")
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "NORMLAB_CPU_TIERS": "off", "NUMBA_CPU_NAME": cpu_name,
            "NUMBA_CPU_FEATURES": features}
-    run = subprocess.run([sys.executable, "-c", AVX2_FORWARDS, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
+    run = subprocess.run([sys.executable, "-c", AVX2_KERNELS, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     got = torch.load(tmp_path / "out.pt", weights_only=True)
     import normlab
 
     v = {k: t.double() for k, t in inputs.items()}
+    s = (inputs["x"] + inputs["r"]).double()  # the residual sum as the add variants round it
     F = dict(backend="reference", eps=0.0)
     truth = {
         "rms llama": normlab.rms_norm(v["x"], v["w"], cast="llama", **F),
         "rms gemma offset": normlab.rms_norm(v["x"], v["w"], cast="gemma", offset=1.0, **F),
         "rms inf weight": normlab.rms_norm(v["x"], v["w_inf"], **F),
         "rms partial": normlab.rms_norm(v["x_past_k"], v["w_zero"], partial=0.5, **F),
-        "add rms": normlab.rms_norm((inputs["x"] + inputs["r"]).double(), v["w"], **F),
+        "add rms": normlab.rms_norm(s, v["w"], **F),
         "layer": normlab.layer_norm(v["x"], v["w"], v["b"], **F),
         "layer inf weight": normlab.layer_norm(v["x"], v["w_inf"], v["b"], **F),
         "layer nan bias": normlab.layer_norm(v["x"], v["w"], v["b_nan"], **F),
-        "add layer": normlab.layer_norm((inputs["x"] + inputs["r"]).double(), v["w"], v["b"], **F),
+        "add layer": normlab.layer_norm(s, v["w"], v["b"], **F),
     }
-    for name, want in truth.items():
-        y = got[name]
-        nan = torch.isnan(want)
-        assert nan.any() and torch.equal(torch.isnan(y), nan), name
-        assert (y[nan].view(torch.int16) == 0x7FC0).all(), f"{name}: a nan that is not torch's quiet nan"
-        assert_close(y[~nan], want[~nan], name=name)
+
+    def grad(f, at, extra=0.0, dy="dy"):
+        leaf = at.clone().requires_grad_()
+        return torch.autograd.grad(f(leaf), leaf, v[dy])[0] + extra
+
+    grads = {
+        "rms llama": grad(lambda t: normlab.rms_norm(t, v["w"], cast="llama", **F), v["x"]),
+        "rms gemma offset": grad(lambda t: normlab.rms_norm(t, v["w"], cast="gemma", offset=1.0, **F), v["x"]),
+        "rms partial": grad(lambda t: normlab.rms_norm(t, v["w"], partial=0.5, **F), v["x"]),
+        "rms outside": grad(lambda t: normlab.rms_norm(t, v["w"], **dict(F, eps=1e-5), eps_mode="outside"), v["x"]),
+        "add rms": grad(lambda t: normlab.rms_norm(t, v["w"], **F), s, v["ds"]),
+        "layer": grad(lambda t: normlab.layer_norm(t, v["w"], v["b"], **F), v["x"], dy="dy_ln"),
+        "add layer": grad(lambda t: normlab.layer_norm(t, v["w"], v["b"], **F), s, v["ds"], dy="dy_ln"),
+    }
+    for kind, want_all in (("out", truth), ("grads", grads)):
+        for name, want in want_all.items():
+            y = got[kind][name]
+            nan = torch.isnan(want)
+            assert nan.any() and torch.equal(torch.isnan(y), nan), f"{kind} {name}: nan at {torch.isnan(y).sum()} places, not {nan.sum()}"
+            assert (y[nan].view(torch.int16) == 0x7FC0).all(), f"{kind} {name}: a nan that is not torch's quiet nan"
+            assert_close(y[~nan], want[~nan], name=f"{kind} {name}")

@@ -27,8 +27,9 @@ from numba.extending import overload
 
 from .cache import kernel
 from .codecs import add_at, load_at, store_at
-from .rows import (FLUSH, all_finite, chunk_span, flush_into, nan_free, pair_types, pairs_fit, reads_pairs, partial_row_pairs,
-                   partial_sums, recip, row_of, row_pairs, block_spans, sum_partials, value_at, vector_sums, writes_pairs)
+from .rows import (FLUSH, all_finite, chunk_span, flush_into, grad_nan_free, grad_select_optional, nan_free,
+                   pair_types, pairs_fit, reads_pairs, partial_row_pairs, partial_sums, recip, row_of, row_pairs,
+                   block_spans, select_optional, sum_partials, value_at, vector_sums, writes_pairs)
 from .simd import (BLOCK, EMIT, fma_ir, fma32, prefetch_pass1, prefetch_pass2, row_moments, store_fence,
                    backward_block, forward_block, grad_sums, pair_order)
 
@@ -252,7 +253,8 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream):
                 sg, sgx, sg2, sgx2 = _ln_sums_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, mu, row_rstd, mean[r + 1], rstd[r + 1], dwc, dbc)
             else:
                 sg, sgx = sg2, sgx2
-            _ln_bwd_write(dyr, xr, w, w_pairs, row_of(ds, r), dx[r], mu, row_rstd, sg, sgx, stage, stream, ahead)
+            _ln_bwd_write(dyr, xr, w, w_pairs, row_of(ds, r), dx[r], mu, row_rstd, sg, sgx, stage, stream, ahead,
+                          grad_select_optional(x, dy, ds))
             if (r - r0) % FLUSH == FLUSH - 1:
                 flush_into(dwc, dw_sum[c])
                 flush_into(dbc, db_sum[c])
@@ -382,11 +384,12 @@ def _ov_ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_
 
 
 @njit(inline="always")
-def _ln_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, mean, row_rstd, sg, sgx, stage, stream, ahead):
+def _ln_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, mean, row_rstd, sg, sgx, stage, stream, ahead, may_skip):
     """dx of this row, with the terms that do not depend on g folded into one affine function of
     x - mhi: dx = rstd * g + p * (x - mhi) + q, p = -rstd^2 * mean(g * xhat), q = -rstd * mean(g)
     - p * mlo (from the float64 sums): two fmas per value. x - mhi is exact near the mean, and
-    for a constant row it is 0 and so is p."""
+    for a constant row it is 0 and so is p. With ``may_skip`` (rows.grad_select_optional)
+    a row proven nan-free (rows.grad_nan_free) is rounded without the nan select."""
     d = dxr.shape[0]
     mhi, mlo = _split(mean)
     r = np.float64(row_rstd)
@@ -398,9 +401,14 @@ def _ln_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, mean, row_rstd, sg, sgx, stage,
     c = a
     if a == 0 and reads_pairs(xr, dyr, dsr):  # whole blocks of bf16 rows: in pairs
         c = d - d % BLOCK
-        for j in range(0, c, EMIT):
-            prefetch_pass2(xr, dyr, j, ahead)
-            _dx_block("pairs", dxr, j, dyr, xr, w_pairs, dsr, stage, mhi, p, q, row_rstd, stream)
+        if may_skip and grad_nan_free(row_rstd, sg, sgx, p, q):  # a loop each, as in _ln_write
+            for j in range(0, c, EMIT):
+                prefetch_pass2(xr, dyr, j, ahead)
+                _dx_block("pairs/finite", dxr, j, dyr, xr, w_pairs, dsr, stage, mhi, p, q, row_rstd, stream)
+        else:
+            for j in range(0, c, EMIT):
+                prefetch_pass2(xr, dyr, j, ahead)
+                _dx_block("pairs", dxr, j, dyr, xr, w_pairs, dsr, stage, mhi, p, q, row_rstd, stream)
     for j in range(c, b, EMIT):
         prefetch_pass2(xr, dyr, j, ahead)
         _dx_block("plain", dxr, j, dyr, xr, w, dsr, stage, mhi, p, q, row_rstd, stream)
@@ -424,23 +432,25 @@ def _dx_vector(builder, dy, x, w, c, row_rstd):
 
 
 _DX_BLOCK = {
-    (variant, stream): backward_block(_dx_vector, stream, paired=variant == "pairs")
-    for variant in ("plain", "pairs")
+    (variant, stream): backward_block(_dx_vector, stream, paired=variant != "plain", finite=variant == "pairs/finite")
+    for variant in ("plain", "pairs", "pairs/finite")
     for stream in (False, True)
 }
 
 
 def _dx_block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream):  # pragma: no cover - replaced by the overload below
-    """The dx block at j (simd.backward_block). ``variant`` a string literal: "plain", or
-    "pairs" (bf16 rows read in pairs, w in pair_order)."""
+    """The dx block at j (simd.backward_block). ``variant`` a string literal: "plain", "pairs"
+    (bf16 rows read in pairs, w in pair_order) or "pairs/finite" (the same without the nan
+    select)."""
     raise NotImplementedError
 
 
 @overload(_dx_block, prefer_literal=True)
 def _ov_dx_block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream):
     name = variant.literal_value
-    if name == "pairs" and not (pair_types(x, dy, ds) and dx.dtype == dy.dtype):
-        return lambda variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream: None  # not called: reads_pairs is False
+    if (name != "plain" and not (pair_types(x, dy, ds) and dx.dtype == dy.dtype)
+            or name == "pairs/finite" and not select_optional(x, dy, ds)):
+        return lambda variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream: None  # not called: reads_pairs or grad_select_optional is False
     plain, streamed = _DX_BLOCK[name, False], _DX_BLOCK[name, True]
 
     def block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream):

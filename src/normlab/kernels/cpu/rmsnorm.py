@@ -29,8 +29,9 @@ from numba.extending import overload
 
 from .cache import kernel
 from .codecs import load_at, round_like, store_at
-from .rows import (FLUSH, all_finite, chunk_span, flush_into, is_llama, nan_free, pair_types, pairs_fit, reads_pairs, partial_rows,
-                   partial_sums, recip, row_of, row_pairs, block_spans, sum_partials, value_at, vector_sums, writes_pairs)
+from .rows import (FLUSH, all_finite, chunk_span, flush_into, grad_nan_free, grad_select_optional, is_llama,
+                   nan_free, pair_types, pairs_fit, reads_pairs, partial_rows, partial_sums, recip, row_of,
+                   row_pairs, block_spans, select_optional, sum_partials, value_at, vector_sums, writes_pairs)
 from .simd import (BLOCK, EMIT, fma_ir, fma32, narrow_bits, prefetch_pass1, prefetch_pass2, row_sumsq,
                    store_fence, widen_bits, backward_block, forward_block, grad_sums, pair_order)
 
@@ -214,9 +215,10 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream
             else:
                 gx, ss = gx2, ss2
             coef = _rms_coef(row_rstd, gx, ss, k, inside)
-            _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, 0, k, True, stage, stream, ahead)
+            finite = grad_select_optional(x, dy, ds) and grad_nan_free(row_rstd, gx, 0.0, coef, 0.0)
+            _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, 0, k, True, stage, stream, ahead, finite)
             if k < d:  # pRMSNorm: the features past the statistic
-                _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, k, d, False, stage, stream, ahead)
+                _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, k, d, False, stage, stream, ahead, False)
             if (r - r0) % FLUSH == FLUSH - 1:
                 flush_into(dwc, dw_sum[c])
         flush_into(dwc, dw_sum[c])
@@ -364,18 +366,24 @@ def _rms_coef(row_rstd, gx, ss, k, inside):
 
 
 @njit(inline="always")
-def _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, i0, i1, head, stage, stream, ahead):
+def _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, i0, i1, head, stage, stream, ahead, finite):
     """dx over [i0, i1) (``head``: inside the first k, where the coef term applies; there, with
-    i0 = 0, the whole blocks of bf16 rows are read in pairs)."""
+    i0 = 0, the whole blocks of bf16 rows are read in pairs, rounded without the nan select
+    where the row is ``finite``: rows.grad_nan_free)."""
     a, b = block_spans(dxr, i0, i1, stream)
     for i in range(i0, a):
         _rms_dx(dyr, xr, w, dsr, dxr, row_rstd, coef, i, head)
     c = a
     if head and a == 0 and reads_pairs(xr, dyr, dsr):
         c = i1 - i1 % BLOCK
-        for j in range(0, c, EMIT):
-            prefetch_pass2(xr, dyr, j, ahead)
-            _dx_block("head/pairs", dxr, j, dyr, xr, w_pairs, dsr, stage, coef, row_rstd, stream)
+        if finite:  # a loop each, as in _rms_write
+            for j in range(0, c, EMIT):
+                prefetch_pass2(xr, dyr, j, ahead)
+                _dx_block("head/pairs/finite", dxr, j, dyr, xr, w_pairs, dsr, stage, coef, row_rstd, stream)
+        else:
+            for j in range(0, c, EMIT):
+                prefetch_pass2(xr, dyr, j, ahead)
+                _dx_block("head/pairs", dxr, j, dyr, xr, w_pairs, dsr, stage, coef, row_rstd, stream)
     for j in range(c, b, EMIT):
         prefetch_pass2(xr, dyr, j, ahead)
         if head:
@@ -409,23 +417,26 @@ def _dx_vector(head):
 
 
 _DX_BLOCK = {
-    (variant, stream): backward_block(_dx_vector(variant != "tail"), stream, paired=variant.endswith("/pairs"), reads_x=variant != "tail")
-    for variant in ("head", "tail", "head/pairs")
+    (variant, stream): backward_block(_dx_vector(variant != "tail"), stream, paired="/pairs" in variant, reads_x=variant != "tail",
+                                      finite=variant.endswith("/finite"))
+    for variant in ("head", "tail", "head/pairs", "head/pairs/finite")
     for stream in (False, True)
 }
 
 
 def _dx_block(variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream):  # pragma: no cover - replaced by the overload below
     """The dx block at j (simd.backward_block). ``variant`` a string literal: "head" (inside
-    the first k), "tail" (past it) or "head/pairs" (bf16 rows read in pairs, w in pair_order)."""
+    the first k), "tail" (past it), "head/pairs" (bf16 rows read in pairs, w in pair_order) or
+    "head/pairs/finite" (the same without the nan select)."""
     raise NotImplementedError
 
 
 @overload(_dx_block, prefer_literal=True)
 def _ov_dx_block(variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream):
     name = variant.literal_value
-    if name.endswith("/pairs") and not (pair_types(x, dy, ds) and dx.dtype == dy.dtype):
-        return lambda variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream: None  # not called: reads_pairs is False
+    if ("/pairs" in name and not (pair_types(x, dy, ds) and dx.dtype == dy.dtype)
+            or name.endswith("/finite") and not select_optional(x, dy, ds)):
+        return lambda variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream: None  # not called: reads_pairs or grad_select_optional is False
     plain, streamed = (_DX_BLOCK[name, t] for t in (False, True))
 
     def block(variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream):

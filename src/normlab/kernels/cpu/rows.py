@@ -67,6 +67,19 @@ def nan_free(params_finite, row_rstd, mean):
 
 
 @njit
+def grad_nan_free(row_rstd, s0, s1, c0, c1):
+    """Whether a backward's paired dx blocks for a row are free of nan (backward_block's
+    ``finite``, where grad_select_optional): with pass 1's sums ``s0``, ``s1`` and the row's
+    coefficients ``c0``, ``c1`` finite, and a finite ``row_rstd``. A sum is finite only if every
+    term was (an inf or nan term makes it inf or nan), and each term is g * x (RMSNorm; g = dy * w)
+    or g and g * xhat (LayerNorm): so every g and x, or x - mean, that pass 2 reads is finite, and
+    each dx is fmas of finite values (an fma's product is exact), which may overflow to inf but
+    never make a nan."""
+    return (math.isfinite(row_rstd) and math.isfinite(s0) and math.isfinite(s1)
+            and math.isfinite(c0) and math.isfinite(c1))
+
+
+@njit
 def chunk_span(c, nchunks, n):
     return c * n // nchunks, (c + 1) * n // nchunks
 
@@ -160,6 +173,24 @@ def pairs_fit(x, y) -> bool:
 def _ov_writes_pairs(x, y):
     both = pairs_fit(x, y)
     return lambda x, y: both
+
+
+def grad_select_optional(x, dy, ds):  # pragma: no cover - replaced by the overload below
+    """Whether the backward's paired dx blocks round bf16 with integer arithmetic (no
+    AVX512-BF16), where a row proven nan-free may skip the nan select (grad_nan_free), and read
+    no ds: the residual's gradient is in no sum of pass 1, so nothing proves it finite."""
+    raise NotImplementedError
+
+
+def select_optional(x, dy, ds) -> bool:
+    """grad_select_optional on numba array types, at typing time."""
+    return _is_none(ds) and pair_types(x, dy) and not HW_BF16
+
+
+@overload(grad_select_optional)
+def _ov_grad_select_optional(x, dy, ds):
+    optional = select_optional(x, dy, ds)
+    return lambda x, dy, ds: optional
 
 
 def vector_sums(a):  # pragma: no cover - replaced by the overload below

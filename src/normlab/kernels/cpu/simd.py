@@ -303,13 +303,15 @@ def forward_block(math, llama, stream, hw=HW_BF16, paired=False, finite=False):
     return intrinsic(block)
 
 
-def backward_block(math, stream, paired=False, reads_x=True, hw=HW_BF16):
+def backward_block(math, stream, paired=False, reads_x=True, hw=HW_BF16, finite=False):
     """An intrinsic (dx, j, dy, x, w, ds, stage, p0, p1, p2, rstd) that computes and stores the
     dx block at j, plus ds (the residual's gradient) when it is not None. ``math(builder, dy, x,
     w, (p0, p1, p2), rstd)`` gives one 16-lane vector of dx from one of dy and x (x None without
     ``reads_x``). ``paired`` (bf16 rows, the block's start a multiple of 32 from the row's): the
     inputs are read two values to a 32-bit lane (bf16_pair), w is in pair_order, and each 32
-    results are interleaved back into place as they are stored (_store_pairs)."""
+    results are interleaved back into place as they are stored (_store_pairs). ``finite`` (with
+    ``paired``): the caller knows no dx of the block is nan (rows.grad_nan_free), so the integer
+    rounding skips the nan select, as forward_block's does."""
 
     def block(typingctx, dx, j, dy, x, w, ds, stage, p0, p1, p2, row_rstd):
         has_ds = not isinstance(ds, (types.NoneType, types.Omitted))
@@ -339,7 +341,7 @@ def backward_block(math, stream, paired=False, reads_x=True, hw=HW_BF16):
                 values.append(t)
             zero = builder.gep(data[6], [ir.Constant(ir.IntType(64), ZERO)])
             if paired:
-                _store_pairs(builder, base[0], values, stream, hw, zero)
+                _store_pairs(builder, base[0], values, stream, hw, zero, not finite)
             else:
                 store_block(builder, dx.dtype, base[0], base[4], values, False, stream, hw, zero)
             return context.get_dummy_value()
