@@ -79,6 +79,18 @@ def check(gen, op, shape, dtype, opts=None, backend="cpu", leaves=None, **leaf_k
     return fast, fast_g
 
 
+def check_rms_dx_alone(gen, shape, dtype, opts, backend, scale):
+    """rms_norm's input gradient on rows of size ``scale`` against the float64 truth alone,
+    without the allowance check() grants for the low-precision reference's own error (torch's
+    float32 autograd forms rstd^3, which for rows near 1e15 underflows and takes the coefficient
+    with it). Both sides times ``scale``, so the tolerance's absolute part means what it does at 1."""
+    leaves = op_leaves(gen, "rms_norm", shape, dtype, scale=scale)
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    _, fast = run_op("rms_norm", leaves, opts, backend, [dy])
+    _, truth = run_op("rms_norm", leaves, opts, "reference", [dy], convert=lambda t: t.double())
+    assert_close(fast["x"].double() * scale, truth["x"] * scale, dtype=dtype, rule="row", name=f"rms_norm dx at {scale:g}")
+
+
 def _output_terms(op, leaves, lowp):
     """LayerNorm's x - mean cancels for rows of close values: its output error scales with
     (|x| + |mean|) * rstd * |w|, not with the output (see assert_close's ``magnitude``)."""

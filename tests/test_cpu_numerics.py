@@ -12,7 +12,7 @@ from normlab import reference
 from normlab.testing import assert_close
 
 import opcheck
-from opcheck import DTYPES, OPS, RMS_OPTIONS, op_leaves, call_op, check, check_deterministic_weight_grads
+from opcheck import DTYPES, OPS, RMS_OPTIONS, call_op, check, check_deterministic_weight_grads, check_rms_dx_alone, op_leaves
 
 pytest.importorskip("numba", reason="the cpu backend needs numba (pip install normlab[cpu])")
 from normlab.kernels.cpu import launch  # noqa: E402
@@ -140,6 +140,17 @@ def test_large_mean_rows(gen, dtype):
     mean = 1e4 if dtype != torch.float16 else 1e3
     check(gen, "layer_norm", (8, 1000), dtype, mean=mean)
     check(gen, "rms_norm", (8, 1000), dtype, mean=mean)
+
+
+@pytest.mark.parametrize("scale", [1e-15, 1e15])
+@pytest.mark.parametrize("opts", [{"eps": 0.0}, {"eps": 0.0, "eps_mode": "outside"}], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rms_rows_far_from_unit_scale(gen, dtype, opts, scale):
+    # rstd^3, a factor of the backward's coefficient, leaves float32's range for such rows (1e45,
+    # 1e-45) though the coefficient and every gradient stay inside it
+    check(gen, "rms_norm", (4, 300), dtype, opts, scale=scale)
+    check(gen, "add_rms_norm", (4, 300), dtype, opts, scale=scale)
+    check_rms_dx_alone(gen, (4, 300), dtype, opts, "cpu", scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -12,7 +12,7 @@ import torch
 from normlab import functional as F
 from normlab import kernels
 from normlab.testing import assert_close
-from opcheck import DTYPES, OPS, RMS_OPTIONS, call_op, check, check_deterministic_weight_grads, op_leaves
+from opcheck import DTYPES, OPS, RMS_OPTIONS, call_op, check, check_deterministic_weight_grads, check_rms_dx_alone, op_leaves
 
 pytest.importorskip("triton", reason="the triton backend needs triton (pip install normlab[gpu])")
 from normlab.kernels.triton import launch as T  # noqa: E402
@@ -81,6 +81,17 @@ def test_large_mean_rows(gen, monkeypatch, max_block):
     for dtype in DTYPES:
         tcheck(gen, "layer_norm", (4, 500), dtype, mean=1e4 if dtype != torch.float16 else 1e3)
         tcheck(gen, "add_layer_norm", (4, 500), dtype, mean=1e4 if dtype != torch.float16 else 1e3)
+
+
+@pytest.mark.parametrize("scale", [1e-15, 1e15])
+@pytest.mark.parametrize("opts", [{"eps": 0.0}, {"eps": 0.0, "eps_mode": "outside"}], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rms_rows_far_from_unit_scale(gen, dtype, opts, scale):
+    # rstd^3, a factor of the backward's coefficient, leaves float32's range for such rows (1e45,
+    # 1e-45) though the coefficient and every gradient stay inside it: it was once formed first
+    tcheck(gen, "rms_norm", (4, 300), dtype, opts, scale=scale)
+    tcheck(gen, "add_rms_norm", (4, 300), dtype, opts, scale=scale)
+    check_rms_dx_alone(gen, (4, 300), dtype, opts, "triton", scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -184,14 +184,16 @@ def _row_terms(g, x, xc, rstd, cols, mask, k, IS_RMS: tl.constexpr):
 @triton.jit
 def _coefs(sum_g, sum_gx, sum_ss, rstd, k, n_cols, IS_RMS: tl.constexpr, INSIDE: tl.constexpr):
     """RMSNorm: the coefficient of x in dx (d rstd / d ms: -rstd^3/2 inside the root, -rstd^2 /
-    (2 rms) outside; g * x summed over all d features, ms over the first k). LayerNorm: mean(g)
-    and mean(g * xhat)."""
+    (2 rms) outside; g * x summed over all d features, ms over the first k), formed from the mean
+    of g * x outwards: each step stays near the size of g, where rstd^3 first would leave float32
+    for rows far from unit scale (1e45 at 1e-15, 1e-45 at 1e15). LayerNorm: mean(g) and
+    mean(g * xhat)."""
     if IS_RMS:
         if INSIDE:
-            coef = rstd * rstd * rstd * sum_gx / k
+            coef = rstd * (rstd * (rstd * (sum_gx / k)))
         else:
             rms = tl.sqrt(sum_ss / k)
-            coef = tl.where(rms > 0.0, rstd * rstd / tl.maximum(rms, 1e-38) * sum_gx / k, 0.0)
+            coef = tl.where(rms > 0.0, rstd * (rstd * (sum_gx / k / tl.maximum(rms, 1e-38))), 0.0)
         return coef, 0.0, 0.0
     else:
         return 0.0, sum_g / n_cols, sum_gx / n_cols
