@@ -79,6 +79,18 @@ def check(gen, op, shape, dtype, opts=None, backend="cpu", leaves=None, **leaf_k
     return fast, fast_g
 
 
+FAR_SCALE_OPTIONS = ({"eps": 0.0}, {"eps": 0.0, "eps_mode": "outside"})
+
+
+def check_far_from_unit_scale(gen, dtype, opts, scale, backend):
+    """RMSNorm on rows of size ``scale`` (1e-15, 1e15), where rstd^3, a factor of the backward's
+    coefficient, leaves float32's range (1e45, 1e-45) though the coefficient and every gradient
+    stay inside it."""
+    check(gen, "rms_norm", (4, 300), dtype, opts, backend=backend, scale=scale)
+    check(gen, "add_rms_norm", (4, 300), dtype, opts, backend=backend, scale=scale)
+    check_rms_dx_alone(gen, (4, 300), dtype, opts, backend, scale)
+
+
 def check_rms_dx_alone(gen, shape, dtype, opts, backend, scale):
     """rms_norm's input gradient on rows of size ``scale`` against the float64 truth alone,
     without the allowance check() grants for the low-precision reference's own error (torch's

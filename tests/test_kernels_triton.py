@@ -12,7 +12,8 @@ import torch
 from normlab import functional as F
 from normlab import kernels
 from normlab.testing import assert_close
-from opcheck import DTYPES, OPS, RMS_OPTIONS, call_op, check, check_deterministic_weight_grads, check_rms_dx_alone, op_leaves
+from opcheck import (DTYPES, FAR_SCALE_OPTIONS, OPS, RMS_OPTIONS, call_op, check, check_deterministic_weight_grads,
+                     check_far_from_unit_scale, op_leaves)
 
 pytest.importorskip("triton", reason="the triton backend needs triton (pip install normlab[gpu])")
 from normlab.kernels.triton import launch as T  # noqa: E402
@@ -84,14 +85,10 @@ def test_large_mean_rows(gen, monkeypatch, max_block):
 
 
 @pytest.mark.parametrize("scale", [1e-15, 1e15])
-@pytest.mark.parametrize("opts", [{"eps": 0.0}, {"eps": 0.0, "eps_mode": "outside"}], ids=str)
+@pytest.mark.parametrize("opts", FAR_SCALE_OPTIONS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rms_rows_far_from_unit_scale(gen, dtype, opts, scale):
-    # rstd^3, a factor of the backward's coefficient, leaves float32's range for such rows (1e45,
-    # 1e-45) though the coefficient and every gradient stay inside it: it was once formed first
-    tcheck(gen, "rms_norm", (4, 300), dtype, opts, scale=scale)
-    tcheck(gen, "add_rms_norm", (4, 300), dtype, opts, scale=scale)
-    check_rms_dx_alone(gen, (4, 300), dtype, opts, "triton", scale)
+    check_far_from_unit_scale(gen, dtype, opts, scale, "triton")  # rstd^3 alone leaves float32: it was once formed first
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
