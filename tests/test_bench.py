@@ -220,7 +220,8 @@ def test_command_line_rejects_unknown_names(capsys):
     assert "unknown op 'group_norm'" in capsys.readouterr().out
 
 
-def test_cpu_ab_tool_compares_two_source_trees():
+@pytest.mark.parametrize("mode", [[], ["--in-cache"]], ids=["from memory", "in cache"])
+def test_cpu_ab_tool_compares_two_source_trees(mode):
     # tools/cpu_ab.py calls the kernels by their signatures: it must keep up with them.
     # The same tree twice, one small case: the output names both speeds and B's speedup.
     import re
@@ -232,7 +233,7 @@ def test_cpu_ab_tool_compares_two_source_trees():
     src = str(root / "src")
     done = subprocess.run(
         [sys.executable, str(root / "tools" / "cpu_ab.py"), src, src, "--ops", "rms,dytb",
-         "--shapes", "64x256", "--dtype", "fp32", "--threads", "1", "--rounds", "2"],
+         "--shapes", "64x256", "--dtype", "fp32", "--threads", "1", "--rounds", "2", *mode],
         capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,7 +1,7 @@
 """Interleaved A/B of two versions of the CPU kernels in one process.
 
     python tools/cpu_ab.py OLD_SRC NEW_SRC [--ops rms,ln,rmsb,lnb] [--shapes 8192x1024,...]
-                           [--dtype bf16|fp32] [--threads 2] [--rounds 10]
+                           [--dtype bf16|fp32] [--threads 2] [--rounds 10] [--llama] [--in-cache]
 
 On a machine whose memory bandwidth drifts (2x within minutes on the 2-core CI machine), two
 bench runs a minute apart differ by more than most kernel changes do. This loads both trees'
@@ -12,6 +12,8 @@ round, so neither always follows the copy), and reports each one's speed as a fr
 copy and B's speedup over A as the median of the per-round ratios with their range. Inputs
 rotate over as many sets as ``normlab bench`` uses, so they do not stay in the cache between calls.
 Even so, an A/A run moves by about 5%: trust a change when its whole range sits on one side.
+``--in-cache`` (with ``--threads 1`` and a shape such as 64x1024) keeps one input set and times
+batches of 200 calls: what a change does to the arithmetic, where memory would hide it.
 
 Ops: rms / ln / dyt (forward into a preallocated output), rmsb / lnb / dytb (backward; its
 fraction of copy counts the three tensors it moves). Example, the working tree against the last commit::
@@ -71,9 +73,10 @@ def load(src: str, name: str):
     return kernels
 
 
-def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False):
-    """A no-argument callable that runs ``op`` of kernel module K on the next input set."""
-    k = rotation((n, d), dtype)
+def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False, in_cache: bool = False):
+    """A no-argument callable that runs ``op`` of kernel module K on the next input set (with
+    ``in_cache``, always the same one)."""
+    k = 1 if in_cache else rotation((n, d), dtype)
     sets = [(memory.as_numpy(torch.randn(n, d, dtype=dtype)), memory.as_numpy(torch.randn(n, d, dtype=dtype))) for _ in range(k)]
     y = memory.as_numpy(torch.empty(n, d, dtype=dtype))
     w, b = torch.randn(d).numpy(), torch.randn(d).numpy()
@@ -103,8 +106,8 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False):
     return run
 
 
-def copier(n: int, d: int, dtype: torch.dtype):
-    k = rotation((n, d), dtype)
+def copier(n: int, d: int, dtype: torch.dtype, in_cache: bool = False):
+    k = 1 if in_cache else rotation((n, d), dtype)
     srcs = [torch.randn(n, d, dtype=dtype) for _ in range(k)]
     dst, turn = torch.empty(n, d, dtype=dtype), [0]
 
@@ -115,7 +118,12 @@ def copier(n: int, d: int, dtype: torch.dtype):
     return run
 
 
-def batch(fn, calls: int = 5) -> float:
+def batch(fn, calls: int = 5, in_cache: bool = False) -> float:
+    if in_cache:  # calls of a few microseconds: time 200 together
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fn()
+        return (time.perf_counter() - t0) / 200
     times = []
     for _ in range(calls):
         t0 = time.perf_counter()
@@ -134,7 +142,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--llama", action="store_true", help="rms_norm in the llama cast order (gemma's otherwise)")
+    parser.add_argument("--in-cache", action="store_true",
+                        help="one input set, batches of 200 calls: the arithmetic without memory in the way "
+                             "(with --threads 1 and shapes that fit the core's cache, e.g. 64x1024)")
     args = parser.parse_args()
+    ic = args.in_cache
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     numba.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
@@ -145,20 +157,20 @@ def main() -> None:
             n, d = map(int, shape.split("x"))
             # Two sets of buffers, allocated A's first and B's first: whichever was allocated
             # second ran 5%-10% faster here (an A/A run read 1.1), so rounds alternate the sets.
-            first = runner(old, op, n, d, dtype, args.llama), runner(new, op, n, d, dtype, args.llama)
-            second = tuple(reversed((runner(new, op, n, d, dtype, args.llama), runner(old, op, n, d, dtype, args.llama))))
-            cp = copier(n, d, dtype)
+            first = runner(old, op, n, d, dtype, args.llama, ic), runner(new, op, n, d, dtype, args.llama, ic)
+            second = tuple(reversed((runner(new, op, n, d, dtype, args.llama, ic), runner(old, op, n, d, dtype, args.llama, ic))))
+            cp = copier(n, d, dtype, ic)
             for f in (*first, *second, cp):
                 f()  # compile, first touch
             scale = 1.5 if op.endswith("b") else 1.0  # a backward moves three tensors, a copy two
             fa, fb, gain = [], [], []
             for r in range(args.rounds):
                 a, b = (first, second)[r // 2 % 2]
-                c = batch(cp)
+                c = batch(cp, in_cache=ic)
                 if r % 2:
-                    ta, tb = batch(a), batch(b)
+                    ta, tb = batch(a, in_cache=ic), batch(b, in_cache=ic)
                 else:
-                    tb, ta = batch(b), batch(a)
+                    tb, ta = batch(b, in_cache=ic), batch(a, in_cache=ic)
                 fa.append(c / ta * scale)
                 fb.append(c / tb * scale)
                 gain.append(ta / tb)
