@@ -253,8 +253,7 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream):
                 sg, sgx, sg2, sgx2 = _ln_sums_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, mu, row_rstd, mean[r + 1], rstd[r + 1], dwc, dbc)
             else:
                 sg, sgx = sg2, sgx2
-            _ln_bwd_write(dyr, xr, w, w_pairs, row_of(ds, r), dx[r], mu, row_rstd, sg, sgx, stage, stream, ahead,
-                          grad_select_optional(x, dy, ds))
+            _ln_bwd_write(dyr, xr, w, w_pairs, row_of(ds, r), dx[r], mu, row_rstd, sg, sgx, stage, stream, ahead)
             if (r - r0) % FLUSH == FLUSH - 1:
                 flush_into(dwc, dw_sum[c])
                 flush_into(dbc, db_sum[c])
@@ -384,12 +383,12 @@ def _ov_ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_
 
 
 @njit(inline="always")
-def _ln_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, mean, row_rstd, sg, sgx, stage, stream, ahead, may_skip):
+def _ln_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, mean, row_rstd, sg, sgx, stage, stream, ahead):
     """dx of this row, with the terms that do not depend on g folded into one affine function of
     x - mhi: dx = rstd * g + p * (x - mhi) + q, p = -rstd^2 * mean(g * xhat), q = -rstd * mean(g)
     - p * mlo (from the float64 sums): two fmas per value. x - mhi is exact near the mean, and
-    for a constant row it is 0 and so is p. With ``may_skip`` (rows.grad_select_optional)
-    a row proven nan-free (rows.grad_nan_free) is rounded without the nan select."""
+    for a constant row it is 0 and so is p. Where rows.grad_select_optional, a row proven
+    nan-free (rows.grad_nan_free) is rounded without the nan select."""
     d = dxr.shape[0]
     mhi, mlo = _split(mean)
     r = np.float64(row_rstd)
@@ -401,7 +400,7 @@ def _ln_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, mean, row_rstd, sg, sgx, stage,
     c = a
     if a == 0 and reads_pairs(xr, dyr, dsr):  # whole blocks of bf16 rows: in pairs
         c = d - d % BLOCK
-        if may_skip and grad_nan_free(row_rstd, sg, sgx, p, q):  # a loop each, as in _ln_write
+        if grad_select_optional(xr, dyr, dsr) and grad_nan_free(row_rstd, sg, sgx, p, q):  # a loop each, as in _ln_write
             for j in range(0, c, EMIT):
                 prefetch_pass2(xr, dyr, j, ahead)
                 _dx_block("pairs/finite", dxr, j, dyr, xr, w_pairs, dsr, stage, mhi, p, q, row_rstd, stream)
