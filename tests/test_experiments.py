@@ -737,6 +737,10 @@ def test_a_tokenizer_other_than_characters_has_rates_of_its_own(tmp_path):
     assert lr == 0.001 and how.startswith("tuned on characters") and "bpe2048" in how
     assert lab()._design_lr("rmsnorm") == (0.002, "tuned (the design)")
     assert lab(lr="0.01")._design_lr("rmsnorm") == (None, "set for every run")
+    # a rate set for every run takes the lab's floor, a tenth of it, unless min_lr is set too:
+    # the preset's floor (2e-4) would sit above a low rate and the cosine would climb to it
+    assert lab(lr="1e-4").train_over["min_lr"] == 1e-5
+    assert lab(lr="1e-4", min_lr="0").train_over["min_lr"] == 0
     assert lab()._design_lr("deepnorm") == (None, "the preset's (no design at this size)")
 
 

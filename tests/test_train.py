@@ -239,6 +239,9 @@ def test_a_killed_run_resumes_with_every_step_logged_once(corpus, tmp_path):
     ("min_lr", "-1e-4", "min_lr must be a number >= 0"), ("eval_every", "-1", "eval_every must be an int >= 0"),
     ("diverge_factor", "1.0", "diverge_factor must be a number > 1"), ("seq_len", "0", "seq_len must be a positive int"),
     ("grad_clip", "nan", "grad_clip must be a number >= 0"), ("train_tokens", "-5", "train_tokens must be an int >= 0"),
+    ("min_lr", "0.01", r"min_lr must be a number >= 0 and at most lr \(0.001\)"),  # the cosine would climb
+    ("weight_decay", "-0.1", "weight_decay must be a number >= 0"), ("beta1", "1.5", r"beta1 must be in \[0, 1\)"),
+    ("beta2", "1", r"beta2 must be in \[0, 1\)"),
 ])
 def test_training_fields_are_checked(key, value, message):
     with pytest.raises(ValueError, match=message):

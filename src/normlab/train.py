@@ -85,7 +85,10 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         checks = {"lr": (self.lr > 0, "a number > 0"), "warmup": (self.warmup >= 0, "an int >= 0 (0: none)"),
-                  "min_lr": (self.min_lr >= 0, "a number >= 0"), "eval_every": (self.eval_every >= 0, "an int >= 0 (0: at the end)"),
+                  "min_lr": (0 <= self.min_lr <= self.lr, f"a number >= 0 and at most lr ({self.lr:g}): the schedule's floor"),
+                  "weight_decay": (self.weight_decay >= 0, "a number >= 0 (0: none)"),
+                  "beta1": (0 <= self.beta1 < 1, "in [0, 1)"), "beta2": (0 <= self.beta2 < 1, "in [0, 1)"),
+                  "eval_every": (self.eval_every >= 0, "an int >= 0 (0: at the end)"),
                   "ckpt_every": (self.ckpt_every >= 0, "an int >= 0 (0: at the end)"),
                   "diag_every": (self.diag_every >= 0, "an int >= 0 (0: never)"),
                   "diverge_factor": (self.diverge_factor > 1, "a number > 1 (a multiple of the first loss)"),

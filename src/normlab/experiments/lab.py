@@ -94,6 +94,8 @@ class Lab:
             self.train_over["steps"] = settings.steps
         if settings.data is not None:
             self.train_over["data"] = settings.data
+        if "lr" in self.train_over and "min_lr" not in self.train_over:  # every run's floor, as tuned runs have it
+            self.train_over["min_lr"] = self.train_over["lr"] / 10
         if settings.seeds is not None and settings.seeds < 1:
             raise ValueError(f"--seeds must be at least 1, got {settings.seeds}")
         if settings.size not in SIZES:
