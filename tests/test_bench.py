@@ -20,10 +20,18 @@ def test_moved_bytes_counts_what_each_op_must_move():
     assert fb == bench.moved_bytes("add_layer_norm", "fwd", (8, 16), torch.float32) + bench.moved_bytes("add_layer_norm", "bwd", (8, 16), torch.float32)
 
 
-@pytest.mark.parametrize("bad", ["8192", "axb", "0x4", "4x"])
-def test_parse_shape_rejects_bad_shapes(bad):
-    with pytest.raises(ValueError, match="ROWSxHIDDEN"):
+@pytest.mark.parametrize("bad, message", [("8192", "ROWSxHIDDEN"), ("axb", "ROWSxHIDDEN"), ("4x", "ROWSxHIDDEN"),
+                                          ("0x4", "rows and hidden size must each be at least 1")])
+def test_parse_shape_rejects_bad_shapes(bad, message):
+    with pytest.raises(ValueError, match=message):
         bench.parse_shape(bad)
+
+
+@pytest.mark.parametrize("option, message", [({"repeat": 0}, "repeat must be at least 1"),
+                                             ({"case_seconds": float("nan")}, "case_seconds must be a number >= 0")])
+def test_bench_refuses_rounds_it_cannot_take_a_median_of(option, message):
+    with pytest.raises(ValueError, match=message):
+        bench.run_bench(ops=("rms_norm",), backends=("normlab",), shapes=("4x8",), **option)
 
 
 def test_every_op_and_peer_runs_and_records_have_the_documented_keys():

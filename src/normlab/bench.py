@@ -106,8 +106,10 @@ def parse_shape(text: str) -> tuple[int, ...]:
         shape = tuple(int(p) for p in text.lower().split("x"))
     except ValueError:
         shape = ()
-    if len(shape) < 2 or any(s < 1 for s in shape):
+    if len(shape) < 2:
         raise ValueError(f"shape must look like ROWSxHIDDEN (e.g. 8192x1024), got {text!r}")
+    if any(s < 1 for s in shape):
+        raise ValueError(f"shape {text!r}: rows and hidden size must each be at least 1")
     return shape
 
 
@@ -391,6 +393,10 @@ def run_bench(
         bad = [v for v in value if v not in valid]
         if bad:
             raise ValueError(f"unknown {what} {', '.join(map(repr, bad))}; choose from {', '.join(valid)}")
+    if repeat < 1:
+        raise ValueError(f"repeat must be at least 1 (timed rounds per case), got {repeat}")
+    if not case_seconds >= 0:
+        raise ValueError(f"case_seconds must be a number >= 0, got {case_seconds}")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' asked for, but torch sees no CUDA device")
