@@ -57,6 +57,11 @@ def test_loss_falls_and_the_run_directory_is_complete(corpus, tmp_path):
     assert clock["threads"] == torch.get_num_threads() and clock["processor"] and "loaded" not in clock
     text = T.sample(run, "the ", tokens=20)
     assert text.startswith("the ") and len(text) == 24
+    # past the model's context it goes on from the last half window: every token asked for, and
+    # the first window's tokens those of a call that asks for no more than fit
+    window = T.load_run(run)[0].cfg.max_seq_len
+    long = T.sample(run, "the ", tokens=2 * window + 5)
+    assert len(long) == 4 + 2 * window + 5 and long.startswith(T.sample(run, "the ", tokens=window - 4))
 
 
 def test_resume_continues_exactly(corpus, tmp_path):

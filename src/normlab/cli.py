@@ -449,11 +449,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sample", help="generate text from a trained run")
     p.add_argument("--run", required=True, help="the run directory")
-    p.add_argument("--prompt", default="\n")
-    p.add_argument("--tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt", default="\n", help="the text to go on from (default: a new line)")
+    p.add_argument("--tokens", type=int, default=200,
+                   help="tokens to write (past the model's context it goes on from the last half window)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=50, help="sample from the k likeliest tokens")
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed (same seed, same text)")
     p.set_defaults(func=cmd_sample)
     return parser
 

@@ -582,11 +582,21 @@ def initial_model(run: str | Path) -> Decoder:
 
 
 def sample(run: str | Path, prompt: str, tokens: int = 200, temperature: float = 0.8, top_k: int | None = 50, seed: int = 0) -> str:
+    """The prompt and ``tokens`` sampled tokens after it. Past the model's context (max_seq_len)
+    it goes on from the last half of what it has written, positions from 0 again, as a training
+    window starts anywhere in the text."""
     model, tok = load_run(run)
     ids = tok.encode(prompt) or [0]
-    room = model.cfg.max_seq_len - len(ids)
-    if room <= 0:
-        raise ValueError(f"prompt is {len(ids)} tokens, the model takes at most {model.cfg.max_seq_len}")
-    out = model.generate(torch.tensor([ids]), min(tokens, room), temperature=temperature, top_k=top_k,
-                         generator=torch.Generator().manual_seed(seed))
+    window = model.cfg.max_seq_len
+    if len(ids) >= window:
+        raise ValueError(f"prompt is {len(ids)} tokens, the model takes at most {window - 1} before what it writes")
+    if tokens < 0:
+        raise ValueError(f"tokens must be >= 0, got {tokens}")
+    generator = torch.Generator().manual_seed(seed)
+    out = torch.tensor([ids])
+    while tokens > 0:
+        context = out if out.shape[1] < window else out[:, -max(1, window // 2):]
+        n = min(tokens, window - context.shape[1])
+        written = model.generate(context, n, temperature=temperature, top_k=top_k, generator=generator)
+        out, tokens = torch.cat([out, written[:, context.shape[1]:]], 1), tokens - n
     return tok.decode(out[0].tolist())
