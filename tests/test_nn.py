@@ -215,9 +215,9 @@ def _per_position_loop(x, mask, steps_seen, running_mean, running_var, momentum,
             rows = torch.stack(real)
             mean, var = rows.mean(0), rows.var(0, unbiased=False)
             n = len(real)
-            unbiased = var * n / (n - 1) if n > 1 else var
             running_mean[t] = (1 - momentum) * running_mean[t] + momentum * mean
-            running_var[t] = (1 - momentum) * running_var[t] + momentum * unbiased
+            if n > 1:  # one token has no unbiased variance: the running one stays
+                running_var[t] = (1 - momentum) * running_var[t] + momentum * var * n / (n - 1)
             steps_seen[t] += n
         else:
             mean, var = torch.zeros(d, dtype=torch.float64), torch.ones(d, dtype=torch.float64)

@@ -209,6 +209,19 @@ def test_seq_batch_norm_uses_only_real_positions(gen):
     assert torch.equal(rm2, rm) and torch.equal(rv2, rv)
 
 
+def test_seq_batch_norm_keeps_the_running_variance_for_one_real_token(gen):
+    # one token has no unbiased variance (torch's BatchNorm refuses it); a variance of 0 in its
+    # place would pull the running variance down and inflate eval outputs
+    x = rand(gen, 2, 3, 5, scale=2.0, mean=1.0)
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    mask[1, 2] = True
+    rm, rv = torch.zeros(5, dtype=torch.float64), torch.full((5,), 2.0, dtype=torch.float64)
+    y = R.seq_batch_norm(x, mask, rm, rv, training=True, momentum=0.1)
+    assert torch.equal(rv, torch.full((5,), 2.0, dtype=torch.float64))
+    assert_close(rm, 0.1 * x[1, 2].double())
+    assert_close(y[mask], torch.zeros(1, 5, dtype=torch.float64))  # the token minus its own mean
+
+
 def test_seq_batch_norm_eval_uses_running_stats(gen):
     d = 8
     x = rand(gen, 2, 5, d)

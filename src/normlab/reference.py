@@ -210,7 +210,8 @@ def seq_batch_norm(
     tokens (None means every position is real). In training, per-feature mean and biased
     variance are taken over the real positions only, and the running statistics are updated in
     place: running = (1 - momentum) * running + momentum * batch, with the unbiased variance as
-    torch's BatchNorm does. In eval the running statistics are used (batch statistics when there
+    torch's BatchNorm does (a batch of one real token, which has none, leaves the running variance
+    as it was; torch's refuses such a batch). In eval the running statistics are used (batch statistics when there
     are none). Padded positions are normalized like the others; they do not influence anything.
 
     It is the baseline that shows why text models left BatchNorm: a token's output depends on
@@ -233,9 +234,10 @@ def seq_batch_norm(
         var = ((rows - mean) ** 2).mean(dim=0)
         if training and running_mean is not None and running_var is not None:
             with torch.no_grad():
-                unbiased = var * (n / (n - 1)) if n > 1 else var
                 running_mean.mul_(1 - momentum).add_(momentum * mean.detach().to(running_mean.dtype))
-                running_var.mul_(1 - momentum).add_(momentum * unbiased.detach().to(running_var.dtype))
+                if n > 1:  # one token has no unbiased variance (torch's BatchNorm refuses it): keep the running one
+                    unbiased = var * (n / (n - 1))
+                    running_var.mul_(1 - momentum).add_(momentum * unbiased.detach().to(running_var.dtype))
     else:
         mean = running_mean.to(sdt)
         var = running_var.to(sdt)
@@ -264,7 +266,8 @@ def seq_batch_norm_per_position(
     t of a (B, T, d) batch is normalized over the batch's real tokens at t alone. ``running_mean``
     and ``running_var`` are (max_positions, d) and ``seen`` (max_positions,) counts the real
     tokens each position's running statistics came from; all three are updated in place in
-    training (a position without real tokens in the batch keeps its statistics). In eval a
+    training (a position without real tokens in the batch keeps its statistics, one with a single
+    real token its variance). In eval a
     position that never saw a real token in training has no statistics, and a real token there
     raises an error that names it. Padded positions are normalized like the others."""
     B, T, d = x.shape
@@ -281,10 +284,11 @@ def seq_batch_norm_per_position(
         var = (((xs - mean) ** 2) * w).sum(dim=0) / n.clamp(min=1)
         has = n.squeeze(-1) > 0
         with torch.no_grad():
-            unbiased = torch.where(n > 1, var * n / (n - 1).clamp(min=1), var)
+            unbiased = var * n / (n - 1).clamp(min=1)
+            pairs = n.squeeze(-1) > 1  # a position with one real token has no unbiased variance
             rm, rv = running_mean[:T], running_var[:T]
             rm[has] = ((1 - momentum) * rm[has] + momentum * mean[has].detach().to(rm.dtype))
-            rv[has] = ((1 - momentum) * rv[has] + momentum * unbiased[has].detach().to(rv.dtype))
+            rv[pairs] = ((1 - momentum) * rv[pairs] + momentum * unbiased[pairs].detach().to(rv.dtype))
             seen[:T] += n.squeeze(-1).to(seen.dtype)
         mean = torch.where(has.unsqueeze(-1), mean, torch.zeros_like(mean))
         var = torch.where(has.unsqueeze(-1), var, torch.ones_like(var))
