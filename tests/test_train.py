@@ -164,6 +164,14 @@ def test_cli_refuses_to_overwrite_a_run_and_reports_data_errors(corpus, tmp_path
     assert "already holds a run" in capsys.readouterr().out
     assert main(["train", f"data={tmp_path / 'nothing'}", "--quiet", f"out={tmp_path / 'r2'}"]) == 2
     assert "neither a corpus" in capsys.readouterr().out
+    # a prompt character the training text never had is said, not silently read as "unknown"
+    seen = D.load_tokenizer(out / "tokenizer.json").chars
+    odd = next(c for c in "\u20ac\u00e9\u4e2d\u2603" if c not in seen)
+    assert main(["sample", "--run", str(out), "--prompt", f"{seen[-1]}{odd}", "--tokens", "3"]) == 0
+    said = capsys.readouterr()
+    assert f"training text has no {odd!r}" in said.err and len(said.out.rstrip("\n")) == 5
+    assert main(["sample", "--run", str(out), "--prompt", seen[-1], "--tokens", "3"]) == 0
+    assert "training text has no" not in capsys.readouterr().err
 
 
 def test_bf16_autocast_and_gradient_accumulation_train(corpus, tmp_path):

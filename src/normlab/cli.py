@@ -234,8 +234,14 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_sample(args: argparse.Namespace, console: Console) -> int:
-    from normlab import train
+    from normlab import data, train
+    from normlab.runs import RunDir
 
+    tokenizer = RunDir(args.run).tokenizer_file
+    unseen = data.load_tokenizer(tokenizer).unseen(args.prompt) if tokenizer.is_file() else ""
+    if unseen:  # the model reads each as its one "unknown character" id
+        print(f"note: the run's training text has no {', '.join(map(repr, unseen))}; the model sees "
+              f"{'each' if len(unseen) > 1 else 'it'} as an unknown character", file=sys.stderr)
     text = train.sample(args.run, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
     print(text)
     return 0

@@ -257,6 +257,10 @@ class Tokenizer:
     def to_json(self) -> dict:
         raise NotImplementedError
 
+    def unseen(self, text: str) -> str:
+        """The characters of ``text`` this tokenizer encodes as "unknown" (only a char tokenizer has any)."""
+        return ""
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json()))
 
@@ -291,6 +295,9 @@ class CharTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return [self.index.get(c, 0) for c in text]
+
+    def unseen(self, text: str) -> str:
+        return "".join(dict.fromkeys(c for c in text if c not in self.index))
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i - 1] if 0 < i <= len(self.chars) else "?" for i in ids)
