@@ -4,6 +4,7 @@ two-process DDP (gloo) against one process, config resolution and checkpoint err
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -121,9 +122,25 @@ def test_sigint_leaves_a_loadable_checkpoint_and_complete_metrics(corpus, tmp_pa
     assert state["step"] == summary["step"] == len([r for r in lines if "step_ms" in r])
 
 
-def test_two_processes_match_one(corpus, tmp_path):
+def paragraph_corpus(folder: Path) -> Path:
+    """Paragraphs of 3 to ~45 characters between blank lines, shorter than the window: padded
+    batches whose micro-batches hold different numbers of real tokens."""
+    rng = random.Random(1)
+    words = "the king queen love death night day sword crown heart".split()
+    paragraphs = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 6))) for _ in range(3000)]
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"play{i}.txt").write_text("\n\n".join(paragraphs[i::3]))
+    return folder
+
+
+@pytest.mark.parametrize("batching", ["windows", "paragraphs"])
+def test_two_processes_match_one(corpus, tmp_path, batching):
+    # paragraphs: each rank's loss is the mean over its own real tokens, weighted by its share
     env = {**os.environ, "NORMLAB_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    args = [f"data={corpus}", "preset=tiny", "steps=8", "batch_size=8", "seq_len=32", "eval_every=0", "--quiet"]
+    data = corpus if batching == "windows" else paragraph_corpus(tmp_path / "texts")
+    args = [f"data={data}", "preset=tiny", "steps=8", "batch_size=8", "seq_len=32", "eval_every=0", f"batching={batching}",
+            "norm=layernorm", "--quiet"]
     one = subprocess.run([sys.executable, "-m", "normlab", "train", *args, f"out={tmp_path / 'one'}"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr
@@ -432,3 +449,19 @@ def test_train_warns_once_when_steps_slow_down_under_load(corpus, tmp_path, monk
 def test_a_bad_lr_or_warmup_is_named_alone(corpus, tmp_path, field, value):
     with pytest.raises(ValueError, match=rf"^{field} must be .*, got {value}$"):
         tiny(corpus, tmp_path / "run", **{field: value})[0].validate()
+
+
+def test_accumulated_padded_batches_give_the_true_batchs_step(corpus, tmp_path):
+    # a padded micro-batch's loss is the mean over its own real tokens: weighted by its share of
+    # the step's tokens, 4 micro-batches of 2 paragraphs give the batch of 8's loss and gradient
+    # (LayerNorm, no dropout: up to summation order); equal weights would count the tokens of
+    # short batches more
+    texts = paragraph_corpus(tmp_path / "texts")
+    first = {}
+    for name, bs, accum in (("true", 8, 1), ("accum", 2, 4)):
+        tcfg, m = tiny(texts, tmp_path / name, batching="paragraphs", batch_size=bs, grad_accum=accum, steps=1,
+                       eval_every=0, norm="layernorm")
+        T.train(tcfg, m)
+        first[name] = next(r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines()) if "loss" in r)
+    for key in ("loss", "grad_norm"):
+        assert first["accum"][key] == pytest.approx(first["true"][key], rel=1e-5), key

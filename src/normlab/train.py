@@ -51,7 +51,7 @@ class TrainConfig:
     batch_size: int = 16  # sequences per micro-batch, all ranks together (a step: batch_size * grad_accum)
     seq_len: int | None = None  # tokens per sequence; None: the model's max_seq_len
     batching: str = "windows"  # "windows" of seq_len tokens, or "paragraphs": text between blank lines, padded and masked
-    grad_accum: int = 1  # micro-batches per step
+    grad_accum: int = 1  # micro-batches per step (padded ones weighted by their real tokens: the true batch's gradient)
     lr: float = 1e-3  # peak learning rate
     min_lr: float = 1e-4  # floor of the cosine schedule
     warmup: int = 100  # linear warmup steps (0: none)
@@ -375,16 +375,17 @@ def _train(tcfg: TrainConfig, model_overrides: dict, run: RunDir, world: World, 
                 model.record_activations(bool(diag))
                 loss_sum = 0.0
                 tokens_before = tokens_seen
-                for micro in range(tcfg.grad_accum):
-                    x, y, *mask = (t.to(device) for t in batches.next())
+                micro_batches = [[t.to(device) for t in batches.next()] for _ in range(tcfg.grad_accum)]
+                weights = _token_weights(micro_batches, world, device)
+                for micro, (x, y, *mask) in enumerate(micro_batches):
                     mask = mask[0] if mask else None  # paragraphs: (B, T) real tokens
                     tokens_seen += (int(mask.sum()) if mask is not None else x.numel()) * world.size  # every rank alike
                     sync = not world.distributed or micro == tcfg.grad_accum - 1
                     ctx = net.no_sync() if world.distributed and not sync else contextlib.nullcontext()
                     with ctx, autocast:
                         _, loss = net(x, y, mask=mask)
-                    (loss / tcfg.grad_accum).backward()
-                    loss_sum += loss.item() / tcfg.grad_accum
+                    (loss / tcfg.grad_accum if weights is None else loss * weights[micro]).backward()
+                    loss_sum += loss.item() / tcfg.grad_accum if weights is None else loss.item() * weights[micro]
                 stopping = stop.requested
                 if world.distributed:  # the loss, and whether any rank was asked to stop: all ranks stop at the same step
                     t = torch.tensor([loss_sum, float(stop.requested)], device=device)
@@ -444,6 +445,23 @@ def _train(tcfg: TrainConfig, model_overrides: dict, run: RunDir, world: World, 
     if world.main:
         run.write_summary(summary)
     return summary
+
+
+def _token_weights(micro_batches: list, world: World, device) -> list[float] | None:
+    """Each padded micro-batch's share of the step's real tokens (all ranks'), times the rank
+    count that DDP's gradient average divides by: a micro-batch's loss is the mean over its own
+    real tokens, so equal weights would count a token of a short batch more than one of a long
+    batch, and accumulated steps would not give the true batch's gradient. None for windows,
+    whose micro-batches hold equal token counts (the loss is divided by grad_accum, as always)."""
+    if len(micro_batches[0]) < 3 or (len(micro_batches) == 1 and not world.distributed):
+        return None
+    counts = torch.tensor([float(b[2].sum()) for b in micro_batches], dtype=torch.float64)
+    total = counts.sum()
+    if world.distributed:
+        total = total.to(device)
+        dist.all_reduce(total)
+        total = total.cpu()
+    return (counts * world.size / total).tolist()
 
 
 def warm_up(model: Decoder, batch: tuple, device, autocast) -> None:
