@@ -43,13 +43,13 @@ def _results(fn, x, args, kwargs, cotangent):
 
 
 def _truth_args(name, sample, dtype):
-    """The sample in float64, with rms_norm's default eps made explicit (the sample's dtype's)."""
+    """The sample in float64, with rms_norm's default eps made explicit (torch's for the sample's dtype)."""
     def up(t):
         return t.detach().double().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
 
     kwargs = dict(sample.kwargs)
     if name == "nn.functional.rms_norm" and kwargs.get("eps") is None and len(sample.args) < 3:
-        kwargs["eps"] = torch.finfo(dtype).eps
+        kwargs["eps"] = NC.default_rms_eps(dtype)
     return up(sample.input), [up(a) for a in sample.args], kwargs
 
 

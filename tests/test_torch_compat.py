@@ -40,11 +40,19 @@ def test_float32_multidimensional_runs_the_fused_kernel_and_keeps_torchs_error(g
     assert (ours.double() - truth).abs().max() <= 2 * (theirs.double() - truth).abs().max() + 1e-6
 
 
-def test_eps_none_is_the_dtypes_machine_epsilon(gen):
-    x = torch.full((2, 8), 1e-4, dtype=torch.float32) + 1e-6 * torch.randn(2, 8, generator=gen)  # eps decides
-    for dtype in (torch.float32, torch.float64):
-        torch.testing.assert_close(NC.rms_norm(x.to(dtype), (8,)), TF.rms_norm(x.to(dtype), (8,)))
-    assert not torch.allclose(NC.rms_norm(x, (8,)), F.rms_norm(x))  # normlab's own default (1e-6) differs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+def test_eps_none_is_torchs_default(gen, dtype):
+    # torch takes the machine epsilon of the dtype it computes in: float32's for half-precision
+    # input (1.2e-7), not the input dtype's (bfloat16's 0.0078 moves every output of a row this small)
+    x = (torch.full((2, 8), 1e-2, dtype=torch.float32) + 1e-3 * torch.randn(2, 8, generator=gen)).to(dtype)
+    w = torch.randn(8, generator=gen).to(dtype)
+    torch.testing.assert_close(NC.rms_norm(x, (8,), w), TF.rms_norm(x, (8,), w))
+    module = torch.nn.RMSNorm(8, dtype=dtype)
+    ours = RMSNorm(8, eps=None, cast="gemma", dtype=dtype)
+    ours.load_state_dict(module.state_dict())
+    torch.testing.assert_close(ours(x), module(x))
+    if dtype == torch.float32:
+        assert not torch.allclose(NC.rms_norm(x, (8,)), F.rms_norm(x))  # normlab's own default (1e-6) differs
 
 
 def test_empty_inputs_give_empty_results_with_gradients():

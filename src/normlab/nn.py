@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from normlab import functional as F
 from normlab import reference
 from normlab.kernels import check_name
-from normlab.torch_compat import normalized_size
+from normlab.torch_compat import default_rms_eps, normalized_size
 
 __all__ = ["LayerNorm", "RMSNorm", "L2Norm", "ScaleNorm", "SequenceBatchNorm", "DyT", "Derf", "build_norm", "NORM_KINDS"]
 
@@ -110,7 +110,8 @@ class RMSNorm(nn.Module):
     starts at one (ones for Llama, zeros for Gemma's ``offset=1``). Options as in
     :func:`normlab.functional.rms_norm`; ``elementwise_affine=False`` is weightless RMSNorm.
     torch.nn.RMSNorm's arguments work in its order, a tuple ``normalized_shape`` and ``eps=None``
-    (``torch.finfo(x.dtype).eps``, torch's default) included; normlab's default eps is 1e-6, and
+    (torch's default: float32's machine epsilon for float16, bfloat16 and float32 input, float64's
+    for float64) included; normlab's default eps is 1e-6, and
     its default cast order Llama's (torch's rounds once, as ``cast="gemma"``).
     """
 
@@ -144,7 +145,7 @@ class RMSNorm(nn.Module):
             self.register_parameter("weight", None)
 
     def forward(self, x: Tensor) -> Tensor:
-        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        eps = default_rms_eps(x.dtype) if self.eps is None else self.eps
         y = F.rms_norm(_flat(self, x), _flat_param(self.weight), eps, eps_mode=self.eps_mode, cast=self.cast,
                        offset=self.offset, partial=self.partial, backend=self.backend)
         return y.reshape(x.shape) if len(self.normalized_shape) > 1 else y

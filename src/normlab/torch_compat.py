@@ -7,7 +7,8 @@
 
 as torch defines them: ``normalized_shape`` of any rank (the trailing dimensions normalized
 together: the fused kernels run on them flattened into one), ``eps=None`` in rms_norm meaning
-``torch.finfo(input.dtype).eps``, weight and bias of the normalized shape, an input with no
+the machine epsilon of the dtype its statistics are computed in (float32's for float16, bfloat16
+and float32 input, float64's for float64: not the input dtype's, 0.0078 in bfloat16), weight and bias of the normalized shape, an input with no
 elements giving an empty result, a negative eps taken as torch takes it (by the reference math:
 normlab's own API refuses it). rms_norm rounds once, after the weight (normlab's
 ``cast="gemma"``), as torch's does. The dtypes torch refuses on CPU, normlab refuses too:
@@ -29,9 +30,15 @@ from torch import Tensor
 from normlab import functional as F
 from normlab import reference
 
-__all__ = ["layer_norm", "rms_norm", "normalized_size"]
+__all__ = ["layer_norm", "rms_norm", "normalized_size", "default_rms_eps"]
 
 _HALF = (torch.bfloat16, torch.float16)
+
+
+def default_rms_eps(dtype: torch.dtype) -> float:
+    """torch's rms_norm epsilon when none is given: that of the dtype it computes in (float32 for
+    half-precision input), as its kernels and its decomposition take it."""
+    return torch.finfo(reference.stat_dtype(dtype)).eps
 
 
 def normalized_size(normalized_shape: int | Sequence[int], input: Tensor, what: str) -> tuple[tuple[int, ...], int]:
@@ -88,12 +95,12 @@ def layer_norm(input: Tensor, normalized_shape: int | Sequence[int], weight: Ten
 
 def rms_norm(input: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | None = None,
              eps: float | None = None, *, backend: str | None = None) -> Tensor:
-    """torch.nn.functional.rms_norm, fused: ``eps=None`` is ``torch.finfo(input.dtype).eps``."""
+    """torch.nn.functional.rms_norm, fused: ``eps=None`` is the statistics dtype's machine epsilon."""
     shape, d = normalized_size(normalized_shape, input, "rms_norm")
     w = _flat_param(weight, "weight", shape, "rms_norm")
     if input.numel() == 0:
         return _empty(input, weight)
-    eps = torch.finfo(input.dtype).eps if eps is None else eps
+    eps = default_rms_eps(input.dtype) if eps is None else eps
     x = input.reshape(*input.shape[:input.dim() - len(shape)], d)
     if eps < 0:
         return reference.rms_norm(x, w, eps, cast="gemma").reshape(input.shape)

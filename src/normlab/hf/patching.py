@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from normlab import functional as F
+from normlab.torch_compat import default_rms_eps
 
 # Decoder layers whose forward is Llama's (attention residual add, then post_attention_layernorm).
 FUSABLE_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "GemmaDecoderLayer")
@@ -71,7 +72,7 @@ OTHER_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LocalResponseNor
 
 def _eps_of(module: nn.Module) -> tuple[bool, float | None]:
     if isinstance(module, nn.RMSNorm):
-        return True, module.eps  # None: the dtype's machine epsilon
+        return True, module.eps  # None: torch's default (torch_compat.default_rms_eps)
     for attr in EPS_ATTRS:
         value = getattr(module, attr, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -155,8 +156,7 @@ def _apply(spec: dict, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor 
     """normlab's op for ``spec``: what the probe compares and what a patched forward runs."""
     if spec["op"] == "ln":
         return F.layer_norm(x, w, b, eps=spec["eps"], backend=backend)
-    # eps None: torch takes the machine epsilon of the dtype it computes in (fp32 for fp16/bf16/fp32)
-    eps = spec["eps"] if spec["eps"] is not None else torch.finfo(torch.float32).eps
+    eps = spec["eps"] if spec["eps"] is not None else default_rms_eps(x.dtype)  # torch's: that of the dtype it computes in
     return F.rms_norm(x, w, eps, eps_mode=spec["eps_mode"], cast=spec["cast"], offset=spec["offset"], backend=backend)
 
 
