@@ -111,8 +111,8 @@ class RMSNorm(nn.Module):
     :func:`normlab.functional.rms_norm`; ``elementwise_affine=False`` is weightless RMSNorm.
     torch.nn.RMSNorm's arguments work in its order, a tuple ``normalized_shape`` and ``eps=None``
     (torch's default: float32's machine epsilon for float16, bfloat16 and float32 input, float64's
-    for float64) included; normlab's default eps is 1e-6, and
-    its default cast order Llama's (torch's rounds once, as ``cast="gemma"``).
+    for float64) included; normlab's default eps is 1e-6, and its default cast order Llama's
+    (torch's rounds once, as ``cast="gemma"``).
     """
 
     def __init__(

@@ -211,8 +211,9 @@ def seq_batch_norm(
     variance are taken over the real positions only, and the running statistics are updated in
     place: running = (1 - momentum) * running + momentum * batch, with the unbiased variance as
     torch's BatchNorm does (a batch of one real token, which has none, leaves the running variance
-    as it was; torch's refuses such a batch). In eval the running statistics are used (batch statistics when there
-    are none). Padded positions are normalized like the others; they do not influence anything.
+    as it was; torch's refuses such a batch). In eval the running statistics are used (batch
+    statistics when there are none). Padded positions are normalized like the others; they do
+    not influence anything.
 
     It is the baseline that shows why text models left BatchNorm: a token's output depends on
     its batch-mates, differs between train and eval mode, and in a causal LM sees statistics of
@@ -267,9 +268,9 @@ def seq_batch_norm_per_position(
     and ``running_var`` are (max_positions, d) and ``seen`` (max_positions,) counts the real
     tokens each position's running statistics came from; all three are updated in place in
     training (a position without real tokens in the batch keeps its statistics, one with a single
-    real token its variance). In eval a
-    position that never saw a real token in training has no statistics, and a real token there
-    raises an error that names it. Padded positions are normalized like the others."""
+    real token its variance). In eval a position that never saw a real token in training has no
+    statistics, and a real token there raises an error that names it. Padded positions are
+    normalized like the others."""
     B, T, d = x.shape
     if T > running_mean.shape[0]:
         raise ValueError(f"position {running_mean.shape[0]} (of {T}) is past the last position with statistics: "

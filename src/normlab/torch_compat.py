@@ -8,12 +8,13 @@
 as torch defines them: ``normalized_shape`` of any rank (the trailing dimensions normalized
 together: the fused kernels run on them flattened into one), ``eps=None`` in rms_norm meaning
 the machine epsilon of the dtype its statistics are computed in (float32's for float16, bfloat16
-and float32 input, float64's for float64: not the input dtype's, 0.0078 in bfloat16), weight and bias of the normalized shape, an input with no
-elements giving an empty result, a negative eps taken as torch takes it (by the reference math:
-normlab's own API refuses it). rms_norm rounds once, after the weight (normlab's
-``cast="gemma"``), as torch's does. The dtypes torch refuses on CPU, normlab refuses too:
-layer_norm's weight and bias must have the input's dtype, or float32 for a bfloat16 or float16
-input; rms_norm takes any float weight and returns the input's dtype.
+and float32 input, float64's for float64: not the input dtype's, 0.0078 in bfloat16), weight and
+bias of the normalized shape, an input with no elements giving an empty result, a negative eps
+taken as torch takes it (by the reference math: normlab's own API refuses it). rms_norm rounds
+once, after the weight (normlab's ``cast="gemma"``), as torch's does. The dtypes torch refuses
+on CPU, normlab refuses too: layer_norm's weight and bias must have the input's dtype, or
+float32 for a bfloat16 or float16 input; rms_norm takes any float weight and returns the input's
+dtype.
 
 normlab's own API (:mod:`normlab.functional`) keeps its extra options (cast orders, offsets, eps
 outside the root, partial RMSNorm, fused residual adds, ``out=``); ``backend=`` works here too.
