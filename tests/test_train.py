@@ -451,7 +451,7 @@ def test_a_bad_lr_or_warmup_is_named_alone(corpus, tmp_path, field, value):
         tiny(corpus, tmp_path / "run", **{field: value})[0].validate()
 
 
-def test_accumulated_padded_batches_give_the_true_batchs_step(corpus, tmp_path):
+def test_accumulated_padded_batches_give_the_true_batchs_step(tmp_path):
     # a padded micro-batch's loss is the mean over its own real tokens: weighted by its share of
     # the step's tokens, 4 micro-batches of 2 paragraphs give the batch of 8's loss and gradient
     # (LayerNorm, no dropout: up to summation order); equal weights would count the tokens of
