@@ -297,3 +297,28 @@ def test_pointwise_ulp_tool_sweeps_and_reports_the_bound(fn, end, slope_bound, n
     assert rel and 0 < float(rel.group(1)) <= slope_bound, done.stdout
     bad = subprocess.run([sys.executable, str(tool), "--step", "0"], capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "--step must be a whole number >= 1" in bad.stderr
+
+
+def test_ctrl_c_keeps_the_groups_measured_so_far(tmp_path, monkeypatch):
+    # two dtype and shape groups; Ctrl-C in the second: the first group's records are written
+    # and shown, the note says what was left out, and the exit status is Ctrl-C's
+    measure, calls = bench._measure_group, []
+
+    def interrupted_second(*args, **kwargs):
+        calls.append(args[5])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "_measure_group", interrupted_second)
+    path = tmp_path / "bench.json"
+    code = main(["bench", "--ops", "rms_norm", "--backends", "normlab", "--dtypes", "fp32", "--shapes", "4x64,8x64",
+                 "--passes", "fwd", "--repeat", "3", "--quiet", "--json", str(path)])
+    saved = json.loads(path.read_text())
+    assert code == 130 and calls == [(4, 64), (8, 64)]
+    assert {r["shape"] for r in saved["records"]} == {"4x64"} and saved["records"]
+    assert any(n.startswith(bench.INTERRUPTED) and "1 of 2" in n for n in saved["notes"])
+    # interrupted before any group finished: nothing to keep, so Ctrl-C reaches the caller as ever
+    calls[:] = [None]  # the next group counts as the second: interrupted before any group finished
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_bench(ops=("rms_norm",), backends=("normlab",), shapes=("4x64",), passes=("fwd",), repeat=3)

@@ -58,6 +58,7 @@ FORWARD_ONLY = {"ipex": "its fused norms are for inference (with autograd they f
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SHAPES = ("8192x1024", "4096x4096", "1024x16384")
 EPS = 1e-6
+INTERRUPTED = "interrupted (Ctrl-C)"  # the note a bench stopped by Ctrl-C leaves, with the groups it kept
 PARTIAL = 0.0625
 
 # Fused peers importable on CUDA machines: (name in notes, module, RMSNorm class, LayerNorm class).
@@ -407,35 +408,47 @@ def run_bench(
     clear = scrubber(dev) if scrub else (lambda: None)
     groups = [(dt, sh) for dt in dtypes for sh in parsed]
     task = progress.add_task("bench", total=len(groups)) if progress else None
-    for dt, sh in groups:
-        if progress:
-            progress.update(task, description=f"{dt} {'x'.join(map(str, sh))}")
-        cases, group_notes = _build_group(ops, backends, passes, allocs, dt, sh, dev, gen, clear)
-        notes.extend(n for n in group_notes if n not in notes)
-        for case in cases:  # warm-up, compilation included
-            with torch.set_grad_enabled(case.grad_mode):
-                for i in range(warmup):
-                    case.run(i)
-        _sync(dev)
-        for i in range(repeat):
-            start = i % len(cases)  # each round starts one case later: none always runs right after the same one
-            for case in cases[start:] + cases[:start]:
-                if len(case.times) >= 3 and sum(case.times) >= case_seconds:
-                    continue
-                with torch.set_grad_enabled(case.grad_mode):
-                    clear()
-                    _sync(dev)
-                    t0 = time.perf_counter()
-                    result = case.run(warmup + i)
-                    _sync(dev)
-                    # a runner that times itself (the backward alone) returns its duration
-                    case.times.append(result if isinstance(result, float) else time.perf_counter() - t0)
-                del result
-        records.extend(_records(cases, dev))
-        del cases
-        if progress:
-            progress.advance(task)
+    try:
+        for dt, sh in groups:
+            if progress:
+                progress.update(task, description=f"{dt} {'x'.join(map(str, sh))}")
+            records.extend(_measure_group(ops, backends, passes, allocs, dt, sh, dev, gen, clear, warmup, repeat,
+                                          case_seconds, notes))
+            if progress:
+                progress.advance(task)
+    except KeyboardInterrupt:  # the groups measured so far are kept; the one under way is left out
+        if not records:
+            raise
+        done = len({(r["dtype"], r["shape"]) for r in records})
+        notes.append(f"{INTERRUPTED}: {done} of {len(groups)} dtype and shape groups measured, the rest left out")
     return records, notes
+
+
+def _measure_group(ops, backends, passes, allocs, dt: str, sh: tuple, dev, gen, clear, warmup: int, repeat: int,
+                   case_seconds: float, notes: list[str]) -> list[dict]:
+    """One dtype and shape: every case warmed up, then timed round-robin with the copy."""
+    cases, group_notes = _build_group(ops, backends, passes, allocs, dt, sh, dev, gen, clear)
+    notes.extend(n for n in group_notes if n not in notes)
+    for case in cases:  # warm-up, compilation included
+        with torch.set_grad_enabled(case.grad_mode):
+            for i in range(warmup):
+                case.run(i)
+    _sync(dev)
+    for i in range(repeat):
+        start = i % len(cases)  # each round starts one case later: none always runs right after the same one
+        for case in cases[start:] + cases[:start]:
+            if len(case.times) >= 3 and sum(case.times) >= case_seconds:
+                continue
+            with torch.set_grad_enabled(case.grad_mode):
+                clear()
+                _sync(dev)
+                t0 = time.perf_counter()
+                result = case.run(warmup + i)
+                _sync(dev)
+                # a runner that times itself (the backward alone) returns its duration
+                case.times.append(result if isinstance(result, float) else time.perf_counter() - t0)
+            del result
+    return _records(cases, dev)
 
 
 def _records(cases: list[Case], device: torch.device) -> list[dict]:
@@ -454,13 +467,14 @@ def _records(cases: list[Case], device: torch.device) -> list[dict]:
     return out
 
 
-def write_json(path: str, records: list[dict], env: dict, scrub: bool = True) -> None:
+def write_json(path: str, records: list[dict], env: dict, scrub: bool = True, notes: list[str] | None = None) -> None:
     """``method.scrub_bytes``: what was read before each timed call (0: nothing, the method of
     records made before the scrub, which have no ``method``). ``method.grad_mode``: "untimed"
     where autograd's mode is set outside each timed call (Case.grad_mode); records without it
-    timed a `torch.no_grad()` block inside each forward."""
+    timed a `torch.no_grad()` block inside each forward. ``notes``: the run's notes (peers left
+    out, an interruption), when there are any."""
     method = {"scrub_bytes": ROTATE_BYTES if scrub else 0, "grad_mode": "untimed"}
-    runs.write_json(path, {"environment": env, "method": method, "records": records})
+    runs.write_json(path, {"environment": env, "method": method, "records": records, **({"notes": notes} if notes else {})})
 
 
 def summary_rows(records: list[dict]) -> list[dict]:

@@ -170,7 +170,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         )
     env = environment()
     if args.json:
-        bench.write_json(args.json, records, env, scrub=not args.no_scrub)
+        bench.write_json(args.json, records, env, scrub=not args.no_scrub, notes=notes)
     table = Table(title=f"normlab bench: {env['processor']}, {env['torch_threads']} threads, torch {env['torch']}")
     for col in ("op", "pass", "alloc", "dtype", "shape", "backend", "ms", "GB/s", "x copy", "x normlab"):
         table.add_column(col, justify="right" if col in ("ms", "GB/s", "x copy", "x normlab") else "left")
@@ -195,7 +195,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[dim]{note}[/dim]")
     if args.json:
         console.print(f"records written to {args.json}")
-    return 0
+    return 130 if any(n.startswith(bench.INTERRUPTED) for n in notes) else 0
 
 
 def cmd_data(args: argparse.Namespace, console: Console) -> int:
