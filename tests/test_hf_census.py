@@ -51,3 +51,17 @@ def test_cli_census_and_unknown_types(tmp_path, capsys):
     assert "types: unknown model type(s) not_a_model" in capsys.readouterr().out
     assert main(["check-model"]) == 2
     assert "needs ARCH|CHECKPOINT|PATH" in capsys.readouterr().out
+
+
+def test_ctrl_c_keeps_the_model_types_surveyed(tmp_path):
+    # Ctrl-C after the first row (raised where the parent takes it, in the progress callback):
+    # that row is returned and written, marked as one of the two asked for
+    def stop(row):
+        raise KeyboardInterrupt
+
+    rows = C.census(["bert", "gpt2"], jobs=1, progress=stop)
+    assert len(rows) == 1 and rows[0]["model_type"] in ("bert", "gpt2")
+    paths = C.write(rows, tmp_path, {"transformers": "x"}, asked=2)
+    assert json.loads(paths["json"].read_text())["interrupted"] == {"surveyed": 1, "asked": 2}
+    assert "Interrupted (Ctrl-C): 1 of the 2 model types asked for" in paths["md"].read_text()
+    assert "interrupted" not in json.loads(C.write(rows, tmp_path, {"transformers": "x"}, asked=1)["json"].read_text())

@@ -311,9 +311,12 @@ def census(args: argparse.Namespace, console: Console) -> int:
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("", total=total)
         rows = C.census(types, jobs=args.jobs, progress=lambda row: bar.update(task, advance=1, description=row["model_type"]))
-    paths = C.write(rows, Path(args.out), {"transformers": transformers.__version__, "torch": torch.__version__})
+    paths = C.write(rows, Path(args.out), {"transformers": transformers.__version__, "torch": torch.__version__}, asked=total)
     console.print(C.counts_text(C.summary(rows)))
     console.print(f"table: {paths['md']} (every row: {paths['json']})")
+    if len(rows) < total:
+        console.print(f"[yellow]interrupted (Ctrl-C): {len(rows)} of {total} model types surveyed; the table holds those[/yellow]")
+        return 130
     return 0
 
 

@@ -164,12 +164,21 @@ def census(types: list[str] | None = None, jobs: int = 2, progress=None) -> list
     items = [(t, every[t]) for t in (types or sorted(every))]
     rows = []
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch threads forked
-    with ctx.Pool(jobs, maxtasksperchild=25) as pool:
-        for row in pool.imap_unordered(_survey, items):
-            rows.append(row)
-            if progress:
-                progress(row)
+    with ctx.Pool(jobs, maxtasksperchild=25, initializer=_leave_ctrl_c_to_the_parent) as pool:
+        try:
+            for row in pool.imap_unordered(_survey, items):
+                rows.append(row)
+                if progress:
+                    progress(row)
+        except KeyboardInterrupt:  # the types surveyed so far are kept: the caller sees fewer rows than it asked for
+            if not rows:
+                raise
     return sorted(rows, key=lambda r: r["model_type"])
+
+
+def _leave_ctrl_c_to_the_parent() -> None:
+    """A worker ignores Ctrl-C (no traceback per process); the parent stops the pool."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def summary(rows: list[dict]) -> dict:
@@ -201,15 +210,21 @@ def _reason_kind(verdict: str) -> str:
     return verdict[:60]
 
 
-def write(rows: list[dict], out: Path, versions: dict) -> dict[str, Path]:
-    """census.json (every row) and census.md (the counts and one line per model type) in ``out``."""
+def write(rows: list[dict], out: Path, versions: dict, asked: int | None = None) -> dict[str, Path]:
+    """census.json (every row) and census.md (the counts and one line per model type) in ``out``.
+    ``asked``: the number of model types asked for, when a Ctrl-C left fewer rows than that."""
     from normlab.runs import write_json
 
     out.mkdir(parents=True, exist_ok=True)
     s = summary(rows)
-    write_json(out / "census.json", {"versions": versions, "summary": s, "rows": rows})
-    lines = [f"# Norms in transformers {versions.get('transformers', '?')}: what normlab.hf.patch does with each", "",
-             counts_text(s), "", "Left alone, by reason (a norm class in a model type counts once):", ""]
+    partial = asked is not None and len(rows) < asked
+    write_json(out / "census.json", {"versions": versions, "summary": s, "rows": rows,
+                                     **({"interrupted": {"surveyed": len(rows), "asked": asked}} if partial else {})})
+    lines = [f"# Norms in transformers {versions.get('transformers', '?')}: what normlab.hf.patch does with each", ""]
+    if partial:
+        lines += [f"Interrupted (Ctrl-C): {len(rows)} of the {asked} model types asked for were surveyed; the counts "
+                  "are theirs.", ""]
+    lines += [counts_text(s), "", "Left alone, by reason (a norm class in a model type counts once):", ""]
     lines += [f"- {kind}: {n}" for kind, n in s["left_alone_by_reason"].items()]
     lines += ["", "| model type | class built | norms patched (flavor found) | norms left alone (why) |", "|---|---|---|---|"]
     for r in rows:
