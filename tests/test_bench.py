@@ -321,4 +321,9 @@ def test_ctrl_c_keeps_the_groups_measured_so_far(tmp_path, monkeypatch):
     # interrupted before any group finished: nothing to keep, so Ctrl-C reaches the caller as ever
     calls[:] = [None]  # the next group counts as the second: interrupted before any group finished
     with pytest.raises(KeyboardInterrupt):
-        bench.run_bench(ops=("rms_norm",), backends=("normlab",), shapes=("4x64",), passes=("fwd",), repeat=3)
+        bench.run_bench(ops=("rms_norm",), backends=("normlab",), shapes=("4x64",), passes=("fwd",), repeat=3,
+                        keep_on_ctrl_c=True)
+    # a caller that judges the records (the lab's speed preset) is never handed a partial set
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_bench(ops=("rms_norm",), backends=("normlab",), shapes=("4x64", "8x64"), passes=("fwd",), repeat=3)

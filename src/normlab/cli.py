@@ -166,7 +166,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         records, notes = bench.run_bench(
             ops=_csv(args.ops), backends=backends, dtypes=_csv(args.dtypes), shapes=_csv(args.shapes),
             passes=_csv(args.passes), allocs=_csv(args.alloc), repeat=args.repeat, device=args.device, progress=progress,
-            case_seconds=args.case_seconds, scrub=not args.no_scrub,
+            case_seconds=args.case_seconds, scrub=not args.no_scrub, keep_on_ctrl_c=True,
         )
     env = environment()
     if args.json:

@@ -156,7 +156,8 @@ def _survey(item):
 
 def census(types: list[str] | None = None, jobs: int = 2, progress=None) -> list[dict]:
     """Rows for ``types`` (default: every model type the installed transformers knows), surveyed in
-    ``jobs`` processes (each model type imports its own modeling code; a crash costs one row)."""
+    ``jobs`` processes (each model type imports its own modeling code; a crash costs one row).
+    Ctrl-C after the first row returns the rows so far: fewer than the types asked for."""
     every = model_types()
     unknown = [t for t in types or [] if t not in every]
     if unknown:
