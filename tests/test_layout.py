@@ -22,7 +22,7 @@ LAYERS = [
     {"model", "rnn", "footprint"},
     {"data", "bench", "hf.patching"},
     {"hf.checking", "hf.census", "hf"},
-    {"train"},
+    {"train_config", "train"},
     {"experiments.ladder", "experiments.timing", "experiments.lab", "experiments.sweep"},
     {"experiments.common"},
     set(),  # the presets (filled below)

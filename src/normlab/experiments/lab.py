@@ -408,7 +408,7 @@ def arm_of(label: str) -> str:
 
 _TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 # The sources whose change changes a result; the lab's own files (presets, claims, report) do not.
-RESULT_SOURCES = ("model.py", "model_config.py", "train.py", "data.py", "nn.py", "functional.py", "reference.py", "rnn.py",
+RESULT_SOURCES = ("model.py", "model_config.py", "train.py", "train_config.py", "data.py", "nn.py", "functional.py", "reference.py", "rnn.py",
                   "kernels")
 
 
