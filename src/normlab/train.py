@@ -36,6 +36,7 @@ from normlab.runs import RunDir, logged_summary
 from normlab.train_config import (BATCHINGS, DTYPES, RESUMABLE, SCHEDULES, TrainConfig, resolve,  # noqa: F401
                                   split_overrides)
 
+
 def resumed(run: str | Path, changes: dict | None = None) -> tuple[TrainConfig, dict]:
     """The config a run resumes with: its own (config.json), with the RESUMABLE ``changes``."""
     if not RunDir(run).config_file.is_file():
