@@ -226,7 +226,7 @@ def main() -> int:
     def do_bench():
         found, notes = run_bench(dev, args.dry_run, args.quick)
         records.extend(found)
-        bench.write_json(str(out / "bench.json"), found, {**env, "notes": notes})
+        bench.write_json(str(out / "bench.json"), found, env, notes=notes)
         return [] if any(r["backend"] == "normlab" for r in found) else ["no normlab case was measured"]
 
     def do_copy():
