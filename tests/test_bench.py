@@ -212,7 +212,8 @@ def test_command_line_writes_json(tmp_path, capsys):
 def test_records_name_the_cpus_vector_instructions(monkeypatch, flags, vectors):
     from normlab import env
 
-    monkeypatch.setattr(env, "_cpuinfo", lambda *keys: flags if {"flags", "Features"} & set(keys) else "Some CPU")
+    info = {"flags": flags, "Features": flags, "model name": "Some CPU"}
+    monkeypatch.setattr(env, "_cpuinfo", lambda *keys: next((info[k] for k in keys if k in info), None))
     assert env.cpu_vectors() == vectors
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     summary = bench.readme_summary({"environment": {**env.environment(), "date": "2026-12-03 00:00:00 UTC"}, "records": [
@@ -221,6 +222,27 @@ def test_records_name_the_cpus_vector_instructions(monkeypatch, flags, vectors):
         for p in ("fwd", "bwd")]}, "x.json")
     assert summary.startswith(f"On {os.cpu_count()} cores of an Some CPU, {vectors} (2026-12-03")
     assert "`OMP_WAIT_POLICY=PASSIVE normlab bench --json x.json`" in summary
+
+
+ZEN4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\ncpu family\t: 25\nmodel\t\t: 17\nflags\t\t: avx2\n"
+
+
+@pytest.mark.parametrize("cpuinfo, name", [
+    (ZEN4, "AMD EPYC (family 25, model 17)"),  # "model" after "model name": read by its whole key
+    (ZEN4.replace("25", "26").replace("17", "2"), "AMD EPYC (family 26, model 2)"),
+    ("processor\t: 0\nCPU implementer\t: 0x41\nCPU part\t: 0xd0c\nFeatures\t: fp asimd\n", "ARM (part 0xd0c)"),
+], ids=["zen4", "zen5", "arm"])
+def test_records_tell_cpus_of_one_name_apart(monkeypatch, cpuinfo, name):
+    # A VM names Zen 3, 4 and 5 alike "AMD EPYC"; their records and the lab's cached timings
+    # (keyed by timing.bench_machine) must not be taken for one another's.
+    import io
+
+    from normlab import env
+    from normlab.experiments import timing
+
+    monkeypatch.setattr(env, "open", lambda path, *a, **k: io.StringIO(cpuinfo), raising=False)
+    assert env.cpu_name() == name and env.environment()["processor"] == name
+    assert timing.bench_machine().startswith(name)
 
 
 def test_command_line_rejects_unknown_names(capsys):

@@ -36,19 +36,29 @@ def versions(missing: str | None = None) -> dict[str, str]:
 
 
 def _cpuinfo(*keys: str) -> str | None:
-    """The value of the first /proc/cpuinfo line that starts with one of ``keys`` (Linux only)."""
+    """The value of the first /proc/cpuinfo line whose key is one of ``keys`` (Linux only)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(keys):
-                    return line.split(":", 1)[1].strip()
+                key, sep, value = line.partition(":")
+                if sep and key.strip() in keys:
+                    return value.strip()
     except OSError:
         pass
     return None
 
 
 def cpu_name() -> str:
-    return _cpuinfo("model name") or platform.processor() or "unknown"
+    """The CPU's model name with its x86 family and model numbers (or its ARM part number). A cloud
+    VM may name a Zen 3, a Zen 4 and a Zen 5 alike "AMD EPYC", and the kernels' speeds differ
+    between them: records, and the lab's timings cached per machine, must tell them apart."""
+    family, model, part = _cpuinfo("cpu family"), _cpuinfo("model"), _cpuinfo("CPU part")
+    name = _cpuinfo("model name") or ("ARM" if part else platform.processor()) or "unknown"
+    if family and model:
+        name += f" (family {family}, model {model})"
+    elif part:
+        name += f" (part {part})"
+    return name
 
 
 def cpu_vectors() -> str:
