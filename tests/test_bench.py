@@ -216,11 +216,17 @@ def test_records_name_the_cpus_vector_instructions(monkeypatch, flags, vectors):
     monkeypatch.setattr(env, "_cpuinfo", lambda *keys: next((info[k] for k in keys if k in info), None))
     assert env.cpu_vectors() == vectors
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    summary = bench.readme_summary({"environment": {**env.environment(), "date": "2026-12-03 00:00:00 UTC"}, "records": [
+    run = {"environment": {**env.environment(), "date": "2026-12-03 00:00:00 UTC"}, "records": [
         {"op": op, "backend": b, "dtype": "fp32", "shape": "4096x4096", "pass": p, "alloc": "alloc", "ms": ms,
          "frac_of_copy": 1.0} for op in ("rms_norm", "layer_norm") for b, ms in (("normlab", 1.0), ("torch", 3.0))
-        for p in ("fwd", "bwd")]}, "x.json")
+        for p in ("fwd", "bwd")]}
+    summary = bench.readme_summary(run, "x.json")
     assert summary.startswith(f"On {os.cpu_count()} cores of an Some CPU, {vectors} (2026-12-03")
+    # the record page's name for the machine, where "AMD EPYC" alone would not tell Zen 3, 4 and 5 apart
+    named = bench.readme_summary(run, "x.json", machine="2 cores of an AMD EPYC (Zen 4)")
+    assert named.startswith(f"On 2 cores of an AMD EPYC (Zen 4), {vectors}, 2026-12-03 (torch")
+    named = bench.readme_summary(run, "x.json", machine=f"2 cores of an AMD EPYC (Zen 4, {vectors})")
+    assert named.startswith(f"On 2 cores of an AMD EPYC (Zen 4, {vectors}), 2026-12-03 (torch")
     assert "`OMP_WAIT_POLICY=PASSIVE normlab bench --json x.json`" in summary
 
 

@@ -22,6 +22,14 @@ def only(pattern: str) -> Path:
     return found[0]
 
 
+def machine(record: Path) -> str | None:
+    """What a bench record's page calls its machine: its title after the colon ("2 cores of an AMD
+    EPYC (Zen 4, AVX-512)"). A VM gives three AMD generations one processor name."""
+    page = record.with_suffix(".md")
+    title = page.read_text().splitlines()[0] if page.exists() else ""
+    return title.split(": ", 1)[1].strip() if title.startswith("# ") and ": " in title else None
+
+
 def blocks() -> dict[tuple[str, str], str]:
     """Each generated block's (start marker, end marker) -> its text, from the records."""
     demo = only("compare-demo-*/results.json")
@@ -29,7 +37,7 @@ def blocks() -> dict[tuple[str, str], str]:
     return {
         (report.README_START, report.README_END): report.readme_tables(json.loads(demo.read_text())),
         (bench.README_START, bench.README_END): "\n\n".join(
-            bench.readme_summary(json.loads(p.read_text()), p.relative_to(ROOT).as_posix()) for p in speeds),
+            bench.readme_summary(json.loads(p.read_text()), p.relative_to(ROOT).as_posix(), machine=machine(p)) for p in speeds),
     }
 
 

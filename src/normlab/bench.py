@@ -565,9 +565,10 @@ def record_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def readme_summary(run: dict, record: str, shape: str = "4096x4096") -> str:
+def readme_summary(run: dict, record: str, shape: str = "4096x4096", machine: str | None = None) -> str:
     """The README's speed summary from one ``normlab bench --json`` run (``record``: its path,
-    named in the text)."""
+    named in the text; ``machine``: what the record's page calls the CPU, e.g. "2 cores of an AMD
+    EPYC (Zen 4, AVX-512)", where the processor's own name does not tell machines apart)."""
     env, records = run["environment"], run["records"]
     ms = {(r["op"], r["backend"], r["dtype"], r["pass"]): r["ms"] for r in records if r["shape"] == shape and r["alloc"] == "alloc"}
     cols = [(d, p) for d in ("fp32", "bf16") for p in ("fwd", "bwd")]
@@ -576,7 +577,10 @@ def readme_summary(run: dict, record: str, shape: str = "4096x4096") -> str:
     scrubbed = run.get("method", {}).get("scrub_bytes", 0)
     cache = (f"{scrubbed >> 20} MiB read before each timed call, so none starts with its input cached" if scrubbed else
              "without the read before each timed call that later runs make (`--no-scrub`)")
-    lines = [f"On {env['cpus']} cores of an {env['processor']}{vectors} ({env['date'][:10]}, torch {env['torch']}, numba "
+    if machine and env.get("vectors") and env["vectors"].split()[0] not in machine:
+        machine += vectors
+    where = f"{machine}, {env['date'][:10]} (" if machine else f"{env['cpus']} cores of an {env['processor']}{vectors} ({env['date'][:10]}, "
+    lines = [f"On {where}torch {env['torch']}, numba "
              f"{env.get('numba')}, normlab at git {env.get('git', '?')}, `{wait}normlab bench --json {record}`, {cache}; "
              f"every case is in [{record.removesuffix('.json')}.md]({record.removesuffix('.json')}.md)):", "",
              f"| {shape}, allocating calls | " + " | ".join(f"{d} {'forward' if p == 'fwd' else 'backward'} ms" for d, p in cols) + " |",
