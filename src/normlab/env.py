@@ -36,10 +36,13 @@ def versions(missing: str | None = None) -> dict[str, str]:
 
 
 def _cpuinfo(*keys: str) -> str | None:
-    """The value of the first /proc/cpuinfo line whose key is one of ``keys`` (Linux only)."""
+    """The value of the /proc/cpuinfo line whose key is one of ``keys``, in the first processor's
+    block (Linux only; every key asked for is there, and a many-core machine's file is long)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
+                if not line.strip():
+                    break
                 key, sep, value = line.partition(":")
                 if sep and key.strip() in keys:
                     return value.strip()
