@@ -67,16 +67,17 @@ def test_block_conversions_match_the_scalar_ones(gen, dtype, llama, path, nt):
         assert torch.isnan(widened).all()
 
 
+@pytest.mark.parametrize("far", [False, True], ids=["into-L1", "into-L2"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_vector_row_sums_match_float64(gen, dtype):
+def test_vector_row_sums_match_float64(gen, dtype, far):
     # Pass 1's sums over whole blocks are explicit vector loops (bf16 read two values to a 32-bit
     # lane, in another order than the row's); they must be the float64 sums of the row's values
-    # to float32 accuracy, and stop at the given number of values.
+    # to float32 accuracy, and stop at the given number of values, whichever way they prefetch.
     from numba import njit
 
     @njit
     def sums(row, n, c):
-        return simd.row_moments(row, n, c, row, None), simd.row_sumsq(row, n, c, row, None)
+        return simd.row_moments(row, n, c, row, None, far), simd.row_sumsq(row, n, c, row, None, far)
 
     x = (torch.randn(3 * simd.BLOCK + 7, generator=gen) * 2 + 5).to(dtype)
     row = memory.as_numpy(x)
@@ -102,11 +103,11 @@ def test_backward_pair_order_sums_match_float64(gen, op):
 
     @njit
     def ln_pass(dy, x, wp, dwc, dbc, n, mhi, rstd, lo):
-        return ln_sums(dy, x, wp, dwc, dbc, n, mhi, rstd, lo)
+        return ln_sums(dy, x, wp, dwc, dbc, n, mhi, rstd, lo, False)
 
     @njit
     def rms_pass(dy, x, wp, dwc, rnd, n, rstd):
-        return RMS._rms_blocks(dy, wp, wp, x, n, dwc, rstd, rnd, True)  # the first wp: not read (bf16)
+        return RMS._rms_blocks(dy, wp, wp, x, n, dwc, rstd, rnd, True, False)  # the first wp: not read (bf16)
 
     d = 3 * simd.BLOCK + 7
     x, dy = ((torch.randn(d, generator=gen) * s + m).to(torch.bfloat16) for s, m in ((2, 5), (1, 0)))
@@ -152,11 +153,11 @@ def test_first_pass_over_a_row_pair_is_bitwise_two_single_rows(gen, op):
 
     @njit
     def single(dy, x, dy2, x2, wp, dwc, aux, n, c, e):
-        return one(dy, x, wp, dwc, aux, n, c[0], c[1], c[2]) + one(dy2, x2, wp, dwc, aux, n, e[0], e[1], e[2])
+        return one(dy, x, wp, dwc, aux, n, c[0], c[1], c[2], False) + one(dy2, x2, wp, dwc, aux, n, e[0], e[1], e[2], True)
 
     @njit
     def pair(dy, x, dy2, x2, wp, dwc, aux, n, c, e):
-        return two(dy, x, dy2, x2, wp, dwc, aux, n, c[0], c[1], c[2], e[0], e[1], e[2])
+        return two(dy, x, dy2, x2, wp, dwc, aux, n, c[0], c[1], c[2], e[0], e[1], e[2], True)
 
     d = 3 * simd.BLOCK + 7
     rows = [memory.as_numpy((torch.randn(d, generator=gen) * 3 + 2).to(torch.bfloat16)) for _ in range(4)]

@@ -36,6 +36,47 @@ def test_streaming_stores_give_the_same_bits(gen, op, dtype, monkeypatch):
     assert all(torch.equal(plain_g[k], streamed_g[k]) for k in plain_g)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_prefetching_into_l2_gives_the_same_bits(gen, op, dtype, monkeypatch):
+    # Rows too wide for L1 have their successors prefetched into L2 instead (a run-time branch
+    # in every prefetch); a prefetch changes no value, so both ways give the same bits. Each
+    # launch asks with the bytes of one row over the inputs its passes read.
+    leaves = op_leaves(gen, op, (37, 1000), dtype)
+    asked = []
+
+    def far(row_bytes):
+        asked.append(row_bytes)
+        return memory.prefetch_far(row_bytes)
+
+    monkeypatch.setattr(launch, "prefetch_far", far)
+    runs = []
+    for min_bytes in (1 << 62, 0):
+        monkeypatch.setattr(memory, "PREFETCH_L2_MIN_BYTES", min_bytes)
+        grads = torch.Generator().manual_seed(7)
+        runs.append(run_op(op, leaves, {}, "cpu", [torch.randn(leaves["x"].shape, generator=grads).to(dtype)] * 2))
+    (near, near_g), (far_, far_g) = runs
+    assert all(torch.equal(a, b) for a, b in zip(near, far_))
+    assert all(torch.equal(near_g[k], far_g[k]) for k in near_g)
+    row = 1000 * dtype.itemsize
+    read = 2 * row if op.startswith("add") else row  # the forward's x (and residual); the backward's x and dy
+    assert asked[:2] == [read, 2 * row], asked
+
+
+def test_the_l2_prefetch_threshold_is_a_quarter_of_l1(tmp_path, monkeypatch):
+    for i, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "2048K"),
+                                             (3, "Unified", "36M")]):
+        (tmp_path / f"index{i}").mkdir()
+        for name, text in (("level", str(level)), ("type", kind), ("size", size)):
+            (tmp_path / f"index{i}" / name).write_text(text + "\n")
+    caches = memory._caches(str(tmp_path))
+    assert sorted(caches) == [(1, "Data", 48 << 10), (1, "Instruction", 32 << 10), (2, "Unified", 2 << 20), (3, "Unified", 36 << 20)]
+    monkeypatch.setattr(memory, "_caches", lambda: caches)
+    assert (memory._l1_data_bytes(), memory._last_level_cache_bytes()) == (48 << 10, 36 << 20)
+    monkeypatch.setattr(memory, "_caches", lambda: [])
+    assert (memory._l1_data_bytes(), memory._last_level_cache_bytes()) == (32 << 10, 32 << 20)  # the defaults
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_a_small_call_on_one_thread_matches_the_chunked_call(gen, op, monkeypatch):
     # Below SERIAL_MAX_BYTES a call runs as one chunk on the calling thread. Rows do not depend
@@ -152,7 +193,8 @@ def test_outputs_from_the_pool_are_not_overwritten_while_alive(gen):
 
 
 @pytest.mark.parametrize("name, value", [("NORMLAB_CPU_POOL_MB", "lots"), ("NORMLAB_CPU_STREAM_MB", "-4"),
-                                         ("NORMLAB_CPU_ALLOC", "malloc"), ("NORMLAB_CPU_SERIAL_MB", "nan")])
+                                         ("NORMLAB_CPU_ALLOC", "malloc"), ("NORMLAB_CPU_SERIAL_MB", "nan"),
+                                         ("NORMLAB_CPU_PREFETCH_L2_KB", "-1")])
 def test_a_bad_environment_setting_names_its_variable(name, value):
     import subprocess
     import sys
@@ -160,6 +202,17 @@ def test_a_bad_environment_setting_names_its_variable(name, value):
     code = "import torch, normlab; normlab.rms_norm(torch.randn(2, 8), backend='cpu')"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, name: value}, capture_output=True, text=True)
     assert out.returncode != 0 and f"environment variable {name} must be" in out.stderr, out.stderr[-500:]
+
+
+def test_info_names_the_memory_thresholds_and_their_settings():
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NORMLAB_CPU_PREFETCH_L2_KB": "12", "NORMLAB_CPU_STREAM_MB": "3"}
+    out = subprocess.run([sys.executable, "-m", "normlab", "info"], env=env, capture_output=True, text=True)
+    text = " ".join(out.stdout.split())  # rich wraps long lines
+    assert "outputs from 3 MiB streamed past the caches (NORMLAB_CPU_STREAM_MB)" in text, text[-600:]
+    assert "into L2, not L1, from rows of 12 KiB (NORMLAB_CPU_PREFETCH_L2_KB)" in text, text[-600:]
 
 
 def test_threads_follow_torch():

@@ -29,7 +29,7 @@ import torch
 import normlab
 from normlab.bench import DTYPES, make_peer, parse_shape, scrubber
 from normlab.kernels.cpu import launch as L
-from normlab.kernels.cpu import rmsnorm
+from normlab.kernels.cpu import memory, rmsnorm
 
 BEFORE = ("peers", "tiny", "alloc64", "write64", "readop")
 
@@ -68,7 +68,8 @@ def main() -> None:
     yn, rn = L._rows(out, d), np.empty(n, np.float32)
     wn, rnd = w.float().numpy(), L._round_to(dt, True)
     calls = {
-        "kernel": lambda i: rmsnorm.rms_fwd(L._rows(xs[i % 8], d), wn, yn, rn, 1e-6, True, d, rnd, *L._stages(yn.nbytes, n)),
+        "kernel": lambda i: rmsnorm.rms_fwd(L._rows(xs[i % 8], d), wn, yn, rn, 1e-6, True, d, rnd, *L._stages(yn.nbytes, n),
+                                                memory.prefetch_far(d * xs[0].itemsize)),
         "alloc": lambda i: normlab.rms_norm(xs[i % 8], w, 1e-6),
         "out=": lambda i: normlab.rms_norm(xs[i % 8], w, 1e-6, out=out),
         "copy": lambda i: out.copy_(xs[i % 8]),

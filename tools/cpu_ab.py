@@ -25,6 +25,7 @@ fraction of copy counts the three tensors it moves). Example, the working tree a
 import argparse
 import importlib
 import importlib.util
+import inspect
 import os
 import statistics
 import sys
@@ -58,6 +59,8 @@ def load(src: str, name: str):
     sys.modules[name] = parent
     rms, ln = (importlib.import_module(f"{name}.{op}") for op in ("rmsnorm", "layernorm"))
     kernels = types.SimpleNamespace(rms_fwd=rms.rms_fwd, ln_fwd=ln.ln_fwd, rms_bwd=rms.rms_bwd, ln_bwd=ln.ln_bwd)
+    # trees from 2026-12-05 on take ``far`` (prefetch into L2) after ``stream``
+    kernels.far = "far" in inspect.signature(rms.rms_fwd.py_func).parameters
     if (package / "pointwise.py").is_file():  # DyT and Derf in one kernel: s (the shift) None for DyT
         pw = importlib.import_module(f"{name}.pointwise")
         kernels.dyt_fwd = lambda x, a, *rest: pw.pointwise_fwd(x, a, None, *rest)
@@ -85,15 +88,17 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False, 
     dw, db = np.zeros(d, np.float32), np.zeros(d, np.float32)
     chunks = stages.shape[0]
     da_sum, dw_sum, db_sum = np.zeros(chunks), np.zeros((chunks, d)), np.zeros((chunks, d))
+    # the launchers' ``far``: by the bytes of a row over the inputs a pass reads (x; x and dy)
+    fwd, bwd = ((memory.prefetch_far(d * dtype.itemsize * k),) if K.far else () for k in (1, 2))
     if op == "rmsb":  # the statistics the backward reads
-        K.rms_fwd(sets[0][0], w, y, rstd, 1e-6, True, d, rnd, stages, nt)
+        K.rms_fwd(sets[0][0], w, y, rstd, 1e-6, True, d, rnd, stages, nt, *fwd)
     if op == "lnb":
-        K.ln_fwd(sets[0][0], w, b, y, mean, rstd, 1e-5, stages, nt)
+        K.ln_fwd(sets[0][0], w, b, y, mean, rstd, 1e-5, stages, nt, *fwd)
     calls = {
-        "rms": lambda x, dy: K.rms_fwd(x, w, y, rstd, 1e-6, True, d, rnd, stages, nt),
-        "ln": lambda x, dy: K.ln_fwd(x, w, b, y, mean, rstd, 1e-5, stages, nt),
-        "rmsb": lambda x, dy: K.rms_bwd(dy, x, w, rstd, None, y, dw, 1e-6, True, d, rnd, stages, nt),
-        "lnb": lambda x, dy: K.ln_bwd(dy, x, w, mean, rstd, None, y, dw, db, stages, nt),
+        "rms": lambda x, dy: K.rms_fwd(x, w, y, rstd, 1e-6, True, d, rnd, stages, nt, *fwd),
+        "ln": lambda x, dy: K.ln_fwd(x, w, b, y, mean, rstd, 1e-5, stages, nt, *fwd),
+        "rmsb": lambda x, dy: K.rms_bwd(dy, x, w, rstd, None, y, dw, 1e-6, True, d, rnd, stages, nt, *bwd),
+        "lnb": lambda x, dy: K.ln_bwd(dy, x, w, mean, rstd, None, y, dw, db, stages, nt, *bwd),
         "dyt": lambda x, dy: K.dyt_fwd(x, 0.5, w, b, y, stages, nt, *K.dyt_table(x, False)),
         "dytb": lambda x, dy: K.dyt_bwd(dy, x, 0.5, w, y, da_sum, dw_sum, db_sum, stages, nt, *K.dyt_table(x, True)),
     }

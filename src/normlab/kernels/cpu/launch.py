@@ -23,7 +23,7 @@ from normlab import reference
 
 from .pointwise import pointwise_bwd, pointwise_fwd, table_for
 from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
-from .memory import KERNEL_CODE, STREAM_MIN_BYTES, as_numpy, empty, scratch, serial_max_bytes, vector, zero_stages
+from .memory import KERNEL_CODE, STREAM_MIN_BYTES, as_numpy, empty, prefetch_far, scratch, serial_max_bytes, vector, zero_stages
 from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
 from .rows import start_threads
 from .simd import X86
@@ -177,9 +177,10 @@ def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual
     if n:
         rnd, stages = _round_to(x.dtype, llama), _stages(yn.nbytes, n)
         if s is None:
-            _k(rms_fwd)(xn, w, yn, rn, eps, inside, k, rnd, *stages)
+            _k(rms_fwd)(xn, w, yn, rn, eps, inside, k, rnd, *stages, prefetch_far(d * xn.itemsize))
         else:
-            _k(add_rms_fwd)(xn, _rows(residual, d), w, yn, sn, rn, eps, inside, k, rnd, *stages)
+            resn = _rows(residual, d)
+            _k(add_rms_fwd)(xn, resn, w, yn, sn, rn, eps, inside, k, rnd, *stages, prefetch_far(d * (xn.itemsize + resn.itemsize)))
     return y, s, rstd
 
 
@@ -206,7 +207,7 @@ def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k, *, gr
         dsn = _rows(ds, d) if ds is not None else None
         _k(rms_bwd)(
             dyn, xn, w, as_numpy(rstd).reshape(n), dsn, dxn, dwn, eps, inside, k, _round_to(dy.dtype, llama),
-            *_stages(dxn.nbytes, n),
+            *_stages(dxn.nbytes, n), prefetch_far(d * (xn.itemsize + dyn.itemsize)),
         )
     return dx, dw
 
@@ -226,9 +227,10 @@ def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp
     if n:
         stages = _stages(yn.nbytes, n)
         if s is None:
-            _k(ln_fwd)(xn, w, b, yn, mn, rn, eps, *stages)
+            _k(ln_fwd)(xn, w, b, yn, mn, rn, eps, *stages, prefetch_far(d * xn.itemsize))
         else:
-            _k(add_ln_fwd)(xn, _rows(residual, d), w, b, yn, sn, mn, rn, eps, *stages)
+            resn = _rows(residual, d)
+            _k(add_ln_fwd)(xn, resn, w, b, yn, sn, mn, rn, eps, *stages, prefetch_far(d * (xn.itemsize + resn.itemsize)))
     return y, s, mean, rstd
 
 
@@ -244,7 +246,7 @@ def ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None):
         dsn = _rows(ds, d) if ds is not None else None
         _k(ln_bwd)(
             dyn, xn, w, as_numpy(mean).reshape(n), as_numpy(rstd).reshape(n), dsn, dxn, dwn, dbn,
-            *_stages(dxn.nbytes, n),
+            *_stages(dxn.nbytes, n), prefetch_far(d * (xn.itemsize + dyn.itemsize)),
         )
     return dx, dw, db
 

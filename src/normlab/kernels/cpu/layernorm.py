@@ -35,11 +35,12 @@ from .simd import (BLOCK, EMIT, fma_ir, fma32, prefetch_pass1, prefetch_pass2, r
 
 # ---------------------------------------------------------------------------------- forward
 # ``stages``: one float32 staging row per chunk (their count is the chunk count; see simd.py).
-# ``stream``: stream the outputs past the caches.
+# ``stream``: stream the outputs past the caches. ``far``: prefetch the next row into L2, not L1
+# (memory.prefetch_far).
 
 
 @kernel
-def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream):
+def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream, far):
     n, d = x.shape
     nchunks = stages.shape[0]
     span = d - d % EMIT if writes_pairs(x, y) else 0
@@ -50,17 +51,17 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream):
         stage = stages[c]
         for r in range(r0, r1):
             xr = x[r]
-            mu, var = _moments(xr, None, None, xr)
+            mu, var = _moments(xr, None, None, xr, far)
             row_rstd = recip(math.sqrt(var + eps))
             mean[r] = mu
             rstd[r] = row_rstd
-            _ln_write(xr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, xr, None, nan_free(wb_finite, row_rstd, mu))
+            _ln_write(xr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, far, xr, None, nan_free(wb_finite, row_rstd, mu))
         if stream:
             store_fence()
 
 
 @kernel
-def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream):
+def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream, far):
     n, d = x.shape
     nchunks = stages.shape[0]
     span = d - d % EMIT if writes_pairs(s, y) else 0
@@ -71,17 +72,17 @@ def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream):
         stage = stages[c]
         for r in range(r0, r1):
             xr, rr, sr = x[r], res[r], s[r]
-            mu, var = _moments(xr, rr, sr, sr)
+            mu, var = _moments(xr, rr, sr, sr, far)
             row_rstd = recip(math.sqrt(var + eps))
             mean[r] = mu
             rstd[r] = row_rstd
-            _ln_write(sr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, xr, rr, nan_free(wb_finite, row_rstd, mu))
+            _ln_write(sr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, far, xr, rr, nan_free(wb_finite, row_rstd, mu))
         if stream:
             store_fence()
 
 
 @njit(inline="always")
-def _moments(xr, rr, sr, row):
+def _moments(xr, rr, sr, row, far):
     """(mean, variance) of the row (``row`` is x, or the residual sum sr) in one pass: sums of
     u = x - c and u^2, with c the mean of the row's first block, then var = E[u^2] - E[u]^2.
     x - c is exact for x near c (Sterbenz). When E[u]^2 is not small against var (a first block
@@ -94,12 +95,12 @@ def _moments(xr, rr, sr, row):
     c = np.float32(c / head)
     full = d - d % BLOCK
     if rr is None and vector_sums(xr):
-        s1, s2 = row_moments(xr, full, c, xr, None)
+        s1, s2 = row_moments(xr, full, c, xr, None, far)
     else:
         s1 = 0.0
         s2 = 0.0
         for j in range(0, full, BLOCK):
-            prefetch_pass1(xr, rr, j)
+            prefetch_pass1(xr, rr, j, far)
             p1 = np.float32(0.0)
             p2 = np.float32(0.0)
             for i in range(j, j + BLOCK):
@@ -154,7 +155,7 @@ def _centred(v, mhi, mlo):
 
 
 @njit(inline="always")
-def _ln_write(xr, w, bias, w_pairs, b_pairs, yr, mean, row_rstd, stage, stream, ahead1, ahead2, finite):
+def _ln_write(xr, w, bias, w_pairs, b_pairs, yr, mean, row_rstd, stage, stream, far, ahead1, ahead2, finite):
     """The row's outputs; ahead1 and ahead2 are the inputs whose next rows pass 2 prefetches.
     With writes_pairs and the row's blocks starting at 0, they go in pairs (w_pairs, b_pairs:
     w and b in pair_order over the whole blocks), rounded without the nan select where the row
@@ -169,14 +170,14 @@ def _ln_write(xr, w, bias, w_pairs, b_pairs, yr, mean, row_rstd, stage, stream, 
         c = b
         if finite:  # a loop each: choosing per block made LLVM slow the paired loop (docs/cpu-kernels.md)
             for j in range(0, b, EMIT):
-                prefetch_pass2(ahead1, ahead2, j, 1)
+                prefetch_pass2(ahead1, ahead2, j, 1, far)
                 _y_block(yr, j, xr, w_pairs, b_pairs, stage, mhi, mlo, row_rstd, stream, True, True)
         else:
             for j in range(0, b, EMIT):
-                prefetch_pass2(ahead1, ahead2, j, 1)
+                prefetch_pass2(ahead1, ahead2, j, 1, far)
                 _y_block(yr, j, xr, w_pairs, b_pairs, stage, mhi, mlo, row_rstd, stream, True, False)
     for j in range(c, b, EMIT):
-        prefetch_pass2(ahead1, ahead2, j, 1)
+        prefetch_pass2(ahead1, ahead2, j, 1, far)
         _y_block(yr, j, xr, w, bias, stage, mhi, mlo, row_rstd, stream, False, False)
     for i in range(b, d):
         _ln_y(xr, w, bias, yr, mhi, mlo, row_rstd, i)
@@ -228,7 +229,7 @@ def _ov_y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite
 
 
 @kernel
-def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream):
+def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream, far):
     n, d = x.shape
     nchunks = stages.shape[0]
     span = d - d % BLOCK if reads_pairs(x, dy) else 0
@@ -248,12 +249,13 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream):
             mu, row_rstd = mean[r], rstd[r]
             ahead = 1 if r >= paired_to else 2  # rows ahead that pass 2 prefetches
             if ahead == 1:
-                sg, sgx = _ln_sums(dyr, w, w_pairs, xr, mu, row_rstd, dwc, dbc)
+                sg, sgx = _ln_sums(dyr, w, w_pairs, xr, mu, row_rstd, dwc, dbc, far)
             elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
-                sg, sgx, sg2, sgx2 = _ln_sums_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, mu, row_rstd, mean[r + 1], rstd[r + 1], dwc, dbc)
+                sg, sgx, sg2, sgx2 = _ln_sums_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, mu, row_rstd, mean[r + 1], rstd[r + 1], dwc, dbc,
+                                                       far)
             else:
                 sg, sgx = sg2, sgx2
-            _ln_bwd_write(dyr, xr, w, w_pairs, row_of(ds, r), dx[r], mu, row_rstd, sg, sgx, stage, stream, ahead)
+            _ln_bwd_write(dyr, xr, w, w_pairs, row_of(ds, r), dx[r], mu, row_rstd, sg, sgx, stage, stream, ahead, far)
             if (r - r0) % FLUSH == FLUSH - 1:
                 flush_into(dwc, dw_sum[c])
                 flush_into(dbc, db_sum[c])
@@ -269,12 +271,12 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream):
 
 
 @njit(inline="always")
-def _ln_sums(dyr, w, w_pairs, xr, mean, row_rstd, dwc, dbc):
+def _ln_sums(dyr, w, w_pairs, xr, mean, row_rstd, dwc, dbc, far):
     """(sum of g, sum of g * xhat), adding the row's dw and db terms to dwc and dbc. ``w_pairs``: w
     in pair_order over the row's whole blocks (bf16 rows)."""
     mhi, lo = _ln_consts(mean, row_rstd)
     full = xr.shape[0] - xr.shape[0] % BLOCK
-    tg, tgx = _ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc)
+    tg, tgx = _ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far)
     pg, pgx = _ln_tail(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc)
     return tg + pg, tgx + pgx
 
@@ -312,12 +314,12 @@ _GRAD_SUMS = {rows: grad_sums(_grad_terms, rows, with_db=True) for rows in (1, 2
 
 
 @njit(inline="always")
-def _ln_blocks_loop(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc):
+def _ln_blocks_loop(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc, far):
     """_ln_sums's whole blocks as element loops (LLVM vectorizes them)."""
     tg = 0.0
     tgx = 0.0
     for j in range(0, full, BLOCK):
-        prefetch_pass1(xr, dyr, j)
+        prefetch_pass1(xr, dyr, j, far)
         pg = np.float32(0.0)
         pgx = np.float32(0.0)
         for i in range(j, j + BLOCK):
@@ -329,18 +331,20 @@ def _ln_blocks_loop(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc):
     return tg, tgx
 
 
-def _ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc):  # pragma: no cover - replaced by the overload below
+def _ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far):  # pragma: no cover - replaced by the overload below
     """_ln_sums over the whole blocks [0, full): the vector pass for bf16 rows, else the element
     loops. Picked when numba types the call, so each kernel compiles one of them."""
     raise NotImplementedError
 
 
 @overload(_ln_blocks, inline="always")
-def _ov_ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc):
+def _ov_ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far):
     if not pair_types(xr, dyr):
-        return lambda dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc: _ln_blocks_loop(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc)
+        return lambda dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far: _ln_blocks_loop(dyr, w, xr, full, mhi, row_rstd, lo, dwc,
+                                                                                                  dbc, far)
     sums = _GRAD_SUMS[1]
-    return lambda dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc: sums(dyr, xr, w_pairs, dwc, dbc, full, mhi, row_rstd, lo)
+    return lambda dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far: sums(dyr, xr, w_pairs, dwc, dbc, full, mhi, row_rstd, lo,
+                                                                                     far)
 
 
 @njit(inline="always")
@@ -355,23 +359,23 @@ def _ln_tail(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc):
     return pg, pgx
 
 
-def _ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc):  # pragma: no cover - the overload below
+def _ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc, far):  # pragma: no cover - the overload below
     """_ln_sums of two bf16 rows, their whole blocks in one pass (grad_sums, rows=2): the sums of
     the first row, then of the second; the bits of two _ln_sums calls. A stub for other dtypes."""
     raise NotImplementedError
 
 
 @overload(_ln_sums_pair, inline="always")
-def _ov_ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc):
+def _ov_ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc, far):
     if not pair_types(xr, dyr):
-        return lambda dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc: (0.0, 0.0, 0.0, 0.0)
+        return lambda dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc, far: (0.0, 0.0, 0.0, 0.0)
     sums = _GRAD_SUMS[2]
 
-    def pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc):
+    def pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc, far):
         mhi, lo = _ln_consts(mean, row_rstd)
         mhi2, lo2 = _ln_consts(mean2, row_rstd2)
         full = xr.shape[0] - xr.shape[0] % BLOCK
-        tg, tgx, tg2, tgx2 = sums(dyr, xr, dyr2, xr2, w_pairs, dwc, dbc, full, mhi, row_rstd, lo, mhi2, row_rstd2, lo2)
+        tg, tgx, tg2, tgx2 = sums(dyr, xr, dyr2, xr2, w_pairs, dwc, dbc, full, mhi, row_rstd, lo, mhi2, row_rstd2, lo2, far)
         pg, pgx = _ln_tail(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc)
         pg2, pgx2 = _ln_tail(dyr2, w, xr2, full, mhi2, row_rstd2, lo2, dwc, dbc)
         return tg + pg, tgx + pgx, tg2 + pg2, tgx2 + pgx2
@@ -383,7 +387,7 @@ def _ov_ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_
 
 
 @njit(inline="always")
-def _ln_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, mean, row_rstd, sg, sgx, stage, stream, ahead):
+def _ln_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, mean, row_rstd, sg, sgx, stage, stream, ahead, far):
     """dx of this row, with the terms that do not depend on g folded into one affine function of
     x - mhi: dx = rstd * g + p * (x - mhi) + q, p = -rstd^2 * mean(g * xhat), q = -rstd * mean(g)
     - p * mlo (from the float64 sums): two fmas per value. x - mhi is exact near the mean, and
@@ -402,14 +406,14 @@ def _ln_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, mean, row_rstd, sg, sgx, stage,
         c = d - d % BLOCK
         if grad_select_optional(xr, dyr, dsr) and grad_nan_free(row_rstd, sg, sgx, p, q):  # a loop each, as in _ln_write
             for j in range(0, c, EMIT):
-                prefetch_pass2(xr, dyr, j, ahead)
+                prefetch_pass2(xr, dyr, j, ahead, far)
                 _dx_block("pairs/finite", dxr, j, dyr, xr, w_pairs, dsr, stage, mhi, p, q, row_rstd, stream)
         else:
             for j in range(0, c, EMIT):
-                prefetch_pass2(xr, dyr, j, ahead)
+                prefetch_pass2(xr, dyr, j, ahead, far)
                 _dx_block("pairs", dxr, j, dyr, xr, w_pairs, dsr, stage, mhi, p, q, row_rstd, stream)
     for j in range(c, b, EMIT):
-        prefetch_pass2(xr, dyr, j, ahead)
+        prefetch_pass2(xr, dyr, j, ahead, far)
         _dx_block("plain", dxr, j, dyr, xr, w, dsr, stage, mhi, p, q, row_rstd, stream)
     for i in range(b, d):
         _ln_dx(dyr, xr, w, dsr, dxr, mhi, p, q, row_rstd, i)

@@ -3,7 +3,8 @@
 Allocating a fresh large tensor costs more than the kernel on a small machine (every first touch
 of a new page faults), so large outputs come from a pool that keeps its pages (BufferPool).
 Outputs larger than half the last-level cache are written with non-temporal stores, which skip
-the read-for-ownership of each line (STREAM_MIN_BYTES; docs/cpu-kernels.md has the measurements).
+the read-for-ownership of each line (STREAM_MIN_BYTES), and rows too wide for L1 are prefetched
+into L2 (PREFETCH_L2_MIN_BYTES; docs/cpu-kernels.md has the measurements).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 import os
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -121,9 +123,9 @@ class BufferPool:
             return {"buffers": count, "held_bytes": self._held, "in_use": in_use}
 
 
-def env_setting(name: str, default: str, *, choices: tuple[str, ...] | None = None) -> str | float:
-    """A NORMLAB_CPU_* setting: one of ``choices``, or else a finite number >= 0. A bad value is an
-    error that names the variable, raised when the backend loads."""
+def env_setting(name: str, default: str, *, choices: tuple[str, ...] | None = None, unit: str = "MB") -> str | float:
+    """A NORMLAB_CPU_* setting: one of ``choices``, or else a finite number >= 0 (of ``unit``). A bad
+    value is an error that names the variable, raised when the backend loads."""
     raw = os.environ.get(name) or default
     if choices is not None:
         if raw not in choices:
@@ -134,7 +136,7 @@ def env_setting(name: str, default: str, *, choices: tuple[str, ...] | None = No
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"environment variable {name} must be a number of MB >= 0; got {raw!r}")
+        raise ValueError(f"environment variable {name} must be a number of {unit} >= 0; got {raw!r}")
     return value
 
 
@@ -190,18 +192,28 @@ def _with_tensor(array: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) 
     return (t if t.shape == shape else t.view(shape)), array
 
 
-def _last_level_cache_bytes(default: int = 32 << 20) -> int:
-    """The size of the largest CPU cache (Linux sysfs), or ``default`` where it cannot be read."""
-    sizes = []
-    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+def _caches(root: str = "/sys/devices/system/cpu/cpu0/cache") -> list[tuple[int, str, int]]:
+    """(level, type, bytes) of each of the first CPU's caches (Linux sysfs; empty elsewhere)."""
+    caches = []
+    for index in glob.glob(f"{root}/index*"):
         try:
-            with open(path) as f:
-                text = f.read().strip().upper()
+            level, kind, text = (Path(index, name).read_text().strip() for name in ("level", "type", "size"))
         except OSError:
             continue
         units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
-    return max(sizes, default=default)
+        text = text.upper()
+        caches.append((int(level), kind, int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)))
+    return caches
+
+
+def _last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """The size of the largest CPU cache, or ``default`` where it cannot be read."""
+    return max((size for _, _, size in _caches()), default=default)
+
+
+def _l1_data_bytes(default: int = 32 << 10) -> int:
+    """The size of one core's L1 data cache, or ``default`` where it cannot be read."""
+    return next((size for level, kind, size in _caches() if level == 1 and kind == "Data"), default)
 
 
 # Outputs of at least this many bytes are written with non-temporal stores (x86 only): half the
@@ -213,6 +225,23 @@ STREAM_MIN_BYTES = (
     if os.environ.get("NORMLAB_CPU_STREAM_MB")
     else _last_level_cache_bytes() // 2
 )
+
+
+# The next row is prefetched into L2 instead of L1 where one row of the inputs a pass reads takes a
+# quarter of L1 or more: this row, the next and the weights then no longer fit there together, and
+# prefetches into L1 evicted what the second pass reads back (docs/cpu-kernels.md, "Prefetch").
+# NORMLAB_CPU_PREFETCH_L2_KB overrides it (0: always into L2).
+PREFETCH_L2_MIN_BYTES = (
+    int(env_setting("NORMLAB_CPU_PREFETCH_L2_KB", "", unit="KB") * (1 << 10))
+    if os.environ.get("NORMLAB_CPU_PREFETCH_L2_KB")
+    else _l1_data_bytes() // 4
+)
+
+
+def prefetch_far(row_bytes: int) -> bool:
+    """The kernels' ``far``: whether the next row, ``row_bytes`` over the inputs a pass reads,
+    is prefetched into L2 rather than L1."""
+    return row_bytes >= PREFETCH_L2_MIN_BYTES
 
 
 _SERIAL_MB = env_setting("NORMLAB_CPU_SERIAL_MB", "") if os.environ.get("NORMLAB_CPU_SERIAL_MB") else None

@@ -37,12 +37,13 @@ from .simd import (BLOCK, EMIT, fma_ir, fma32, narrow_bits, prefetch_pass1, pref
 
 # ---------------------------------------------------------------------------------- forward
 # ``stages``: one float32 staging row per chunk (their count is the chunk count; see simd.py).
-# ``stream``: stream the outputs past the caches. ``round_to``: a 1-element array whose dtype is where
+# ``stream``: stream the outputs past the caches. ``far``: prefetch the next row into L2, not L1
+# (memory.prefetch_far). ``round_to``: a 1-element array whose dtype is where
 # xhat is rounded (the output's in the llama order, float32 in the gemma order).
 
 
 @kernel
-def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream):
+def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream, far):
     n, d = x.shape
     nchunks = stages.shape[0]
     w_pairs = pair_order(w, d - d % EMIT if writes_pairs(x, y) else 0)
@@ -52,15 +53,15 @@ def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream):
         stage = stages[c]
         for r in range(r0, r1):
             xr = x[r]
-            row_rstd = _rms_scale(_sumsq(xr, None, None, k), k, eps, inside)
+            row_rstd = _rms_scale(_sumsq(xr, None, None, k, far), k, eps, inside)
             rstd[r] = row_rstd
-            _rms_write(xr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, xr, None, nan_free(w_finite, row_rstd, 0.0))
+            _rms_write(xr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, far, xr, None, nan_free(w_finite, row_rstd, 0.0))
         if stream:
             store_fence()
 
 
 @kernel
-def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, round_to, stages, stream):
+def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, round_to, stages, stream, far):
     n, d = x.shape
     nchunks = stages.shape[0]
     w_pairs = pair_order(w, d - d % EMIT if writes_pairs(s, y) else 0)
@@ -71,23 +72,23 @@ def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, round_to, stages, stream)
         for r in range(r0, r1):
             xr, rr, sr = x[r], res[r], s[r]
             # s is an output too, but the second pass reads it back: plain stores keep it cached
-            row_rstd = _rms_scale(_sumsq(xr, rr, sr, k), k, eps, inside)
+            row_rstd = _rms_scale(_sumsq(xr, rr, sr, k, far), k, eps, inside)
             rstd[r] = row_rstd
-            _rms_write(sr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, xr, rr, nan_free(w_finite, row_rstd, 0.0))
+            _rms_write(sr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, far, xr, rr, nan_free(w_finite, row_rstd, 0.0))
         if stream:
             store_fence()
 
 
 @njit(inline="always")
-def _sumsq(xr, rr, sr, k):
+def _sumsq(xr, rr, sr, k, far):
     """Sum of the row's squares over [:k] (forming the whole residual sum when rr is given)."""
     full = k - k % BLOCK
     if rr is None and vector_sums(xr):
-        total = row_sumsq(xr, full, np.float32(0.0), xr, None)[0]
+        total = row_sumsq(xr, full, np.float32(0.0), xr, None, far)[0]
     else:
         total = 0.0
         for j in range(0, full, BLOCK):
-            prefetch_pass1(xr, rr, j)
+            prefetch_pass1(xr, rr, j, far)
             part = np.float32(0.0)
             for i in range(j, j + BLOCK):
                 v = value_at(xr, rr, sr, i)
@@ -112,7 +113,7 @@ def _rms_scale(ss, k, eps, inside):
 
 
 @njit(inline="always")
-def _rms_write(xr, w, w_pairs, yr, row_rstd, round_to, stage, stream, ahead1, ahead2, finite):
+def _rms_write(xr, w, w_pairs, yr, row_rstd, round_to, stage, stream, far, ahead1, ahead2, finite):
     """The row's outputs; ahead1 and ahead2 are the inputs whose next rows pass 2 prefetches.
     With writes_pairs and the row's blocks starting at 0, they go in pairs (w_pairs: w in
     pair_order over the whole blocks), rounded without the nan select where the row is
@@ -126,14 +127,14 @@ def _rms_write(xr, w, w_pairs, yr, row_rstd, round_to, stage, stream, ahead1, ah
         c = b
         if finite:  # a loop each: choosing per block made LLVM slow the paired loop (docs/cpu-kernels.md)
             for j in range(0, b, EMIT):
-                prefetch_pass2(ahead1, ahead2, j, 1)
+                prefetch_pass2(ahead1, ahead2, j, 1, far)
                 _y_block(yr, j, xr, w_pairs, stage, row_rstd, stream, round_to, True, True)
         else:
             for j in range(0, b, EMIT):
-                prefetch_pass2(ahead1, ahead2, j, 1)
+                prefetch_pass2(ahead1, ahead2, j, 1, far)
                 _y_block(yr, j, xr, w_pairs, stage, row_rstd, stream, round_to, True, False)
     for j in range(c, b, EMIT):
-        prefetch_pass2(ahead1, ahead2, j, 1)
+        prefetch_pass2(ahead1, ahead2, j, 1, far)
         _y_block(yr, j, xr, w, stage, row_rstd, stream, round_to, False, False)
     for i in range(b, d):
         _rms_y(xr, w, yr, row_rstd, round_to, i)
@@ -190,7 +191,7 @@ def _ov_y_block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite):
 
 
 @kernel
-def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream):
+def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream, far):
     n, d = x.shape
     nchunks = stages.shape[0]
     span = k - k % BLOCK if reads_pairs(x, dy) else 0
@@ -209,16 +210,17 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream
             row_rstd = rstd[r]
             ahead = 1 if r >= paired_to else 2  # rows ahead that pass 2 prefetches
             if ahead == 1:
-                gx, ss = _dot_gx(dyr, w, w_pairs, xr, k, dwc, row_rstd, round_to, not inside)
+                gx, ss = _dot_gx(dyr, w, w_pairs, xr, k, dwc, row_rstd, round_to, not inside, far)
             elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
-                gx, ss, gx2, ss2 = _dot_gx_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, k, dwc, row_rstd, rstd[r + 1], round_to, not inside)
+                gx, ss, gx2, ss2 = _dot_gx_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, k, dwc, row_rstd, rstd[r + 1], round_to, not inside,
+                                                     far)
             else:
                 gx, ss = gx2, ss2
             coef = _rms_coef(row_rstd, gx, ss, k, inside)
             finite = grad_select_optional(x, dy, ds) and grad_nan_free(row_rstd, gx, 0.0, coef, 0.0)
-            _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, 0, k, True, stage, stream, ahead, finite)
+            _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, 0, k, True, stage, stream, ahead, finite, far)
             if k < d:  # pRMSNorm: the features past the statistic
-                _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, k, d, False, stage, stream, ahead, False)
+                _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, k, d, False, stage, stream, ahead, False, far)
             if (r - r0) % FLUSH == FLUSH - 1:
                 flush_into(dwc, dw_sum[c])
         flush_into(dwc, dw_sum[c])
@@ -231,11 +233,11 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream
 
 
 @njit(inline="always")
-def _dot_gx(dyr, w, w_pairs, xr, k, dwc, row_rstd, round_to, squares):
+def _dot_gx(dyr, w, w_pairs, xr, k, dwc, row_rstd, round_to, squares, far):
     """(sum over the row of g * x, sum of x^2 over [:k] or, without ``squares``, any value),
     adding the row's dw terms to dwc. ``w_pairs``: w in pair_order over the whole blocks of [:k]."""
     full = k - k % BLOCK
-    tgx, tss = _rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares)
+    tgx, tss = _rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far)
     pgx, pss = _rms_tail(dyr, w, xr, full, k, dwc, row_rstd, round_to)
     return tgx + pgx, tss + pss
 
@@ -272,12 +274,12 @@ _GRAD_SUMS = {
 
 
 @njit(inline="always")
-def _rms_blocks_loop(dyr, w, xr, full, dwc, row_rstd, round_to):
+def _rms_blocks_loop(dyr, w, xr, full, dwc, row_rstd, round_to, far):
     """_dot_gx's whole blocks as element loops (LLVM vectorizes them)."""
     tgx = 0.0
     tss = 0.0
     for j in range(0, full, BLOCK):
-        prefetch_pass1(xr, dyr, j)
+        prefetch_pass1(xr, dyr, j, far)
         pgx = np.float32(0.0)
         pss = np.float32(0.0)
         for i in range(j, j + BLOCK):
@@ -289,23 +291,24 @@ def _rms_blocks_loop(dyr, w, xr, full, dwc, row_rstd, round_to):
     return tgx, tss
 
 
-def _rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares):  # pragma: no cover - replaced by the overload below
+def _rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far):  # pragma: no cover - replaced by the overload below
     """_dot_gx over the whole blocks [0, full): the vector pass for bf16 rows, else the element
     loops. Picked when numba types the call, so each kernel compiles one of them."""
     raise NotImplementedError
 
 
 @overload(_rms_blocks, inline="always")
-def _ov_rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares):
+def _ov_rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far):
     if not pair_types(xr, dyr):
-        return lambda dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares: _rms_blocks_loop(dyr, w, xr, full, dwc, row_rstd, round_to)
+        return lambda dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far: _rms_blocks_loop(dyr, w, xr, full, dwc, row_rstd,
+                                                                                                         round_to, far)
     with_squares, without = (_GRAD_SUMS[is_llama(round_to), s, 1] for s in (True, False))
 
-    def blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares):
+    def blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far):
         z = np.float32(0.0)
         if squares:
-            return with_squares(dyr, xr, w_pairs, dwc, round_to, full, row_rstd, z, z)
-        return without(dyr, xr, w_pairs, dwc, round_to, full, row_rstd, z, z)
+            return with_squares(dyr, xr, w_pairs, dwc, round_to, full, row_rstd, z, z, far)
+        return without(dyr, xr, w_pairs, dwc, round_to, full, row_rstd, z, z, far)
 
     return blocks
 
@@ -324,7 +327,7 @@ def _rms_tail(dyr, w, xr, full, k, dwc, row_rstd, round_to):
     return pgx, pss
 
 
-def _dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares):  # pragma: no cover - the overload below
+def _dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares, far):  # pragma: no cover - the overload below
     """_dot_gx of two bf16 rows, their whole blocks in one pass (grad_sums, rows=2): (gx, ss) of
     the first row, then of the second; the bits of two _dot_gx calls. Other dtypes compile a
     stub (row_pairs is False for them), which saves compile time."""
@@ -332,18 +335,18 @@ def _dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, ro
 
 
 @overload(_dot_gx_pair, inline="always")
-def _ov_dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares):
+def _ov_dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares, far):
     if not pair_types(xr, dyr):
-        return lambda dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares: (0.0, 0.0, 0.0, 0.0)
+        return lambda dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares, far: (0.0, 0.0, 0.0, 0.0)
     with_squares, without = (_GRAD_SUMS[is_llama(round_to), s, 2] for s in (True, False))
 
-    def pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares):
+    def pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares, far):
         full = k - k % BLOCK
         z = np.float32(0.0)
         if squares:
-            tgx, tss, tgx2, tss2 = with_squares(dyr, xr, dyr2, xr2, w_pairs, dwc, round_to, full, row_rstd, z, z, row_rstd2, z, z)
+            tgx, tss, tgx2, tss2 = with_squares(dyr, xr, dyr2, xr2, w_pairs, dwc, round_to, full, row_rstd, z, z, row_rstd2, z, z, far)
         else:
-            tgx, tss, tgx2, tss2 = without(dyr, xr, dyr2, xr2, w_pairs, dwc, round_to, full, row_rstd, z, z, row_rstd2, z, z)
+            tgx, tss, tgx2, tss2 = without(dyr, xr, dyr2, xr2, w_pairs, dwc, round_to, full, row_rstd, z, z, row_rstd2, z, z, far)
         pgx, pss = _rms_tail(dyr, w, xr, full, k, dwc, row_rstd, round_to)
         pgx2, pss2 = _rms_tail(dyr2, w, xr2, full, k, dwc, row_rstd2, round_to)
         return tgx + pgx, tss + pss, tgx2 + pgx2, tss2 + pss2
@@ -366,7 +369,7 @@ def _rms_coef(row_rstd, gx, ss, k, inside):
 
 
 @njit(inline="always")
-def _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, i0, i1, head, stage, stream, ahead, finite):
+def _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, i0, i1, head, stage, stream, ahead, finite, far):
     """dx over [i0, i1) (``head``: inside the first k, where the coef term applies; there, with
     i0 = 0, the whole blocks of bf16 rows are read in pairs, rounded without the nan select
     where the row is ``finite``: rows.grad_nan_free)."""
@@ -378,14 +381,14 @@ def _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, i0, i1, head, 
         c = i1 - i1 % BLOCK
         if finite:  # a loop each, as in _rms_write
             for j in range(0, c, EMIT):
-                prefetch_pass2(xr, dyr, j, ahead)
+                prefetch_pass2(xr, dyr, j, ahead, far)
                 _dx_block("head/pairs/finite", dxr, j, dyr, xr, w_pairs, dsr, stage, coef, row_rstd, stream)
         else:
             for j in range(0, c, EMIT):
-                prefetch_pass2(xr, dyr, j, ahead)
+                prefetch_pass2(xr, dyr, j, ahead, far)
                 _dx_block("head/pairs", dxr, j, dyr, xr, w_pairs, dsr, stage, coef, row_rstd, stream)
     for j in range(c, b, EMIT):
-        prefetch_pass2(xr, dyr, j, ahead)
+        prefetch_pass2(xr, dyr, j, ahead, far)
         if head:
             _dx_block("head", dxr, j, dyr, xr, w, dsr, stage, coef, row_rstd, stream)
         else:

@@ -112,13 +112,16 @@ def _block_stream(builder, data, base, kind):
 # ------------------------------------------------------------------------------- prefetches
 # The next row's inputs are prefetched while this row is worked on, half during each pass, at
 # the pace the pass reads this row, so memory stays busy and the next first pass reads cache.
+# ``far`` (a run-time bool): into L2 only, for rows too wide for L1 to hold this row and the
+# next (memory.PREFETCH_L2_MIN_BYTES); into L1 otherwise.
 
 
-def _prefetch_ir(builder, ptr, write):
-    """A prefetch of the line at ``ptr`` into all cache levels (never faults, in bounds or not)."""
+def _prefetch_ir(builder, ptr, write, locality=3):
+    """A prefetch of the line at ``ptr`` into all cache levels, or with ``locality`` 2 into L2
+    and below (x86 prefetcht1, ARM PLDL2KEEP). Never faults, in bounds or not."""
     i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
-    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(write)), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(write)), ir.Constant(i32, locality), ir.Constant(i32, 1)])
 
 
 def _prefetch_next_block(builder, base, kind):
@@ -128,9 +131,9 @@ def _prefetch_next_block(builder, base, kind):
         _prefetch_ir(builder, builder.gep(first, [ir.Constant(ir.IntType(64), 64 * line)]), write=True)
 
 
-def prefetch_ahead(context, builder, aryty, ary, j, values, ahead=1):
+def prefetch_ahead(context, builder, aryty, ary, j, values, ahead=1, far=None):
     """Prefetch (for reading) the lines of values [j, j + ``values``) of the row ``ahead`` rows
-    after the row ``ary`` in memory; nothing for a None."""
+    after the row ``ary`` in memory; nothing for a None. ``far``: an i1, true for L2 only."""
     if isinstance(aryty, (types.NoneType, types.Omitted)):
         return
     data = context.make_array(aryty)(context, builder, ary)
@@ -139,32 +142,40 @@ def prefetch_ahead(context, builder, aryty, ary, j, values, ahead=1):
         row = builder.mul(row, ir.Constant(row.type, ahead))
     first = builder.gep(data.data, [builder.add(row, j)])
     first = builder.bitcast(first, ir.IntType(8).as_pointer())
-    for line in range(max(1, values * aryty.dtype.bitwidth // 8 // 64)):
-        _prefetch_ir(builder, builder.gep(first, [ir.Constant(ir.IntType(64), 64 * line)]), write=False)
+    lines = range(max(1, values * aryty.dtype.bitwidth // 8 // 64))
+    if far is None:
+        for line in lines:
+            _prefetch_ir(builder, builder.gep(first, [ir.Constant(ir.IntType(64), 64 * line)]), write=False)
+        return
+    with builder.if_else(far) as (to_l2, to_l1):  # the locality is an immediate: one branch each
+        for branch, locality in ((to_l2, 2), (to_l1, 3)):
+            with branch:
+                for line in lines:
+                    _prefetch_ir(builder, builder.gep(first, [ir.Constant(ir.IntType(64), 64 * line)]), False, locality)
 
 
 def _make_prefetch(values):
-    """A function (a, j) that prefetches the lines of values [j, j + ``values``) of the row that
-    follows the row ``a`` in memory; nothing for a None. The line count is a compile-time
+    """A function (a, j, far) that prefetches the lines of values [j, j + ``values``) of the row
+    that follows the row ``a`` in memory; nothing for a None. The line count is a compile-time
     constant (a loop over numba's ``a.itemsize`` cost a division per block)."""
 
-    def prefetch(typingctx, a, j):
+    def prefetch(typingctx, a, j, far):
         def codegen(context, builder, signature, args):
-            prefetch_ahead(context, builder, signature.args[0], args[0], args[1], values)
+            prefetch_ahead(context, builder, signature.args[0], args[0], args[1], values, far=args[2])
             return context.get_dummy_value()
 
-        return types.void(a, types.int64), codegen
+        return types.void(a, types.int64, types.boolean), codegen
 
     lines = intrinsic(prefetch)
 
-    def fetch(a, j):  # pragma: no cover - replaced by the overload below
+    def fetch(a, j, far):  # pragma: no cover - replaced by the overload below
         raise NotImplementedError
 
     @overload(fetch, inline="always")
-    def _ov_fetch(a, j):
+    def _ov_fetch(a, j, far):
         if isinstance(a, (types.NoneType, types.Omitted)):
-            return lambda a, j: None
-        return lambda a, j: lines(a, j)
+            return lambda a, j, far: None
+        return lambda a, j, far: lines(a, j, far)
 
     return fetch
 
@@ -174,20 +185,20 @@ _prefetch_narrow = _make_prefetch(EMIT // 2)
 
 
 @njit(inline="always")  # LLVM left a call per block otherwise (docs/cpu-kernels.md, "Prefetch")
-def prefetch_pass1(a1, a2, j):
+def prefetch_pass1(a1, a2, j, far):
     """Prefetch what block j of pass 1 asks of the rows that follow a1 and a2 (a2 may be None):
     the values from j // 2, so the first half of the next row arrives during this pass 1."""
-    _prefetch_wide(a1, j // 2)
-    _prefetch_wide(a2, j // 2)
+    _prefetch_wide(a1, j // 2, far)
+    _prefetch_wide(a2, j // 2, far)
 
 
 @njit(inline="always")
-def prefetch_pass2(a1, a2, j, ahead):
+def prefetch_pass2(a1, a2, j, ahead, far):
     """Pass 2's share for block j: the values from d // 2 + j // 2 of the rows ``ahead`` rows
     after a1 and a2 (1, or 2 where rows go in pairs)."""
     h = a1.shape[0] * (ahead - 1) + a1.shape[0] // 2 + j // 2
-    _prefetch_narrow(a1, h)
-    _prefetch_narrow(a2, h)
+    _prefetch_narrow(a1, h, far)
+    _prefetch_narrow(a2, h, far)
 
 
 # ----------------------------------------------------------------------------------- stores
@@ -405,11 +416,11 @@ def scalar_totals(builder, totals):
 
 
 def _make_row_sums(centred):
-    """An intrinsic (xr, n, c, a1, a2) -> (float64, float64) over the values [0, n) of row xr
-    (n a multiple of BLOCK): with ``centred`` the sums of u and u^2 for u = x - c, else the sum
-    of x^2 (and 0.0; c is not used). Block j prefetches as prefetch_pass1(a1, a2, j) does."""
+    """An intrinsic (xr, n, c, a1, a2, far) -> (float64, float64) over the values [0, n) of row
+    xr (n a multiple of BLOCK): with ``centred`` the sums of u and u^2 for u = x - c, else the
+    sum of x^2 (and 0.0; c is not used). Block j prefetches as prefetch_pass1(a1, a2, j, far) does."""
 
-    def row_sums(typingctx, xr, n, c, a1, a2):
+    def row_sums(typingctx, xr, n, c, a1, a2, far):
         kind = xr.dtype
 
         def codegen(context, builder, signature, args):
@@ -423,7 +434,7 @@ def _make_row_sums(centred):
                 base = builder.mul(loop.index, ir.Constant(ir.IntType(64), BLOCK))
                 half = builder.udiv(base, ir.Constant(ir.IntType(64), 2))
                 for k in (3, 4):
-                    prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2)
+                    prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2, far=args[5])
                 acc = [[ir.Constant(f32, [0.0] * LANES)] * _ACC for _ in range(nsums)]
                 for v, x in enumerate(_block_stream(builder, data, base, kind)):
                     a = v % _ACC
@@ -439,7 +450,7 @@ def _make_row_sums(centred):
                 out.append(ir.Constant(ir.DoubleType(), 0.0))
             return context.make_tuple(builder, signature.return_type, out)
 
-        return types.UniTuple(types.float64, 2)(xr, types.int64, types.float32, a1, a2), codegen
+        return types.UniTuple(types.float64, 2)(xr, types.int64, types.float32, a1, a2, types.boolean), codegen
 
     return intrinsic(row_sums)
 
@@ -451,7 +462,7 @@ row_sumsq = _make_row_sums(centred=False)
 def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
     """An intrinsic for the backward's first pass over the whole blocks of bf16 rows: the two
     sums its dx formula needs, and the rows' dw (and db) terms added to the chunk's partial rows
-    on the way. Arguments (dyr, xr, w_pairs, dwc, aux, n, c0, c1, c2) -> (float64, float64), over
+    on the way. Arguments (dyr, xr, w_pairs, dwc, aux, n, c0, c1, c2, far) -> (float64, float64), over
     values [0, n) (a multiple of BLOCK); ``aux`` is the db partial row (``with_db``) or any array
     whose dtype ``terms`` reads. Values arrive in pair order (bf16_pair), so w_pairs, dwc and aux are
     kept in pair_order.
@@ -460,7 +471,7 @@ def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
     to accumulators s0[a] and s1[a] and returns xhat; then dw += dy * xhat (one fma) and, with
     ``with_db``, db += dy.
 
-    ``rows=2``: (dyr, xr, dyr2, xr2, w_pairs, dwc, aux, n, c0, c1, c2, e0, e1, e2) -> four float64,
+    ``rows=2``: (dyr, xr, dyr2, xr2, w_pairs, dwc, aux, n, c0, c1, c2, e0, e1, e2, far) -> four float64,
     the same work for two rows at once, which loads and stores each partial-row value once for
     both. The terms reach dwc in the order two calls would add them: the bits do not change."""
 
@@ -479,7 +490,7 @@ def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
             half = builder.udiv(base, ir.Constant(i64, 2))
             for r in range(rows):
                 for k in (2 * r + 1, 2 * r):
-                    prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2, rows)
+                    prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2, rows, args[-1])
             acc = [[ir.Constant(f32, [0.0] * LANES)] * _ACC for _ in range(2 * rows)]
             streams = [(_block_stream(builder, data[2 * r + 1], base, signature.args[2 * r + 1].dtype),
                         _block_stream(builder, data[2 * r], base, signature.args[2 * r].dtype)) for r in range(rows)]
@@ -507,11 +518,12 @@ def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
 
     f = types.float32
     if rows == 1:
-        def sums(typingctx, dyr, xr, w_pairs, dwc, aux, n, c0, c1, c2):
-            return types.UniTuple(types.float64, 2)(dyr, xr, w_pairs, dwc, aux, types.int64, f, f, f), codegen
+        def sums(typingctx, dyr, xr, w_pairs, dwc, aux, n, c0, c1, c2, far):
+            return types.UniTuple(types.float64, 2)(dyr, xr, w_pairs, dwc, aux, types.int64, f, f, f, types.boolean), codegen
     else:
-        def sums(typingctx, dyr, xr, dyr2, xr2, w_pairs, dwc, aux, n, c0, c1, c2, e0, e1, e2):
-            return types.UniTuple(types.float64, 4)(dyr, xr, dyr2, xr2, w_pairs, dwc, aux, types.int64, f, f, f, f, f, f), codegen
+        def sums(typingctx, dyr, xr, dyr2, xr2, w_pairs, dwc, aux, n, c0, c1, c2, e0, e1, e2, far):
+            return (types.UniTuple(types.float64, 4)(dyr, xr, dyr2, xr2, w_pairs, dwc, aux, types.int64, f, f, f, f, f, f,
+                                                      types.boolean), codegen)
 
     return intrinsic(sums)
 
