@@ -1,6 +1,7 @@
-"""The CPU backend's memory and threads: streaming stores give the plain path's bits, staging rows
-stay zero, the output buffer pool, out=, statistics no graph keeps, environment settings, torch's
-thread count, and kernels in forked DataLoader workers."""
+"""The CPU backend's memory and threads: streaming stores and prefetches into L2 give the plain
+path's bits, cache sizes from sysfs, staging rows stay zero, the output buffer pool, out=,
+statistics no graph keeps, environment settings, torch's thread count, and kernels in forked
+DataLoader workers."""
 
 import json
 import os
@@ -20,28 +21,14 @@ from normlab.kernels.cpu import launch, memory  # noqa: E402
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
-def test_streaming_stores_give_the_same_bits(gen, op, dtype, monkeypatch):
+@pytest.mark.parametrize("path", ["streaming stores", "prefetch into L2"])
+def test_each_memory_path_gives_the_same_bits(gen, op, dtype, path, monkeypatch):
     # Large outputs are written with non-temporal stores (16-bit ones two vectors to a line); the
     # values must be those of the plain path, bit for bit, whatever the alignment of the rows
     # (d = 1000: every row of a float32 output starts at a different offset from a 64-byte
-    # boundary).
-    leaves = op_leaves(gen, op, (37, 1000), dtype)
-    runs = []
-    for min_bytes in (1 << 62, 0):
-        monkeypatch.setattr(launch, "STREAM_MIN_BYTES", min_bytes)
-        grads = torch.Generator().manual_seed(7)
-        runs.append(run_op(op, leaves, {}, "cpu", [torch.randn(leaves["x"].shape, generator=grads).to(dtype)] * 2))
-    (plain, plain_g), (streamed, streamed_g) = runs
-    assert all(torch.equal(a, b) for a, b in zip(plain, streamed))
-    assert all(torch.equal(plain_g[k], streamed_g[k]) for k in plain_g)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("op", OPS)
-def test_prefetching_into_l2_gives_the_same_bits(gen, op, dtype, monkeypatch):
-    # Rows too wide for L1 have their successors prefetched into L2 instead (a run-time branch
-    # in every prefetch); a prefetch changes no value, so both ways give the same bits. Each
-    # launch asks with the bytes of one row over the inputs its passes read.
+    # boundary). Rows too wide for L1 have their successors prefetched into L2 instead, a
+    # run-time branch at every prefetch, which must change no value either; each launch asks
+    # with the bytes of one row over the inputs its passes read.
     leaves = op_leaves(gen, op, (37, 1000), dtype)
     asked = []
 
@@ -52,18 +39,23 @@ def test_prefetching_into_l2_gives_the_same_bits(gen, op, dtype, monkeypatch):
     monkeypatch.setattr(launch, "prefetch_far", far)
     runs = []
     for min_bytes in (1 << 62, 0):
-        monkeypatch.setattr(memory, "PREFETCH_L2_MIN_BYTES", min_bytes)
+        if path == "streaming stores":
+            monkeypatch.setattr(launch, "STREAM_MIN_BYTES", min_bytes)
+        else:
+            monkeypatch.setattr(memory, "PREFETCH_L2_MIN_BYTES", min_bytes)
         grads = torch.Generator().manual_seed(7)
         runs.append(run_op(op, leaves, {}, "cpu", [torch.randn(leaves["x"].shape, generator=grads).to(dtype)] * 2))
-    (near, near_g), (far_, far_g) = runs
-    assert all(torch.equal(a, b) for a, b in zip(near, far_))
-    assert all(torch.equal(near_g[k], far_g[k]) for k in near_g)
+    (plain, plain_g), (other, other_g) = runs
+    assert all(torch.equal(a, b) for a, b in zip(plain, other))
+    assert all(torch.equal(plain_g[k], other_g[k]) for k in plain_g)
     row = 1000 * dtype.itemsize
     read = 2 * row if op.startswith("add") else row  # the forward's x (and residual); the backward's x and dy
     assert asked[:2] == [read, 2 * row], asked
 
 
-def test_the_l2_prefetch_threshold_is_a_quarter_of_l1(tmp_path, monkeypatch):
+def test_cache_sizes_come_from_sysfs(tmp_path, monkeypatch):
+    if not os.environ.get("NORMLAB_CPU_PREFETCH_L2_KB"):  # the default: a quarter of this machine's L1
+        assert memory.PREFETCH_L2_MIN_BYTES == memory._l1_data_bytes() // 4
     for i, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "2048K"),
                                              (3, "Unified", "36M")]):
         (tmp_path / f"index{i}").mkdir()
