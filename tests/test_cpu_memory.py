@@ -61,6 +61,9 @@ def test_cache_sizes_come_from_sysfs(tmp_path, monkeypatch):
         (tmp_path / f"index{i}").mkdir()
         for name, text in (("level", str(level)), ("type", kind), ("size", size)):
             (tmp_path / f"index{i}" / name).write_text(text + "\n")
+    (tmp_path / "index9").mkdir()  # an entry that is not a size is skipped
+    for name, text in (("level", "1"), ("type", "Data"), ("size", "")):
+        (tmp_path / "index9" / name).write_text(text)
     caches = memory._caches(str(tmp_path))
     assert sorted(caches) == [(1, "Data", 48 << 10), (1, "Instruction", 32 << 10), (2, "Unified", 2 << 20), (3, "Unified", 36 << 20)]
     monkeypatch.setattr(memory, "_caches", lambda: caches)

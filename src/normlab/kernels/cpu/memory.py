@@ -196,13 +196,13 @@ def _caches(root: str = "/sys/devices/system/cpu/cpu0/cache") -> list[tuple[int,
     """(level, type, bytes) of each of the first CPU's caches (Linux sysfs; empty elsewhere)."""
     caches = []
     for index in glob.glob(f"{root}/index*"):
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         try:
             level, kind, text = (Path(index, name).read_text().strip() for name in ("level", "type", "size"))
-        except OSError:
+            text = text.upper()
+            caches.append((int(level), kind, int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)))
+        except (OSError, ValueError, IndexError):  # an entry that is missing or not a size: skipped
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        text = text.upper()
-        caches.append((int(level), kind, int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)))
     return caches
 
 
