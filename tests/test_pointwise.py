@@ -179,13 +179,13 @@ def test_a_row_pair_is_bitwise_two_single_rows(gen, fn, dtype, tables):
 
     @njit
     def single(dx, dx2, n, dy, x, dy2, x2, w, dwc, dbc, stage, a, s, table, use):
-        (a1, s1), (a2, s2) = (one(dx, 0, n, dy, x, w, dwc, dbc, stage, a, s, False, table, use),
-                              one(dx2, 0, n, dy2, x2, w, dwc, dbc, stage, a, s, False, table, use))
+        (a1, s1), (a2, s2) = (one(dx, 0, n, dy, x, w, dwc, dbc, stage, a, s, False, table, use, False),
+                              one(dx2, 0, n, dy2, x2, w, dwc, dbc, stage, a, s, False, table, use, True))
         return a1, a2, s1, s2
 
     @njit
     def pair(dx, dx2, n, dy, x, dy2, x2, w, dwc, dbc, stage, a, s, table, use):
-        return two(dx, 0, n, dy, x, w, dwc, dbc, stage, a, s, False, table, use, dx2, dy2, x2)
+        return two(dx, 0, n, dy, x, w, dwc, dbc, stage, a, s, False, table, use, dx2, dy2, x2, True)
 
     memory = importlib.import_module("normlab.kernels.cpu.memory")
     d, n = 5 * 64 + 9, 5 * 64
@@ -213,9 +213,9 @@ def _filled_table(x, a, s, grad):
     row, stages = x[None, :64].copy(), np.zeros((1, STAGE_WIDTH), np.float32)
     w = np.ones(64, np.float32)
     if grad:
-        K.pointwise_bwd(row, row, a, s, w, row.copy(), np.zeros((1, 2)), np.zeros((1, 64)), np.zeros((1, 64)), stages, False, table)
+        K.pointwise_bwd(row, row, a, s, w, row.copy(), np.zeros((1, 2)), np.zeros((1, 64)), np.zeros((1, 64)), stages, False, table, False)
     else:
-        K.pointwise_fwd(row, a, s, w, 0 * w, row.copy(), stages, False, table)
+        K.pointwise_fwd(row, a, s, w, 0 * w, row.copy(), stages, False, table, False)
     return table
 
 
@@ -247,9 +247,9 @@ def test_tanh_and_its_derivative_against_float64():
     one = np.ones(x.shape[1], np.float32)
     stages = np.zeros((1, STAGE_WIDTH), np.float32)
     none = np.empty(0, np.float32)  # (float32: no table)
-    K.pointwise_fwd(x, 1.0, None, one, 0 * one, y, stages, False, none)
+    K.pointwise_fwd(x, 1.0, None, one, 0 * one, y, stages, False, none, False)
     K.pointwise_bwd(np.ones_like(x), x, 1.0, None, one, dx, np.zeros((1, 2)), np.zeros((1, x.shape[1])), np.zeros((1, x.shape[1])),
-                    stages, False, none)
+                    stages, False, none, False)
     z64 = z.float().double()
     exact = torch.tanh(z64)
     ulp = torch.from_numpy(np.spacing(exact.abs().float().numpy())).double()
@@ -278,9 +278,9 @@ def test_erf_and_its_derivative_against_float64():
     one = np.ones(x.shape[1], np.float32)
     stages = np.zeros((1, STAGE_WIDTH), np.float32)
     none = np.empty(0, np.float32)
-    K.pointwise_fwd(x, 1.0, np.float32(0.0), one, 0 * one, y, stages, False, none)
+    K.pointwise_fwd(x, 1.0, np.float32(0.0), one, 0 * one, y, stages, False, none, False)
     K.pointwise_bwd(np.ones_like(x), x, 1.0, np.float32(0.0), one, dx, np.zeros((1, 2)), np.zeros((1, x.shape[1])),
-                    np.zeros((1, x.shape[1])), stages, False, none)
+                    np.zeros((1, x.shape[1])), stages, False, none, True)
     z64 = z.astype(np.float64)
     exact = erf(z64)
     ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
@@ -450,24 +450,27 @@ def test_both_forms_of_two_to_the_n_are_exact():
 @pytest.mark.parametrize("fn", FNS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [1000, 2048])
-def test_streaming_stores_give_the_same_bits(gen, fn, dtype, d, monkeypatch):
+@pytest.mark.parametrize("path", ["streaming stores", "prefetch into L2"])
+def test_each_memory_path_gives_the_same_bits(gen, fn, dtype, d, path, monkeypatch):
     # Outputs past half the last-level cache are written with non-temporal stores (16-bit ones
     # two vectors to a line, from a shared staging row's zeros): the values must be the plain
     # path's, bit for bit, at rows that start off a 64-byte boundary (d = 1000) and at rows that
     # go in pairs (d = 2048), and the staging rows must stay zero. dalpha's terms are grouped by
     # the blocks, which start at the first aligned element when streaming: the same sum, rounded
-    # in another order.
+    # in another order. Prefetching the next row into L2 instead of L1 changes no bit at all.
     launch = importlib.import_module("normlab.kernels.cpu.launch")
     memory = importlib.import_module("normlab.kernels.cpu.memory")
     leaves = _leaves(gen, (37, d), dtype, fn=fn)
     dy = torch.randn(37, d, generator=gen).to(dtype)
     runs = []
     for min_bytes in (1 << 62, 0):
-        monkeypatch.setattr(launch, "STREAM_MIN_BYTES", min_bytes)
+        monkeypatch.setattr(*((launch, "STREAM_MIN_BYTES") if path == "streaming stores" else (memory, "PREFETCH_L2_MIN_BYTES")),
+                            min_bytes)
         runs.append(_run(leaves, "cpu", dy))
     (plain, plain_g), (streamed, streamed_g) = runs
     assert torch.equal(plain, streamed)
-    assert all(torch.equal(plain_g[k], streamed_g[k]) for k in plain_g if k not in ("alpha", "shift"))
+    grouped = ("alpha", "shift") if path == "streaming stores" else ()
+    assert all(torch.equal(plain_g[k], streamed_g[k]) for k in plain_g if k not in grouped)
     u = dy.double() * leaves["weight"].double() * _slope(leaves)
     terms = {"alpha": (u * leaves["x"].double()).abs().sum(), "shift": u.abs().sum()}
     for k in terms.keys() & plain_g.keys():

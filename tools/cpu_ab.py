@@ -59,16 +59,20 @@ def load(src: str, name: str):
     sys.modules[name] = parent
     rms, ln = (importlib.import_module(f"{name}.{op}") for op in ("rmsnorm", "layernorm"))
     kernels = types.SimpleNamespace(rms_fwd=rms.rms_fwd, ln_fwd=ln.ln_fwd, rms_bwd=rms.rms_bwd, ln_bwd=ln.ln_bwd)
-    # trees from 2026-12-05 on take ``far`` (prefetch into L2) after ``stream``
+    # trees from 7beb5e1 on take ``far`` (prefetch into L2) after ``stream``
     kernels.far = "far" in inspect.signature(rms.rms_fwd.py_func).parameters
     if (package / "pointwise.py").is_file():  # DyT and Derf in one kernel: s (the shift) None for DyT
         pw = importlib.import_module(f"{name}.pointwise")
-        kernels.dyt_fwd = lambda x, a, *rest: pw.pointwise_fwd(x, a, None, *rest)
-        kernels.dyt_bwd = lambda dy, x, a, w, dx, da, *rest: pw.pointwise_bwd(dy, x, a, None, w, dx, np.zeros((da.shape[0], 2)), *rest)
+        far = "far" in inspect.signature(pw.pointwise_fwd.py_func).parameters  # (..., table, far) in later trees
+        tail = (lambda far_: (far_,)) if far else (lambda far_: ())
+        kernels.dyt_fwd = lambda x, a, *rest, far_: pw.pointwise_fwd(x, a, None, *rest, *tail(far_))
+        kernels.dyt_bwd = lambda dy, x, a, w, dx, da, *rest, far_: pw.pointwise_bwd(dy, x, a, None, w, dx, np.zeros((da.shape[0], 2)),
+                                                                                     *rest, *tail(far_))
         dyt = pw
     elif (package / "dynamic_tanh.py").is_file():
         dyt = importlib.import_module(f"{name}.dynamic_tanh")
-        kernels.dyt_fwd, kernels.dyt_bwd = dyt.dyt_fwd, dyt.dyt_bwd
+        kernels.dyt_fwd = lambda *args, far_: dyt.dyt_fwd(*args)
+        kernels.dyt_bwd = lambda *args, far_: dyt.dyt_bwd(*args)
     if (package / "pointwise.py").is_file() or (package / "dynamic_tanh.py").is_file():
         # the table argument, made per call as the launcher makes it (trees before tables: none)
         table_for = getattr(dyt, "table_for", None)
@@ -99,8 +103,9 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False, 
         "ln": lambda x, dy: K.ln_fwd(x, w, b, y, mean, rstd, 1e-5, stages, nt, *fwd),
         "rmsb": lambda x, dy: K.rms_bwd(dy, x, w, rstd, None, y, dw, 1e-6, True, d, rnd, stages, nt, *bwd),
         "lnb": lambda x, dy: K.ln_bwd(dy, x, w, mean, rstd, None, y, dw, db, stages, nt, *bwd),
-        "dyt": lambda x, dy: K.dyt_fwd(x, 0.5, w, b, y, stages, nt, *K.dyt_table(x, False)),
-        "dytb": lambda x, dy: K.dyt_bwd(dy, x, 0.5, w, y, da_sum, dw_sum, db_sum, stages, nt, *K.dyt_table(x, True)),
+        "dyt": lambda x, dy: K.dyt_fwd(x, 0.5, w, b, y, stages, nt, *K.dyt_table(x, False), far_=memory.prefetch_far(d * dtype.itemsize)),
+        "dytb": lambda x, dy: K.dyt_bwd(dy, x, 0.5, w, y, da_sum, dw_sum, db_sum, stages, nt, *K.dyt_table(x, True),
+                                        far_=memory.prefetch_far(2 * d * dtype.itemsize)),
     }
     call, turn = calls[op], [0]
 

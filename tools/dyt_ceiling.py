@@ -35,7 +35,7 @@ _FWD_BLOCKS, _BWD_BLOCKS = K._y_blocks, K._GRAD_BLOCKS[1]  # plain stores, as be
 def _forward(y, x, w, b, stage, a, table, reps):
     use = table.shape[0] > 0
     for _ in range(reps):
-        _FWD_BLOCKS(y, 0, x.shape[0], x, w, b, stage, a, None, False, table, use)
+        _FWD_BLOCKS(y, 0, x.shape[0], x, w, b, stage, a, None, False, table, use, False)
 
 
 @njit
@@ -43,7 +43,7 @@ def _backward(dx, dy, x, w, dwc, dbc, stage, a, table, reps):
     use = table.shape[0] > 0
     total = 0.0
     for _ in range(reps):
-        total += _BWD_BLOCKS(dx, 0, x.shape[0], dy, x, w, dwc, dbc, stage, a, None, False, table, use)[0]
+        total += _BWD_BLOCKS(dx, 0, x.shape[0], dy, x, w, dwc, dbc, stage, a, None, False, table, use, False)[0]
     return total
 
 
@@ -63,10 +63,10 @@ def compute_ns(dtype: str, pass_: str, shape: tuple[int, int]) -> float:
     if table.size:  # the kernel fills it: one small call
         rows = np.stack([x[:64]] * 2)
         if pass_ == "fwd":
-            K.pointwise_fwd(rows, a, None, w[:64], w[:64], rows.copy(), np.zeros((1, STAGE_WIDTH), np.float32), False, table)
+            K.pointwise_fwd(rows, a, None, w[:64], w[:64], rows.copy(), np.zeros((1, STAGE_WIDTH), np.float32), False, table, False)
         else:
             K.pointwise_bwd(rows, rows, a, None, w[:64], rows.copy(), np.zeros((1, 2)), np.zeros((1, 64)), np.zeros((1, 64)),
-                      np.zeros((1, STAGE_WIDTH), np.float32), False, table)
+                      np.zeros((1, STAGE_WIDTH), np.float32), False, table, False)
     if pass_ == "fwd":
         y = x.copy()
         run = lambda reps: _forward(y, x, w, w, stage, a, table, reps)  # noqa: E731

@@ -259,7 +259,8 @@ def _pointwise_fwd(x, alpha, shift, weight, bias):
     w, b = _ln_weights(weight, bias, d)
     if n:
         s = None if shift is None else np.float32(float(shift.float()))
-        _k(pointwise_fwd)(xn, float(alpha.float()), s, w, b, yn, *_stages(yn.nbytes, n), table_for(xn, grad=False))
+        _k(pointwise_fwd)(xn, float(alpha.float()), s, w, b, yn, *_stages(yn.nbytes, n), table_for(xn, grad=False),
+                          prefetch_far(d * xn.itemsize))
     return y
 
 
@@ -274,7 +275,8 @@ def _pointwise_bwd(dy, x, alpha, shift, weight):
     if n:
         w = _f32_vector(weight, d, 1.0)
         s = None if shift is None else np.float32(float(shift.float()))
-        _k(pointwise_bwd)(dyn, xn, float(alpha.float()), s, w, dxn, das, dw, db, stages, stream, table_for(xn, grad=True))
+        _k(pointwise_bwd)(dyn, xn, float(alpha.float()), s, w, dxn, das, dw, db, stages, stream, table_for(xn, grad=True),
+                          prefetch_far(d * (xn.itemsize + dyn.itemsize)))
     # the chunks' float64 sums, added in chunk order (deterministic for a thread count)
     da, ds = das.sum(0)
     return dx, da, ds, torch.from_numpy(dw.sum(0).astype(np.float32)), torch.from_numpy(db.sum(0).astype(np.float32))

@@ -235,11 +235,12 @@ def _y_scalar(typingctx, x, w, b, a, s):
 
 
 @intrinsic
-def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, stream, table, use):
+def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, stream, table, use, far):
     """The outputs [j0, j1) of a row (j1 - j0 a multiple of EMIT), EMIT at a time: t computed, or
     gathered from ``table`` where ``use``. ``stream``: streamed (both run-time branches per block).
-    Each block prefetches the same block of the next row: with the hardware prefetcher alone
-    the compute waited on memory (docs/cpu-kernels.md, "DyT"). The backward's blocks do the same."""
+    Each block prefetches the same block of the next row, into L2 where ``far`` (simd.prefetch_ahead):
+    with the hardware prefetcher alone the compute waited on memory (docs/cpu-kernels.md, "DyT").
+    The backward's blocks do the same."""
 
     def codegen(context, builder, signature, args):
         i64 = ir.IntType(64)
@@ -250,7 +251,7 @@ def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, stream, table, use):
         count = builder.udiv(builder.sub(args[2], args[1]), ir.Constant(i64, EMIT))
         with cgutils.for_range(builder, count) as loop:
             at = builder.add(args[1], builder.mul(loop.index, ir.Constant(i64, EMIT)))
-            prefetch_ahead(context, builder, signature.args[3], args[3], at, EMIT)
+            prefetch_ahead(context, builder, signature.args[3], args[3], at, EMIT, far=args[12])
             xb, wb, bb = (builder.gep(data, [at]) for data in (xd, wd, bd))
             blocks = range(EMIT // LANES)
             ws, bs = [load_f32(builder, wb, v) for v in blocks], [load_f32(builder, bb, v) for v in blocks]
@@ -267,11 +268,12 @@ def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, stream, table, use):
                         store_block(builder, ykind, builder.gep(yd, [at]), wb, values, False, flag, HW_BF16, zero)
         return context.get_dummy_value()
 
-    return types.void(y, types.int64, types.int64, x, w, b, stage, types.float32, s, types.boolean, table, types.boolean), codegen
+    return (types.void(y, types.int64, types.int64, x, w, b, stage, types.float32, s, types.boolean, table, types.boolean,
+                       types.boolean), codegen)
 
 
 @kernel
-def pointwise_fwd(x, a, s, w, b, y, stages, stream, table):
+def pointwise_fwd(x, a, s, w, b, y, stages, stream, table, far):
     """y = w * f(a x [+ s]) + b: DyT where s is None, Derf where s is a float32."""
     n, d = x.shape
     a32 = np.float32(a)
@@ -288,7 +290,7 @@ def pointwise_fwd(x, a, s, w, b, y, stages, stream, table):
             head, body = block_spans(yr, 0, d, stream)
             for i in range(head):
                 store_at(yr, i, _y_scalar(load_at(xr, i), load_at(w, i), load_at(b, i), a32, s))
-            _y_blocks(yr, head, body, xr, w, b, stage, a32, s, stream, table, use)
+            _y_blocks(yr, head, body, xr, w, b, stage, a32, s, stream, table, use, far)
             for i in range(body, d):
                 store_at(yr, i, _y_scalar(load_at(xr, i), load_at(w, i), load_at(b, i), a32, s))
         if stream:
@@ -338,15 +340,15 @@ def _grad_element(dyr, xr, w, dxr, dwc, dbc, a, s, i):
 
 
 def _make_grad_blocks(rows=1, hw=HW_BF16):
-    """An intrinsic (dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, stream, table, use) -> (float64,
+    """An intrinsic (dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, stream, table, use, far) -> (float64,
     float64): the elements [j0, j1) of a row (j1 - j0 a multiple of EMIT) as _grad_element does
     each one, 16 at a time; returns the sums of their da and ds terms (float32 within a block of
     EMIT, float64 lanes across blocks; ds is 0.0 for DyT, whose blocks do not sum it). ``stream``:
     dx's blocks are streamed; ``use``: (t, slope) come from ``table`` (both run-time branches per
     block: the arithmetic is emitted once, which halves the compile time of two specialized
-    copies).
+    copies). ``far``: prefetch into L2 (simd.prefetch_ahead).
 
-    ``rows=2``: (..., use, dx2, dy2, x2) -> four float64 (each row's da, then each row's ds), the
+    ``rows=2``: (..., use, dx2, dy2, x2, far) -> four float64 (each row's da, then each row's ds), the
     same for two rows at once, which loads and stores each partial-row value once for both. The
     second row's terms reach dwc and dbc after the first's, as two calls would add them, and each
     row's sums are its own: the bits do not change."""
@@ -368,7 +370,7 @@ def _make_grad_blocks(rows=1, hw=HW_BF16):
             wb, dwb, dbb = (builder.gep(data[k], [at]) for k in (5, 6, 7))
             for row in rows_in:
                 for k in row[1:]:
-                    prefetch_ahead(context, builder, signature.args[k], args[k], at, EMIT, rows)
+                    prefetch_ahead(context, builder, signature.args[k], args[k], at, EMIT, rows, args[-1])
             xs, tabled = {}, {}  # (row, v) -> x, and (t, slope) where the blocks may gather
             if _tabled(xkind):
                 idx = {(r, v): _patterns(builder, builder.gep(data[kx], [at]), v) for r, (_, _, kx) in enumerate(rows_in) for v in blocks}
@@ -405,12 +407,12 @@ def _make_grad_blocks(rows=1, hw=HW_BF16):
 
     f, b = types.float32, types.boolean
     if rows == 1:
-        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, stream, table, use):
-            return types.UniTuple(types.float64, 2)(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage, f, s, b, table, b), codegen
+        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, stream, table, use, far):
+            return types.UniTuple(types.float64, 2)(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage, f, s, b, table, b, b), codegen
     else:
-        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, stream, table, use, dx2, dy2, x2):
+        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, stream, table, use, dx2, dy2, x2, far):
             return (types.UniTuple(types.float64, 4)(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage, f, s, b, table, b, dx2, dy2,
-                                                     x2), codegen)
+                                                     x2, b), codegen)
 
     return intrinsic(blocks)
 
@@ -430,7 +432,7 @@ def _grad_edges(dyr, xr, w, dxr, dwc, dbc, a, s, i0, i1, da, ds):
 
 
 @kernel
-def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, stream, table):
+def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, stream, table, far):
     """The gradients of pointwise_fwd: dx stored, and per chunk da_sum[c] = (da, ds), dw_sum[c],
     db_sum[c]."""
     n, d = x.shape
@@ -454,14 +456,14 @@ def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, stream, ta
             in_pair = r < paired_to and block_spans(dx[partner], 0, d, stream) == (head, body)  # (streamed rows: alike)
             if not in_pair:
                 da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, 0, head, da, ds)
-                ba, bs = _grad_blocks(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s, stream, table, use)
+                ba, bs = _grad_blocks(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s, stream, table, use, far)
                 da, ds = da + ba, ds + bs
                 da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, body, d, da, ds)
             elif partner > r:  # this row and the next, in the order two single rows go (same bits)
                 dyr2, xr2, dxr2 = dy[partner], x[partner], dx[partner]
                 da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, 0, head, da, ds)
                 da1, da2, ds1, ds2 = _grad_blocks_pair(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s, stream, table, use,
-                                                       dxr2, dyr2, xr2)
+                                                       dxr2, dyr2, xr2, far)
                 da, ds = da + da1, ds + ds1
                 da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, body, d, da, ds)
                 da, ds = _grad_edges(dyr2, xr2, w, dxr2, dwc, dbc, a32, s, 0, head, da, ds)
