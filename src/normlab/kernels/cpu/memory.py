@@ -192,7 +192,8 @@ def _with_tensor(array: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) 
     return (t if t.shape == shape else t.view(shape)), array
 
 
-def _caches(root: str = "/sys/devices/system/cpu/cpu0/cache") -> list[tuple[int, str, int]]:
+@functools.cache  # read once for both thresholds
+def _caches(root: str = "/sys/devices/system/cpu/cpu0/cache") -> tuple[tuple[int, str, int], ...]:
     """(level, type, bytes) of each of the first CPU's caches (Linux sysfs; empty elsewhere)."""
     caches = []
     for index in glob.glob(f"{root}/index*"):
@@ -203,7 +204,7 @@ def _caches(root: str = "/sys/devices/system/cpu/cpu0/cache") -> list[tuple[int,
             caches.append((int(level), kind, int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)))
         except (OSError, ValueError, IndexError):  # an entry that is missing or not a size: skipped
             continue
-    return caches
+    return tuple(caches)
 
 
 def _last_level_cache_bytes(default: int = 32 << 20) -> int:
