@@ -93,7 +93,8 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False, 
     chunks = stages.shape[0]
     da_sum, dw_sum, db_sum = np.zeros(chunks), np.zeros((chunks, d)), np.zeros((chunks, d))
     # the launchers' ``far``: by the bytes of a row over the inputs a pass reads (x; x and dy)
-    fwd, bwd = ((memory.prefetch_far(d * dtype.itemsize * k),) if K.far else () for k in (1, 2))
+    far1, far2 = (memory.prefetch_far(d * dtype.itemsize * k) for k in (1, 2))
+    fwd, bwd = ((far1,), (far2,)) if K.far else ((), ())
     if op == "rmsb":  # the statistics the backward reads
         K.rms_fwd(sets[0][0], w, y, rstd, 1e-6, True, d, rnd, stages, nt, *fwd)
     if op == "lnb":
@@ -103,9 +104,9 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False, 
         "ln": lambda x, dy: K.ln_fwd(x, w, b, y, mean, rstd, 1e-5, stages, nt, *fwd),
         "rmsb": lambda x, dy: K.rms_bwd(dy, x, w, rstd, None, y, dw, 1e-6, True, d, rnd, stages, nt, *bwd),
         "lnb": lambda x, dy: K.ln_bwd(dy, x, w, mean, rstd, None, y, dw, db, stages, nt, *bwd),
-        "dyt": lambda x, dy: K.dyt_fwd(x, 0.5, w, b, y, stages, nt, *K.dyt_table(x, False), far_=memory.prefetch_far(d * dtype.itemsize)),
+        "dyt": lambda x, dy: K.dyt_fwd(x, 0.5, w, b, y, stages, nt, *K.dyt_table(x, False), far_=far1),
         "dytb": lambda x, dy: K.dyt_bwd(dy, x, 0.5, w, y, da_sum, dw_sum, db_sum, stages, nt, *K.dyt_table(x, True),
-                                        far_=memory.prefetch_far(2 * d * dtype.itemsize)),
+                                        far_=far2),
     }
     call, turn = calls[op], [0]
 
