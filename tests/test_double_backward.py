@@ -35,6 +35,8 @@ OPS = {
                        lambda v: _both(R.add_layer_norm(v["x"], v["r"], v["w"], v["b"]))),
     "dyt": (("x", "a", "w", "b"), lambda v, be: F.dyt(v["x"], v["a"], v["w"], v["b"], backend=be),
             lambda v: R.dyt(v["x"], v["a"], v["w"], v["b"])),
+    "derf": (("x", "a", "s", "w", "b"), lambda v, be: F.derf(v["x"], v["a"], v["s"], v["w"], v["b"], backend=be),
+             lambda v: R.derf(v["x"], v["a"], v["s"], v["w"], v["b"])),
 }
 
 
@@ -44,7 +46,7 @@ def _both(outputs):
 
 
 def _leaves(gen, names, dtype):
-    shapes = {"x": (3, 5, D), "r": (3, 5, D), "w": (D,), "b": (D,), "a": (1,)}
+    shapes = {"x": (3, 5, D), "r": (3, 5, D), "w": (D,), "b": (D,), "a": (1,), "s": (1,)}
     out = {}
     for n in names:
         t = torch.randn(*shapes[n], generator=gen, dtype=torch.float64)
@@ -72,7 +74,7 @@ def test_gradient_penalty_matches_the_float64_math(gen, backend, dtype, op):
     tol = 1e-4 if dtype == torch.float32 else 0.06  # relative, in norm over the whole gradient
     for name, g, w in zip(names, got, want):
         scale = w.norm()
-        if name == "a":  # one number summed over every element: it can cancel far below its terms
+        if name in ("a", "s"):  # one number summed over every element: it can cancel far below its terms
             scale = torch.maximum(scale, _scalar_terms(exact, leaves, weights))
         err = ((g.double() - w).norm() / scale.clamp_min(1e-30)).item()
         assert err < tol, f"{op} {backend} {dtype}: d/d{name} off by {err:.2e} relative"
@@ -84,9 +86,11 @@ def _scalar_terms(exact, leaves, weights):
     bf16 inputs leave even torch's own math 10% off the small sum, so the error is judged against
     the terms instead."""
     v = {k: t.detach().double() for k, t in leaves.items()}
-    v["a"] = v["a"].expand(v["x"].shape).clone()
+    for k in ("a", "s"):
+        if k in v:
+            v[k] = v[k].expand(v["x"].shape).clone()
     grads = _penalized(exact, {k: t.requires_grad_() for k, t in v.items()}, weights.double())
-    return grads[list(v).index("a")].abs().sum()
+    return sum(grads[list(v).index(k)].abs().sum() for k in ("a", "s") if k in v)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -116,36 +120,50 @@ def test_plain_backward_still_takes_the_kernels(gen, monkeypatch):
     assert calls == [1] and g.requires_grad
 
 
-# torch.func transforms see through the ops to the reference math (the kernels read raw memory,
-# which a transform's wrapper tensors do not have); before, they raised torch's "must override
-# the setup_context staticmethod" error. Each is checked against the same transform of the
-# float64 reference.
+# torch.func transforms and forward-mode AD see through the ops to the reference math (the
+# kernels read raw memory, which a transform's wrapper tensors do not have, and have no jvp);
+# before, transforms raised torch's "must override the setup_context staticmethod" error (DyT's
+# scalars were not checked for a transform until 2026-12-04) and a dual tensor raised "must
+# implement the jvp". Each is checked against the same transform of the float64 reference, with
+# respect to every input, the scalars included.
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", list(OPS))
 def test_torch_func_transforms_match_the_float64_math(gen, backend, op):
+    import torch.autograd.forward_ad as fwAD
+
     names, ours, theirs = OPS[op]
     leaves = {k: v.detach() for k, v in _leaves(gen, names, torch.float32).items()}
     wide = {k: v.double() for k, v in leaves.items()}
+    tangents = {k: torch.randn(v.shape, generator=gen, dtype=torch.float64) for k, v in leaves.items()}
 
-    def loss(fn, values):
-        return lambda x: (fn({**values, "x": x}).double() ** 2).sum()
+    def loss(fn):
+        return lambda values: (fn(values).double() ** 2).sum()
 
     def per_row(fn, values):  # vmap over the leading dimension of x (and of the residual)
         keys = [k for k in ("x", "r") if k in values]
         batched = torch.func.vmap(lambda *ts: (fn({**values, **dict(zip(keys, ts))}).double() ** 2).sum())
         return batched(*(values[k] for k in keys))
 
-    got = {
-        "grad": torch.func.grad(loss(lambda v: ours(v, backend), leaves))(leaves["x"]),
-        "jacrev": torch.func.jacrev(lambda x: ours({**leaves, "x": x}, backend))(leaves["x"]),
-        "vmap": per_row(lambda v: ours(v, backend), leaves),
-    }
-    want = {
-        "grad": torch.func.grad(loss(theirs, wide))(wide["x"]),
-        "jacrev": torch.func.jacrev(lambda x: theirs({**wide, "x": x}))(wide["x"]),
-        "vmap": per_row(theirs, wide),
-    }
-    for how in got:
+    def dual_tangent(fn, values):  # forward-mode AD through dual tensors, outside torch.func
+        with fwAD.dual_level():
+            duals = {k: fwAD.make_dual(v, tangents[k].to(v.dtype)) for k, v in values.items()}
+            return fwAD.unpack_dual(fn(duals)).tangent
+
+    def transforms(fn, values):
+        grads = torch.func.grad(loss(fn))(values)
+        return {
+            **{f"grad d{k}": g for k, g in grads.items()},
+            "jacrev": torch.func.jacrev(lambda x: fn({**values, "x": x}))(values["x"]),
+            "vmap": per_row(fn, values),
+            "jvp": torch.func.jvp(fn, (values,), ({k: t.to(v.dtype) for k, (t, v) in
+                                                   zip(values, zip(tangents.values(), values.values()))},))[1],
+            "dual tangent": dual_tangent(fn, values),
+        }
+
+    got = transforms(lambda v: ours(v, backend), leaves)
+    want = transforms(theirs, wide)
+    for how in want:
+        assert got[how] is not None, f"{how}: no result (a tangent dropped)"
         scale = want[how].abs().max().clamp_min(1.0)
         err = ((got[how].double() - want[how]).abs().max() / scale).item()
         assert err < 1e-5, (how, err)

@@ -180,14 +180,26 @@ def test_the_fused_call_records_a_graph_exactly_when_autograd_needs_one(gen, op)
         assert y.grad_fn is None and torch.equal(y, plain)
 
 
-def test_forward_mode_ad_is_refused_rather_than_its_tangent_dropped(gen):
+@pytest.mark.parametrize("which", ["x", "alpha"])
+def test_forward_mode_ad_keeps_its_tangent_under_no_grad(gen, which):
+    """no_grad does not turn forward AD off, and there the kernels' path skips the autograd
+    Function: a dual input, even only DyT's scalar, must take the math that carries its tangent."""
     import torch.autograd.forward_ad as fwAD
 
-    x = rand(gen, 4, 16, dtype=torch.float32)
-    with fwAD.dual_level(), torch.no_grad():  # no_grad does not turn forward AD off
-        dual = fwAD.make_dual(x, torch.ones_like(x))
-        with pytest.raises(NotImplementedError, match="jvp"):
-            F.rms_norm(dual, backend="cpu")
+    x, alpha = rand(gen, 4, 16, dtype=torch.float32), torch.tensor([0.7])
+    tangent = rand(gen, *(x.shape if which == "x" else alpha.shape), dtype=torch.float32)
+    with fwAD.dual_level(), torch.no_grad():
+        if which == "x":
+            y = F.rms_norm(fwAD.make_dual(x, tangent), backend="cpu")
+        else:
+            y = F.dyt(x, fwAD.make_dual(alpha, tangent), backend="cpu")
+        got = fwAD.unpack_dual(y).tangent
+    if which == "x":
+        _, want = torch.func.jvp(lambda t: R.rms_norm(t), (x.double(),), (tangent.double(),))
+    else:
+        _, want = torch.func.jvp(lambda a: R.dyt(x.double(), a), (alpha.double(),), (tangent.double(),))
+    assert got is not None, "the tangent was dropped"
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_unavailable_backend_says_why(monkeypatch):

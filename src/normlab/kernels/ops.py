@@ -453,13 +453,22 @@ def _under_torch_func(tensors: tuple) -> bool:
     return False
 
 
+def _has_tangent(tensors: tuple) -> bool:
+    """Whether forward-mode AD carries a tangent on an input (a dual tensor). The kernels have no
+    jvp, so the reference math runs there, as under torch.func: the tangent is then exact, never
+    dropped."""
+    if forward_ad._current_level < 0:  # no dual level open: the common case costs one compare
+        return False
+    for t in tensors:
+        if t is not None and forward_ad.unpack_dual(t).tangent is not None:
+            return True
+    return False
+
+
 def _records_nothing(inputs: tuple) -> bool:
     """Whether autograd has nothing to record for a call on ``inputs``: no input requires grad
-    (or grad mode is off) and no forward-mode AD level is open. There the autograd.Function is
-    skipped, a fifth of a small call's time; under forward AD it is kept, so that its missing
-    jvp is an error rather than a dropped tangent."""
-    if forward_ad._current_level >= 0:
-        return False
+    (or grad mode is off). There the autograd.Function is skipped, a fifth of a small call's
+    time. (Inputs with a forward-mode tangent never get here: they take the reference math.)"""
     if torch.is_grad_enabled():
         for t in inputs:
             if isinstance(t, Tensor) and t.requires_grad:
@@ -477,20 +486,24 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
     # A small call's time is mostly this Python (docs/cpu-kernels.md, "Fixed costs of a call"),
     # so the path below asks each question once and makes no generator.
 
-    def fused(tensors: tuple, compiling: bool) -> bool:
-        """Whether the kernels take these tensors: their dtypes, and (outside torch.compile, which
-        traces no functorch wrapper) no torch.func transform around them."""
+    def fused(tensors: tuple, compiling: bool, scalars: tuple = ()) -> bool:
+        """Whether the kernels take the call: the dtypes of ``tensors`` (x and the per-feature
+        parameters), and (outside torch.compile, which traces no functorch wrapper) no torch.func
+        transform and no forward-mode tangent on them or on ``scalars`` (DyT's and Derf's)."""
         for t in tensors:
             if t is not None and t.dtype not in fused_dtypes:
                 return False
-        return compiling or not _under_torch_func(tensors)
+        if compiling:
+            return True
+        both = tensors + scalars if scalars else tensors
+        return not (_under_torch_func(both) or _has_tangent(both))
 
-    def call(name: str, tensors: tuple, inputs: tuple, reference_math: Callable):
+    def call(name: str, tensors: tuple, inputs: tuple, reference_math: Callable, scalars: tuple = ()):
         """The op's outputs callers see: the reference math where the kernels cannot run; through
         its custom op while torch.compile traces; straight from the launcher when there is no
         graph to record; else through its autograd.Function."""
         compiling = torch.compiler.is_compiling()
-        if not fused(tensors, compiling):
+        if not fused(tensors, compiling, scalars):
             return reference_math()
         if compiling:
             return public[name](traced[name](*inputs))
@@ -540,13 +553,14 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
     def dyt(x, alpha, weight=None, bias=None):
         if not has_dyt:
             return reference.dyt(x, alpha, weight, bias)
-        return call("dyt", (x, weight, bias), (x, alpha, weight, bias), lambda: reference.dyt(x, alpha, weight, bias))
+        return call("dyt", (x, weight, bias), (x, alpha, weight, bias), lambda: reference.dyt(x, alpha, weight, bias),
+                    (alpha,))
 
     def derf(x, alpha, shift, weight=None, bias=None):
         if not has_derf:
             return reference.derf(x, alpha, shift, weight, bias)
         return call("derf", (x, weight, bias), (x, alpha, shift, weight, bias),
-                    lambda: reference.derf(x, alpha, shift, weight, bias))
+                    lambda: reference.derf(x, alpha, shift, weight, bias), (alpha, shift))
 
     return SimpleNamespace(layer_norm=layer_norm, rms_norm=rms_norm, add_layer_norm=add_layer_norm,
                            add_rms_norm=add_rms_norm, rms_norm_out=rms_norm_out, layer_norm_out=layer_norm_out,
