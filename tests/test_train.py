@@ -161,8 +161,12 @@ def test_config_resolution_and_unknown_keys(tmp_path):
     assert model == {"norm": "layernorm", "placement": "post", "final_norm": True}
     with pytest.raises(ValueError, match="unknown key 'learning_rate'"):
         T.resolve(None, {"learning_rate": "1"})
-    with pytest.raises(ValueError, match="expected a number, got 'fast'"):
+    with pytest.raises(ValueError, match="lr expects a number, got 'fast'"):
         T.resolve(None, {"lr": "fast"})
+    with pytest.raises(ValueError, match="batch_size expects a whole number, got '1.5'"):
+        T.resolve(None, {"batch_size": "1.5"})
+    with pytest.raises(ValueError, match="final_norm expects true or false, got 'maybe'"):
+        T.resolve(None, {"final_norm": "maybe"})
     with pytest.raises(ValueError, match="schedule must be one of cosine, constant"):
         T.resolve(None, {"schedule": "linear"})
 

@@ -89,16 +89,16 @@ def split_overrides(pairs: dict) -> tuple[dict, dict]:
     t, m = {}, {}
     for key, value in pairs.items():
         if key in train_fields:
-            t[key] = _coerce(value, train_fields[key].type)
+            t[key] = _coerce(key, value, train_fields[key].type)
         elif key in model_fields:
-            m[key] = _coerce(value, model_fields[key].type)
+            m[key] = _coerce(key, value, model_fields[key].type)
         else:
             valid = sorted(set(train_fields) | set(model_fields))
             raise ValueError(f"unknown key {key!r}; valid keys: {', '.join(valid)}")
     return t, m
 
 
-def _coerce(value, annotation):
+def _coerce(key: str, value, annotation):
     if not isinstance(value, str):
         return value
     ann = str(annotation)
@@ -109,14 +109,15 @@ def _coerce(value, annotation):
             return True
         if value.lower() in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"expected true or false, got {value!r}")
+        raise ValueError(f"{key} expects true or false, got {value!r}")
     try:
         if ann.startswith("int"):
             return int(value)
         if ann.startswith("float"):
             return float(value)
     except ValueError as err:
-        raise ValueError(f"expected a number, got {value!r}") from err
+        what = "a whole number" if ann.startswith("int") else "a number"
+        raise ValueError(f"{key} expects {what}, got {value!r}") from err
     return value
 
 
