@@ -16,7 +16,7 @@ from normlab import functional as F
 from opcheck import DTYPES, OPS, call_op, check, op_leaves, run_op
 
 pytest.importorskip("numba", reason="the cpu backend needs numba (pip install normlab[cpu])")
-from normlab.kernels.cpu import launch, memory  # noqa: E402
+from normlab.kernels.cpu import launch, memory, simd  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -206,8 +206,21 @@ def test_info_names_the_memory_thresholds_and_their_settings():
     env = {**os.environ, "NORMLAB_CPU_PREFETCH_L2_KB": "12", "NORMLAB_CPU_STREAM_MB": "3"}
     out = subprocess.run([sys.executable, "-m", "normlab", "info"], env=env, capture_output=True, text=True)
     text = " ".join(out.stdout.split())  # rich wraps long lines
-    assert "outputs from 3 MiB streamed past the caches (NORMLAB_CPU_STREAM_MB)" in text, text[-600:]
+    stream = ("outputs from 3 MiB streamed past the caches (NORMLAB_CPU_STREAM_MB)" if simd.X86 else
+              "outputs never streamed past the caches (non-temporal stores: x86 only)")
+    assert stream in text, text[-600:]
     assert "into L2, not L1, from rows of 12 KiB (NORMLAB_CPU_PREFETCH_L2_KB)" in text, text[-600:]
+
+
+def test_info_says_outputs_are_not_streamed_off_x86(monkeypatch, capsys):
+    """The launchers stream only on x86 (launch._stages); on ARM info must not claim a threshold."""
+    from normlab import cli
+
+    monkeypatch.setattr(simd, "X86", False)
+    assert cli.main(["info"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "outputs never streamed past the caches (non-temporal stores: x86 only)" in text, text[-600:]
+    assert "MiB streamed past" not in text
 
 
 def test_threads_follow_torch():

@@ -11,7 +11,7 @@
 #
 # The Python is Debian's arm64 python3.11, unpacked into a folder (no dpkg architecture is
 # installed system-wide beyond the package lists); the wheels are PyPI's aarch64 ones for numpy,
-# numba and llvmlite at the versions of this checkout's .venv, and torch 2.5.1: PyPI's aarch64
+# numba, llvmlite and scipy (the CLI) at the versions of this checkout's .venv, and torch 2.5.1: PyPI's aarch64
 # torch from 2.6 on is a CUDA build that needs the CUDA libraries to import. Pure-Python
 # dependencies (sympy, pytest, ...) are copied from the x86-64 environment.
 set -euo pipefail
@@ -32,7 +32,8 @@ setup() {
         libk5crypto3 libkrb5support0 libcom-err2 libkeyutils1; do apt-get download -q "$p:arm64" >/dev/null; done)
     for f in "$ROOT"/debs/*.deb; do dpkg -x "$f" "$ROOT/sysroot"; done
     version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
-    local pins=("numpy==$(version numpy)" "numba==$(version numba)" "llvmlite==$(version llvmlite)" "torch==$TORCH_ARM")
+    local pins=("numpy==$(version numpy)" "numba==$(version numba)" "llvmlite==$(version llvmlite)" "scipy==$(version scipy)"
+                "torch==$TORCH_ARM")
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
         --platform manylinux_2_28_aarch64 --platform manylinux2014_aarch64 --platform manylinux_2_17_aarch64 \
         -d "$ROOT/wheels" "${pins[@]}"
