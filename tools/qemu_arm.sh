@@ -34,11 +34,11 @@ setup() {
     version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
     local pins=("numpy==$(version numpy)" "numba==$(version numba)" "llvmlite==$(version llvmlite)" "scipy==$(version scipy)"
                 "torch==$TORCH_ARM")
-    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
-        --platform manylinux_2_28_aarch64 --platform manylinux2014_aarch64 --platform manylinux_2_17_aarch64 \
-        -d "$ROOT/wheels" "${pins[@]}"
-    "$PY" -m pip install -q --no-deps --only-binary=:all: --python-version 3.11 --platform manylinux_2_28_aarch64 \
-        --platform manylinux2014_aarch64 --platform manylinux_2_17_aarch64 --target "$ROOT/site" --upgrade "$ROOT"/wheels/*.whl
+    local target=(--no-deps --only-binary=:all: --python-version 3.11 --implementation cp --platform manylinux_2_28_aarch64
+                  --platform manylinux2014_aarch64 --platform manylinux_2_17_aarch64)
+    "$PY" -m pip download -q "${target[@]}" -d "$ROOT/wheels" "${pins[@]}"
+    # the pins, not every wheel in the folder: a setup after a version change leaves the old ones there
+    "$PY" -m pip install -q "${target[@]}" --no-index --find-links "$ROOT/wheels" --target "$ROOT/site" --upgrade "${pins[@]}"
     # pure-Python packages torch, normlab and the tests import, from wherever this Python finds them
     "$PY" - "$ROOT/site" <<'PYEOF'
 import importlib.util, os, shutil, sys
