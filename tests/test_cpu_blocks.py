@@ -17,8 +17,10 @@ from normlab.kernels.cpu import rmsnorm as RMS  # noqa: E402
 def _special_floats(gen, n):
     """float32 values where conversions go wrong: ties at bf16 and fp16 precision, values that
     round up to the next binade or overflow, signed zeros, infinities, then random ones."""
-    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80_7FFF, 0x3F80_8001, 0x7F7F_FFFF, 0x7F7F_8000, 0x477F_F000,
-                         0x3F80_1000, 0x3F80_3000, 0x0, 0x8000_0000, 0x7F80_0000, 0xFF80_0000], dtype=torch.int64)
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80_7FFF, 0x3F80_8001, 0x7F7F_FFFF, 0x7F7F_8000,
+                         0x477F_F000,
+                         0x3F80_1000, 0x3F80_3000, 0x0, 0x8000_0000, 0x7F80_0000, 0xFF80_0000],
+                        dtype=torch.int64)
     special = bits.to(torch.int32).view(torch.float32)
     special = torch.cat([special, -special])
     rest = torch.randn(n - special.numel(), generator=gen) * torch.logspace(-30, 30, n - special.numel())
@@ -88,14 +90,15 @@ def test_vector_row_sums_match_float64(gen, dtype, far):
         v = x[:n].double()
         u = v - float(c)
         assert zero == 0.0
-        for got, want, scale in ((s1, u.sum(), u.abs().sum()), (s2, (u * u).sum(), (u * u).sum()), (ss, (v * v).sum(), (v * v).sum())):
+        for got, want, scale in ((s1, u.sum(), u.abs().sum()), (s2, (u * u).sum(), (u * u).sum()),
+                                 (ss, (v * v).sum(), (v * v).sum())):
             assert abs(got - want.item()) <= 1e-6 * max(scale.item(), 1e-30), (blocks, got, want)
 
 
 @pytest.mark.parametrize("op", ["ln", "rms", "rms_llama"])
 def test_backward_pair_order_sums_match_float64(gen, op):
     # The bf16 backward's first pass reads rows two values to a 32-bit lane, so it reads the
-    # weight, and adds the dw (db) terms, in pair order (simd.pair_order): its sums must be the
+    # weight, and adds the dw (db) terms, in pair order (codecs.pair_order): its sums must be the
     # float64 ones, and its partial rows, put back in place, the float64 terms of each element.
     from numba import njit
 
@@ -118,14 +121,14 @@ def test_backward_pair_order_sums_match_float64(gen, op):
         v, g = x[:n].double(), dy[:n].double()
         wn = torch.from_numpy(w[:n]).double()
         dwc, dbc = np.zeros(d, np.float32), np.zeros(d, np.float32)
-        wp = simd.pair_order(w, n)
+        wp = codecs.pair_order(w, n)
         if op == "ln":
             mhi, mlo = np.float32(mean), np.float32(0.0)
             lo = np.float32(-float(mlo) * rstd)
             got = ln_pass(memory.as_numpy(dy), memory.as_numpy(x), wp, dwc, dbc, n, mhi, rstd, lo)
             xhat = (v - mean) * float(rstd)
             want = ((g * wn).sum(), (g * wn * xhat).sum())
-            assert np.allclose(simd.pair_unorder(dbc, n)[:n], g.numpy(), rtol=1e-6, atol=0)
+            assert np.allclose(codecs.pair_unorder(dbc, n)[:n], g.numpy(), rtol=1e-6, atol=0)
         else:
             rnd = launch._round_to(torch.bfloat16, op == "rms_llama")
             got = rms_pass(memory.as_numpy(dy), memory.as_numpy(x), wp, dwc, rnd, n, rstd)
@@ -134,8 +137,9 @@ def test_backward_pair_order_sums_match_float64(gen, op):
                 xhat = (v.float() * rstd).to(torch.bfloat16).double()
             want = ((g * wn * v).sum(), (v * v).sum())
         for got_sum, want_sum in zip(got, want):
-            assert abs(got_sum - want_sum.item()) <= 1e-5 * max(abs(want_sum.item()), 1.0), (op, blocks, got, want)
-        assert np.allclose(simd.pair_unorder(dwc, n)[:n], (g * xhat).numpy(), rtol=1e-5, atol=1e-6)
+            assert abs(got_sum - want_sum.item()) <= 1e-5 * max(abs(want_sum.item()),
+                                                                1.0), (op, blocks, got, want)
+        assert np.allclose(codecs.pair_unorder(dwc, n)[:n], (g * xhat).numpy(), rtol=1e-5, atol=1e-6)
         assert not dwc[n:].any()  # and nothing past n
 
 
@@ -153,7 +157,8 @@ def test_first_pass_over_a_row_pair_is_bitwise_two_single_rows(gen, op):
 
     @njit
     def single(dy, x, dy2, x2, wp, dwc, aux, n, c, e):
-        return one(dy, x, wp, dwc, aux, n, c[0], c[1], c[2], False) + one(dy2, x2, wp, dwc, aux, n, e[0], e[1], e[2], True)
+        return one(dy, x, wp, dwc, aux, n, c[0], c[1], c[2], False) + one(dy2, x2, wp, dwc, aux, n, e[0],
+                                                                          e[1], e[2], True)
 
     @njit
     def pair(dy, x, dy2, x2, wp, dwc, aux, n, c, e):
@@ -161,7 +166,7 @@ def test_first_pass_over_a_row_pair_is_bitwise_two_single_rows(gen, op):
 
     d = 3 * simd.BLOCK + 7
     rows = [memory.as_numpy((torch.randn(d, generator=gen) * 3 + 2).to(torch.bfloat16)) for _ in range(4)]
-    wp = simd.pair_order(torch.randn(d, generator=gen).numpy(), 3 * simd.BLOCK)
+    wp = codecs.pair_order(torch.randn(d, generator=gen).numpy(), 3 * simd.BLOCK)
     c, e = (np.array([m, s, lo], np.float32) for m, s, lo in ((2.0, 0.4, -0.01), (1.5, 0.7, 0.02)))
     start = torch.randn(2, d, generator=gen).numpy()  # partial rows that already hold sums
     results = []
@@ -196,7 +201,8 @@ def test_wide_bf16_rows_in_pairs(gen, op):
             assert torch.equal(together["x"][r : r + 1], alone["x"]), (opts, r)
 
 
-@pytest.mark.parametrize("hw", [False, True] if simd.HW_BF16 else [False], ids=["integer-bf16", "instruction"][: 2 if simd.HW_BF16 else 1])
+@pytest.mark.parametrize("hw", [False, True] if simd.HW_BF16 else [False],
+                         ids=["integer-bf16", "instruction"][: 2 if simd.HW_BF16 else 1])
 def test_the_backwards_bf16_line_holds_each_pairs_rounded_bits_in_order(gen, hw):
     # The backward stores dx 32 bf16 values at a time from the evens and odds of bf16_pair's
     # order (codecs.pair_line): value 2i from even[i], 2i+1 from odd[i], each rounded to nearest
@@ -212,7 +218,8 @@ def test_the_backwards_bf16_line_holds_each_pairs_rounded_bits_in_order(gen, hw)
             s, d, z = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args))
             f32x16 = ir.VectorType(ir.FloatType(), codecs.LANES)
             even = builder.load(builder.bitcast(s.data, f32x16.as_pointer()), align=4)
-            odd = builder.load(builder.bitcast(builder.gep(s.data, [ir.Constant(ir.IntType(64), codecs.LANES)]),
+            odd = builder.load(builder.bitcast(builder.gep(s.data,
+                                                           [ir.Constant(ir.IntType(64), codecs.LANES)]),
                                                f32x16.as_pointer()), align=4)
             line = codecs.pair_line(builder, even, odd, hw, z.data)
             builder.store(line, builder.bitcast(d.data, line.type.as_pointer()), align=2)
@@ -270,10 +277,11 @@ def test_a_forward_block_in_pairs_gives_the_in_order_blocks_bits(gen, op, stream
         x[::29] = 0x7FC0  # nan
     w, b = (torch.randn(n, generator=gen).bfloat16().float().numpy() for _ in range(2))
     stage = memory.zero_stages(1)[0]
-    want, got = torch.zeros(n, dtype=torch.int16).numpy(), torch.zeros(n, dtype=torch.int16).numpy()  # 64-byte aligned
+    # 64-byte aligned
+    want, got = torch.zeros(n, dtype=torch.int16).numpy(), torch.zeros(n, dtype=torch.int16).numpy()
     args = (np.float32(0.25), np.float32(-1e-3), np.float32(1.7))
     plain(want.view(np.uint16), x, w, b, stage, *args)
-    paired(got.view(np.uint16), x, simd.pair_order(w, n), simd.pair_order(b, n), stage, *args)
+    paired(got.view(np.uint16), x, codecs.pair_order(w, n), codecs.pair_order(b, n), stage, *args)
     assert np.array_equal(got, want)
     values = torch.from_numpy(want).view(torch.bfloat16)
     assert torch.isnan(values).any() != finite and torch.isinf(values).any()  # the cases each kind must round
@@ -281,10 +289,10 @@ def test_a_forward_block_in_pairs_gives_the_in_order_blocks_bits(gen, op, stream
 
 def test_pair_order_is_undone_by_pair_unorder(gen):
     v = torch.randn(3 * 32 + 5, generator=gen).numpy()
-    ordered = simd.pair_order(v, 96)
+    ordered = codecs.pair_order(v, 96)
     assert np.array_equal(ordered[:32], np.concatenate([v[0:32:2], v[1:32:2]]))  # evens, then odds
     assert np.array_equal(ordered[96:], v[96:])  # past the span: in place
-    assert np.array_equal(simd.pair_unorder(ordered, 96), v)
+    assert np.array_equal(codecs.pair_unorder(ordered, 96), v)
 
 
 def test_streamed_spans_are_aligned_blocks():
@@ -308,4 +316,5 @@ def test_a_chunks_dw_and_db_partial_rows_sit_half_a_page_apart():
             parts = rows.partial_row_pairs(nchunks, d)
             assert parts.shape[0] == 2 * nchunks and parts.shape[1] >= d and not parts.any()
             for c in range(nchunks):
-                assert (parts[2 * c + 1].ctypes.data - parts[2 * c].ctypes.data) % 4096 == 2048, (nchunks, d, c)
+                assert (parts[2 * c + 1].ctypes.data
+                        - parts[2 * c].ctypes.data) % 4096 == 2048, (nchunks, d, c)

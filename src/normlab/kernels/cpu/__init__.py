@@ -55,9 +55,11 @@ def cache_status() -> dict[str, object]:
         entries[kernel.__name__] = bool(index and os.path.exists(index))
     held = sum(entries.values())
     state = ("warm" if held == len(entries) else
-             f"partly warm ({held} of {len(entries)} kernels cached; the others compile on their first call)" if held else
+             f"partly warm ({held} of {len(entries)} kernels cached; the others compile on their first call)"
+             if held else
              "cold (the first call of each kernel compiles it, then caches it)")
-    return {"dir": cache_dir, "sources": sources_hash(), "kernels": entries, "warm": held == len(entries), "state": state}
+    return {"dir": cache_dir, "sources": sources_hash(), "kernels": entries, "warm": held == len(entries),
+            "state": state}
 
 
 def cached_signatures() -> int:

@@ -43,7 +43,8 @@ from numba.core import caching
 from normlab import env
 
 # Every file whose code a kernel may compile in (tests/test_cpu_cache.py checks the list).
-SOURCES = ("cache.py", "codecs.py", "simd.py", "rows.py", "rmsnorm.py", "layernorm.py", "tanh_erf.py", "pointwise.py")
+SOURCES = ("cache.py", "codecs.py", "simd.py", "rows.py", "rmsnorm.py", "layernorm.py", "tanh_erf.py",
+           "pointwise.py")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Reassociation lets LLVM vectorize the reductions. No nnan/ninf: inf and nan rows must behave as
@@ -57,7 +58,8 @@ FASTMATH = {"reassoc"}
 _V2 = ("cx16", "popcnt", "sahf", "sse3", "sse4.1", "sse4.2", "ssse3")
 _V3 = _V2 + ("avx", "avx2", "bmi", "bmi2", "f16c", "fma", "lzcnt", "movbe", "xsave")
 _V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
-TIERS = {"x86-64-v4-bf16": _V4 + ("avx512bf16",), "x86-64-v4": _V4, "x86-64-v3-zen": _V3 + ("sse4a", "prfchw"), "x86-64-v3": _V3}
+TIERS = {"x86-64-v4-bf16": _V4 + ("avx512bf16",), "x86-64-v4": _V4, "x86-64-v3-zen": _V3
+         + ("sse4a", "prfchw"), "x86-64-v3": _V3}
 TIERS_DIR = os.path.join(HERE, "tiers")
 
 # A level that is not a psABI level is compiled for an LLVM CPU name and features of its own, and
@@ -68,8 +70,10 @@ TIERS_DIR = os.path.join(HERE, "tiers")
 #   scheduled as LLVM does for a Zen 3: instruction for instruction the code a Zen 3 compiles for
 #   itself, where the generic v3 level lost up to a fifth in the bf16 backward there.
 # (docs/cpu-kernels.md, "tiers").
-_ZEN3_BEYOND_V3 = ("adx", "aes", "clflushopt", "clwb", "clzero", "fsgsbase", "invpcid", "mwaitx", "pclmul", "pku", "rdpid",
-                   "rdpru", "rdrnd", "rdseed", "sha", "vaes", "vpclmulqdq", "wbnoinvd", "xsavec", "xsaveopt", "xsaves")
+_ZEN3_BEYOND_V3 = ("adx", "aes", "clflushopt", "clwb", "clzero", "fsgsbase", "invpcid", "mwaitx", "pclmul",
+                   "pku", "rdpid",
+                   "rdpru", "rdrnd", "rdseed", "sha", "vaes", "vpclmulqdq", "wbnoinvd", "xsavec", "xsaveopt",
+                   "xsaves")
 EXTENDED = {"x86-64-v4-bf16": ("x86-64-v4", "+avx512bf16", "bf16"),
             "x86-64-v3-zen": ("znver3", ",".join("-" + f for f in _ZEN3_BEYOND_V3), "bf16,fp16")}
 
@@ -87,7 +91,8 @@ def target_features() -> dict[str, bool]:
     if numba.config.CPU_NAME is None:
         return dict(llvm.get_host_cpu_features())
     target = (numba.config.CPU_NAME, numba.config.CPU_FEATURES or "")
-    return next((dict.fromkeys(needs, True) for level, needs in TIERS.items() if llvm_target(level) == target), {})
+    return next((dict.fromkeys(needs, True) for level, needs in TIERS.items()
+                 if llvm_target(level) == target), {})
 
 
 @functools.cache
@@ -100,8 +105,8 @@ def host_tiers() -> tuple[tuple[str, str], ...]:
     if llvm.get_process_triple().split("-")[0] not in ("x86_64", "amd64"):
         return ()
     if setting and not os.path.isdir(setting):
-        warnings.warn(f"NORMLAB_CPU_TIERS={setting!r} is neither off nor a folder: no shipped kernels are loaded, "
-                      "each is compiled for this CPU", stacklevel=2)
+        warnings.warn(f"NORMLAB_CPU_TIERS={setting!r} is neither off nor a folder: no shipped kernels are "
+                      "loaded, each is compiled for this CPU", stacklevel=2)
         return ()
     host = llvm.get_host_cpu_features()
     found = []
@@ -147,7 +152,8 @@ class _SourcesLocator(caching._CacheLocator):
     def from_function(cls, py_func, py_file):
         # numba's own order starts with NUMBA_CACHE_DIR (None when unset); ours goes second
         user_set, *numba_own = [c.from_function(py_func, py_file) for c in caching.CacheImpl._locator_classes]
-        bases = [b.get_cache_path() for b in (user_set,) if b] + [env.user_cache("numba")] + [b.get_cache_path() for b in numba_own if b]
+        bases = [b.get_cache_path() for b in (user_set,)
+                 if b] + [env.user_cache("numba")] + [b.get_cache_path() for b in numba_own if b]
         for base in bases:
             locator = cls(base, py_file, py_func.__code__.co_firstlineno)
             try:
@@ -210,8 +216,8 @@ def _say_compiling(folder: str) -> None:
     global _told
     if not _told:
         _told = True
-        print(f"normlab: compiling the fused CPU kernels this call needs (5-30 s each, once; then cached in {folder}). "
-              "`normlab warmup` compiles them ahead of time.", file=sys.stderr, flush=True)
+        print("normlab: compiling the fused CPU kernels this call needs (5-30 s each, once; then cached in "
+              f"{folder}). `normlab warmup` compiles them ahead of time.", file=sys.stderr, flush=True)
 
 
 _host_only = False  # set by compile_for_host()
@@ -233,7 +239,8 @@ class _Cache(caching.FunctionCache):
         stamp = self._impl.locator.get_source_stamp()
         self._cache_file = _CheckedFile(self._cache_path, self._impl.filename_base, stamp)
         tiers = host_tiers() if self._tiered else ()
-        self._tiers = [(level, _CheckedFile(folder, self._impl.filename_base, stamp)) for level, folder in tiers]
+        self._tiers = [(level, _CheckedFile(folder, self._impl.filename_base, stamp)) for level,
+                       folder in tiers]
 
     def _load_overload(self, sig, target_context):
         loaded = super()._load_overload(sig, target_context)
@@ -245,9 +252,11 @@ class _Cache(caching.FunctionCache):
                 data = tier_file.load((key[0], (key[1][0], *llvm_target(level)), *key[2:]))
                 if data:
                     return self._impl.rebuild(target_context, data)
-            except Exception as err:  # damaged in the install: compile it for this CPU (the tier is left as it is)
-                warnings.warn(f"normlab: the {level} kernel {self._py_func.__name__} in {tier_file._index_path} could not be "
-                              f"loaded ({type(err).__name__}: {str(err)[:200]}); compiling it for this CPU", RuntimeWarning, stacklevel=2)
+            # damaged in the install: compile it for this CPU (the tier is left as it is)
+            except Exception as err:
+                warnings.warn(f"normlab: the {level} kernel {self._py_func.__name__} in "
+                              f"{tier_file._index_path} could not be loaded ({type(err).__name__}: "
+                              f"{str(err)[:200]}); compiling it for this CPU", RuntimeWarning, stacklevel=2)
                 return None
         return None
 
@@ -258,8 +267,9 @@ class _Cache(caching.FunctionCache):
                 _say_compiling(self._cache_path)
             return loaded
         except Exception as err:  # damage on disk (pickle, LLVM and checksum errors alike): compile again
-            warnings.warn(f"normlab: numba's cache for {self._py_func.__name__} could not be loaded ({type(err).__name__}: "
-                          f"{str(err)[:200]}); discarding {self._cache_file._index_path} and compiling the kernel again",
+            warnings.warn(f"normlab: numba's cache for {self._py_func.__name__} could not be loaded "
+                          f"({type(err).__name__}: {str(err)[:200]}); discarding "
+                          f"{self._cache_file._index_path} and compiling the kernel again",
                           RuntimeWarning, stacklevel=2)
             try:
                 os.remove(self._cache_file._index_path)

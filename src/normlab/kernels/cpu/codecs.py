@@ -6,6 +6,8 @@ integer arithmetic, fp16 by LLVM's fptrunc). The vector forms (``narrow_bits``, 
 same bits as the scalar ones, with two exceptions where the CPU's bf16 instruction is used:
 results below bf16's smallest normal flush to zero, and a nan keeps its sign and payload.
 Neither occurs in a normalized row of finite values (tests/test_cpu_blocks.py checks both).
+Where bf16 rows are read two values to a 32-bit lane (``bf16_pair``, ``pair_line``), the float32
+vectors beside them (w, b, partial rows) are kept in the same order: ``pair_order``.
 """
 
 from __future__ import annotations
@@ -153,6 +155,18 @@ class _BFloat(ir.types.Type):
         return hash(_BFloat)
 
 
+def i64(value):
+    """An int64 IR constant (offsets and indices)."""
+    return ir.Constant(ir.IntType(64), value)
+
+
+def load_f32(builder, base, v):
+    """Float32 vector v (16 lanes) from a float32 pointer."""
+    f32 = ir.VectorType(ir.FloatType(), LANES)
+    ptr = builder.gep(base, [i64(v * LANES)])
+    return builder.load(builder.bitcast(ptr, f32.as_pointer()), align=4)
+
+
 def _vconst(ty, value):
     return ir.Constant(ir.VectorType(ty, LANES), [value] * LANES)
 
@@ -165,7 +179,8 @@ def narrow_bits(builder, x, kind, hw, nan=True):
     if kind == types.float32:
         return x
     if kind == types.int16:  # fp16
-        return builder.bitcast(builder.fptrunc(x, ir.VectorType(ir.HalfType(), LANES)), ir.VectorType(i16, LANES))
+        return builder.bitcast(builder.fptrunc(x, ir.VectorType(ir.HalfType(), LANES)),
+                               ir.VectorType(i16, LANES))
     if hw:
         return builder.bitcast(builder.fptrunc(x, ir.VectorType(_BFloat(), LANES)), ir.VectorType(i16, LANES))
     r = builder.lshr(_rounded_high(builder, x), _vconst(i32, 16))
@@ -209,7 +224,8 @@ def narrow_line(builder, lo, hi, kind, hw, zero):
         bits = builder.bitcast(builder.call(fn, [hi, lo]), i16x32)  # its low half comes from the 2nd operand
         return builder.add(bits, builder.load(builder.bitcast(zero, i16x32.as_pointer()), align=4))
     pair = ir.Constant(ir.VectorType(ir.IntType(32), 32), list(range(32)))
-    return builder.shuffle_vector(narrow_bits(builder, lo, kind, hw), narrow_bits(builder, hi, kind, hw), pair)
+    return builder.shuffle_vector(narrow_bits(builder, lo, kind, hw), narrow_bits(builder, hi, kind, hw),
+                                  pair)
 
 
 def bf16_pair(builder, base, at):
@@ -241,8 +257,66 @@ def pair_line(builder, even, odd, hw, zero, nan=True):
     def rounded(x):  # a nan becomes the quiet nan narrow_bits gives (0x7FC0 in the high half)
         if not nan:
             return _rounded_high(builder, x)
-        return builder.select(builder.fcmp_unordered("uno", x, x), _vconst(i32, 0x7FC00000), _rounded_high(builder, x))
+        return builder.select(builder.fcmp_unordered("uno", x, x), _vconst(i32, 0x7FC00000),
+                              _rounded_high(builder, x))
 
-    lane = builder.or_(builder.and_(rounded(odd), _vconst(i32, 0xFFFF0000)), builder.lshr(rounded(even), _vconst(i32, 16)))
+    lane = builder.or_(builder.and_(rounded(odd), _vconst(i32, 0xFFFF0000)),
+                       builder.lshr(rounded(even), _vconst(i32, 16)))
     return builder.bitcast(lane, ir.VectorType(ir.IntType(16), 2 * LANES))
+
+
+# ------------------------------------------------------------------------------- pair order
+
+
+def _make_pair_shuffle(to_pairs):
+    """An intrinsic (src, dst, span): dst[:span] = src[:span] in pair order (``to_pairs``) or
+    back from it, 32 float32 values at a time as two shuffles of two vectors."""
+    even = [2 * i for i in range(16)]
+    if to_pairs:  # (a, b) = values [g, g + 32) -> (even-indexed, odd-indexed)
+        masks = (even, [i + 1 for i in even])
+    else:  # (evens, odds) -> values in place
+        masks = ([i // 2 + 16 * (i % 2) for i in range(16)], [8 + i // 2 + 16 * (i % 2) for i in range(16)])
+
+    def shuffle(typingctx, src, dst, span):
+        def codegen(context, builder, signature, args):
+            src_data, dst_data = (context.make_array(signature.args[k])(context, builder, args[k]).data
+                                  for k in (0, 1))
+            groups = builder.udiv(args[2], i64(32))
+            with cgutils.for_range(builder, groups) as loop:
+                at = builder.mul(loop.index, i64(32))
+                a, b = (load_f32(builder, builder.gep(src_data, [at]), v) for v in (0, 1))
+                for v, mask in enumerate(masks):
+                    out = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 16), mask))
+                    ptr = builder.gep(dst_data, [builder.add(at, i64(16 * v))])
+                    builder.store(out, builder.bitcast(ptr, out.type.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.void(src, dst, types.int64), codegen
+
+    return intrinsic(shuffle)
+
+
+_to_pairs = _make_pair_shuffle(True)
+_from_pairs = _make_pair_shuffle(False)
+
+
+@njit
+def pair_order(v, span):
+    """The float32 vector v with each 32 values of [0, span) (span a multiple of 32) in the
+    order the bf16 passes read them: the 16 even-indexed ones, then the 16 odd-indexed ones;
+    past span, in place. A copy, or v itself when span is 0 (a call that reads nothing in
+    pairs allocates nothing); callers only read it."""
+    if span == 0:
+        return v
+    out = v.copy()
+    _to_pairs(v, out, span)
+    return out
+
+
+@njit
+def pair_unorder(v, span):
+    """The inverse of pair_order."""
+    out = v.copy()
+    _from_pairs(v, out, span)
+    return out
 

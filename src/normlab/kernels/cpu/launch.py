@@ -23,7 +23,8 @@ from normlab import reference
 
 from .pointwise import pointwise_bwd, pointwise_fwd, table_for
 from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
-from .memory import KERNEL_CODE, STREAM_MIN_BYTES, as_numpy, empty, prefetch_far, scratch, serial_max_bytes, vector, zero_stages
+from .memory import (KERNEL_CODE, STREAM_MIN_BYTES, as_numpy, empty, prefetch_far, scratch, serial_max_bytes,
+                     vector, zero_stages)
 from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
 from .rows import start_threads
 from .simd import X86
@@ -136,7 +137,8 @@ def _f32_vector(t: Tensor | None, d: int, fill: float) -> np.ndarray:
     return (t if t.is_contiguous() else t.contiguous()).numpy()
 
 
-def _rms_weight(weight: Tensor | None, d: int, out_dtype: torch.dtype, llama: bool, offset: float) -> np.ndarray:
+def _rms_weight(weight: Tensor | None, d: int, out_dtype: torch.dtype, llama: bool,
+                offset: float) -> np.ndarray:
     if weight is None or not (offset or (llama and weight.dtype != out_dtype)):
         return _f32_vector(weight, d, 1.0)
     w = weight.detach().float()
@@ -156,13 +158,15 @@ def _ln_weights(weight: Tensor | None, bias: Tensor | None, d: int) -> tuple[np.
 # miss: the launchers take numpy views once and reshape those instead of the tensors.
 
 
-def _per_row(shape: tuple[int, ...], dtype: torch.dtype, rows: int, stats: bool) -> tuple[Tensor | None, np.ndarray]:
+def _per_row(shape: tuple[int, ...], dtype: torch.dtype, rows: int,
+             stats: bool) -> tuple[Tensor | None, np.ndarray]:
     """A per-row statistic (None when the caller does not keep ``stats``) and the array the kernel
     writes it to."""
     return vector(shape, dtype, rows) if stats else (None, scratch(rows, dtype))
 
 
-def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None, residual_in_fp32=False, stats=True):
+def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None, residual_in_fp32=False,
+                   stats=True):
     """Returns (y, s or None, rstd; rstd is None without ``stats``). With ``residual``: s = x +
     residual is written and normalized."""
     shape, d = x.shape, x.shape[-1]
@@ -180,11 +184,13 @@ def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual
             _k(rms_fwd)(xn, w, yn, rn, eps, inside, k, rnd, *stages, prefetch_far(d * xn.itemsize))
         else:
             resn = _rows(residual, d)
-            _k(add_rms_fwd)(xn, resn, w, yn, sn, rn, eps, inside, k, rnd, *stages, prefetch_far(d * (xn.itemsize + resn.itemsize)))
+            _k(add_rms_fwd)(xn, resn, w, yn, sn, rn, eps, inside, k, rnd, *stages,
+                            prefetch_far(d * (xn.itemsize + resn.itemsize)))
     return y, s, rstd
 
 
-def _weight_grads(grad_dtypes: tuple | None, count: int, d: int, rows: int) -> list[tuple[Tensor, np.ndarray]]:
+def _weight_grads(grad_dtypes: tuple | None, count: int, d: int,
+                  rows: int) -> list[tuple[Tensor, np.ndarray]]:
     """The (d,) outputs the kernels store weight (and bias) gradients into, with their arrays: in
     ``grad_dtypes``, else float32; zeros when there are no rows (no kernel runs)."""
     grads = [vector((d,), t, d) for t in grad_dtypes or (torch.float32,) * count]
@@ -230,7 +236,8 @@ def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp
             _k(ln_fwd)(xn, w, b, yn, mn, rn, eps, *stages, prefetch_far(d * xn.itemsize))
         else:
             resn = _rows(residual, d)
-            _k(add_ln_fwd)(xn, resn, w, b, yn, sn, mn, rn, eps, *stages, prefetch_far(d * (xn.itemsize + resn.itemsize)))
+            _k(add_ln_fwd)(xn, resn, w, b, yn, sn, mn, rn, eps, *stages,
+                           prefetch_far(d * (xn.itemsize + resn.itemsize)))
     return y, s, mean, rstd
 
 
@@ -259,7 +266,8 @@ def _pointwise_fwd(x, alpha, shift, weight, bias):
     w, b = _ln_weights(weight, bias, d)
     if n:
         s = None if shift is None else np.float32(float(shift.float()))
-        _k(pointwise_fwd)(xn, float(alpha.float()), s, w, b, yn, *_stages(yn.nbytes, n), table_for(xn, grad=False),
+        _k(pointwise_fwd)(xn, float(alpha.float()), s, w, b, yn, *_stages(yn.nbytes, n),
+                          table_for(xn, grad=False),
                           prefetch_far(d * xn.itemsize))
     return y
 
@@ -275,11 +283,13 @@ def _pointwise_bwd(dy, x, alpha, shift, weight):
     if n:
         w = _f32_vector(weight, d, 1.0)
         s = None if shift is None else np.float32(float(shift.float()))
-        _k(pointwise_bwd)(dyn, xn, float(alpha.float()), s, w, dxn, das, dw, db, stages, stream, table_for(xn, grad=True),
+        _k(pointwise_bwd)(dyn, xn, float(alpha.float()), s, w, dxn, das, dw, db, stages, stream,
+                          table_for(xn, grad=True),
                           prefetch_far(d * (xn.itemsize + dyn.itemsize)))
     # the chunks' float64 sums, added in chunk order (deterministic for a thread count)
     da, ds = das.sum(0)
-    return dx, da, ds, torch.from_numpy(dw.sum(0).astype(np.float32)), torch.from_numpy(db.sum(0).astype(np.float32))
+    return (dx, da, ds, torch.from_numpy(dw.sum(0).astype(np.float32)),
+            torch.from_numpy(db.sum(0).astype(np.float32)))
 
 
 def dyt_fwd_launch(x, alpha, weight, bias):
@@ -299,7 +309,9 @@ def derf_fwd_launch(x, alpha, shift, weight, bias):
 
 
 def derf_bwd_launch(dy, x, alpha, shift, weight, bias):
-    """Returns (dx in x's dtype, dalpha and dshift float32 in their shapes, dw (d,) float32, db (d,) float32)."""
+    """Returns (dx in x's dtype, dalpha and dshift float32 in their shapes, dw (d,) float32,
+    db (d,) float32)."""
     dx, da, ds, dw, db = _pointwise_bwd(dy, x, alpha, shift, weight)
-    return (dx, torch.tensor(da, dtype=torch.float32).reshape(alpha.shape), torch.tensor(ds, dtype=torch.float32).reshape(shift.shape),
+    return (dx, torch.tensor(da, dtype=torch.float32).reshape(alpha.shape),
+            torch.tensor(ds, dtype=torch.float32).reshape(shift.shape),
             dw, db)

@@ -26,12 +26,12 @@ from numba import njit, prange
 from numba.extending import overload
 
 from .cache import kernel
-from .codecs import add_at, load_at, store_at
+from .codecs import add_at, load_at, pair_order, store_at
 from .rows import (FLUSH, all_finite, chunk_span, flush_into, grad_nan_free, grad_select_optional, nan_free,
-                   pair_types, pairs_fit, reads_pairs, partial_row_pairs, partial_sums, recip, row_of, row_pairs,
-                   block_spans, select_optional, sum_partials, value_at, vector_sums, writes_pairs)
+                   pair_types, pairs_fit, reads_pairs, partial_row_pairs, partial_sums, recip, row_of,
+                   row_pairs, block_spans, select_optional, sum_partials, value_at, vector_sums, writes_pairs)
 from .simd import (BLOCK, EMIT, fma_ir, fma32, prefetch_pass1, prefetch_pass2, row_moments, store_fence,
-                   backward_block, forward_block, grad_sums, pair_order)
+                   backward_block, forward_block, grad_sums)
 
 # ---------------------------------------------------------------------------------- forward
 # ``stages``: one float32 staging row per chunk (their count is the chunk count; see simd.py).
@@ -55,7 +55,8 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream, far):
             row_rstd = recip(math.sqrt(var + eps))
             mean[r] = mu
             rstd[r] = row_rstd
-            _ln_write(xr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, far, xr, None, nan_free(wb_finite, row_rstd, mu))
+            _ln_write(xr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, far, xr, None,
+                      nan_free(wb_finite, row_rstd, mu))
         if stream:
             store_fence()
 
@@ -76,7 +77,8 @@ def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream, far):
             row_rstd = recip(math.sqrt(var + eps))
             mean[r] = mu
             rstd[r] = row_rstd
-            _ln_write(sr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, far, xr, rr, nan_free(wb_finite, row_rstd, mu))
+            _ln_write(sr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, far, xr, rr,
+                      nan_free(wb_finite, row_rstd, mu))
         if stream:
             store_fence()
 
@@ -198,7 +200,8 @@ _Y_BLOCK = {(stream, paired, finite): forward_block(_y_vector, False, stream, pa
             for stream in (False, True) for paired, finite in ((False, False), (True, False), (True, True))}
 
 
-def _y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite):  # pragma: no cover - replaced by the overload below
+# replaced by the overload below
+def _y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite):  # pragma: no cover
     """The output block y[j:j + EMIT] (simd.forward_block; ``paired`` and ``finite`` literal
     bools: x and y in bf16 pairs, w and b in pair_order; no nan select)."""
     raise NotImplementedError
@@ -208,7 +211,8 @@ def _y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite): 
 def _ov_y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite):
     pairs = paired.literal_value
     if pairs and not pairs_fit(x, y):
-        return lambda y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite: None  # not called: writes_pairs is False
+        # not called: writes_pairs is False
+        return lambda y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite: None
     plain, streamed = (_Y_BLOCK[t, pairs, finite.literal_value] for t in (False, True))
 
     def block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite):
@@ -251,11 +255,12 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream, far):
             if ahead == 1:
                 sg, sgx = _ln_sums(dyr, w, w_pairs, xr, mu, row_rstd, dwc, dbc, far)
             elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
-                sg, sgx, sg2, sgx2 = _ln_sums_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, mu, row_rstd, mean[r + 1], rstd[r + 1], dwc, dbc,
-                                                       far)
+                sg, sgx, sg2, sgx2 = _ln_sums_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, mu, row_rstd,
+                                                   mean[r + 1], rstd[r + 1], dwc, dbc, far)
             else:
                 sg, sgx = sg2, sgx2
-            _ln_bwd_write(dyr, xr, w, w_pairs, row_of(ds, r), dx[r], mu, row_rstd, sg, sgx, stage, stream, ahead, far)
+            _ln_bwd_write(dyr, xr, w, w_pairs, row_of(ds, r), dx[r], mu, row_rstd, sg, sgx, stage, stream,
+                          ahead, far)
             if (r - r0) % FLUSH == FLUSH - 1:
                 flush_into(dwc, dw_sum[c])
                 flush_into(dbc, db_sum[c])
@@ -331,7 +336,8 @@ def _ln_blocks_loop(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc, far):
     return tg, tgx
 
 
-def _ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far):  # pragma: no cover - replaced by the overload below
+# replaced by the overload below
+def _ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far):  # pragma: no cover
     """_ln_sums over the whole blocks [0, full): the vector pass for bf16 rows, else the element
     loops. Picked when numba types the call, so each kernel compiles one of them."""
     raise NotImplementedError
@@ -340,11 +346,13 @@ def _ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far):  # 
 @overload(_ln_blocks, inline="always")
 def _ov_ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far):
     if not pair_types(xr, dyr):
-        return lambda dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far: _ln_blocks_loop(dyr, w, xr, full, mhi, row_rstd, lo, dwc,
-                                                                                                  dbc, far)
+        return lambda dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far: _ln_blocks_loop(
+            dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc, far
+        )
     sums = _GRAD_SUMS[1]
-    return lambda dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far: sums(dyr, xr, w_pairs, dwc, dbc, full, mhi, row_rstd, lo,
-                                                                                     far)
+    return lambda dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far: sums(
+        dyr, xr, w_pairs, dwc, dbc, full, mhi, row_rstd, lo, far
+    )
 
 
 @njit(inline="always")
@@ -359,7 +367,9 @@ def _ln_tail(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc):
     return pg, pgx
 
 
-def _ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc, far):  # pragma: no cover - the overload below
+# the overload below
+def _ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc,
+                  far):  # pragma: no cover
     """_ln_sums of two bf16 rows, their whole blocks in one pass (grad_sums, rows=2): the sums of
     the first row, then of the second; the bits of two _ln_sums calls. A stub for other dtypes."""
     raise NotImplementedError
@@ -368,14 +378,16 @@ def _ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rst
 @overload(_ln_sums_pair, inline="always")
 def _ov_ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc, far):
     if not pair_types(xr, dyr):
-        return lambda dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc, far: (0.0, 0.0, 0.0, 0.0)
+        return lambda dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc, far: (
+            0.0, 0.0, 0.0, 0.0)
     sums = _GRAD_SUMS[2]
 
     def pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc, far):
         mhi, lo = _ln_consts(mean, row_rstd)
         mhi2, lo2 = _ln_consts(mean2, row_rstd2)
         full = xr.shape[0] - xr.shape[0] % BLOCK
-        tg, tgx, tg2, tgx2 = sums(dyr, xr, dyr2, xr2, w_pairs, dwc, dbc, full, mhi, row_rstd, lo, mhi2, row_rstd2, lo2, far)
+        tg, tgx, tg2, tgx2 = sums(dyr, xr, dyr2, xr2, w_pairs, dwc, dbc, full, mhi, row_rstd, lo, mhi2,
+                                  row_rstd2, lo2, far)
         pg, pgx = _ln_tail(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc)
         pg2, pgx2 = _ln_tail(dyr2, w, xr2, full, mhi2, row_rstd2, lo2, dwc, dbc)
         return tg + pg, tgx + pgx, tg2 + pg2, tgx2 + pgx2
@@ -404,7 +416,8 @@ def _ln_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, mean, row_rstd, sg, sgx, stage,
     c = a
     if a == 0 and reads_pairs(xr, dyr, dsr):  # whole blocks of bf16 rows: in pairs
         c = d - d % BLOCK
-        if grad_select_optional(xr, dyr, dsr) and grad_nan_free(row_rstd, sg, sgx, p, q):  # a loop each, as in _ln_write
+        # a loop each, as in _ln_write
+        if grad_select_optional(xr, dyr, dsr) and grad_nan_free(row_rstd, sg, sgx, p, q):
             for j in range(0, c, EMIT):
                 prefetch_pass2(xr, dyr, j, ahead, far)
                 _dx_block("pairs/finite", dxr, j, dyr, xr, w_pairs, dsr, stage, mhi, p, q, row_rstd, stream)
@@ -435,13 +448,15 @@ def _dx_vector(builder, dy, x, w, c, row_rstd):
 
 
 _DX_BLOCK = {
-    (variant, stream): backward_block(_dx_vector, stream, paired=variant != "plain", finite=variant == "pairs/finite")
+    (variant, stream): backward_block(_dx_vector, stream, paired=variant != "plain",
+                                      finite=variant == "pairs/finite")
     for variant in ("plain", "pairs", "pairs/finite")
     for stream in (False, True)
 }
 
 
-def _dx_block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream):  # pragma: no cover - replaced by the overload below
+# replaced by the overload below
+def _dx_block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream):  # pragma: no cover
     """The dx block at j (simd.backward_block). ``variant`` a string literal: "plain", "pairs"
     (bf16 rows read in pairs, w in pair_order) or "pairs/finite" (the same without the nan
     select)."""
@@ -453,7 +468,8 @@ def _ov_dx_block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, strea
     name = variant.literal_value
     if (name != "plain" and not (pair_types(x, dy, ds) and dx.dtype == dy.dtype)
             or name == "pairs/finite" and not select_optional(x, dy, ds)):
-        return lambda variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream: None  # not called: reads_pairs or grad_select_optional is False
+        # not called: reads_pairs or grad_select_optional is False
+        return lambda variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream: None
     plain, streamed = _DX_BLOCK[name, False], _DX_BLOCK[name, True]
 
     def block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream):

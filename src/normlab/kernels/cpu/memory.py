@@ -26,7 +26,8 @@ from .simd import STAGE_WIDTH
 
 # How each dtype travels to the kernels: its numpy dtype (bfloat16 and float16 as their bits) and
 # the torch dtype of the integer view that exposes those bits (None: numpy has the dtype itself).
-KERNEL_CODE = {torch.float32: np.float32, torch.float64: np.float64, torch.bfloat16: np.uint16, torch.float16: np.int16}
+KERNEL_CODE = {torch.float32: np.float32, torch.float64: np.float64, torch.bfloat16: np.uint16,
+               torch.float16: np.int16}
 _BITS = {torch.float32: None, torch.float64: None, torch.bfloat16: torch.uint16, torch.float16: torch.int16}
 
 
@@ -123,7 +124,8 @@ class BufferPool:
             return {"buffers": count, "held_bytes": self._held, "in_use": in_use}
 
 
-def env_setting(name: str, default: str, *, choices: tuple[str, ...] | None = None, unit: str = "MB") -> str | float:
+def env_setting(name: str, default: str, *, choices: tuple[str, ...] | None = None,
+                unit: str = "MB") -> str | float:
     """A NORMLAB_CPU_* setting: one of ``choices``, or else a finite number >= 0 (of ``unit``). A bad
     value is an error that names the variable, raised when the backend loads."""
     raw = os.environ.get(name) or default
@@ -146,7 +148,8 @@ ALLOCATOR = env_setting("NORMLAB_CPU_ALLOC", "pool", choices=("pool", "numpy", "
 POOL = BufferPool(int(env_setting("NORMLAB_CPU_POOL_MB", "1024")) << 20)
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype, array_shape: tuple[int, ...]) -> tuple[Tensor, np.ndarray]:
+def empty(shape: tuple[int, ...], dtype: torch.dtype,
+          array_shape: tuple[int, ...]) -> tuple[Tensor, np.ndarray]:
     """A new output: the tensor of ``shape`` the caller returns, and the same memory as the numpy
     array of ``array_shape`` (same size, as_numpy's encoding) the kernel writes. Made together,
     because every torch call between the two costs a microsecond hot and far more after a cache
@@ -201,7 +204,8 @@ def _caches(root: str = "/sys/devices/system/cpu/cpu0/cache") -> tuple[tuple[int
         try:
             level, kind, text = (Path(index, name).read_text().strip() for name in ("level", "type", "size"))
             text = text.upper()
-            caches.append((int(level), kind, int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)))
+            caches.append((int(level), kind, int(text[:-1]) * units[text[-1]] if text[-1] in units
+                           else int(text)))
         except (OSError, ValueError, IndexError):  # an entry that is missing or not a size: skipped
             continue
     return tuple(caches)

@@ -36,9 +36,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .cache import kernel
-from .codecs import LANES, load_at, store_at, widen_bits
+from .codecs import LANES, load_at, load_f32, store_at, widen_bits
 from .rows import FLUSH, chunk_span, flush_into, partial_row_pairs, block_spans
-from .simd import (ZERO, EMIT, HW_BF16, add_blocks, f32x16, f64_totals, fma_ir, fma32, load_f32, load_row,
+from .simd import (ZERO, EMIT, HW_BF16, add_blocks, f32x16, f64_totals, fma_ir, fma32, load_row,
                    prefetch_ahead, store_block, store_fence, scalar_totals)
 from .tanh_erf import AVX512, F32, I32, const, erf, erf_grad, tanh, tanh_grad
 
@@ -120,12 +120,14 @@ def _gather_dps(builder, table, idx):
     i8p, mask = ir.IntType(8).as_pointer(), ir.VectorType(ir.IntType(1), LANES)
     fnty = ir.FunctionType(F32, [F32, i8p, I32, mask, ir.IntType(32)])
     fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.mask.gather.dps.512")
-    return builder.call(fn, [const(0.0), builder.bitcast(table, i8p), idx, ir.Constant(mask, [1] * LANES), ir.Constant(ir.IntType(32), 4)])
+    return builder.call(fn, [const(0.0), builder.bitcast(table, i8p), idx, ir.Constant(mask, [1] * LANES),
+                             ir.Constant(ir.IntType(32), 4)])
 
 
 def _gather_pairs(builder, table, idx):
     """(t, s) for 16 lanes from a table of (t, s) pairs: two gathers of eight 8-byte entries."""
-    i8p, f64x8, i32x8 = ir.IntType(8).as_pointer(), ir.VectorType(ir.DoubleType(), 8), ir.VectorType(ir.IntType(32), 8)
+    i8p, f64x8, i32x8 = ir.IntType(8).as_pointer(), ir.VectorType(ir.DoubleType(),
+                                                                  8), ir.VectorType(ir.IntType(32), 8)
     mask = ir.VectorType(ir.IntType(1), 8)
     fnty = ir.FunctionType(f64x8, [f64x8, i8p, i32x8, mask, ir.IntType(32)])
     fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.mask.gather.dpd.512")
@@ -189,9 +191,11 @@ def _make_fill(grad):
             z = _z(builder, av, _x_of(builder, idx, kind), sv)
             if grad:
                 t, s = _f_grad(builder, z, sv)
-                lines = [builder.shuffle_vector(t, s, ir.Constant(I32, [k // 2 + 16 * (k % 2) + 8 * h for k in range(16)]))
+                lines = [builder.shuffle_vector(t, s, ir.Constant(I32, [k // 2 + 16 * (k % 2) + 8 * h
+                                                                        for k in range(16)]))
                          for h in range(2)]
-                at = builder.mul(builder.add(args[1], ir.Constant(ir.IntType(64), v * LANES)), ir.Constant(ir.IntType(64), 2))
+                at = builder.mul(builder.add(args[1], ir.Constant(ir.IntType(64), v * LANES)),
+                                 ir.Constant(ir.IntType(64), 2))
             else:
                 lines, at = [_f(builder, z, sv)], builder.add(args[1], ir.Constant(ir.IntType(64), v * LANES))
             for k, line in enumerate(lines):
@@ -245,7 +249,8 @@ def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, stream, table, use, fa
     def codegen(context, builder, signature, args):
         i64 = ir.IntType(64)
         ykind, xkind = signature.args[0].dtype, signature.args[3].dtype
-        yd, xd, wd, bd, sd, td = (context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 3, 4, 5, 6, 10))
+        yd, xd, wd, bd, sd, td = (context.make_array(signature.args[k])(context, builder, args[k]).data
+                                  for k in (0, 3, 4, 5, 6, 10))
         zero = builder.gep(sd, [ir.Constant(i64, ZERO)])
         av, sv = f32x16(builder, args[7]), _shift(builder, signature, args, 8)
         count = builder.udiv(builder.sub(args[2], args[1]), ir.Constant(i64, EMIT))
@@ -258,17 +263,20 @@ def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, stream, table, use, fa
             if _tabled(xkind):
                 idx = [_patterns(builder, xb, v) for v in blocks]
                 ts = _either(builder, args[11], lambda: [_gather_dps(builder, td, i) for i in idx],
-                             lambda: [_f(builder, _z(builder, av, _x_of(builder, i, xkind), sv), sv) for i in idx])
+                             lambda: [_f(builder, _z(builder, av, _x_of(builder, i, xkind), sv), sv)
+                                      for i in idx])
                 values = [fma_ir(builder, ws[v], ts[v], bs[v]) for v in blocks]
             else:
                 values = [_y(builder, load_row(builder, xb, v, xkind), ws[v], bs[v], av, sv) for v in blocks]
             with builder.if_else(args[9]) as (streamed, plain):
                 for flag, branch in ((True, streamed), (False, plain)):
                     with branch:
-                        store_block(builder, ykind, builder.gep(yd, [at]), wb, values, False, flag, HW_BF16, zero)
+                        store_block(builder, ykind, builder.gep(yd, [at]), wb, values, False, flag, HW_BF16,
+                                    zero)
         return context.get_dummy_value()
 
-    return (types.void(y, types.int64, types.int64, x, w, b, stage, types.float32, s, types.boolean, table, types.boolean,
+    return (types.void(y, types.int64, types.int64, x, w, b, stage, types.float32, s, types.boolean, table,
+                       types.boolean,
                        types.boolean), codegen)
 
 
@@ -357,7 +365,8 @@ def _make_grad_blocks(rows=1, hw=HW_BF16):
         f32 = ir.VectorType(ir.FloatType(), LANES)
         i64 = ir.IntType(64)
         rows_in = [(0, 3, 4), (14, 15, 16)][:rows]  # each row's (dx, dy, x) arguments
-        data = {k: context.make_array(signature.args[k])(context, builder, args[k]).data for k in (5, 6, 7, 8, 12, *sum(rows_in, ()))}
+        data = {k: context.make_array(signature.args[k])(context, builder, args[k]).data
+                for k in (5, 6, 7, 8, 12, *sum(rows_in, ()))}
         zero = builder.gep(data[8], [ir.Constant(i64, ZERO)])
         av, sv = f32x16(builder, args[9]), _shift(builder, signature, args, 10)
         derf = sv is not None
@@ -373,15 +382,19 @@ def _make_grad_blocks(rows=1, hw=HW_BF16):
                     prefetch_ahead(context, builder, signature.args[k], args[k], at, EMIT, rows, args[-1])
             xs, tabled = {}, {}  # (row, v) -> x, and (t, slope) where the blocks may gather
             if _tabled(xkind):
-                idx = {(r, v): _patterns(builder, builder.gep(data[kx], [at]), v) for r, (_, _, kx) in enumerate(rows_in) for v in blocks}
+                idx = {(r, v): _patterns(builder, builder.gep(data[kx], [at]), v) for r,
+                       (_, _, kx) in enumerate(rows_in) for v in blocks}
                 xs = {key: _x_of(builder, i, xkind) for key, i in idx.items()}
-                flat = _either(builder, args[13], lambda: [u for i in idx.values() for u in _gather_pairs(builder, data[12], i)],
-                               lambda: [u for x in xs.values() for u in _f_grad(builder, _z(builder, av, x, sv), sv)])
+                flat = _either(builder, args[13],
+                               lambda: [u for i in idx.values() for u in _gather_pairs(builder, data[12], i)],
+                               lambda: [u for x in xs.values()
+                                        for u in _f_grad(builder, _z(builder, av, x, sv), sv)])
                 tabled = {key: (flat[2 * k], flat[2 * k + 1]) for k, key in enumerate(idx)}
             values, terms, shifts = [[] for _ in rows_in], [[] for _ in rows_in], [[] for _ in rows_in]
             for v in blocks:
                 w = load_f32(builder, wb, v)
-                dwp, dbp = (builder.bitcast(builder.gep(base, [ir.Constant(i64, v * LANES)]), f32.as_pointer()) for base in (dwb, dbb))
+                dwp, dbp = (builder.bitcast(builder.gep(base, [ir.Constant(i64, v * LANES)]),
+                                            f32.as_pointer()) for base in (dwb, dbb))
                 dw, db = builder.load(dwp, align=4), builder.load(dbp, align=4)
                 for r, (kdx, kdy, kx) in enumerate(rows_in):
                     g = load_row(builder, builder.gep(data[kdy], [at]), v, signature.args[kdy].dtype)
@@ -398,7 +411,8 @@ def _make_grad_blocks(rows=1, hw=HW_BF16):
                     with branch:
                         for r, (kdx, _, _) in enumerate(rows_in):
                             base = builder.gep(data[kdx], [at])
-                            store_block(builder, signature.args[kdx].dtype, base, wb, values[r], False, stream, hw, zero)
+                            store_block(builder, signature.args[kdx].dtype, base, wb, values[r], False,
+                                        stream, hw, zero)
             add_blocks(builder, terms + shifts if derf else terms, totals)
         sums = scalar_totals(builder, totals)
         if not derf:
@@ -408,10 +422,13 @@ def _make_grad_blocks(rows=1, hw=HW_BF16):
     f, b = types.float32, types.boolean
     if rows == 1:
         def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, stream, table, use, far):
-            return types.UniTuple(types.float64, 2)(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage, f, s, b, table, b, b), codegen
+            return types.UniTuple(types.float64, 2)(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage,
+                                                    f, s, b, table, b, b), codegen
     else:
-        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, stream, table, use, dx2, dy2, x2, far):
-            return (types.UniTuple(types.float64, 4)(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage, f, s, b, table, b, dx2, dy2,
+        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, stream, table, use, dx2, dy2, x2,
+                   far):
+            return (types.UniTuple(types.float64, 4)(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage,
+                                                     f, s, b, table, b, dx2, dy2,
                                                      x2, b), codegen)
 
     return intrinsic(blocks)
@@ -453,16 +470,19 @@ def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, stream, ta
             dyr, xr, dxr = dy[r], x[r], dx[r]
             head, body = block_spans(dxr, 0, d, stream)
             partner = r + 1 if (r - r0) % 2 == 0 else r - 1
-            in_pair = r < paired_to and block_spans(dx[partner], 0, d, stream) == (head, body)  # (streamed rows: alike)
+            # (streamed rows: alike)
+            in_pair = r < paired_to and block_spans(dx[partner], 0, d, stream) == (head, body)
             if not in_pair:
                 da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, 0, head, da, ds)
-                ba, bs = _grad_blocks(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s, stream, table, use, far)
+                ba, bs = _grad_blocks(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s, stream, table,
+                                      use, far)
                 da, ds = da + ba, ds + bs
                 da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, body, d, da, ds)
             elif partner > r:  # this row and the next, in the order two single rows go (same bits)
                 dyr2, xr2, dxr2 = dy[partner], x[partner], dx[partner]
                 da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, 0, head, da, ds)
-                da1, da2, ds1, ds2 = _grad_blocks_pair(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s, stream, table, use,
+                da1, da2, ds1, ds2 = _grad_blocks_pair(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s,
+                                                       stream, table, use,
                                                        dxr2, dyr2, xr2, far)
                 da, ds = da + da1, ds + ds1
                 da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, body, d, da, ds)

@@ -28,12 +28,12 @@ from numba import njit, prange
 from numba.extending import overload
 
 from .cache import kernel
-from .codecs import load_at, round_like, store_at
+from .codecs import load_at, pair_order, round_like, store_at
 from .rows import (FLUSH, all_finite, chunk_span, flush_into, grad_nan_free, grad_select_optional, is_llama,
                    nan_free, pair_types, pairs_fit, reads_pairs, partial_rows, partial_sums, recip, row_of,
                    row_pairs, block_spans, select_optional, sum_partials, value_at, vector_sums, writes_pairs)
 from .simd import (BLOCK, EMIT, fma_ir, fma32, narrow_bits, prefetch_pass1, prefetch_pass2, row_sumsq,
-                   store_fence, widen_bits, backward_block, forward_block, grad_sums, pair_order)
+                   store_fence, widen_bits, backward_block, forward_block, grad_sums)
 
 # ---------------------------------------------------------------------------------- forward
 # ``stages``: one float32 staging row per chunk (their count is the chunk count; see simd.py).
@@ -55,7 +55,8 @@ def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream, far):
             xr = x[r]
             row_rstd = _rms_scale(_sumsq(xr, None, None, k, far), k, eps, inside)
             rstd[r] = row_rstd
-            _rms_write(xr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, far, xr, None, nan_free(w_finite, row_rstd, 0.0))
+            _rms_write(xr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, far, xr, None,
+                       nan_free(w_finite, row_rstd, 0.0))
         if stream:
             store_fence()
 
@@ -74,7 +75,8 @@ def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, round_to, stages, stream,
             # s is an output too, but the second pass reads it back: plain stores keep it cached
             row_rstd = _rms_scale(_sumsq(xr, rr, sr, k, far), k, eps, inside)
             rstd[r] = row_rstd
-            _rms_write(sr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, far, xr, rr, nan_free(w_finite, row_rstd, 0.0))
+            _rms_write(sr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, far, xr, rr,
+                       nan_free(w_finite, row_rstd, 0.0))
         if stream:
             store_fence()
 
@@ -155,11 +157,14 @@ def _y_vector(llama):
     return y
 
 
-_Y_BLOCK = {(llama, stream, paired, finite): forward_block(_y_vector(llama), llama, stream, paired=paired, finite=finite)
-            for llama in (False, True) for stream in (False, True) for paired, finite in ((False, False), (True, False), (True, True))}
+_Y_BLOCK = {(llama, stream, paired, finite): forward_block(_y_vector(llama), llama, stream, paired=paired,
+                                                           finite=finite)
+            for llama in (False, True) for stream in (False, True) for paired,
+            finite in ((False, False), (True, False), (True, True))}
 
 
-def _y_block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite):  # pragma: no cover - replaced by the overload below
+# replaced by the overload below
+def _y_block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite):  # pragma: no cover
     """The output block y[j:j + EMIT] (simd.forward_block; ``paired`` and ``finite`` literal
     bools: x and y in bf16 pairs, w in pair_order; no nan select)."""
     raise NotImplementedError
@@ -169,7 +174,8 @@ def _y_block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite):  # 
 def _ov_y_block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite):
     pairs = paired.literal_value
     if pairs and not pairs_fit(x, y):
-        return lambda y, j, x, w, stage, row_rstd, stream, round_to, paired, finite: None  # not called: writes_pairs is False
+        # not called: writes_pairs is False
+        return lambda y, j, x, w, stage, row_rstd, stream, round_to, paired, finite: None
     plain, streamed = (_Y_BLOCK[is_llama(round_to), t, pairs, finite.literal_value] for t in (False, True))
 
     def block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite):
@@ -212,15 +218,18 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream
             if ahead == 1:
                 gx, ss = _dot_gx(dyr, w, w_pairs, xr, k, dwc, row_rstd, round_to, not inside, far)
             elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
-                gx, ss, gx2, ss2 = _dot_gx_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, k, dwc, row_rstd, rstd[r + 1], round_to, not inside,
+                gx, ss, gx2, ss2 = _dot_gx_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, k, dwc, row_rstd,
+                                                rstd[r + 1], round_to, not inside,
                                                      far)
             else:
                 gx, ss = gx2, ss2
             coef = _rms_coef(row_rstd, gx, ss, k, inside)
             finite = grad_select_optional(x, dy, ds) and grad_nan_free(row_rstd, gx, 0.0, coef, 0.0)
-            _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, 0, k, True, stage, stream, ahead, finite, far)
+            _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, 0, k, True, stage, stream, ahead,
+                           finite, far)
             if k < d:  # pRMSNorm: the features past the statistic
-                _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, k, d, False, stage, stream, ahead, False, far)
+                _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, k, d, False, stage, stream,
+                               ahead, False, far)
             if (r - r0) % FLUSH == FLUSH - 1:
                 flush_into(dwc, dw_sum[c])
         flush_into(dwc, dw_sum[c])
@@ -291,7 +300,8 @@ def _rms_blocks_loop(dyr, w, xr, full, dwc, row_rstd, round_to, far):
     return tgx, tss
 
 
-def _rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far):  # pragma: no cover - replaced by the overload below
+# replaced by the overload below
+def _rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far):  # pragma: no cover
     """_dot_gx over the whole blocks [0, full): the vector pass for bf16 rows, else the element
     loops. Picked when numba types the call, so each kernel compiles one of them."""
     raise NotImplementedError
@@ -300,8 +310,9 @@ def _rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far
 @overload(_rms_blocks, inline="always")
 def _ov_rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far):
     if not pair_types(xr, dyr):
-        return lambda dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far: _rms_blocks_loop(dyr, w, xr, full, dwc, row_rstd,
-                                                                                                         round_to, far)
+        return lambda dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far: _rms_blocks_loop(
+            dyr, w, xr, full, dwc, row_rstd, round_to, far
+        )
     with_squares, without = (_GRAD_SUMS[is_llama(round_to), s, 1] for s in (True, False))
 
     def blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far):
@@ -327,7 +338,9 @@ def _rms_tail(dyr, w, xr, full, k, dwc, row_rstd, round_to):
     return pgx, pss
 
 
-def _dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares, far):  # pragma: no cover - the overload below
+# the overload below
+def _dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares,
+                 far):  # pragma: no cover
     """_dot_gx of two bf16 rows, their whole blocks in one pass (grad_sums, rows=2): (gx, ss) of
     the first row, then of the second; the bits of two _dot_gx calls. Other dtypes compile a
     stub (row_pairs is False for them), which saves compile time."""
@@ -337,16 +350,19 @@ def _dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, ro
 @overload(_dot_gx_pair, inline="always")
 def _ov_dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares, far):
     if not pair_types(xr, dyr):
-        return lambda dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares, far: (0.0, 0.0, 0.0, 0.0)
+        return lambda dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares, far: (
+            0.0, 0.0, 0.0, 0.0)
     with_squares, without = (_GRAD_SUMS[is_llama(round_to), s, 2] for s in (True, False))
 
     def pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares, far):
         full = k - k % BLOCK
         z = np.float32(0.0)
         if squares:
-            tgx, tss, tgx2, tss2 = with_squares(dyr, xr, dyr2, xr2, w_pairs, dwc, round_to, full, row_rstd, z, z, row_rstd2, z, z, far)
+            tgx, tss, tgx2, tss2 = with_squares(dyr, xr, dyr2, xr2, w_pairs, dwc, round_to, full, row_rstd, z,
+                                                z, row_rstd2, z, z, far)
         else:
-            tgx, tss, tgx2, tss2 = without(dyr, xr, dyr2, xr2, w_pairs, dwc, round_to, full, row_rstd, z, z, row_rstd2, z, z, far)
+            tgx, tss, tgx2, tss2 = without(dyr, xr, dyr2, xr2, w_pairs, dwc, round_to, full, row_rstd, z, z,
+                                           row_rstd2, z, z, far)
         pgx, pss = _rms_tail(dyr, w, xr, full, k, dwc, row_rstd, round_to)
         pgx2, pss2 = _rms_tail(dyr2, w, xr2, full, k, dwc, row_rstd2, round_to)
         return tgx + pgx, tss + pss, tgx2 + pgx2, tss2 + pss2
@@ -369,7 +385,8 @@ def _rms_coef(row_rstd, gx, ss, k, inside):
 
 
 @njit(inline="always")
-def _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, i0, i1, head, stage, stream, ahead, finite, far):
+def _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, i0, i1, head, stage, stream, ahead, finite,
+                   far):
     """dx over [i0, i1) (``head``: inside the first k, where the coef term applies; there, with
     i0 = 0, the whole blocks of bf16 rows are read in pairs, rounded without the nan select
     where the row is ``finite``: rows.grad_nan_free)."""
@@ -420,14 +437,16 @@ def _dx_vector(head):
 
 
 _DX_BLOCK = {
-    (variant, stream): backward_block(_dx_vector(variant != "tail"), stream, paired="/pairs" in variant, reads_x=variant != "tail",
+    (variant, stream): backward_block(_dx_vector(variant != "tail"), stream, paired="/pairs" in variant,
+                                      reads_x=variant != "tail",
                                       finite=variant.endswith("/finite"))
     for variant in ("head", "tail", "head/pairs", "head/pairs/finite")
     for stream in (False, True)
 }
 
 
-def _dx_block(variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream):  # pragma: no cover - replaced by the overload below
+# replaced by the overload below
+def _dx_block(variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream):  # pragma: no cover
     """The dx block at j (simd.backward_block). ``variant`` a string literal: "head" (inside
     the first k), "tail" (past it), "head/pairs" (bf16 rows read in pairs, w in pair_order) or
     "head/pairs/finite" (the same without the nan select)."""
@@ -439,7 +458,8 @@ def _ov_dx_block(variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream):
     name = variant.literal_value
     if ("/pairs" in name and not (pair_types(x, dy, ds) and dx.dtype == dy.dtype)
             or name.endswith("/finite") and not select_optional(x, dy, ds)):
-        return lambda variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream: None  # not called: reads_pairs or grad_select_optional is False
+        # not called: reads_pairs or grad_select_optional is False
+        return lambda variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream: None
     plain, streamed = (_DX_BLOCK[name, t] for t in (False, True))
 
     def block(variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream):

@@ -34,8 +34,8 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from .cache import kernel
-from .codecs import load_at, round_like, store_at
-from .simd import BLOCK, EMIT, HW_BF16, pair_unorder
+from .codecs import load_at, pair_unorder, round_like, store_at
+from .simd import BLOCK, EMIT, HW_BF16
 
 
 @kernel

@@ -19,7 +19,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .cache import target_features
-from .codecs import LANES, bf16_pair, narrow_bits, narrow_line, pair_line, widen_bits
+from .codecs import LANES, bf16_pair, i64, load_f32, narrow_bits, narrow_line, pair_line, widen_bits
 
 BLOCK = 256  # values per block of a row's first pass (its sums)
 EMIT = 64  # outputs per block of the second pass: small, so stores interleave with the arithmetic
@@ -40,7 +40,8 @@ def fma_ir(builder, a, b, c):
     """a * b + c rounded once, for float32 scalars or vectors of 16."""
     ty = a.type
     name = "llvm.fma.v16f32" if isinstance(ty, ir.VectorType) else "llvm.fma.f32"
-    return builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]), name), [a, b, c])
+    return builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]),
+                                                       name), [a, b, c])
 
 
 @intrinsic
@@ -55,7 +56,8 @@ def fma32(typingctx, a, b, c):
 
 
 def f32x16(builder, scalar):
-    v = builder.insert_element(ir.Constant(ir.VectorType(ir.FloatType(), LANES), ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
+    v = builder.insert_element(ir.Constant(ir.VectorType(ir.FloatType(), LANES), ir.Undefined), scalar,
+                               ir.Constant(ir.IntType(32), 0))
     return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
 
 
@@ -69,7 +71,8 @@ def _tree(builder, vectors):
 def _half(builder, v, h):
     """The low (h=0) or high (h=1) half of a vector's lanes."""
     n = v.type.count // 2
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), n), list(range(h * n, (h + 1) * n))))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), n),
+                                                    list(range(h * n, (h + 1) * n))))
 
 
 def _lanes_sum(builder, v):
@@ -82,18 +85,12 @@ def _lanes_sum(builder, v):
 # ------------------------------------------------------------------------------------ loads
 
 
-def load_f32(builder, base, v):
-    """Float32 vector v (16 lanes) from a float32 pointer."""
-    f32 = ir.VectorType(ir.FloatType(), LANES)
-    ptr = builder.gep(base, [ir.Constant(ir.IntType(64), v * LANES)])
-    return builder.load(builder.bitcast(ptr, f32.as_pointer()), align=4)
-
-
 def load_row(builder, base, v, kind):
     """Vector v (16 lanes, in order) from a row of ``kind``, widened to float32."""
     element = ir.FloatType() if kind == types.float32 else ir.IntType(kind.bitwidth)
-    ptr = builder.gep(base, [ir.Constant(ir.IntType(64), v * LANES)])
-    bits = builder.load(builder.bitcast(ptr, ir.VectorType(element, LANES).as_pointer()), align=kind.bitwidth // 8)
+    ptr = builder.gep(base, [i64(v * LANES)])
+    bits = builder.load(builder.bitcast(ptr, ir.VectorType(element, LANES).as_pointer()),
+                        align=kind.bitwidth // 8)
     return widen_bits(builder, bits, kind)
 
 
@@ -120,15 +117,17 @@ def _prefetch_ir(builder, ptr, write, locality=3):
     """A prefetch of the line at ``ptr`` into all cache levels, or with ``locality`` 2 into L2
     and below (x86 prefetcht1, ARM PLDL2KEEP). Never faults, in bounds or not."""
     i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
-    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(write)), ir.Constant(i32, locality), ir.Constant(i32, 1)])
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                        "llvm.prefetch.p0")
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(write)), ir.Constant(i32, locality),
+                      ir.Constant(i32, 1)])
 
 
 def _prefetch_next_block(builder, base, kind):
     """Prefetch for writing the lines of the next output block (beyond the row's end: harmless)."""
-    first = builder.bitcast(builder.gep(base, [ir.Constant(ir.IntType(64), EMIT)]), ir.IntType(8).as_pointer())
+    first = builder.bitcast(builder.gep(base, [i64(EMIT)]), ir.IntType(8).as_pointer())
     for line in range(EMIT * (kind.bitwidth // 8) // 64):
-        _prefetch_ir(builder, builder.gep(first, [ir.Constant(ir.IntType(64), 64 * line)]), write=True)
+        _prefetch_ir(builder, builder.gep(first, [i64(64 * line)]), write=True)
 
 
 def prefetch_ahead(context, builder, aryty, ary, j, values, ahead=1, far=None):
@@ -145,13 +144,13 @@ def prefetch_ahead(context, builder, aryty, ary, j, values, ahead=1, far=None):
     lines = range(max(1, values * aryty.dtype.bitwidth // 8 // 64))
     if far is None:
         for line in lines:
-            _prefetch_ir(builder, builder.gep(first, [ir.Constant(ir.IntType(64), 64 * line)]), write=False)
+            _prefetch_ir(builder, builder.gep(first, [i64(64 * line)]), write=False)
         return
     with builder.if_else(far) as (to_l2, to_l1):  # the locality is an immediate: one branch each
         for branch, locality in ((to_l2, 2), (to_l1, 3)):
             with branch:
                 for line in lines:
-                    _prefetch_ir(builder, builder.gep(first, [ir.Constant(ir.IntType(64), 64 * line)]), False, locality)
+                    _prefetch_ir(builder, builder.gep(first, [i64(64 * line)]), False, locality)
 
 
 def _make_prefetch(values):
@@ -214,15 +213,16 @@ def store_block(builder, kind, base, wbase, values, llama, stream, hw, zero):
         _prefetch_next_block(builder, base, kind)
     pending = None
     for v, x in enumerate(values):
-        off = ir.Constant(ir.IntType(64), v * LANES)
+        off = i64(v * LANES)
         if llama:
-            x = builder.fmul(widen_bits(builder, narrow_bits(builder, x, kind, hw), kind), load_f32(builder, wbase, v))
+            x = builder.fmul(widen_bits(builder, narrow_bits(builder, x, kind, hw), kind),
+                             load_f32(builder, wbase, v))
         if stream and kind != types.float32:  # 16-bit outputs: a line holds two vectors
             if pending is None:
                 pending = x
                 continue
             y = narrow_line(builder, pending, x, kind, hw, zero)
-            ptr = builder.bitcast(builder.gep(base, [ir.Constant(ir.IntType(64), (v - 1) * LANES)]), y.type.as_pointer())
+            ptr = builder.bitcast(builder.gep(base, [i64((v - 1) * LANES)]), y.type.as_pointer())
             builder.store(y, ptr, align=64).set_metadata("nontemporal", nontemporal)
             pending = None
             continue
@@ -242,7 +242,7 @@ def _store_pairs(builder, base, values, stream, hw, zero, nan=True):
     nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
     for c in range(len(values) // 2):
         line = pair_line(builder, values[2 * c], values[2 * c + 1], hw, zero, nan)
-        ptr = builder.bitcast(builder.gep(base, [ir.Constant(ir.IntType(64), 32 * c)]), line.type.as_pointer())
+        ptr = builder.bitcast(builder.gep(base, [i64(32 * c)]), line.type.as_pointer())
         if stream:
             builder.store(line, ptr, align=64).set_metadata("nontemporal", nontemporal)
         else:
@@ -296,11 +296,12 @@ def forward_block(math, llama, stream, hw=HW_BF16, paired=False, finite=False):
         for v, t in enumerate(xs):
             values.append(math(builder, t, lambda v=v: load_f32(builder, wbase, v),
                                lambda v=v: load_f32(builder, bbase, v), mhi, mlo, row_rstd))
-        zero = builder.gep(stage_data, [ir.Constant(ir.IntType(64), ZERO)])
+        zero = builder.gep(stage_data, [i64(ZERO)])
         ybase = builder.gep(y_data, [at])
         if paired:
             if llama:  # as store_block does it: round, widen, times the weight
-                values = [builder.fmul(widen_bits(builder, narrow_bits(builder, u, kind, hw, not finite), kind), load_f32(builder, wbase, v))
+                values = [builder.fmul(widen_bits(builder, narrow_bits(builder, u, kind, hw, not finite),
+                                                  kind), load_f32(builder, wbase, v))
                           for v, u in enumerate(values)]
             _store_pairs(builder, ybase, values, stream, hw, zero, not finite)
         else:
@@ -328,7 +329,8 @@ def backward_block(math, stream, paired=False, reads_x=True, hw=HW_BF16, finite=
         has_ds = not isinstance(ds, (types.NoneType, types.Omitted))
 
         def codegen(context, builder, signature, args):
-            data = {k: context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 2, 3, 4, 6)}
+            data = {k: context.make_array(signature.args[k])(context, builder, args[k]).data
+                    for k in (0, 2, 3, 4, 6)}
             if has_ds:
                 data[5] = context.make_array(signature.args[5])(context, builder, args[5]).data
             at = args[1]
@@ -350,7 +352,7 @@ def backward_block(math, stream, paired=False, reads_x=True, hw=HW_BF16, finite=
                 if has_ds:
                     t = builder.fadd(t, dss[v])
                 values.append(t)
-            zero = builder.gep(data[6], [ir.Constant(ir.IntType(64), ZERO)])
+            zero = builder.gep(data[6], [i64(ZERO)])
             if paired:
                 _store_pairs(builder, base[0], values, stream, hw, zero, not finite)
             else:
@@ -374,7 +376,7 @@ def _make_emit(llama, stream, hw=HW_BF16):
                 context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 2, 3)
             )
             values = [load_f32(builder, src_data, v) for v in range(EMIT // LANES)]
-            zero = builder.gep(src_data, [ir.Constant(ir.IntType(64), ZERO)])
+            zero = builder.gep(src_data, [i64(ZERO)])
             base, wbase = builder.gep(dst_data, [args[1]]), builder.gep(w_data, [args[1]])
             store_block(builder, kind, base, wbase, values, llama, stream, hw, zero)
             return context.get_dummy_value()
@@ -398,7 +400,8 @@ _EMIT_INTEGER_BF16 = {key: _make_emit(*key, hw=False) for key in _EMIT}
 def f64_totals(builder, count):
     """``count`` running float64 totals, each two 8-lane vectors (a 16-lane float32 block's halves)."""
     f64 = ir.VectorType(ir.DoubleType(), LANES // 2)
-    return [[cgutils.alloca_once_value(builder, ir.Constant(f64, [0.0] * f64.count)) for _ in range(2)] for _ in range(count)]
+    return [[cgutils.alloca_once_value(builder, ir.Constant(f64, [0.0] * f64.count)) for _ in range(2)]
+            for _ in range(count)]
 
 
 def add_blocks(builder, acc, totals):
@@ -429,12 +432,13 @@ def _make_row_sums(centred):
             shift = f32x16(builder, args[2])
             nsums = 2 if centred else 1
             totals = f64_totals(builder, nsums)
-            blocks = builder.udiv(args[1], ir.Constant(ir.IntType(64), BLOCK))
+            blocks = builder.udiv(args[1], i64(BLOCK))
             with cgutils.for_range(builder, blocks) as loop:
-                base = builder.mul(loop.index, ir.Constant(ir.IntType(64), BLOCK))
-                half = builder.udiv(base, ir.Constant(ir.IntType(64), 2))
+                base = builder.mul(loop.index, i64(BLOCK))
+                half = builder.udiv(base, i64(2))
                 for k in (3, 4):
-                    prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2, far=args[5])
+                    prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2,
+                                   far=args[5])
                 acc = [[ir.Constant(f32, [0.0] * LANES)] * _ACC for _ in range(nsums)]
                 for v, x in enumerate(_block_stream(builder, data, base, kind)):
                     a = v % _ACC
@@ -450,7 +454,8 @@ def _make_row_sums(centred):
                 out.append(ir.Constant(ir.DoubleType(), 0.0))
             return context.make_tuple(builder, signature.return_type, out)
 
-        return types.UniTuple(types.float64, 2)(xr, types.int64, types.float32, a1, a2, types.boolean), codegen
+        return types.UniTuple(types.float64, 2)(xr, types.int64, types.float32, a1, a2,
+                                                types.boolean), codegen
 
     return intrinsic(row_sums)
 
@@ -477,26 +482,28 @@ def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
 
     def codegen(context, builder, signature, args):
         f32 = ir.VectorType(ir.FloatType(), LANES)
-        i64 = ir.IntType(64)
-        data = [context.make_array(signature.args[k])(context, builder, args[k]).data for k in range(2 * rows + 2)]
+        data = [context.make_array(signature.args[k])(context, builder, args[k]).data
+                for k in range(2 * rows + 2)]
         w_data, dw_data = data[2 * rows :]
         aux_type = signature.args[2 * rows + 2]
         db_data = context.make_array(aux_type)(context, builder, args[2 * rows + 2]).data if with_db else None
         c = [[f32x16(builder, args[2 * rows + 4 + 3 * r + k]) for k in range(3)] for r in range(rows)]
         totals = f64_totals(builder, 2 * rows)
-        blocks = builder.udiv(args[2 * rows + 3], ir.Constant(i64, BLOCK))
+        blocks = builder.udiv(args[2 * rows + 3], i64(BLOCK))
         with cgutils.for_range(builder, blocks) as loop:
-            base = builder.mul(loop.index, ir.Constant(i64, BLOCK))
-            half = builder.udiv(base, ir.Constant(i64, 2))
+            base = builder.mul(loop.index, i64(BLOCK))
+            half = builder.udiv(base, i64(2))
             for r in range(rows):
                 for k in (2 * r + 1, 2 * r):
-                    prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2, rows, args[-1])
+                    prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2, rows,
+                                   args[-1])
             acc = [[ir.Constant(f32, [0.0] * LANES)] * _ACC for _ in range(2 * rows)]
             streams = [(_block_stream(builder, data[2 * r + 1], base, signature.args[2 * r + 1].dtype),
-                        _block_stream(builder, data[2 * r], base, signature.args[2 * r].dtype)) for r in range(rows)]
+                        _block_stream(builder, data[2 * r], base, signature.args[2 * r].dtype))
+                       for r in range(rows)]
             for v in range(BLOCK // LANES):
                 a = v % _ACC
-                at = builder.add(base, ir.Constant(i64, v * LANES))
+                at = builder.add(base, i64(v * LANES))
                 w = load_f32(builder, builder.gep(w_data, [at]), 0)
                 dwp = builder.bitcast(builder.gep(dw_data, [at]), f32.as_pointer())
                 dw = builder.load(dwp, align=4)
@@ -519,67 +526,12 @@ def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
     f = types.float32
     if rows == 1:
         def sums(typingctx, dyr, xr, w_pairs, dwc, aux, n, c0, c1, c2, far):
-            return types.UniTuple(types.float64, 2)(dyr, xr, w_pairs, dwc, aux, types.int64, f, f, f, types.boolean), codegen
+            return types.UniTuple(types.float64, 2)(dyr, xr, w_pairs, dwc, aux, types.int64, f, f, f,
+                                                    types.boolean), codegen
     else:
         def sums(typingctx, dyr, xr, dyr2, xr2, w_pairs, dwc, aux, n, c0, c1, c2, e0, e1, e2, far):
-            return (types.UniTuple(types.float64, 4)(dyr, xr, dyr2, xr2, w_pairs, dwc, aux, types.int64, f, f, f, f, f, f,
+            return (types.UniTuple(types.float64, 4)(dyr, xr, dyr2, xr2, w_pairs, dwc, aux, types.int64, f, f,
+                                                     f, f, f, f,
                                                       types.boolean), codegen)
 
     return intrinsic(sums)
-
-
-# ------------------------------------------------------------------------------- pair order
-
-
-def _make_pair_shuffle(to_pairs):
-    """An intrinsic (src, dst, span): dst[:span] = src[:span] in pair order (``to_pairs``) or
-    back from it, 32 float32 values at a time as two shuffles of two vectors."""
-    even = [2 * i for i in range(16)]
-    if to_pairs:  # (a, b) = values [g, g + 32) -> (even-indexed, odd-indexed)
-        masks = (even, [i + 1 for i in even])
-    else:  # (evens, odds) -> values in place
-        masks = ([i // 2 + 16 * (i % 2) for i in range(16)], [8 + i // 2 + 16 * (i % 2) for i in range(16)])
-
-    def shuffle(typingctx, src, dst, span):
-        def codegen(context, builder, signature, args):
-            src_data, dst_data = (context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 1))
-            i64 = ir.IntType(64)
-            groups = builder.udiv(args[2], ir.Constant(i64, 32))
-            with cgutils.for_range(builder, groups) as loop:
-                at = builder.mul(loop.index, ir.Constant(i64, 32))
-                a, b = (load_f32(builder, builder.gep(src_data, [at]), v) for v in (0, 1))
-                for v, mask in enumerate(masks):
-                    out = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 16), mask))
-                    ptr = builder.gep(dst_data, [builder.add(at, ir.Constant(i64, 16 * v))])
-                    builder.store(out, builder.bitcast(ptr, out.type.as_pointer()), align=4)
-            return context.get_dummy_value()
-
-        return types.void(src, dst, types.int64), codegen
-
-    return intrinsic(shuffle)
-
-
-_to_pairs = _make_pair_shuffle(True)
-_from_pairs = _make_pair_shuffle(False)
-
-
-@njit
-def pair_order(v, span):
-    """The float32 vector v with each 32 values of [0, span) (span a multiple of 32) in the
-    order the bf16 passes read them: the 16 even-indexed ones, then the 16 odd-indexed ones;
-    past span, in place. A copy, or v itself when span is 0 (a call that reads nothing in
-    pairs allocates nothing); callers only read it."""
-    if span == 0:
-        return v
-    out = v.copy()
-    _to_pairs(v, out, span)
-    return out
-
-
-@njit
-def pair_unorder(v, span):
-    """The inverse of pair_order."""
-    out = v.copy()
-    _from_pairs(v, out, span)
-    return out
-

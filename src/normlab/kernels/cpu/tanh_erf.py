@@ -37,7 +37,8 @@ from .simd import X86, fma_ir
 TANH_CAP = 10.0
 # expm1(s) = s + s^2 P0(s), P0 fitted on [-0.35, 0.35] (highest degree first); with s = 2r,
 # expm1(2r) / 2 = r + r^2 P(r) for P(r) = 2 P0(2r): each coefficient times a power of 2, exactly.
-_EXPM1_P0 = (1.3857560697942972e-3, 8.367335423827171e-3, 4.16676327586174e-2, 0.16666537523269653, 0.4999999701976776)
+_EXPM1_P0 = (1.3857560697942972e-3, 8.367335423827171e-3, 4.16676327586174e-2, 0.16666537523269653,
+             0.4999999701976776)
 _EXPM1_POLY = tuple(c * 2.0 ** (len(_EXPM1_P0) - i) for i, c in enumerate(_EXPM1_P0))
 _TWO_LOG2E = 2 * 1.44269504088896341
 _ROUND = 1.5 * 2.0**23  # x + _ROUND - _ROUND rounds x to a whole number (|x| < 2^22)
@@ -54,7 +55,8 @@ def const(value, ty=F32):
 
 def _llvm(builder, name, *args):
     """The LLVM intrinsic ``name`` (fabs, copysign) on float32 vectors."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(F32, [F32] * len(args)), f"llvm.{name}.v16f32")
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(F32, [F32] * len(args)),
+                                        f"llvm.{name}.v16f32")
     return builder.call(fn, list(args))
 
 
@@ -65,17 +67,20 @@ def pow2(builder, n, scale=1, scalef=AVX512):
     if scalef:
         ty = ir.FunctionType(F32, [F32, F32, F32, ir.IntType(16), ir.IntType(32)])
         fn = cgutils.get_or_insert_function(builder.module, ty, "llvm.x86.avx512.mask.scalef.ps.512")
-        return builder.call(fn, [const(scale), n, const(0.0), ir.Constant(ir.IntType(16), -1), ir.Constant(ir.IntType(32), 4)])
+        return builder.call(fn, [const(scale), n, const(0.0), ir.Constant(ir.IntType(16), -1),
+                                 ir.Constant(ir.IntType(32), 4)])
     n = builder.select(builder.fcmp_ordered("ord", n, n), n, const(0.0))  # fptosi of a nan would be poison
     bias = 127 + scale.bit_length() - 1
-    return builder.bitcast(builder.shl(builder.add(builder.fptosi(n, I32), const(bias, I32)), const(23, I32)), F32)
+    return builder.bitcast(builder.shl(builder.add(builder.fptosi(n, I32), const(bias, I32)), const(23, I32)),
+                           F32)
 
 
 def _exps(builder, z):
     """(q, n, u) for 16 lanes: u = min(|z|, 10), -u = n ln2 / 2 + r, q = expm1(2r) / 2, so
     exp(-2u) = 2^n (2q + 1). A nan stays nan."""
     az = _llvm(builder, "fabs", z)
-    u = builder.select(builder.fcmp_ordered("<", const(TANH_CAP), az), const(TANH_CAP), az)  # min(10, |z|), nan kept
+    # min(10, |z|), nan kept
+    u = builder.select(builder.fcmp_ordered("<", const(TANH_CAP), az), const(TANH_CAP), az)
     n = builder.fsub(fma_ir(builder, u, const(-_TWO_LOG2E), const(_ROUND)), const(_ROUND))
     r = fma_ir(builder, n, const(-_LN2_HI), builder.fneg(u))
     r = fma_ir(builder, n, const(-_LN2_LO), r)
@@ -90,7 +95,8 @@ def tanh(builder, z):
     q, n, _ = _exps(builder, z)
     p2 = pow2(builder, n, 2)
     m = fma_ir(builder, p2, q, fma_ir(builder, p2, const(0.5), const(-1.0)))  # 2p q + (p - 1)
-    den = fma_ir(builder, p2, q, fma_ir(builder, p2, const(0.5), const(1.0)))  # 2p q + (p + 1) = 1 + e, one rounding
+    # 2p q + (p + 1) = 1 + e, one rounding
+    den = fma_ir(builder, p2, q, fma_ir(builder, p2, const(0.5), const(1.0)))
     return _llvm(builder, "copysign", builder.fdiv(m, den), z)
 
 
@@ -114,7 +120,8 @@ def tanh_grad(builder, z):
 # not branch: both halves are computed for every lane and one is selected. P and Q are least-
 # squares fits at Chebyshev nodes, rounded to float32 (tools/erf_fit.py). erf is within 1.04 ulp
 # over every float32 (float32's own: about 1; tools/pointwise_ulp.py --fn erf), and the slope
-# within 2.2e-7 of erf' (same tool). exp(-r) reuses tanh's expm1 polynomial on a reduction by ln 2. The backward's slope erf'(z) / 4 = exp(-z^2) / (2 sqrt(pi))
+# within 2.2e-7 of erf' (same tool). exp(-r) reuses tanh's expm1 polynomial on a reduction by ln 2. The
+# backward's slope erf'(z) / 4 = exp(-z^2) / (2 sqrt(pi))
 # takes z^2 exactly as u2 + e (one fma finds e) and is 0 from |z| = 6, where it is below 1e-16:
 # nothing subnormal is made, and nothing flows back through a saturated element.
 
@@ -169,5 +176,6 @@ def erf_grad(builder, z):
     u2 = builder.fmul(u, u)
     e = fma_ir(builder, u, u, builder.fneg(u2))  # u^2 = u2 + e exactly
     ex = _exp_neg(builder, u2)
-    s = builder.fmul(fma_ir(builder, builder.fneg(e), ex, ex), const(SLOPE))  # exp(-u2 - e) = exp(-u2) (1 - e)
+    # exp(-u2 - e) = exp(-u2) (1 - e)
+    s = builder.fmul(fma_ir(builder, builder.fneg(e), ex, ex), const(SLOPE))
     return erf(builder, z), builder.select(builder.fcmp_ordered(">=", u, const(SLOPE_CAP)), const(0.0), s)
