@@ -5,7 +5,7 @@ import json
 import re
 from pathlib import Path
 
-from normlab import bench
+from normlab import bench_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -30,7 +30,8 @@ def test_readme_generated_blocks_match_the_records():
     text = README.read_text()
     for (start, end), expected in _tool().blocks().items():
         block = text[text.index(start) + len(start): text.index(end)]
-        assert block.strip() == expected.strip(), f"README block {start} is stale: run python tools/readme_tables.py"
+        assert block.strip() == expected.strip(), (f"README block {start} is stale: "
+                                                   "run python tools/readme_tables.py")
 
 
 def test_cpu_bench_records_tables_are_their_json():
@@ -39,10 +40,12 @@ def test_cpu_bench_records_tables_are_their_json():
     checked = 0
     for md in sorted(RESULTS.glob("cpu-bench-*.md")):
         text = md.read_text()
-        if bench.RECORD_HEADER not in text:
+        if bench_tables.RECORD_HEADER not in text:
             continue
         records = json.loads(md.with_suffix(".json").read_text())["records"]
-        assert bench.record_table(records) in text, f"{md.name}: its table differs from its JSON (tools/record_table.py)"
+        assert bench_tables.record_table(records) in text, (
+            f"{md.name}: its table differs from its JSON (tools/record_table.py)"
+        )
         checked += 1
     assert checked, "no CPU bench record in the current layout"
 
@@ -55,11 +58,15 @@ def test_one_current_record_per_subject_and_machine():
     # lettered series, or a second file of one subject and machine, is a superseded record left behind.
     for path in RESULTS.iterdir():
         name = re.sub(r"\.(json|md)$", "", path.name)
-        assert re.search(MACHINE, name) and not re.search(r"\d{4}-\d\d-\d\d", name), f"{path.name}: not <subject>-<machine>"
+        assert re.search(MACHINE, name) and not re.search(r"\d{4}-\d\d-\d\d",
+                                                          name), f"{path.name}: not <subject>-<machine>"
         pages = [path / "README.md", path / "report.md"] if path.is_dir() else [RESULTS / f"{name}.md"]
-        assert any(p.exists() for p in pages), f"{path.name}: a record needs a page that says what, where and how"
+        assert any(p.exists()
+                   for p in pages), f"{path.name}: a record needs a page that says what, where and how"
         text = "".join(p.read_text() for p in pages if p.exists())
-        assert re.search(r"git [0-9a-f]{7}", text) and re.search(r"(?i)command", text), f"{path.name}: name the commit and command"
+        assert re.search(r"git [0-9a-f]{7}", text) and re.search(r"(?i)command", text), (
+            f"{path.name}: name the commit and command"
+        )
 
 
 DURATION = r"\d+ min \d+ s|\d+(?:\.\d+)? (?:minutes|min|s)\b"
@@ -68,7 +75,8 @@ DURATION = r"\d+ min \d+ s|\d+(?:\.\d+)? (?:minutes|min|s)\b"
 def test_readme_demo_time_is_stated_once():
     text = README.read_text()
     on_demo = [(line, re.findall(DURATION, line)) for line in text.splitlines() if "demo" in line.lower()]
-    on_demo += [(line, re.findall(DURATION, line)) for line in text.splitlines() if line.startswith("It took")]
+    on_demo += [(line, re.findall(DURATION, line)) for line in text.splitlines()
+                if line.startswith("It took")]
     times = {t for _, found in on_demo for t in found}
     assert len(times) == 1, f"the demo's time should be stated once, found {sorted(times)}"
     (time,) = times
@@ -79,7 +87,8 @@ def test_readme_demo_time_is_stated_once():
 
 def test_readme_speedups_lie_in_the_records():
     text = README.read_text()
-    ranges = [bench.speedup_range(json.loads(p.read_text())["records"], "rms_norm") for p in RESULTS.glob("cpu-bench-*.json")]
+    ranges = [bench_tables.speedup_range(json.loads(p.read_text())["records"], "rms_norm")
+              for p in RESULTS.glob("cpu-bench-*.json")]
     lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)  # over every machine's record
     quoted = re.search(r"(\d+)-(\d+)x faster than `F\.rms_norm`", text)
     assert quoted, "the introduction should quote rms_norm's speedup over F.rms_norm"
@@ -88,7 +97,8 @@ def test_readme_speedups_lie_in_the_records():
     quoted = re.search(r"(\d\.\d\d)-(\d\.\d\d)x faster patched", text)
     assert quoted, "the transformers section should quote the patched speedup"
     speedups = [r["speedup"] for r in rows]
-    assert (float(quoted[1]), float(quoted[2])) == (round(min(speedups), 2), round(max(speedups), 2)), quoted[0]
+    assert (float(quoted[1]), float(quoted[2])) == (round(min(speedups), 2),
+                                                    round(max(speedups), 2)), quoted[0]
 
 
 def test_readme_links_stay_inside_the_repository():

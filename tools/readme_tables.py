@@ -8,7 +8,7 @@ results.json) and the speed summary (from each machine's CPU bench record's JSON
 import json
 from pathlib import Path
 
-from normlab import bench, report
+from normlab import bench_tables, report
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -18,7 +18,8 @@ def only(pattern: str) -> Path:
     """The one current record matching ``pattern`` under docs/results."""
     found = sorted(RESULTS.glob(pattern))
     if len(found) != 1:
-        raise SystemExit(f"one current record {pattern} expected in docs/results, found {[str(p) for p in found]}")
+        raise SystemExit(f"one current record {pattern} expected in docs/results, found "
+                         f"{[str(p) for p in found]}")
     return found[0]
 
 
@@ -36,8 +37,12 @@ def blocks() -> dict[tuple[str, str], str]:
     speeds = sorted(RESULTS.glob("cpu-bench-*.json"))  # one record per machine
     return {
         (report.README_START, report.README_END): report.readme_tables(json.loads(demo.read_text())),
-        (bench.README_START, bench.README_END): "\n\n".join(
-            bench.readme_summary(json.loads(p.read_text()), p.relative_to(ROOT).as_posix(), machine=machine(p)) for p in speeds),
+        (bench_tables.README_START, bench_tables.README_END): "\n\n".join(
+            bench_tables.readme_summary(
+                json.loads(p.read_text()), p.relative_to(ROOT).as_posix(), machine=machine(p)
+            )
+            for p in speeds
+        ),
     }
 
 

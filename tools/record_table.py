@@ -7,7 +7,7 @@ what the run measured.
 import argparse
 import json
 
-from normlab import bench
+from normlab import bench_tables
 
 
 def main() -> None:
@@ -15,7 +15,7 @@ def main() -> None:
     parser.add_argument("record", help="a `normlab bench --json` file")
     args = parser.parse_args()
     with open(args.record) as f:
-        print(bench.record_table(json.load(f)["records"]))
+        print(bench_tables.record_table(json.load(f)["records"]))
 
 
 if __name__ == "__main__":

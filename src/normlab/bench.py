@@ -139,7 +139,8 @@ def moved_bytes(op: str, pass_: str, shape: tuple[int, ...], dtype: torch.dtype)
 def _weights(op: str, d: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     w = torch.ones(d, dtype=dtype, device=device, requires_grad=True)
     if _norm_kind(op) == "pointwise":  # alpha, (Derf's shift,) weight, bias
-        scalars = [torch.full((1,), v, device=device, requires_grad=True) for v in ((0.5,) if op == "dyt" else (0.5, 0.1))]
+        scalars = [torch.full((1,), v, device=device, requires_grad=True)
+                   for v in ((0.5,) if op == "dyt" else (0.5, 0.1))]
         return [*scalars, w, torch.zeros(d, dtype=dtype, device=device, requires_grad=True)]
     if _norm_kind(op) == "layer":
         return [w, torch.zeros(d, dtype=dtype, device=device, requires_grad=True)]
@@ -215,7 +216,8 @@ def make_peer(name: str, op: str, d: int, dtype: torch.dtype, device: torch.devi
         else:
             norm = lambda s: TF.layer_norm(s, (d,), params[0], params[1], EPS)  # noqa: E731
     elif name == "torch-module":
-        module = (torch.nn.RMSNorm(d, eps=EPS) if _norm_kind(op) == "rms" else torch.nn.LayerNorm(d, eps=EPS)).to(device, dtype)
+        module = (torch.nn.RMSNorm(d, eps=EPS) if _norm_kind(op) == "rms"
+                  else torch.nn.LayerNorm(d, eps=EPS)).to(device, dtype)
         params = list(module.parameters())
         norm = module
     elif name == "hf":
@@ -238,11 +240,13 @@ def make_peer(name: str, op: str, d: int, dtype: torch.dtype, device: torch.devi
         try:
             import intel_extension_for_pytorch as ipex
         except ImportError:
-            return "intel_extension_for_pytorch is not installed (it pins its own torch: benchmarks/ipex_peer.sh)"
+            return ("intel_extension_for_pytorch is not installed "
+                    "(it pins its own torch: benchmarks/ipex_peer.sh)")
         if _norm_kind(op) == "rms":
             norm = lambda s: ipex.llm.functional.rms_norm(s, params[0], EPS)  # noqa: E731
         else:
-            norm = lambda s: ipex.llm.functional.fast_layer_norm(s, (d,), params[0], params[1], EPS)  # noqa: E731
+            norm = lambda s: ipex.llm.functional.fast_layer_norm(s, (d,), params[0], params[1],
+                                                                 EPS)  # noqa: E731
     elif name in FUSED_PEERS:
         label, module_name, rms_cls, ln_cls = FUSED_PEERS[name]
         if device.type != "cuda":
@@ -278,20 +282,23 @@ def rotation(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return max(2, min(8, math.ceil(ROTATE_BYTES / nbytes)))
 
 
-def _build_group(ops, peers, passes, allocs, dtype_name, shape, device, gen, scrub) -> tuple[list[Case], list[str]]:
+def _build_group(ops, peers, passes, allocs, dtype_name, shape, device, gen,
+                 scrub) -> tuple[list[Case], list[str]]:
     """The cases for one (dtype, shape) group, plus notes on peers that cannot run."""
     dtype = DTYPES[dtype_name]
     d = shape[-1]
     k = rotation(shape, dtype)
 
     def rand():
-        return [torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype) for _ in range(k)]
+        return [torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+                for _ in range(k)]
 
     xs, rs, dys, dss = rand(), rand(), rand(), rand()
     shape_s = "x".join(map(str, shape))
     out = torch.empty(shape, dtype=dtype, device=device)
     copy_bytes = 2 * math.prod(shape) * (torch.finfo(dtype).bits // 8)
-    cases = [Case("copy", "torch", dtype_name, shape_s, "copy", "prealloc", copy_bytes, lambda i: out.copy_(xs[i % k]))]
+    cases = [Case("copy", "torch", dtype_name, shape_s, "copy", "prealloc", copy_bytes,
+                  lambda i: out.copy_(xs[i % k]))]
     notes = []
     for op in ops:
         for name in peers:
@@ -310,9 +317,11 @@ def _build_group(ops, peers, passes, allocs, dtype_name, shape, device, gen, scr
                     for alloc in allocs:
                         if alloc == "prealloc" and peer.out_fn is None:
                             continue
-                        cases.append(Case(op, name, dtype_name, shape_s, pass_, alloc, nbytes, _fwd_runner(peer, alloc, xs, rs, out)))
+                        cases.append(Case(op, name, dtype_name, shape_s, pass_, alloc, nbytes,
+                                          _fwd_runner(peer, alloc, xs, rs, out)))
                 else:
-                    cases.append(Case(op, name, dtype_name, shape_s, pass_, "alloc", nbytes, _bwd_runner(peer, pass_, xs, rs, dys, dss, device, scrub)))
+                    cases.append(Case(op, name, dtype_name, shape_s, pass_, "alloc", nbytes,
+                                      _bwd_runner(peer, pass_, xs, rs, dys, dss, device, scrub)))
     return cases, notes
 
 
@@ -338,7 +347,8 @@ def _bwd_runner(peer: Peer, pass_: str, xs, rs, dys, dss, device, scrub: Callabl
     times the backward alone and returns that duration (a fresh graph each call: no retain_graph,
     which compiled backwards with donated buffers refuse)."""
     k = len(xs)
-    leaves = [(x.detach().clone().requires_grad_(), r.detach().clone().requires_grad_()) for x, r in zip(xs, rs)]
+    leaves = [(x.detach().clone().requires_grad_(), r.detach().clone().requires_grad_()) for x,
+              r in zip(xs, rs)]
 
     def forward(j):
         x, r = leaves[j]
@@ -392,7 +402,8 @@ def run_bench(
     the scrub). ``keep_on_ctrl_c``: Ctrl-C returns the groups finished so far, with a note (the
     command line's choice; a caller that judges the records, as the lab does, gets the
     KeyboardInterrupt)."""
-    for value, valid, what in ((ops, OPS, "op"), (backends, PEERS, "backend"), (dtypes, tuple(DTYPES), "dtype"),
+    for value, valid, what in ((ops, OPS, "op"), (backends, PEERS, "backend"),
+                               (dtypes, tuple(DTYPES), "dtype"),
                                (passes, PASSES, "pass"), (allocs, ALLOCS, "alloc")):
         bad = [v for v in value if v not in valid]
         if bad:
@@ -415,7 +426,8 @@ def run_bench(
         for dt, sh in groups:
             if progress:
                 progress.update(task, description=f"{dt} {'x'.join(map(str, sh))}")
-            records.extend(_measure_group(ops, backends, passes, allocs, dt, sh, dev, gen, clear, warmup, repeat,
+            records.extend(_measure_group(ops, backends, passes, allocs, dt, sh, dev, gen, clear, warmup,
+                                          repeat,
                                           case_seconds, notes))
             if progress:
                 progress.advance(task)
@@ -423,11 +435,13 @@ def run_bench(
         if not (keep_on_ctrl_c and records):
             raise
         done = len({(r["dtype"], r["shape"]) for r in records})
-        notes.append(f"{INTERRUPTED}: {done} of {len(groups)} dtype and shape groups measured, the rest left out")
+        notes.append(f"{INTERRUPTED}: {done} of {len(groups)} dtype and shape groups measured, the rest left "
+                     "out")
     return records, notes
 
 
-def _measure_group(ops, backends, passes, allocs, dt: str, sh: tuple, dev, gen, clear, warmup: int, repeat: int,
+def _measure_group(ops, backends, passes, allocs, dt: str, sh: tuple, dev, gen, clear, warmup: int,
+                   repeat: int,
                    case_seconds: float, notes: list[str]) -> list[dict]:
     """One dtype and shape: every case warmed up, then timed round-robin with the copy."""
     cases, group_notes = _build_group(ops, backends, passes, allocs, dt, sh, dev, gen, clear)
@@ -462,139 +476,24 @@ def _records(cases: list[Case], device: torch.device) -> list[dict]:
         ms = statistics.median(c.times) * 1e3
         gbps = c.nbytes / (ms / 1e3) / 1e9
         out.append({
-            "op": c.op, "backend": c.backend, "dtype": c.dtype, "shape": c.shape, "pass": c.pass_, "alloc": c.alloc,
-            "ms": float(f"{ms:.4g}"), "gbps": float(f"{gbps:.4g}"), "frac_of_copy": float(f"{gbps / copy_gbps:.3g}"),
+            "op": c.op, "backend": c.backend, "dtype": c.dtype, "shape": c.shape, "pass": c.pass_,
+            "alloc": c.alloc,
+            "ms": float(f"{ms:.4g}"), "gbps": float(f"{gbps:.4g}"),
+            "frac_of_copy": float(f"{gbps / copy_gbps:.3g}"),
             "bytes": c.nbytes, "runs": len(c.times), "device": str(device),
-            "times_ms": [float(f"{t * 1e3:.4g}") for t in c.times],  # one per round, for intervals over rounds
+            # one per round, for intervals over rounds
+            "times_ms": [float(f"{t * 1e3:.4g}") for t in c.times],
         })
     return out
 
 
-def write_json(path: str, records: list[dict], env: dict, scrub: bool = True, notes: list[str] | None = None) -> None:
+def write_json(path: str, records: list[dict], env: dict, scrub: bool = True, notes: list[str]
+               | None = None) -> None:
     """``method.scrub_bytes``: what was read before each timed call (0: nothing, the method of
     records made before the scrub, which have no ``method``). ``method.grad_mode``: "untimed"
     where autograd's mode is set outside each timed call (Case.grad_mode); records without it
     timed a `torch.no_grad()` block inside each forward. ``notes``: the run's notes (peers left
     out, an interruption), when there are any."""
     method = {"scrub_bytes": ROTATE_BYTES if scrub else 0, "grad_mode": "untimed"}
-    runs.write_json(path, {"environment": env, "method": method, "records": records, **({"notes": notes} if notes else {})})
-
-
-def summary_rows(records: list[dict]) -> list[dict]:
-    """Records with ``x_normlab``: how many times longer the case took than normlab's
-    allocating call of the same op, dtype, shape and pass."""
-    ours = {(r["op"], r["dtype"], r["shape"], r["pass"]): r["ms"] for r in records if r["backend"] == "normlab" and r["alloc"] == "alloc"}
-    rows = []
-    for r in records:
-        base = ours.get((r["op"], r["dtype"], r["shape"], r["pass"]))
-        rows.append({**r, "x_normlab": round(r["ms"] / base, 2) if base else None})
-    return rows
-
-
-def rms_vs_layer(records: list[dict], backend: str = "normlab") -> list[dict]:
-    """``backend``'s rms_norm time over its layer_norm time (add_rms_norm over add_layer_norm)
-    for every dtype, shape, pass and allocation measured with both: below 1, RMSNorm is faster.
-    Both ran round-robin in the same rounds, so the host's drift touches them alike."""
-    ms = {(r["op"], r["dtype"], r["shape"], r["pass"], r["alloc"]): r["ms"] for r in records if r["backend"] == backend}
-    rows = []
-    for (op, *rest), rms_ms in ms.items():
-        if op not in ("rms_norm", "add_rms_norm"):
-            continue
-        ln_ms = ms.get((op.replace("rms", "layer"), *rest))
-        if ln_ms:
-            dtype, shape, pass_, alloc = rest
-            rows.append({"op": op, "dtype": dtype, "shape": shape, "pass": pass_, "alloc": alloc,
-                         "rms_ms": rms_ms, "layer_ms": ln_ms, "ratio": round(rms_ms / ln_ms, 3)})
-    return rows
-
-
-
-# ----------------------------------------------------------------------- the README's summary
-
-README_START = "<!-- speed summary: generated by tools/readme_tables.py from docs/results/cpu-bench-*.json -->"
-README_END = "<!-- end of speed summary -->"
-_SHOWN = (("rms_norm", "normlab", "normlab rms_norm"), ("rms_norm", "torch", "torch `F.rms_norm`"),
-          ("rms_norm", "compile", "torch.compile of the reference rms_norm"), ("layer_norm", "normlab", "normlab layer_norm"),
-          ("layer_norm", "torch", "torch `F.layer_norm`"))
-
-
-def speedup_range(records: list[dict], op: str, peer: str = "torch") -> tuple[float, float] | None:
-    """The smallest and largest of peer time / normlab time over a run's cases of ``op``
-    (allocating calls, every dtype, shape and pass both ran)."""
-    times = {}
-    for r in records:
-        if r["op"] == op and r["alloc"] == "alloc" and r["backend"] in ("normlab", peer):
-            times.setdefault((r["dtype"], r["shape"], r["pass"]), {})[r["backend"]] = r["ms"]
-    ratios = [t[peer] / t["normlab"] for t in times.values() if len(t) == 2]
-    return (min(ratios), max(ratios)) if ratios else None
-
-
-def _span(values: list[float], digits: int = 2) -> str:
-    return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
-
-
-RECORD_HEADER = ("| op | pass | dtype | shape | normlab ms | x copy | into out=, x copy | torch ms | torch / normlab "
-                 "| compile ms | compile / normlab |")
-
-
-def _ms(value: float) -> str:
-    return f"{value:.3g}" if value < 100 else f"{value:.0f}"
-
-
-def record_table(records: list[dict]) -> str:
-    """A CPU bench record's table (docs/results/cpu-bench-*.md), from its JSON: normlab's
-    allocating calls per dtype, shape, op and pass, with the forward into ``out=`` and the torch
-    and torch.compile peers beside them."""
-    by = {(r["op"], r["backend"], r["dtype"], r["shape"], r["pass"], r["alloc"]): r for r in records}
-    shapes = list(dict.fromkeys(r["shape"] for r in records))
-    lines = [RECORD_HEADER, "|" + "---|" * (RECORD_HEADER.count("|") - 1)]
-    for dtype in ("fp32", "bf16"):
-        for shape in shapes:
-            for op in ("rms_norm", "layer_norm"):
-                for pass_ in ("fwd", "bwd"):
-                    ours = by.get((op, "normlab", dtype, shape, pass_, "alloc"))
-                    if ours is None:
-                        continue
-                    into = by.get((op, "normlab", dtype, shape, pass_, "prealloc"))
-                    cells = [op, pass_, dtype, shape, _ms(ours["ms"]), f"{ours['frac_of_copy']:.2f}",
-                             f"{into['frac_of_copy']:.2f}" if into else "-"]
-                    for peer in ("torch", "compile"):
-                        theirs = by.get((op, peer, dtype, shape, pass_, "alloc"))
-                        cells += [_ms(theirs["ms"]), f"{theirs['ms'] / ours['ms']:.1f}"] if theirs else ["-", "-"]
-                    lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def readme_summary(run: dict, record: str, shape: str = "4096x4096", machine: str | None = None) -> str:
-    """The README's speed summary from one ``normlab bench --json`` run (``record``: its path,
-    named in the text; ``machine``: what the record's page calls the CPU, e.g. "2 cores of an AMD
-    EPYC (Zen 4, AVX-512)", where the processor's own name does not tell machines apart)."""
-    env, records = run["environment"], run["records"]
-    ms = {(r["op"], r["backend"], r["dtype"], r["pass"]): r["ms"] for r in records if r["shape"] == shape and r["alloc"] == "alloc"}
-    cols = [(d, p) for d in ("fp32", "bf16") for p in ("fwd", "bwd")]
-    vectors = f", {env['vectors']}" if env.get("vectors") else ""
-    wait = f"OMP_WAIT_POLICY={env['omp_wait_policy']} " if env.get("omp_wait_policy") else ""
-    scrubbed = run.get("method", {}).get("scrub_bytes", 0)
-    cache = (f"{scrubbed >> 20} MiB read before each timed call, so none starts with its input cached" if scrubbed else
-             "without the read before each timed call that later runs make (`--no-scrub`)")
-    if machine and env.get("vectors") and env["vectors"].split()[0] not in machine:
-        machine += vectors
-    where = f"{machine}, {env['date'][:10]} (" if machine else f"{env['cpus']} cores of an {env['processor']}{vectors} ({env['date'][:10]}, "
-    lines = [f"On {where}torch {env['torch']}, numba "
-             f"{env.get('numba')}, normlab at git {env.get('git', '?')}, `{wait}normlab bench --json {record}`, {cache}; "
-             f"every case is in [{record.removesuffix('.json')}.md]({record.removesuffix('.json')}.md)):", "",
-             f"| {shape}, allocating calls | " + " | ".join(f"{d} {'forward' if p == 'fwd' else 'backward'} ms" for d, p in cols) + " |",
-             "|---" * (len(cols) + 1) + "|"]
-    for op, backend, label in _SHOWN:
-        cells = [ms.get((op, backend, d, p)) for d, p in cols]
-        lines.append(f"| {label} | " + " | ".join(f"{c:.3g}" if c is not None else "-" for c in cells) + " |")
-    frac = {p: [r["frac_of_copy"] for r in records if r["backend"] == "normlab" and r["alloc"] == "alloc" and r["pass"] == p]
-            for p in ("fwd", "bwd")}
-    rms, ln = speedup_range(records, "rms_norm"), speedup_range(records, "layer_norm")
-    lines += ["", f"Over every dtype, shape and pass of the run, normlab's rms_norm takes {rms[0]:.0f}-{rms[1]:.0f}x less time "
-              f"than torch's `F.rms_norm` and its layer_norm {ln[0]:.1f}-{ln[1]:.1f}x less than `F.layer_norm`. "
-              f"Against a memory copy (`y.copy_(x)`) of the same tensor in the same run, the forward kernels run at "
-              f"{_span(frac['fwd'])}x its speed and the backward kernels, timed through `torch.autograd.grad`, at "
-              f"{_span(frac['bwd'])}x (outputs past the cache are written with streaming stores, which skip the read of "
-              f"each line a copy writes)."]
-    return "\n".join(lines)
+    runs.write_json(path, {"environment": env, "method": method, "records": records,
+                           **({"notes": notes} if notes else {})})

