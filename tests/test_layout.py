@@ -1,5 +1,6 @@
 """The house's shape: imports run down the layers (the math, the kernels, the layers, the model,
-training, the lab, the report, the command), and no preset imports another preset."""
+training, the lab, the report, the command), no preset imports another preset, and no
+module outgrows 600 lines or 110 columns."""
 
 import ast
 import subprocess
@@ -10,8 +11,10 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "normlab"
 
 # Lowest first. A module may import from its own layer or a lower one.
 LAYERS = [
-    {"reference", "testing", "runs", "intervals", "claims", "plots", "env", "experiments.cost", "experiments.design", "kernels.triton.kernels",
-     "kernels.cpu.codecs", "kernels.cpu.pointwise", "kernels.cpu.tanh_erf", "kernels.cpu.layernorm", "kernels.cpu.memory", "kernels.cpu.rmsnorm",
+    {"reference", "testing", "runs", "intervals", "claims", "plots", "env", "bench_tables",
+     "experiments.cost", "experiments.design", "kernels.triton.kernels",
+     "kernels.cpu.codecs", "kernels.cpu.pointwise", "kernels.cpu.tanh_erf", "kernels.cpu.layernorm",
+     "kernels.cpu.memory", "kernels.cpu.rmsnorm",
      "kernels.cpu.rows", "kernels.cpu.simd"},
     {"kernels.ops", "kernels.cpu.cache", "kernels.cpu.launch", "kernels.triton.launch"},
     {"kernels", "kernels.triton", "kernels.cpu"},
@@ -44,13 +47,19 @@ def _imports(path: Path, modules: dict) -> set[str]:
     """The normlab modules a file imports (``from normlab.x import y`` is y when y is a module)."""
     deps = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("normlab"):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.startswith("normlab")
+        ):
             base = node.module.removeprefix("normlab").lstrip(".")
             for alias in node.names:
                 sub = f"{base}.{alias.name}".lstrip(".")
                 deps.add(sub if sub in modules else base)
         elif isinstance(node, ast.Import):
-            deps |= {a.name.removeprefix("normlab").lstrip(".") for a in node.names if a.name.startswith("normlab")}
+            deps |= {a.name.removeprefix("normlab").lstrip(".") for a in node.names
+                     if a.name.startswith("normlab")}
     return deps
 
 
@@ -63,7 +72,8 @@ def test_no_preset_imports_another_preset():
     presets = _presets(modules)
     assert len(presets) >= 10
     bad = {(p, d) for p in presets for d in _imports(modules[p], modules) if d in presets - {p}}
-    assert not bad, f"presets that import another preset: {sorted(bad)} (shared things go in experiments/common.py)"
+    assert not bad, (f"presets that import another preset: {sorted(bad)} "
+                     "(shared things go in experiments/common.py)")
 
 
 def test_imports_run_down_the_layers():
@@ -78,12 +88,19 @@ def test_imports_run_down_the_layers():
 
 
 def test_ruff_finds_nothing():
-    """pyflakes' checks (unused imports, undefined names, redefinitions) over the whole tree, by
-    ruff with the pyproject's rules."""
+    """pyflakes' checks (unused imports, undefined names, redefinitions) and the 110-column limit
+    over the whole tree, by ruff with the pyproject's rules."""
     root = SRC.parents[1]
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise",
                            "src", "tests", "tools", "benchmarks"], cwd=root, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_every_source_file_holds_under_600_lines():
+    """STYLE.md's complexity budget: a module that outgrows it holds two ideas; split it."""
+    sizes = {str(p.relative_to(SRC)): len(p.read_text().splitlines()) for p in SRC.rglob("*.py")}
+    long = {name: n for name, n in sizes.items() if n >= 600}
+    assert not long, f"modules of 600 lines or more: {long}"
 
 
 def _private_uses(path: Path) -> set[str]:

@@ -74,7 +74,8 @@ def _exact(measured: dict, ref):
     """An exact number, or None when missing; samples are an error for a point rule."""
     v = _samples(measured, ref)
     if isinstance(v, list):
-        raise ValueError(f"{ref} holds samples, but the rule compares exact values (point); use a sampled rule")
+        raise ValueError(f"{ref} holds samples, but the rule compares exact values (point); use a sampled "
+                         "rule")
     return v
 
 
@@ -151,7 +152,8 @@ def _judge_leaf(rule: dict, measured: dict, adjust) -> tuple[str, str, float | N
     if rule.get("point"):
         va, vb = _exact(measured, a), _exact(measured, b)
         if va is None or vb is None:
-            return UNSURE, f"{a} vs {_b_text(b)}: not measured (a run diverged or nothing was measured): inconclusive", None
+            return UNSURE, (f"{a} vs {_b_text(b)}: not measured (a run diverged or nothing was measured): "
+                            "inconclusive"), None
         gap = (va - vb) / abs(vb) if vb and not rule.get("absolute") else va - vb
         shape, lo, hi = _sides(rule)
         strict = kind in ("above", "below") and not m  # "above b" excludes b itself; "at least b" does not
@@ -162,7 +164,8 @@ def _judge_leaf(rule: dict, measured: dict, adjust) -> tuple[str, str, float | N
         else:
             verdict = HOLDS if (gap < lo if strict else gap <= lo) else FAILS
         what = f"{_num(va)}" + (f" vs {b} = {_num(vb)}" if isinstance(b, str) else "")
-        return verdict, f"{a}: {what}, must be {_requirement(rule)} (exact; {rule['point']}; not a sampled test): {verdict}", None
+        return verdict, (f"{a}: {what}, must be {_requirement(rule)} (exact; {rule['point']}; not a sampled "
+                         f"test): {verdict}"), None
     va, vb = _samples(measured, a), _samples(measured, b)
     if va is None or vb is None:
         return UNSURE, f"{a} vs {_b_text(b)}: not measured: inconclusive", 1.0
@@ -173,24 +176,26 @@ def _judge_leaf(rule: dict, measured: dict, adjust) -> tuple[str, str, float | N
         up, down, ties = _sign_counts(rule, va, vb)
         p_hold, p_fail = _p_sign(rule, up, down)
         verdict, p = _decided(p_hold, p_fail, ALPHA)
-        line = (f"{a} vs {_b_text(b)}: {up} of {up + down + ties} {over} above {_sides(rule)[1] + 0:g}, {down} below, {ties} tied "
-                f"(exact sign test), must be {_target_text(rule)}")
+        line = (f"{a} vs {_b_text(b)}: {up} of {up + down + ties} {over} above {_sides(rule)[1] + 0:g}, "
+                f"{down} below, {ties} tied (exact sign test), must be {_target_text(rule)}")
         return _finish(line, verdict, p, p_hold <= p_fail, adjust)
     ci = interval(va, vb, paired=rule.get("paired", False), absolute=rule.get("absolute", False))
     if ci is None or "none" in ci:
         n = len(finite(va))
         unit = over if n != 1 else over.rstrip("s")
-        why = (f"{n} {unit}: " + ci["none"]) if ci else (f"{n} {unit} {'give' if n != 1 else 'gives'} no interval (at "
-                                                          "least 2 needed on each side)")
+        why = (f"{n} {unit}: "
+               + ci["none"]) if ci else (f"{n} {unit} {'give' if n != 1 else 'gives'} no interval (at "
+                                          "least 2 needed on each side)")
         return UNSURE, f"{a} vs {_b_text(b)}: {why}: inconclusive", 1.0
     p_hold, p_fail = _p_sides(rule, ci)
     verdict, p = _decided(p_hold, p_fail, ALPHA)
     fmt = _pct if ci["relative"] else _num
     na, nb = ci["n"]
-    ns = f"{na} {over}" if nb is None else (f"{na} pairs of {over}" if rule.get("paired") else f"{na} and {nb} {over}")
+    ns = f"{na} {over}" if nb is None else (f"{na} pairs of {over}" if rule.get("paired")
+                                            else f"{na} and {nb} {over}")
     test = ci["test"] + (" on log ratios" if ci["relative"] else "")
-    line = (f"{a} vs {_b_text(b)}: gap {fmt(ci['gap'])} (95% CI {fmt(ci['gap_lo'])} to {fmt(ci['gap_hi'])}, {ns}, {test}, "
-            f"df {ci['df']:.3g}), must be {_gap_rule(rule)}")
+    line = (f"{a} vs {_b_text(b)}: gap {fmt(ci['gap'])} (95% CI {fmt(ci['gap_lo'])} to {fmt(ci['gap_hi'])}, "
+            f"{ns}, {test}, df {ci['df']:.3g}), must be {_gap_rule(rule)}")
     supports = _supports(rule, ci)
     return _finish(line + (f"; {supports}" if supports else ""), verdict, p, p_hold <= p_fail, adjust)
 
@@ -220,10 +225,12 @@ def _supports(rule: dict, ci: dict) -> str:
         return f"the interval supports a gap of at most {signed(hi)}"
     if kind == "above":
         if lo > 0:
-            return f"above by {fmt(lo)} to {fmt(hi)}" + (": the direction holds, the claimed size does not" if hi < c else "")
+            return f"above by {fmt(lo)} to {fmt(hi)}" + (": the direction holds, the claimed size does not"
+                                                         if hi < c else "")
         return "the interval does not exclude no gap" if hi > 0 else "below, not above"
     if hi < 0:
-        return f"below by {fmt(hi)} to {fmt(lo)}" + (": the direction holds, the claimed size does not" if lo > c else "")
+        return f"below by {fmt(hi)} to {fmt(lo)}" + (": the direction holds, the claimed size does not"
+                                                     if lo > c else "")
     return "the interval does not exclude no gap" if lo < 0 else "above, not below"
 
 
@@ -249,12 +256,14 @@ def evaluate(rule: dict, measured: dict, adjust=None) -> tuple[str, list[str]]:
         lines = [line for _, lines in results for line in lines]
         if kind == "any" and len(results) > 1:  # an OR: each alternative says so where it is read
             which = [ORDINALS[i] for i, v in enumerate(verdicts) if v == HOLDS]
-            held = f"the {' and the '.join(which)} {'hold' if len(which) > 1 else 'holds'}" if which else "none holds"
+            verb = "hold" if len(which) > 1 else "holds"
+            held = f"the {' and the '.join(which)} {verb}" if which else "none holds"
             lines = [f"one of {len(results)} alternatives suffices ({held}: {verdict}):"] + [
                 f"{'either' if i == 0 else 'or'}: {line}" for i, (_, ls) in enumerate(results) for line in ls]
         return verdict, lines
     if kind not in LEAVES:
-        raise ValueError(f"unknown rule kind {kind!r}; expected one of {', '.join(LEAVES + ('all', 'any', 'given'))}")
+        raise ValueError(f"unknown rule kind {kind!r}; expected one of "
+                         f"{', '.join(LEAVES + ('all', 'any', 'given'))}")
     verdict, line, _ = _judge_leaf(rule, measured, adjust)
     return verdict, [line]
 
@@ -288,14 +297,17 @@ def leaf_rows(rule: dict, measured: dict, family: dict | None = None) -> list[di
     adjust = _adjuster(family)
     plain, _, p = _judge_leaf(rule, measured, None)
     row = {"a": rule["a"], "b": rule["b"], "kind": kind, "margin": rule.get("rel", 0.0),
-           "test": "exact" if rule.get("point") else rule.get("test", "t"), "gap": None, "ci_lo": None, "ci_hi": None,
-           "n": None, "p": p, "p_adjusted": None if p is None or adjust is None else adjust(p), "verdict_plain": plain,
+           "test": "exact" if rule.get("point") else rule.get("test", "t"), "gap": None, "ci_lo": None,
+           "ci_hi": None,
+           "n": None, "p": p, "p_adjusted": None if p is None or adjust is None else adjust(p),
+           "verdict_plain": plain,
            "verdict": _judge_leaf(rule, measured, adjust)[0]}
     if rule.get("point") or rule.get("test") == "sign":
         return [row]
     va, vb = _samples(measured, rule["a"]), _samples(measured, rule["b"])
     ci = None if va is None or vb is None else interval(va if isinstance(va, list) else [va], vb,
-                                                         paired=rule.get("paired", False), absolute=rule.get("absolute", False))
+                                                         paired=rule.get("paired", False),
+                                                        absolute=rule.get("absolute", False))
     if ci and "none" not in ci:
         row.update(gap=ci["gap"], ci_lo=ci["gap_lo"], ci_hi=ci["gap_hi"], n=ci["n"][0], test=ci["test"] + (
             " (log ratio)" if ci["relative"] else ""))
@@ -366,7 +378,8 @@ def _gap_rule(rule: dict) -> str:
     """What the rule asks of the gap itself ("within +-2%", "at least 0.5 above")."""
     if rule.get("rel"):
         return _target_text(rule).removesuffix(" of")
-    return {"within": "0", "above": "> 0", "below": "< 0", "at_most": "<= 0", "at_least": ">= 0"}[rule["kind"]]
+    return {"within": "0", "above": "> 0", "below": "< 0", "at_most": "<= 0",
+            "at_least": ">= 0"}[rule["kind"]]
 
 
 def _target_text(rule: dict) -> str:
@@ -376,7 +389,8 @@ def _target_text(rule: dict) -> str:
         if not m:
             return {"within": "equal to", "above": "above", "below": "below", "at_most": "at most",
                     "at_least": "at least"}[kind]
-        return {"within": f"within +-{m:g}{of}", "above": f"at least {m:g} above", "below": f"at least {m:g} below",
+        return {"within": f"within +-{m:g}{of}", "above": f"at least {m:g} above",
+                "below": f"at least {m:g} below",
                 "at_most": f"at most {m:g} above" if m > 0 else f"at least {-m:g} below",
                 "at_least": f"at most {m:g} below" if m > 0 else f"at least {-m:g} above"}[kind]
     pct = f"{abs(m) * 100:.3g}%"
@@ -385,7 +399,8 @@ def _target_text(rule: dict) -> str:
     if kind == "at_least" and m:
         return f"at most {pct} below" if m > 0 else f"at least {pct} above"
     return {"within": f"within +-{pct} of", "above": f"at least {pct} above" if m else "above",
-            "below": f"at least {pct} below" if m else "below", "at_most": "at most", "at_least": "at least"}[kind]
+            "below": f"at least {pct} below" if m else "below", "at_most": "at most",
+            "at_least": "at least"}[kind]
 
 
 def _requirement(rule: dict) -> str:
@@ -416,7 +431,11 @@ def _how(rule: dict) -> str:
     if rule.get("test") == "sign":
         return f"[exact sign test over {rule.get('over', 'seeds')}]"
     gap = "difference" if rule.get("absolute") else "log ratio"
-    return f"[95% t interval of the {gap} over {rule.get('over', 'seeds')}" + (", paired" if rule.get("paired") else "") + "]"
+    return (
+        f"[95% t interval of the {gap} over {rule.get('over', 'seeds')}"
+        + (", paired" if rule.get("paired") else "")
+        + "]"
+    )
 
 
 def origins(rule: dict) -> list[str]:
@@ -429,10 +448,12 @@ def origins(rule: dict) -> list[str]:
     if not o:
         return []
     what = f"{rule['a']} {_requirement(rule)}"
-    return [f"{what}: from the source ({o['text']})" if o["by"] == "source" else f"{what}: normlab's choice ({o['text']})"]
+    return [f"{what}: from the source ({o['text']})" if o["by"] == "source"
+            else f"{what}: normlab's choice ({o['text']})"]
 
 
-def claim(cid: str, text: str, source: str, measured: dict, rule: dict, conditions: list[str] | None = None) -> dict:
+def claim(cid: str, text: str, source: str, measured: dict, rule: dict, conditions: list[str]
+          | None = None) -> dict:
     """A claim record with its verdict and evidence computed from ``measured`` by ``rule``: the
     plain per-claim ones, until :func:`familywise` judges the invocation's claims together."""
     verdict, evidence = evaluate(rule, measured)
@@ -497,7 +518,8 @@ def _leaf(kind, a, b, rel, *, origin: dict | None = None, point: str | None = No
     ``test``: "t" (intervals) or "sign" (the exact sign test, for discrete outcomes: absolute)."""
     literal = isinstance(b, (int, float)) and not isinstance(b, bool)
     if (rel or literal) and not origin:
-        raise ValueError(f"the threshold of {kind}({a!r}, {b!r}, {rel}) needs an origin: C.source(...) or C.ours(...)")
+        raise ValueError(f"the threshold of {kind}({a!r}, {b!r}, {rel}) needs an origin: C.source(...) or "
+                         "C.ours(...)")
     if origin and origin.get("by") not in ("source", "normlab"):
         raise ValueError(f"origin must come from C.source(...) or C.ours(...), got {origin!r}")
     if test not in TESTS:

@@ -37,15 +37,20 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
         raise ValueError(f"name a preset: {', '.join(list(experiments.PRESETS) + list(experiments.GROUPS))}")
     experiments.expand(names)  # an unknown preset fails here, before any note
     if sum((args.plan, args.collect, args.jobs > 1)) > 1:
-        raise ValueError("--plan, --collect and --jobs N are alternatives: plan the runs, collect them, or train them here N at a time")
+        raise ValueError("--plan, --collect and --jobs N are alternatives: plan the runs, collect them, or "
+                         "train them here N at a time")
     if args.jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
-    settings = experiments.Settings(out=args.out, size="quick" if args.quick else args.size, seeds=args.seeds, data=args.data, steps=args.steps,
-                                    overrides=overrides, quiet=args.quiet, lrs=experiments.parse_lrs(args.lrs),
-                                    per_claim=args.per_claim, design=args.design, tune_arms=_arm_patterns(args))
+    settings = experiments.Settings(out=args.out, size="quick" if args.quick else args.size, seeds=args.seeds,
+                                    data=args.data, steps=args.steps,
+                                    overrides=overrides, quiet=args.quiet,
+                                    lrs=experiments.parse_lrs(args.lrs),
+                                    per_claim=args.per_claim, design=args.design,
+                                    tune_arms=_arm_patterns(args))
     command = _compare_argv(args)
     if args.tokenizers and not args.ladder:
-        raise ValueError("--tokenizers is a condition of the ladder: add --ladder (or set tokenizer=... for every run)")
+        raise ValueError("--tokenizers is a condition of the ladder: add --ladder (or set tokenizer=... for "
+                         "every run)")
     if args.ladder:
         return _ladder(args, names, settings, command, console)
     if args.tune:
@@ -53,9 +58,10 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     if args.plan:
         return _plan(args, settings, command)
     if settings.size in ("full", "gpu") and "demo" not in names and not cuda() and not args.collect:
-        console.print(f"[yellow]note:[/yellow] {settings.size} sizes on a CPU take {'hours' if settings.size == 'full' else 'days'}; "
-                      "--plan prints what each run costs; --quick fits 2 cores in minutes "
-                      "(finished runs are kept either way: stop with Ctrl-C and rerun to resume)")
+        console.print(f"[yellow]note:[/yellow] {settings.size} sizes on a CPU take "
+                      f"{'hours' if settings.size == 'full' else 'days'}; --plan prints what each run costs; "
+                      "--quick fits 2 cores in minutes (finished runs are kept either way: stop with Ctrl-C "
+                      "and rerun to resume)")
     return _compare_once(args, names, settings, command, console)
 
 
@@ -88,13 +94,15 @@ def _compare_once(args: argparse.Namespace, names: list[str], settings, command:
             settings.mode = "collect"
         elif args.collect:
             settings.mode = "collect"
-        results = experiments.run_presets(names, settings, console, command=command, results_file=results_file)
+        results = experiments.run_presets(names, settings, console, command=command,
+                                          results_file=results_file)
     except experiments.RunsMissing as err:
-        console.print(f"[yellow]{len(err.pending)} training run(s) have not finished[/yellow] (nothing was trained: "
-                      "--collect only measures and writes what has finished):")
+        console.print(f"[yellow]{len(err.pending)} training run(s) have not finished[/yellow] (nothing was "
+                      "trained: --collect only measures and writes what has finished):")
         for run in err.pending:
             console.print(f"  {run.label}  ({run.folder})")
-        console.print(f"Train them with the command lines of `{command} --plan`, or run `{command}` to train them here.")
+        console.print(f"Train them with the command lines of `{command} --plan`, or run `{command}` to train "
+                      "them here.")
         if err.results["presets"]:
             report.render(err.results, render_to)
         return 1
@@ -113,10 +121,13 @@ def _ladder(args: argparse.Namespace, names: list[str], settings, command: str, 
     from normlab.experiments import ladder
 
     if args.tune:
-        raise ValueError(f"--tune runs at the preset's own size; --ladder transfers its learning rates ({ladder.LR_RULE})")
+        raise ValueError("--tune runs at the preset's own size; --ladder transfers its learning rates "
+                         f"({ladder.LR_RULE})")
     conditions = _tokenizers(args, settings)
-    runs = [(rung, c, dataclasses.replace(settings, rung=rung, overrides=ladder.condition_overrides(c, settings.overrides))
-             if c else dataclasses.replace(settings, rung=rung)) for c in conditions for rung in range(len(ladder.WIDTHS))]
+    runs = [(rung, c, dataclasses.replace(settings, rung=rung,
+                                          overrides=ladder.condition_overrides(c, settings.overrides))
+             if c else dataclasses.replace(settings, rung=rung)) for c in conditions
+            for rung in range(len(ladder.WIDTHS))]
     if args.plan:
         pending = [run for _, _, s in runs for run in experiments.plan_presets(names, s)]
         for run in pending:
@@ -128,12 +139,14 @@ def _ladder(args: argparse.Namespace, names: list[str], settings, command: str, 
         suffix = _suffix(c)
         console.print(f"[bold magenta]ladder rung {rung}: d_model x{ladder.WIDTHS[rung]:g}"
                       f"{f', {c} tokens' if c else ''}[/bold magenta]")
-        rc = _compare_once(args, names, rung_settings, command, console, results_file=experiments.rung_file(rung, suffix),
+        rc = _compare_once(args, names, rung_settings, command, console,
+                           results_file=experiments.rung_file(rung, suffix),
                            render_to=Path(args.out) / f"rung{rung}{'-' + suffix if suffix else ''}")
         if rc:
             return rc
     suffixes = tuple(dict.fromkeys(_suffix(c) for c in conditions))
-    paths = report.render_ladder(experiments.ladder_results(names, args.out, settings.per_claim, suffixes), args.out)
+    paths = report.render_ladder(experiments.ladder_results(names, args.out, settings.per_claim, suffixes),
+                                 args.out)
     console.print(f"ladder: {paths['markdown']} (trend claims), ladder.json and plots in {args.out}")
     return 0
 
@@ -152,7 +165,8 @@ def _tokenizers(args: argparse.Namespace, settings) -> list[str | None]:
     names = [t.strip() for t in args.tokenizers.split(",") if t.strip()]
     bad = [t for t in names if t not in ladder.TOKENIZERS]
     if bad or not names:
-        raise ValueError(f"--tokenizers takes a comma-separated list of {', '.join(ladder.TOKENIZERS)}; got {args.tokenizers!r}")
+        raise ValueError(f"--tokenizers takes a comma-separated list of {', '.join(ladder.TOKENIZERS)}; got "
+                         f"{args.tokenizers!r}")
     if "tokenizer" in settings.overrides:
         raise ValueError("--tokenizers sets each condition's tokenizer: drop tokenizer=... or --tokenizers")
     return list(dict.fromkeys(names))
@@ -162,7 +176,8 @@ def _compare_argv(args: argparse.Namespace) -> str:
     """The compare command as typed, normalized (quoted for a shell), without --plan/--collect/--jobs."""
     import shlex
 
-    flags = [x for k, v in (("seeds", args.seeds), ("data", args.data), ("steps", args.steps), ("lrs", args.lrs), ("out", args.out))
+    flags = [x for k, v in (("seeds", args.seeds), ("data", args.data), ("steps", args.steps),
+                            ("lrs", args.lrs), ("out", args.out))
              if v is not None for x in (f"--{k}", str(v))]
     flags += (["--quick"] if args.quick else []) + (["--size", args.size] if args.size != "full" else [])
     flags += ["--per-claim"] if args.per_claim else []
@@ -178,8 +193,8 @@ def _interrupted(err: BaseException, out: str, console: Console) -> int:
         console.print(f"[yellow]interrupted.[/yellow] Finished runs and measurements are kept in {out}: "
                       "run the same command again to resume.")
     else:
-        console.print(f"[yellow]interrupted:[/yellow] {escape(str(err))}. Finished runs are kept: run the same command "
-                      "again to resume.")
+        console.print(f"[yellow]interrupted:[/yellow] {escape(str(err))}. Finished runs are kept: run the "
+                      "same command again to resume.")
     return 130
 
 
@@ -198,20 +213,23 @@ def _tune(names: list[str], settings, command: str, console: Console) -> int:
 
     size = "quick" if "demo" in names and settings.size != "tiny" else settings.size  # demo implies quick
     size = design_key(size, split_overrides(settings.overrides)[0])  # and the tokenizer, where not characters
-    table = Table(title=f"pilot: each arm's learning rate (seeds {', '.join(map(str, design[size]['pilot_seeds']))})")
+    table = Table(title="pilot: each arm's learning rate (seeds "
+                        f"{', '.join(map(str, design[size]['pilot_seeds']))})")
     for col in ("preset", "arm", "learning rate", "grid", "mean pilot loss"):
         table.add_column(col)
     for arm, a in design[size]["arms"].items():
         losses = ", ".join("-" if v is None else f"{v:.4g}" for v in a["mean_loss"])
-        table.add_row(a["preset"], arm, f"{a['lr']:g}" + (" (edge)" if a["at_edge"] else ""), ", ".join(f"{x:g}" for x in a["grid"]),
+        table.add_row(a["preset"], arm, f"{a['lr']:g}" + (" (edge)" if a["at_edge"] else ""),
+                      ", ".join(f"{x:g}" for x in a["grid"]),
                       losses)
     console.print(table)
     for preset, s in design[size]["seeds"].items():
         for p in s["pairs"]:
-            console.print(f"{preset}: {p['a']} vs {p['b']} within {p['margin']:.0%}: pilot spread {p['pilot_sd_log_ratio'] or 0:.2%}, "
-                          f"{p['seeds']} seeds for {p['power']:.0%} power at {p['alpha_per_test']:.2g} per test")
-    console.print(f"design: {Path(settings.out) / 'design.json'} (commit it as src/normlab/experiments/design.json, or pass "
-                  "--design to use it)")
+            console.print(f"{preset}: {p['a']} vs {p['b']} within {p['margin']:.0%}: pilot spread "
+                          f"{p['pilot_sd_log_ratio'] or 0:.2%}, {p['seeds']} seeds for {p['power']:.0%} "
+                          f"power at {p['alpha_per_test']:.2g} per test")
+    console.print(f"design: {Path(settings.out) / 'design.json'} (commit it as "
+                  "src/normlab/experiments/design.json, or pass --design to use it)")
     return 0
 
 
@@ -226,8 +244,8 @@ def _plan(args: argparse.Namespace, settings, command: str) -> int:
         print(run.command)
     print(f"{command} --collect")
     _costs(pending, notes)
-    notes.print(f"{len(pending)} training run(s) to train (one `normlab train` line each), then the line that collects "
-                f"the results into {args.out}: measurements, verdicts and the report.")
+    notes.print(f"{len(pending)} training run(s) to train (one `normlab train` line each), then the line "
+                f"that collects the results into {args.out}: measurements, verdicts and the report.")
     return 0
 
 
@@ -240,7 +258,8 @@ def _costs(pending: list, console: Console) -> None:
 def _print_verdicts(results: dict, done: list[str], paths: dict, out: str, console: Console) -> None:
     from rich.table import Table
 
-    family = next((s.get("family") for n, s in results["presets"].items() if n in done and s.get("family")), None) or {}
+    family = next((s.get("family") for n, s in results["presets"].items() if n in done and s.get("family")),
+                  None) or {}
     how = (f"family-wise: Holm over {family.get('size')} tests at 5%" if family.get("method") == "holm"
            else "per claim, unadjusted for the number of claims")
     table = Table(title=f"claims (verdicts computed from the numbers by each claim's rule; {how})")
@@ -251,6 +270,7 @@ def _print_verdicts(results: dict, done: list[str], paths: dict, out: str, conso
         if name in done:
             for c in section["claims"]:
                 alone = c.get("verdict_plain", c["verdict"])
-                table.add_row(name, c["claim"], f"[{colours[c['verdict']]}]{c['verdict']}[/]", f"[{colours[alone]}]{alone}[/]")
+                table.add_row(name, c["claim"], f"[{colours[c['verdict']]}]{c['verdict']}[/]",
+                              f"[{colours[alone]}]{alone}[/]")
     console.print(table)
     console.print(f"report: {paths['html']} (and report.md, results.json, plots) in {out}")

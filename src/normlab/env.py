@@ -80,7 +80,8 @@ def cpu_vectors() -> str:
 def git_commit() -> str | None:
     """The checkout's short commit, when normlab runs from one."""
     try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=5,
                               cwd=os.path.dirname(os.path.abspath(__file__)))
     except (OSError, subprocess.SubprocessError):
         return None
@@ -103,7 +104,8 @@ def environment() -> dict:
 
     env = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": platform.machine(), "processor": cpu_name(), "vectors": cpu_vectors(), "cpus": os.cpu_count(),
+        "machine": platform.machine(), "processor": cpu_name(), "vectors": cpu_vectors(),
+        "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(), **versions(),
     }
     if os.environ.get("OMP_WAIT_POLICY"):  # how idle OpenMP threads wait moves a bench's interleaved cases

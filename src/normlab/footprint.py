@@ -41,7 +41,8 @@ def parameters(cfg: ModelConfig) -> int:
     return cfg.n_layers * (attention + mlp + norms) + embed + positions + d
 
 
-def estimate(cfg: ModelConfig, batch: int, seq: int, *, training: bool = True, eval_batches: int = 0) -> dict[str, int]:
+def estimate(cfg: ModelConfig, batch: int, seq: int, *, training: bool = True,
+             eval_batches: int = 0) -> dict[str, int]:
     """Bytes by part for a model of ``cfg`` taking micro-batches of ``batch`` sequences of ``seq``
     tokens (training: with gradients and optimizer state)."""
     tokens = batch * seq
@@ -49,7 +50,8 @@ def estimate(cfg: ModelConfig, batch: int, seq: int, *, training: bool = True, e
     parts = {
         "parameters": parameters(cfg) * (16 if training else 4),
         "position tables": 2 * cfg.max_seq_len * max(cfg.head_dim, cfg.d_model) * 4,
-        "activations": tokens * cfg.n_layers * per_token_layer * 4 * (1 if training else 0) + tokens * 4 * cfg.d_model * 4,
+        "activations": tokens * cfg.n_layers * per_token_layer * 4 * (1 if training else 0)
+        + tokens * 4 * cfg.d_model * 4,
         "logits": tokens * cfg.vocab_size * 4 * (3 if training else 1),
         "validation batches": eval_batches * batch * (seq + 1) * 8 * 2,
     }
@@ -80,9 +82,10 @@ def check_fits(cfg: ModelConfig, batch: int, seq: int, device: torch.device, *, 
         return
     detail = ", ".join(f"{name} {size / GiB:,.1f}" for name, size in parts.items() if size >= GiB / 10)
     raise TooLarge(
-        f"{what} needs at least {need / GiB:,.1f} GiB ({detail}; d_model {cfg.d_model}, n_layers {cfg.n_layers}, "
-        f"vocab {cfg.vocab_size}, {batch} sequences of {seq} tokens), more than the {have / GiB:,.1f} GiB this "
-        f"{'GPU' if device.type == 'cuda' else 'machine'} has; make the model, batch_size, seq_len or eval_batches smaller"
+        f"{what} needs at least {need / GiB:,.1f} GiB ({detail}; d_model {cfg.d_model}, n_layers "
+        f"{cfg.n_layers}, vocab {cfg.vocab_size}, {batch} sequences of {seq} tokens), more than the "
+        f"{have / GiB:,.1f} GiB this {'GPU' if device.type == 'cuda' else 'machine'} has; make the model, "
+        "batch_size, seq_len or eval_batches smaller"
     )
 
 
@@ -111,7 +114,9 @@ def warn_if_contended(step_ms: list[float]) -> bool:
         return False
     if not _told_contended:
         _told_contended = True
-        print(f"normlab: warning: training steps now take {factor:.0f}x as long as this run's fastest ones: other processes "
+        print(f"normlab: warning: training steps now take {factor:.0f}x as long as this run's fastest ones: "
+              "other processes "
               f"are probably loading the CPU, and torch's {threads} threads wait on each other. Fewer "
-              "threads run faster then (OMP_NUM_THREADS=1, or the number of idle cores)", file=sys.stderr, flush=True)
+              "threads run faster then (OMP_NUM_THREADS=1, or the number of idle cores)", file=sys.stderr,
+              flush=True)
     return True

@@ -37,7 +37,9 @@ def check_x(x: object, name: str = "x") -> Tensor:
     if x.dim() == 0:
         raise ValueError(f"{name} must have at least one dimension (the features), got a scalar")
     if x.shape[-1] == 0:
-        raise ValueError(f"{name} has shape {_shape(x)}: its last dimension (the features) must be at least 1")
+        raise ValueError(
+            f"{name} has shape {_shape(x)}: its last dimension (the features) must be at least 1"
+        )
     return x
 
 
@@ -83,7 +85,8 @@ def check_partial(partial: object) -> float | None:
     if isinstance(partial, bool) or not isinstance(partial, Real):
         raise TypeError(f"partial must be a number in (0, 1] or None, got {type(partial).__name__}")
     if not (0.0 < partial <= 1.0):
-        raise ValueError(f"partial must be in (0, 1] (the fraction of features the RMS is taken over), got {partial}")
+        raise ValueError("partial must be in (0, 1] (the fraction of features the RMS is taken over), got "
+                         f"{partial}")
     return float(partial)
 
 
@@ -128,13 +131,15 @@ def _check_out(out: object, x: Tensor, *params: Tensor | None) -> Tensor:
         raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
     if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
         raise ValueError(
-            f"out has shape {_shape(out)}, dtype {out.dtype} on {out.device}; expected {_shape(x)}, {x.dtype} on {x.device} (those of x)"
+            f"out has shape {_shape(out)}, dtype {out.dtype} on {out.device}; expected {_shape(x)}, "
+            f"{x.dtype} on {x.device} (those of x)"
         )
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *params)):
         raise RuntimeError("out= does not support autograd; call without out=, or under torch.no_grad()")
     if _overlap_in_part(out, x):
-        raise ValueError("out overlaps x in part (a view of the same memory at another offset or stride); the "
-                         "kernels read rows that they have already overwritten. Pass out=x itself, or a separate tensor")
+        raise ValueError("out overlaps x in part (a view of the same memory at another offset or stride); "
+                         "the kernels read rows that they have already overwritten. Pass out=x itself, or a "
+                         "separate tensor")
     return out
 
 
@@ -187,7 +192,8 @@ def layer_norm(
     _check_param(bias, "bias", x)
     eps = check_eps(eps)
     if out is not None:
-        return _into(_backend(backend, x), "layer_norm", _check_out(out, x, weight, bias), x, weight, bias, eps)
+        return _into(_backend(backend, x), "layer_norm", _check_out(out, x, weight, bias), x, weight, bias,
+                     eps)
     return _backend(backend, x).layer_norm(x, weight, bias, eps)
 
 
@@ -342,11 +348,13 @@ def seq_batch_norm(
             got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
             raise ValueError(f"mask must be a bool tensor (True at real tokens), got {got}")
         if mask.shape != x.shape[:-1]:
-            raise ValueError(f"mask has shape {_shape(mask)}, expected {tuple(x.shape[:-1])} (x's shape without its last dimension)")
+            raise ValueError(f"mask has shape {_shape(mask)}, expected {tuple(x.shape[:-1])} (x's shape "
+                             "without its last dimension)")
         _check_device(mask, "mask", x)
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must be given together (or both None)")
-    for t, name in ((running_mean, "running_mean"), (running_var, "running_var"), (weight, "weight"), (bias, "bias")):
+    for t, name in ((running_mean, "running_mean"), (running_var, "running_var"), (weight, "weight"),
+                    (bias, "bias")):
         _check_param(t, name, x)
     eps = check_eps(eps)
     momentum = check_momentum(momentum)

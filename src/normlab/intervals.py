@@ -28,7 +28,8 @@ def pairs(a: list, b: list) -> list[tuple[float, float]]:
             if x is not None and y is not None and math.isfinite(x) and math.isfinite(y)]
 
 
-def interval(a: list, b, *, paired: bool = False, absolute: bool = False, level: float = LEVEL) -> dict | None:
+def interval(a: list, b, *, paired: bool = False, absolute: bool = False,
+             level: float = LEVEL) -> dict | None:
     """The ``level`` t interval of the gap between a and b (see the module docstring): a log
     ratio (``relative``), or a - b when ``absolute`` or b is 0. ``b`` is a list of samples or an
     exact number. Returns the estimate, bounds and standard error in the test's own units

@@ -89,7 +89,8 @@ class Attention(nn.Module):
         self.record_logits = False  # diagnostics: keep the largest attention logit of the next forward
         self.max_logit: Tensor | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None, cache: dict | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None, cache: dict
+                | None) -> Tensor:
         B, T, _ = x.shape  # (B, T, d)
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.kv_heads, self.head_dim)
@@ -109,8 +110,10 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if self.record_logits:  # the logits SDPA computes inside, over the keys each query may see
             logits = (q @ k.transpose(-2, -1)).float() * self.head_dim**-0.5
-            seen = attn_mask if attn_mask is not None else torch.ones(logits.shape[-2:], dtype=torch.bool, device=logits.device).tril(
-                k.shape[2] - q.shape[2])
+            seen = attn_mask
+            if seen is None:
+                seen = torch.ones(logits.shape[-2:], dtype=torch.bool, device=logits.device)
+                seen = seen.tril(k.shape[2] - q.shape[2])
             self.max_logit = logits.masked_fill(~seen, float("-inf")).amax().detach()
         p = self.dropout if self.training else 0.0
         if attn_mask is None:
@@ -249,7 +252,8 @@ class Decoder(nn.Module):
         for block in self.blocks:
             if cfg.placement == "deepnorm":
                 self._deepnorm_init(block)
-            elif cfg.init == "xavier":  # the original Transformer's: every block matrix xavier, no depth scaling
+            # the original Transformer's: every block matrix xavier, no depth scaling
+            elif cfg.init == "xavier":
                 for module in block.modules():
                     if isinstance(module, nn.Linear):
                         nn.init.xavier_normal_(module.weight)
@@ -301,7 +305,8 @@ class Decoder(nn.Module):
         B, T = idx.shape
         past = caches[0]["k"].shape[2] if caches and "k" in caches[0] else 0
         if past + T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {past + T} tokens is longer than max_seq_len={self.cfg.max_seq_len}")
+            raise ValueError(f"sequence of {past + T} tokens is longer than "
+                             f"max_seq_len={self.cfg.max_seq_len}")
         if mask is not None and mask.shape != (B, T):
             raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {(B, T)} (that of idx)")
         cos, sin = self.rope_cos[past : past + T], self.rope_sin[past : past + T]
@@ -329,7 +334,8 @@ class Decoder(nn.Module):
         if targets is not None:
             if mask is not None:
                 targets = targets.masked_fill(~mask, -100)
-            loss = TF.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+            loss = TF.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1),
+                                    ignore_index=-100)
         return logits, loss
 
     @torch.no_grad()
@@ -344,10 +350,11 @@ class Decoder(nn.Module):
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be at least 1, or None for no cut, got {top_k}")
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.cfg.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}) (the vocabulary), got ids from "
-                             f"{int(idx.min())} to {int(idx.max())}")
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}) (the vocabulary), got ids "
+                             f"from {int(idx.min())} to {int(idx.max())}")
         if idx.shape[1] + max_new_tokens > self.cfg.max_seq_len:
-            raise ValueError(f"prompt ({idx.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len={self.cfg.max_seq_len}")
+            raise ValueError(f"prompt ({idx.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"max_seq_len={self.cfg.max_seq_len}")
         was_training = self.training
         self.eval()
         caches: list[dict] = [{} for _ in self.blocks]
@@ -404,7 +411,8 @@ class Decoder(nn.Module):
         """Per layer, the largest attention logit of the last forward (see
         :meth:`record_attention_logits`): its growth is the high-learning-rate instability that
         qk-norm prevents (Dehghani et al. 2023, Wortsman et al. 2023)."""
-        return [float(b.attn.max_logit) if b.attn.max_logit is not None else float("nan") for b in self.blocks]
+        return [float(b.attn.max_logit) if b.attn.max_logit is not None else float("nan")
+                for b in self.blocks]
 
     def activation_rms(self) -> list[float]:
         """RMS of the residual stream after each block, from the last forward (see

@@ -33,32 +33,42 @@ class ModelConfig:
     max_seq_len: int = 256  # longest sequence (rotary tables and generation)
     dropout: float = 0.0  # on attention weights and on each branch output
     mlp: str = "swiglu"  # "swiglu" (Llama), "gelu" (GPT-2) or "relu" (the original Transformer)
-    positions: str = "rope"  # "rope" (Llama), or absolute positions added to the embedding: "learned", "sinusoidal"
+    # "rope" (Llama), or absolute positions added to the embedding: "learned", "sinusoidal"
+    positions: str = "rope"
     embed_scale: bool = False  # token embeddings ~ N(0, 1/d) times sqrt(d) (the original Transformer)
-    embed_gain: float | None = None  # token embeddings times a learned scalar started here (Zhu et al.'s Llama with DyT: sqrt(d))
+    # token embeddings times a learned scalar started here (Zhu et al.'s Llama with DyT: sqrt(d))
+    embed_gain: float | None = None
     rope_theta: float = 10000.0  # rotary base
     tie_embeddings: bool = True  # the LM head shares the embedding matrix
-    norm: str = "rmsnorm"  # layernorm, rmsnorm, prmsnorm, l2, scalenorm, batchnorm, dyt or derf (not norms: their replacements), none
+    # layernorm, rmsnorm, prmsnorm, l2, scalenorm, batchnorm, dyt or derf (not norms: their replacements),
+    # none
+    norm: str = "rmsnorm"
     norm_eps: float = 1e-5  # epsilon of every norm
     norm_cast: str = "llama"  # RMSNorm cast order: "llama" or "gemma"
     norm_partial: float | None = None  # pRMSNorm's p; None: 0.0625 for prmsnorm (only prmsnorm takes it)
     norm_eps_mode: str = "inside"  # RMSNorm: eps inside or outside the square root
     norm_weightless: bool = False  # norms without a learned scale (and bias)
-    dyt_alpha0: float = 0.5  # norm="dyt" or "derf": the initial alpha of every DyT or Derf (Zhu et al. 2025's default)
-    # in training, shift every norm's input row by N(0, (this * the row's RMS)^2), one draw per row (invariance preset)
+    # norm="dyt" or "derf": the initial alpha of every DyT or Derf (Zhu et al. 2025's default)
+    dyt_alpha0: float = 0.5
+    # in training, shift every norm's input row by N(0, (this * the row's RMS)^2), one draw per
+    # row (invariance preset)
     norm_shift_noise: float = 0.0
     placement: str = "pre"  # post, pre, sandwich or deepnorm
     final_norm: bool | None = None  # a norm before the LM head; None: the placement's default
     embed_norm: bool = False  # a norm (the model's kind) on the embeddings before the first block (Bloom's)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3, OLMo 2)
-    ln_scaling: bool = False  # pre only: layer l's norms' outputs times 1/sqrt(l) (Sun et al. 2025's LayerNorm Scaling)
+    # pre only: layer l's norms' outputs times 1/sqrt(l) (Sun et al. 2025's LayerNorm Scaling)
+    ln_scaling: bool = False
     deepnorm_alpha: float | None = None  # residual scale; None: (2 L)^(1/4)
     deepnorm_beta: float | None = None  # init gain; None: (8 L)^(-1/4)
-    deepnorm_init: str = "deepnet"  # "deepnet" (xavier, gain beta) or "article" (xavier / sqrt(L), / sqrt(2L))
+    # "deepnet" (xavier, gain beta) or "article" (xavier / sqrt(L), / sqrt(2L))
+    deepnorm_init: str = "deepnet"
     backend: str | None = None  # normlab backend for the norms; None: auto
     norm_impl: str = "normlab"  # "torch": torch.nn.LayerNorm / nn.RMSNorm instead (speed comparisons)
     init_std: float = 0.02  # std of the normal init (not used by deepnorm's xavier groups)
-    init: str = "gpt2"  # block weights: "gpt2" (N(0, init_std), output projections / sqrt(2 L)) or "xavier" (Xiong et al., DeepNet baselines)
+    # block weights: "gpt2" (N(0, init_std), output projections / sqrt(2 L)) or "xavier" (Xiong et al.,
+    # DeepNet baselines)
+    init: str = "gpt2"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,7 +84,8 @@ class ModelConfig:
                 return
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or not (value >= 0 if zero_ok else value > 0):
-                raise ValueError(f"{name} must be a finite number {'>=' if zero_ok else '>'} 0{note}, got {value!r}")
+                raise ValueError(f"{name} must be a finite number {'>=' if zero_ok else '>'} 0{note}, got "
+                                 f"{value!r}")
 
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             value = getattr(self, name)
@@ -89,21 +100,27 @@ class ModelConfig:
         if self.backend is not None:
             choice("backend", BACKEND_CHOICES)
         if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}); change one of them")
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}); "
+                             "change one of them")
         if self.positions == "rope" and (self.d_model // self.n_heads) % 2:
-            raise ValueError(f"head_dim = d_model / n_heads = {self.d_model // self.n_heads} must be even for rotary embeddings")
-        if self.n_kv_heads is not None and (isinstance(self.n_kv_heads, bool) or not isinstance(self.n_kv_heads, int)
+            raise ValueError(f"head_dim = d_model / n_heads = {self.d_model // self.n_heads} must be even "
+                             "for rotary embeddings")
+        if self.n_kv_heads is not None and (isinstance(self.n_kv_heads, bool)
+                                            or not isinstance(self.n_kv_heads, int)
                                             or self.n_kv_heads < 1):
-            raise ValueError(f"n_kv_heads must be a positive int or None (None: n_heads), got {self.n_kv_heads!r}")
+            raise ValueError("n_kv_heads must be a positive int or None (None: n_heads), got "
+                             f"{self.n_kv_heads!r}")
         kv = self.kv_heads
         if kv < 1 or self.n_heads % kv:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({kv})")
         if self.norm_partial is not None:
             if self.norm != "prmsnorm":
-                raise ValueError(f"norm_partial is set ({self.norm_partial}) but norm is {self.norm!r}; use norm='prmsnorm' or drop norm_partial")
+                raise ValueError(f"norm_partial is set ({self.norm_partial}) but norm is {self.norm!r}; use "
+                                 "norm='prmsnorm' or drop norm_partial")
             if not 0 < self.norm_partial <= 1:
                 raise ValueError(f"norm_partial must be in (0, 1], got {self.norm_partial}")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout,
+                                                            (int, float)) or not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
         number("rope_theta")
         number("init_std")
@@ -117,7 +134,8 @@ class ModelConfig:
         number("dyt_alpha0", note=" (DyT's and Derf's initial alpha)")
         number("norm_shift_noise", zero_ok=True, note=" (0: none)")
         choice("norm_impl", ("normlab", "torch"))
-        for name in ("embed_norm", "qk_norm", "ln_scaling", "norm_weightless", "embed_scale", "tie_embeddings"):
+        for name in ("embed_norm", "qk_norm", "ln_scaling", "norm_weightless", "embed_scale",
+                     "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         choice("init", INITS)
@@ -129,10 +147,12 @@ class ModelConfig:
             raise ValueError(f"deepnorm_init={self.deepnorm_init!r} applies to placement='deepnorm' only, "
                              f"not {self.placement!r}")
         if self.norm_weightless and self.norm == "scalenorm":
-            raise ValueError("norm_weightless: norm='scalenorm' has one scalar gain and no per-feature weights to drop")
+            raise ValueError("norm_weightless: norm='scalenorm' has one scalar gain and no per-feature "
+                             "weights to drop")
         if self.norm_impl == "torch" and self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"norm_impl='torch' exists for layernorm and rmsnorm only, not {self.norm!r}")
-        if self.d_ff is not None and (isinstance(self.d_ff, bool) or not isinstance(self.d_ff, int) or self.d_ff < 1):
+        if self.d_ff is not None and (isinstance(self.d_ff, bool) or not isinstance(self.d_ff, int)
+                                      or self.d_ff < 1):
             raise ValueError(f"d_ff must be a positive int or None, got {self.d_ff!r}")
 
     @property
@@ -166,12 +186,14 @@ class ModelConfig:
         return (8 * self.n_layers) ** -0.25 if self.deepnorm_beta is None else self.deepnorm_beta
 
     def norm_options(self) -> dict:
-        opts: dict = {"eps": self.norm_eps} if self.norm not in ("dyt", "derf") else {"alpha0": self.dyt_alpha0}
+        opts: dict = {"eps": self.norm_eps} if self.norm not in ("dyt",
+                                                                 "derf") else {"alpha0": self.dyt_alpha0}
         if self.norm in ("rmsnorm", "prmsnorm"):
             opts.update(cast=self.norm_cast, eps_mode=self.norm_eps_mode)
             if self.norm == "prmsnorm" and self.norm_partial is not None:
                 opts["partial"] = self.norm_partial
-        if self.norm in ("layernorm", "rmsnorm", "prmsnorm", "l2", "scalenorm", "dyt", "derf") and self.backend is not None:
+        if self.norm in ("layernorm", "rmsnorm", "prmsnorm", "l2", "scalenorm", "dyt",
+                         "derf") and self.backend is not None:
             opts["backend"] = self.backend
         if self.norm_weightless:
             opts["weightless"] = True

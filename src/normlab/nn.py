@@ -19,7 +19,8 @@ from normlab import reference
 from normlab.kernels import check_name
 from normlab.torch_compat import default_rms_eps, normalized_size
 
-__all__ = ["LayerNorm", "RMSNorm", "L2Norm", "ScaleNorm", "SequenceBatchNorm", "DyT", "Derf", "build_norm", "NORM_KINDS"]
+__all__ = ["LayerNorm", "RMSNorm", "L2Norm", "ScaleNorm", "SequenceBatchNorm", "DyT", "Derf", "build_norm",
+           "NORM_KINDS"]
 
 NORM_KINDS = ("layernorm", "rmsnorm", "prmsnorm", "l2", "scalenorm", "batchnorm", "dyt", "derf", "none")
 
@@ -40,10 +41,11 @@ def _check_backend(backend: str | None) -> str | None:
 def _check_shape(normalized_shape: object) -> tuple[int, ...]:
     """torch's ``normalized_shape``: an int (the last dimension) or a tuple of the trailing ones."""
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
-    if not isinstance(shape, Sequence) or not shape or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1
+    if not isinstance(shape, Sequence) or not shape or not all(isinstance(s, int) and not isinstance(s, bool)
+                                                               and s >= 1
                                                              for s in shape):
-        raise ValueError("dim must be a positive int, or a tuple of them (torch's normalized_shape: the trailing dimensions "
-                         f"normalized together), got {normalized_shape!r}")
+        raise ValueError("dim must be a positive int, or a tuple of them (torch's normalized_shape: the "
+                         f"trailing dimensions normalized together), got {normalized_shape!r}")
     return tuple(shape)
 
 
@@ -87,10 +89,12 @@ class LayerNorm(nn.Module):
         self.backend = _check_backend(backend)
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.ones(self.normalized_shape, **kw)) if elementwise_affine else None
-        self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **kw)) if (elementwise_affine and bias) else None
+        self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **kw)) if (elementwise_affine
+                                                                               and bias) else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.layer_norm(_flat(self, x), _flat_param(self.weight), _flat_param(self.bias), self.eps, backend=self.backend)
+        y = F.layer_norm(_flat(self, x), _flat_param(self.weight), _flat_param(self.bias), self.eps,
+                         backend=self.backend)
         return y.reshape(x.shape) if len(self.normalized_shape) > 1 else y
 
     def extra_repr(self) -> str:
@@ -140,7 +144,8 @@ class RMSNorm(nn.Module):
         self.elementwise_affine = bool(elementwise_affine)
         self.backend = _check_backend(backend)
         if elementwise_affine:
-            self.weight = nn.Parameter(torch.full(self.normalized_shape, 1.0 - self.offset, device=device, dtype=dtype))
+            self.weight = nn.Parameter(torch.full(self.normalized_shape, 1.0 - self.offset, device=device,
+                                                  dtype=dtype))
         else:
             self.register_parameter("weight", None)
 
@@ -204,10 +209,11 @@ class SequenceBatchNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim, **kw)) if affine else None
         if per_position:
             if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
-                raise ValueError(f"max_positions must be a positive int with per_position=True (the longest sequence "
-                                 f"it will see), got {max_positions!r}")
+                raise ValueError("max_positions must be a positive int with per_position=True (the longest "
+                                 f"sequence it will see), got {max_positions!r}")
             if not track_running_stats:
-                raise ValueError("per_position=True keeps running statistics per position: track_running_stats must be True")
+                raise ValueError("per_position=True keeps running statistics per position: "
+                                 "track_running_stats must be True")
             self.register_buffer("running_mean", torch.zeros(max_positions, dim, **kw))
             self.register_buffer("running_var", torch.ones(max_positions, dim, **kw))
             self.register_buffer("seen", torch.zeros(max_positions, dtype=torch.long, device=device))
@@ -226,9 +232,11 @@ class SequenceBatchNorm(nn.Module):
             self.num_batches_tracked.add_(1)
         if self.per_position:
             if x.dim() != 3 or x.shape[-1] != self.dim:
-                raise ValueError(f"x has shape {tuple(x.shape)}; per-position BatchNorm expects (B, T, {self.dim})")
+                raise ValueError(f"x has shape {tuple(x.shape)}; per-position BatchNorm expects (B, T, "
+                                 f"{self.dim})")
             if mask is not None and (mask.dtype != torch.bool or mask.shape != x.shape[:-1]):
-                raise ValueError(f"mask must be a bool tensor of shape {tuple(x.shape[:-1])} (True at real tokens)")
+                raise ValueError(f"mask must be a bool tensor of shape {tuple(x.shape[:-1])} (True at real "
+                                 "tokens)")
             return reference.seq_batch_norm_per_position(
                 x, mask, self.running_mean, self.running_var, self.seen, self.weight, self.bias,
                 training=self.training, momentum=self.momentum, eps=self.eps,
@@ -242,7 +250,8 @@ class SequenceBatchNorm(nn.Module):
         return (
             f"{self.dim}, eps={self.eps:g}, momentum={self.momentum:g}, affine={self.affine}, "
             f"track_running_stats={self.track_running_stats}"
-            + (f", per_position=True, max_positions={self.running_mean.shape[0]}" if self.per_position else "")
+            + (f", per_position=True, max_positions={self.running_mean.shape[0]}" if self.per_position
+               else "")
         )
 
 
@@ -269,9 +278,11 @@ class L2Norm(nn.Module):
         self.eps = F.check_eps(eps)
         self.elementwise_affine = bool(elementwise_affine)
         self.backend = _check_backend(backend)
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype)) if elementwise_affine else None
+        self.weight = nn.Parameter(torch.ones(dim, device=device,
+                                              dtype=dtype)) if elementwise_affine else None
         # the 1/sqrt(d) that turns RMS into the norm; not saved: it follows from dim
-        self.register_buffer("root", torch.full((dim,), dim**-0.5, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("root", torch.full((dim,), dim**-0.5, device=device, dtype=dtype),
+                             persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         scale = self.root if self.weight is None else self.weight * self.root
@@ -307,7 +318,8 @@ class ScaleNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # the per-feature scale in fp32 (at least), so that g's gradient sums d fp32 partial sums,
         # not d values each rounded to a 16-bit dtype first
-        scale = (self.g.to(torch.promote_types(self.g.dtype, torch.float32)) * self.dim**-0.5).expand(self.dim).contiguous()
+        scale = (self.g.to(torch.promote_types(self.g.dtype,
+                                               torch.float32)) * self.dim**-0.5).expand(self.dim).contiguous()
         return F.rms_norm(x, scale, self.eps / self.dim, backend=self.backend)
 
     def extra_repr(self) -> str:
@@ -334,8 +346,10 @@ class DyT(nn.Module):
     ) -> None:
         super().__init__()
         self.dim = _check_dim(dim)
-        if isinstance(alpha0, bool) or not isinstance(alpha0, (int, float)) or not (0 < alpha0 < float("inf")):
-            raise ValueError(f"alpha0 must be a finite number > 0 ({type(self).__name__}'s initial alpha), got {alpha0!r}")
+        if isinstance(alpha0, bool) or not isinstance(alpha0,
+                                                      (int, float)) or not (0 < alpha0 < float("inf")):
+            raise ValueError(f"alpha0 must be a finite number > 0 ({type(self).__name__}'s initial alpha), "
+                             f"got {alpha0!r}")
         self.alpha0 = float(alpha0)
         self.elementwise_affine = bool(elementwise_affine)
         self.backend = _check_backend(backend)
@@ -365,7 +379,8 @@ class Derf(DyT):
         if isinstance(shift0, bool) or not isinstance(shift0, (int, float)) or not math.isfinite(shift0):
             raise ValueError(f"shift0 must be a finite number (Derf's initial shift), got {shift0!r}")
         self.shift0 = float(shift0)
-        self.shift = nn.Parameter(torch.full((1,), self.shift0, device=self.alpha.device, dtype=self.alpha.dtype))
+        self.shift = nn.Parameter(torch.full((1,), self.shift0, device=self.alpha.device,
+                                             dtype=self.alpha.dtype))
 
     def forward(self, x: Tensor) -> Tensor:
         return F.derf(x, self.alpha, self.shift, self.weight, self.bias, backend=self.backend)
@@ -394,7 +409,8 @@ def build_norm(kind: str, dim: int, **options) -> nn.Module:
     allowed = {
         "layernorm": {"eps", "bias", "elementwise_affine", "backend", "device", "dtype"},
         "rmsnorm": {"eps", "elementwise_affine", "cast", "offset", "eps_mode", "backend", "device", "dtype"},
-        "prmsnorm": {"eps", "elementwise_affine", "cast", "offset", "eps_mode", "partial", "backend", "device", "dtype"},
+        "prmsnorm": {"eps", "elementwise_affine", "cast", "offset", "eps_mode", "partial", "backend",
+                     "device", "dtype"},
         "l2": {"eps", "elementwise_affine", "backend", "device", "dtype"},
         "scalenorm": {"eps", "backend", "device", "dtype"},
         "batchnorm": {"eps", "momentum", "affine", "track_running_stats", "device", "dtype"},
@@ -405,9 +421,11 @@ def build_norm(kind: str, dim: int, **options) -> nn.Module:
     unknown = sorted(set(options) - allowed)
     if unknown:
         if kind == "rmsnorm" and "partial" in unknown:
-            raise ValueError("partial is an option of kind='prmsnorm'; use build_norm('prmsnorm', dim, partial=p)")
+            raise ValueError("partial is an option of kind='prmsnorm'; use build_norm('prmsnorm', dim, "
+                             "partial=p)")
         valid = ", ".join(sorted(allowed)) or "none"
-        raise ValueError(f"unknown option(s) {', '.join(unknown)} for norm kind {kind!r}; valid options: {valid}")
+        raise ValueError(f"unknown option(s) {', '.join(unknown)} for norm kind {kind!r}; valid options: "
+                         f"{valid}")
     if kind == "layernorm":
         return LayerNorm(dim, **options)
     if kind == "rmsnorm":

@@ -3,7 +3,8 @@ results.json alone (``PLOTS``: preset -> function(section, plt) -> {filename: fi
 
 from __future__ import annotations
 
-NORM_COLOURS = {"layernorm": "C0", "rmsnorm": "C1", "prmsnorm": "C2", "batchnorm": "C3", "none": "C7", "l2": "C5", "scalenorm": "C6"}
+NORM_COLOURS = {"layernorm": "C0", "rmsnorm": "C1", "prmsnorm": "C2", "batchnorm": "C3", "none": "C7",
+                "l2": "C5", "scalenorm": "C6"}
 PLACEMENT_COLOURS = {"post": "C3", "pre": "C0", "sandwich": "C2", "deepnorm": "C4", "deepnorm_article": "C5"}
 
 
@@ -56,7 +57,8 @@ def plot_norms(section: dict, plt) -> dict:
         axes[1].text(0.5, 0.5, "left out: the runs were trained under\ndifferent machines, threads or loads\n"
                      "(see the report's note)", ha="center", va="center", transform=axes[1].transAxes)
     for norm, curves in section["series"]["runs"].items():
-        for ax, key, label in ((axes[0], "step", "step"),) + (() if mixed else ((axes[1], "time_s", "training time (s)"),)):
+        for ax, key, label in ((axes[0], "step",
+                                "step"),) + (() if mixed else ((axes[1], "time_s", "training time (s)"),)):
             xs, mean, lo, hi = _mean_curve(curves, key)
             if xs:
                 ax.plot(xs, mean, label=norm, color=NORM_COLOURS.get(norm))
@@ -86,7 +88,8 @@ def _trim_y(ax, section):
         ax.set_ylim(lo - 0.1 * (hi - lo + 0.1), hi + 1.0)
 
 
-SWEEP_STYLES = {"post|warm": ("C3", "-"), "post|nowarm": ("C3", "--"), "pre|warm": ("C0", "-"), "pre|nowarm": ("C0", "--"),
+SWEEP_STYLES = {"post|warm": ("C3", "-"), "post|nowarm": ("C3", "--"), "pre|warm": ("C0", "-"),
+                "pre|nowarm": ("C0", "--"),
                 "pre|warm|qknorm": ("C2", "-"), "pre|warm|embednorm": ("C1", "-"),
                 "pre|warm|sandwich": ("C4", "-")}
 
@@ -94,7 +97,8 @@ SWEEP_STYLES = {"post|warm": ("C3", "-"), "post|nowarm": ("C3", "--"), "pre|warm
 def plot_warmup(section: dict, plt) -> dict:
     curves = section["series"]["curves"]
     inits = [c["init"] for c in curves.values() if c["init"] is not None]
-    top = sum(inits) / len(inits) if inits else max(v for c in curves.values() for vs in c["loss"] for v in vs if v is not None)
+    top = sum(inits) / len(inits) if inits else max(v for c in curves.values() for vs in c["loss"] for v in vs
+                                                    if v is not None)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     ax = axes[0]
     for key, c in curves.items():
@@ -122,7 +126,8 @@ def plot_warmup(section: dict, plt) -> dict:
     ax = axes[1]
     logits = section["series"]["logits"]
     for key in ("pre|warm", "pre|warm|qknorm"):
-        pts = sorted((float(k.rsplit("|", 1)[1]), sum(v) / len(v)) for k, v in logits.items() if k.rsplit("|", 1)[0] == key)
+        pts = sorted((float(k.rsplit("|", 1)[1]), sum(v) / len(v)) for k, v in logits.items()
+                     if k.rsplit("|", 1)[0] == key)
         if pts:
             colour, style = SWEEP_STYLES[key]
             ax.plot(*zip(*pts), style, marker="o", ms=3, color=colour, label=key.replace("|", ", "))
@@ -145,7 +150,8 @@ def plot_gradients(section: dict, plt) -> dict:
             for setting, style in (("xiong", "-"), ("llama", "--")):
                 g = norms.get(f"{setting}|{p}|{depth}")
                 if g:
-                    ax.plot(range(1, len(g) + 1), g, style, marker="o" if style == "-" else None, ms=3, color=f"C{i}",
+                    ax.plot(range(1, len(g) + 1), g, style, marker="o" if style == "-" else None, ms=3,
+                            color=f"C{i}",
                             label=f"{depth} layers" if setting == "xiong" else None)
         ax.set_yscale("log")
         ax.set_title(f"{p}-LN: W2 gradient by layer")
@@ -195,7 +201,8 @@ def plot_batchnorm(section: dict, plt) -> dict:
     floor = 1e-12
     for j, key in enumerate(("mates_change", "padding_change")):
         vals = [max(r[key] or 0.0, floor) for r in rows]
-        axes[0].bar([i + (j - 0.5) * 0.38 for i in range(len(rows))], vals, width=0.38, label=key.replace("_", " "))
+        axes[0].bar([i + (j - 0.5) * 0.38 for i in range(len(rows))], vals, width=0.38,
+                    label=key.replace("_", " "))
     axes[0].set_yscale("log")
     axes[0].set_ylim(floor / 2, None)
     axes[0].set_xticks(range(len(rows)), names)
@@ -205,8 +212,10 @@ def plot_batchnorm(section: dict, plt) -> dict:
     if not trend:  # the demo leaves the trend out
         for ax in axes[1:]:
             ax.set_axis_off()
-        axes[1].text(0.5, 0.5, "batch-size trend: normlab compare batchnorm --quick", ha="center", va="center")
-    for ax, key, label in ((axes[1], "val", "final validation loss (eval mode)"), (axes[2], "gap", "train/eval loss gap")):
+        axes[1].text(0.5, 0.5, "batch-size trend: normlab compare batchnorm --quick", ha="center",
+                     va="center")
+    for ax, key, label in ((axes[1], "val", "final validation loss (eval mode)"),
+                           (axes[2], "gap", "train/eval loss gap")):
         if not trend:
             break
         for norm in ("batchnorm", "layernorm"):
@@ -218,11 +227,14 @@ def plot_batchnorm(section: dict, plt) -> dict:
                         label=f"{norm} (n = {max(len(v) for _, v in pts)} seeds)")
                 ax.fill_between([bs for bs, _ in pts], [b[1] for b in bands], [b[2] for b in bands],
                                 color=NORM_COLOURS[norm], alpha=0.15)
-            accum = section["series"].get("accumulation")  # the largest batch again, by accumulated micro-batches
-            vals = [v for v in trend.get(f"{norm}|{accum['key']}", {}).get(key, []) if v is not None] if accum else []
+            # the largest batch again, by accumulated micro-batches
+            accum = section["series"].get("accumulation")
+            vals = [v for v in trend.get(f"{norm}|{accum['key']}", {}).get(key, [])
+                    if v is not None] if accum else []
             if vals:
                 mean, lo, hi = band(vals)
-                ax.errorbar([accum["batch"]], [mean], yerr=[[mean - lo], [hi - mean]], marker="x", markersize=9, capsize=3,
+                ax.errorbar([accum["batch"]], [mean], yerr=[[mean - lo], [hi - mean]], marker="x",
+                            markersize=9, capsize=3,
                             linestyle="none", color=NORM_COLOURS[norm], label=f"{norm}, {accum['label']}")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(s) for s in sizes])
@@ -262,11 +274,14 @@ def plot_precision(section: dict, plt) -> dict:
 def plot_eps(section: dict, plt) -> dict:
     series = section["series"]
     scales, eps = series["scales"], series["eps"]
-    xs = [s if s > 0 else min(x for x in scales if x > 0) / 10 for s in scales]  # zero rows drawn left of the rest
+    # zero rows drawn left of the rest
+    xs = [s if s > 0 else min(x for x in scales if x > 0) / 10 for s in scales]
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for i, mode in enumerate(("inside", "outside")):
-        ax.plot(xs, [r["gain"] for r in series["results"][f"{mode}|exact"]], marker="o", color=f"C{i}", label=f"eps {mode} (float64)")
-        ax.plot(xs, [r["gain"] for r in series["results"][f"{mode}|normlab"]], ls="", marker="x", ms=8, color=f"C{i}",
+        ax.plot(xs, [r["gain"] for r in series["results"][f"{mode}|exact"]], marker="o", color=f"C{i}",
+                label=f"eps {mode} (float64)")
+        ax.plot(xs, [r["gain"] for r in series["results"][f"{mode}|normlab"]], ls="", marker="x", ms=8,
+                color=f"C{i}",
                 label=f"eps {mode} (normlab fp32)")
     ax.axhline(1 / eps ** 0.5, color="grey", lw=0.8, ls=":", label="1/sqrt(eps)")
     ax.axhline(1 / eps, color="grey", lw=0.8, ls="--", label="1/eps")
@@ -285,7 +300,8 @@ def plot_stability(section: dict, plt) -> dict:
     spreads, eps, mean = series["spreads"], series["eps"], series["mean"]
     fig, ax = plt.subplots(figsize=(5.5, 4))
     ax.plot(spreads, series["gains"]["layernorm"], marker="o", color="C0", label="LayerNorm (float64)")
-    ax.plot(spreads, [1 / ((s * mean) ** 2 + eps) ** 0.5 for s in spreads], color="C0", ls=":", label="1/sqrt(s^2 + eps)")
+    ax.plot(spreads, [1 / ((s * mean) ** 2 + eps) ** 0.5 for s in spreads], color="C0", ls=":",
+            label="1/sqrt(s^2 + eps)")
     ax.plot(spreads, series["gains"]["rmsnorm"], marker="s", color="C1", label="RMSNorm (float64)")
     ax.axhline(1 / abs(mean), color="C1", lw=0.8, ls="--", label="1/|mean|")
     ax.set_xscale("log")
@@ -308,9 +324,11 @@ def plot_speed(section: dict, plt) -> dict:
     for j, b in enumerate(backends):
         vals = []
         for g in groups:
-            sel = [r["frac_of_copy"] for r in recs if (r["op"], r["pass"], r["dtype"]) == g and r["backend"] == b]
+            sel = [r["frac_of_copy"] for r in recs if (r["op"], r["pass"], r["dtype"]) == g
+                   and r["backend"] == b]
             vals.append(sum(sel) / len(sel) if sel else 0)
-        axes[0].bar([i + (j - (len(backends) - 1) / 2) * width for i in range(len(groups))], vals, width=width, label=b)
+        axes[0].bar([i + (j - (len(backends) - 1) / 2) * width for i in range(len(groups))], vals,
+                    width=width, label=b)
     axes[0].set_xticks(range(len(groups)), [f"{o}\n{p} {d}" for o, p, d in groups], fontsize=8)
     axes[0].axhline(1.0, color="grey", lw=0.8, ls=":")
     axes[0].set_ylabel("fraction of copy bandwidth (mean over shapes)")
@@ -318,7 +336,8 @@ def plot_speed(section: dict, plt) -> dict:
     axes[0].set_title("kernels (allocating calls)")
     timing = section["series"]["timing"]
     labels = list(timing)
-    axes[1].barh(range(len(labels)), [timing[k] for k in labels], color=["C0" if k.endswith("normlab") else "C7" for k in labels])
+    axes[1].barh(range(len(labels)), [timing[k] for k in labels],
+                 color=["C0" if k.endswith("normlab") else "C7" for k in labels])
     axes[1].set_yticks(range(len(labels)), [k.replace("|", " / ") for k in labels])
     axes[1].set_xlabel("ms per training step")
     axes[1].set_title("training step")
@@ -341,7 +360,8 @@ def plot_invariance(section: dict, plt) -> dict:
                 bar.set_hatch("//")
     ax.set_yscale("log")
     ax.set_ylim(floor / 2, 10)
-    ax.set_xticks(range(len(labels)), [f"{name.replace('_', ' ')}\n({where})" for where, name in labels], fontsize=8)
+    ax.set_xticks(range(len(labels)), [f"{name.replace('_', ' ')}\n({where})" for where, name in labels],
+                  fontsize=8)
     ax.set_ylabel("relative change of the output (float64)")
     ax.set_title("exact: hatched = not invariant in theory", fontsize=10)
     ax.legend(fontsize=8)
@@ -380,7 +400,8 @@ def plot_final_norm(section: dict, plt) -> dict:
     axes[0].set_title("what the LM head reads (each seed)", fontsize=10)
     axes[0].legend(fontsize=8)
     axes[1].set_xlabel("step")
-    axes[1].set_ylabel(f"validation loss (mean over finished seeds, {_n_text(section['series']['runs'].values())})")
+    axes[1].set_ylabel("validation loss (mean over finished seeds, "
+                       f"{_n_text(section['series']['runs'].values())})")
     axes[1].set_title("loss", fontsize=10)
     axes[1].legend(fontsize=8)
     _trim_y(axes[1], section)
@@ -398,12 +419,14 @@ def plot_shallow(section: dict, plt) -> dict:
             xs, mean, lo, hi = _mean_curve(curves, "step")
             diverged = sum(c["status"] == "diverged" for c in curves)
             if xs:
-                ax.plot(xs, mean, color=PLACEMENT_COLOURS[p], label=p + (f" ({diverged} diverged)" if diverged else ""))
+                ax.plot(xs, mean, color=PLACEMENT_COLOURS[p], label=p
+                        + (f" ({diverged} diverged)" if diverged else ""))
                 ax.fill_between(xs, lo, hi, color=PLACEMENT_COLOURS[p], alpha=0.2)
         ax.set_title(f"{depth} layers", fontsize=10)
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
-    axes[0].set_ylabel(f"validation loss (mean, 95% t band; {_n_text(section['series']['runs'].values())} seeds)")
+    axes[0].set_ylabel(f"validation loss (mean, 95% t band; {_n_text(section['series']['runs'].values())} "
+                       "seeds)")
     _trim_y(axes[0], section)
     fig.suptitle("Post-LN vs Pre-LN, shallow and deep")
     fig.tight_layout()
@@ -417,7 +440,8 @@ def plot_sandwich(section: dict, plt) -> dict:
             axes[0].plot(range(1, len(layers) + 1), layers, marker="o", color=PLACEMENT_COLOURS.get(p),
                          label=p if i == 0 else None, alpha=0.8)
         for i, layers in enumerate(section["series"].get("stream_rms_at_init", {}).get(p, [])):
-            axes[0].plot(range(1, len(layers) + 1), layers, ls="--", marker=".", color=PLACEMENT_COLOURS.get(p),
+            axes[0].plot(range(1, len(layers) + 1), layers, ls="--", marker=".",
+                         color=PLACEMENT_COLOURS.get(p),
                          label=f"{p}, before training" if i == 0 else None, alpha=0.6)
         xs, mean, lo, hi = _mean_curve(section["series"]["runs"][p], "step")
         if xs:
@@ -430,7 +454,8 @@ def plot_sandwich(section: dict, plt) -> dict:
     axes[0].set_title("after training and before it (dashed), each seed", fontsize=10)
     axes[0].legend(fontsize=8, ncol=2, loc="center right")  # between Pre-LN's trained and untrained lines
     axes[1].set_xlabel("step")
-    axes[1].set_ylabel(f"validation loss (mean, 95% t band; {_n_text(section['series']['runs'].values())} seeds)")
+    axes[1].set_ylabel(f"validation loss (mean, 95% t band; {_n_text(section['series']['runs'].values())} "
+                       "seeds)")
     axes[1].legend(fontsize=8)
     _trim_y(axes[1], section)
     fig.suptitle("Sandwich norms vs Pre-LN")
@@ -446,9 +471,11 @@ def plot_curse(section: dict, plt) -> dict:
     for arm, per_layer in section["series"]["layers"].items():
         for ax, key in zip(axes, ("rise", "cos")):
             if per_layer[key]:
-                ax.plot(range(1, len(per_layer[key]) + 1), per_layer[key], marker="o", color=CURSE_COLOURS.get(arm), label=arm)
+                ax.plot(range(1, len(per_layer[key]) + 1), per_layer[key], marker="o",
+                        color=CURSE_COLOURS.get(arm), label=arm)
     n = section["settings"]["model"]["n_layers"]
-    for ax, label in zip(axes, ("validation loss rise when the layer is skipped", "cosine(block input, block output)")):
+    for ax, label in zip(axes, ("validation loss rise when the layer is skipped",
+                                "cosine(block input, block output)")):
         ax.axvline(n // 2 + 0.5, color="grey", lw=0.8, ls=":")  # the halves the claims compare
         ax.set_xlabel("layer")
         ax.set_xticks(range(1, n + 1))
@@ -486,7 +513,8 @@ def plot_dyt(section: dict, plt) -> dict:
     dyts = [s for s in settings if s.startswith("dyt")]
     for j, budget in enumerate(budgets):
         shares = [section["series"]["saturated"].get(f"{s}|{budget}") or [0.0] for s in dyts]
-        ax.bar([i + (j - (len(budgets) - 1) / 2) * width for i in range(len(dyts))], [sum(v) / len(v) for v in shares],
+        ax.bar([i + (j - (len(budgets) - 1) / 2) * width for i in range(len(dyts))],
+               [sum(v) / len(v) for v in shares],
                width=width, label=f"{budget} data")
     ax.set_xticks(range(len(dyts)), dyts)
     ax.set_ylabel("share of DyT inputs with |alpha x| > 2")
@@ -498,8 +526,10 @@ def plot_dyt(section: dict, plt) -> dict:
 
 
 PLOTS = {"norms": plot_norms, "warmup": plot_warmup, "gradients": plot_gradients, "depth": plot_depth,
-         "batchnorm": plot_batchnorm, "precision": plot_precision, "speed": plot_speed, "eps": plot_eps, "stability": plot_stability,
-         "invariance": plot_invariance, "final-norm": plot_final_norm, "shallow": plot_shallow, "sandwich": plot_sandwich,
+         "batchnorm": plot_batchnorm, "precision": plot_precision, "speed": plot_speed, "eps": plot_eps,
+         "stability": plot_stability,
+         "invariance": plot_invariance, "final-norm": plot_final_norm, "shallow": plot_shallow,
+         "sandwich": plot_sandwich,
          "dyt": plot_dyt, "scale": plot_scale, "curse": plot_curse}
 
 
@@ -529,11 +559,14 @@ def plot_ladder(ladder: dict, plt) -> dict:
             if any(r["ci"] or r["gaps"] for t in trends for r in t["rungs"]):
                 ax.set_xscale("log")
             else:
-                ax.text(0.5, 0.5, "no rung gives a gap to plot", ha="center", transform=ax.transAxes, fontsize=8)
-            ax.set_title(f"{claim}: " + ", ".join(f"{t['verdict']}" + (f" ({t['condition']})" if len(trends) > 1 else "")
-                                                   for t in trends), fontsize=8)
+                ax.text(0.5, 0.5, "no rung gives a gap to plot", ha="center", transform=ax.transAxes,
+                        fontsize=8)
+            ax.set_title(f"{claim}: "
+                         + ", ".join(f"{t['verdict']}" + (f" ({t['condition']})" if len(trends) > 1 else "")
+                                      for t in trends), fontsize=8)
             ax.set_xlabel("non-embedding parameters")
-            ax.set_ylabel(f"gap ({trends[0]['units']}; {trends[0]['leaf']['a']} vs {trends[0]['leaf']['b']})", fontsize=7)
+            ax.set_ylabel(f"gap ({trends[0]['units']}; {trends[0]['leaf']['a']} vs {trends[0]['leaf']['b']})",
+                          fontsize=7)
         for ax in list(axes.flat)[len(panels):]:
             ax.axis("off")
         fig.suptitle(f"{name}: each effect across the ladder (95% t intervals over seeds)", fontsize=10)
@@ -553,7 +586,8 @@ def _ladder_series(ax, t: dict, colour: str, condition: str | None, nudge: float
         out = r.get("precondition") is False  # left out of the fit: its baseline did not train
         x = r["parameters"] * nudge
         if r["ci"]:
-            ax.errorbar([x], [r["ci"]["est"]], yerr=[[r["ci"]["est"] - r["ci"]["lo"]], [r["ci"]["hi"] - r["ci"]["est"]]],
+            ax.errorbar([x], [r["ci"]["est"]],
+                        yerr=[[r["ci"]["est"] - r["ci"]["lo"]], [r["ci"]["hi"] - r["ci"]["est"]]],
                         fmt="o", color="C7" if out else colour, mfc="none" if out else colour, capsize=3,
                         label=f"{tag}left out: baseline did not train" if out else None)
         ax.plot([x] * len(r["gaps"]), r["gaps"], ".", color="C7" if out else colour, alpha=0.4)

@@ -236,7 +236,8 @@ def seq_batch_norm(
         if training and running_mean is not None and running_var is not None:
             with torch.no_grad():
                 running_mean.mul_(1 - momentum).add_(momentum * mean.detach().to(running_mean.dtype))
-                if n > 1:  # one token has no unbiased variance (torch's BatchNorm refuses it): keep the running one
+                # one token has no unbiased variance (torch's BatchNorm refuses it): keep the running one
+                if n > 1:
                     unbiased = var * (n / (n - 1))
                     running_var.mul_(1 - momentum).add_(momentum * unbiased.detach().to(running_var.dtype))
     else:
@@ -273,8 +274,9 @@ def seq_batch_norm_per_position(
     normalized like the others."""
     B, T, d = x.shape
     if T > running_mean.shape[0]:
-        raise ValueError(f"position {running_mean.shape[0]} (of {T}) is past the last position with statistics: "
-                         f"per-position BatchNorm was built for max_positions={running_mean.shape[0]}")
+        raise ValueError(f"position {running_mean.shape[0]} (of {T}) is past the last position with "
+                         "statistics: per-position BatchNorm was built for "
+                         f"max_positions={running_mean.shape[0]}")
     sdt = stat_dtype(x.dtype)
     xs = x.to(sdt)
     m = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask
@@ -298,8 +300,8 @@ def seq_batch_norm_per_position(
         if bool(unseen.any()):
             t = int(unseen.nonzero()[0])
             longest = int((seen > 0).nonzero().max()) + 1 if bool((seen > 0).any()) else 0
-            raise ValueError(f"position {t} has no running statistics: no training batch had a real token there (the "
-                             f"longest training sequence had {longest} positions)")
+            raise ValueError(f"position {t} has no running statistics: no training batch had a real token "
+                             f"there (the longest training sequence had {longest} positions)")
         mean, var = running_mean[:T].to(sdt), running_var[:T].to(sdt)
     y = (xs - mean) * torch.rsqrt(var + eps)
     if weight is not None:
@@ -309,7 +311,8 @@ def seq_batch_norm_per_position(
     return y.to(x.dtype)
 
 
-def dyt(x: Tensor, alpha: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, *, upcast: bool = True) -> Tensor:
+def dyt(x: Tensor, alpha: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, *,
+        upcast: bool = True) -> Tensor:
     """DyT (Zhu et al. 2025, "Transformers without Normalization"): weight * tanh(alpha * x) + bias,
     elementwise, with one learned scalar ``alpha`` (shape (1,) or ()). No statistics: computed in
     float32 (float64 for float64 input) and cast to x's dtype."""

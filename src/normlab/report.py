@@ -22,8 +22,8 @@ def render(results: dict, out: str | Path) -> dict[str, Path]:
 
     bad = recheck(results)
     if bad:
-        raise ValueError(f"results.json holds verdicts that its numbers and rules do not give ({', '.join(bad)}); "
-                         "rerun the preset instead of editing the file")
+        raise ValueError("results.json holds verdicts that its numbers and rules do not give "
+                         f"({', '.join(bad)}); rerun the preset instead of editing the file")
     plt = pyplot()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -60,7 +60,8 @@ def _setting(v) -> str:
     a dict as "key value" pairs, a dict of dicts as "key: pairs; ..."."""
     if isinstance(v, dict):
         nested = any(isinstance(x, dict) for x in v.values())
-        return ("; " if nested else ", ").join(f"{k}{':' if isinstance(x, dict) else ''} {_setting(x)}" for k, x in v.items())
+        return ("; " if nested else ", ").join(f"{k}{':' if isinstance(x, dict) else ''} {_setting(x)}" for k,
+                                               x in v.items())
     if isinstance(v, list):
         if len(v) > 6 and all(isinstance(x, int) for x in v) and v == list(range(v[0], v[0] + len(v))):
             return f"{v[0]} to {v[-1]} ({len(v)})"
@@ -75,8 +76,10 @@ def settings_rows(settings: dict) -> list[tuple[str, str]]:
 
 def clock_text(clock: dict) -> str:
     """One measuring condition (env.clock) in words."""
-    return (f"{clock.get('processor')}, {clock.get('threads')} thread{'s' if clock.get('threads') != 1 else ''}"
-            + (f", {clock['gpu']}" if clock.get("gpu") else "") + (", under load (steps slowed 5x)" if clock.get("loaded") else ""))
+    return (f"{clock.get('processor')}, {clock.get('threads')} "
+            f"thread{'s' if clock.get('threads') != 1 else ''}"
+            + (f", {clock['gpu']}" if clock.get("gpu") else "")
+            + (", under load (steps slowed 5x)" if clock.get("loaded") else ""))
 
 
 def clock_lines(results: dict) -> list[str]:
@@ -89,24 +92,32 @@ def clock_lines(results: dict) -> list[str]:
     lines = []
     if mixed:
         lines.append("Mixed conditions: the training runs of " + "; of ".join(
-            f"{name} were trained under {len(c)} ({'; '.join(clock_text(x) for x in c)})" for name, c in mixed.items())
-            + ". Their tokens/s, run_step_ms and per-second curves do not compare across those conditions: the "
-            "per-second curves are left out. Timing claims are not among them: each is measured in one process, keyed "
-            "by machine and thread count.")
+            f"{name} were trained under {len(c)} ({'; '.join(clock_text(x) for x in c)})" for name,
+            c in mixed.items())
+            + ". Their tokens/s, run_step_ms and per-second curves do not compare across those conditions: "
+            "the per-second curves are left out. Timing claims are not among them: each is measured in one "
+            "process, keyed by machine and thread count.")
     elif len(every) > 1:
-        lines.append(f"The sections' training runs were trained under {len(every)} conditions ({'; '.join(sorted(every))}), "
-                     "each section under one: compare run times within a section, not across sections.")
+        lines.append(f"The sections' training runs were trained under {len(every)} conditions "
+                     f"({'; '.join(sorted(every))}), each section under one: compare run times within a "
+                     "section, not across sections.")
     return lines
 
 
 def _meta_lines(meta: dict) -> list[str]:
-    keys = ("date", "processor", "cpus", "torch_threads", "gpu", "python", "torch", "numba", "triton", "normlab", "git")
-    meta = {**meta, "torch_threads": f"{meta['torch_threads']} (the collecting process's)"} if meta.get("torch_threads") else meta
+    keys = ("date", "processor", "cpus", "torch_threads", "gpu", "python", "torch", "numba", "triton",
+            "normlab", "git")
+    meta = (
+        {**meta, "torch_threads": f"{meta['torch_threads']} (the collecting process's)"}
+        if meta.get("torch_threads")
+        else meta
+    )
     env = ", ".join(f"{k} {meta[k]}" for k in keys if meta.get(k) is not None)
     seeds = meta.get("seeds")
     return [f"Machine and versions: {env}.",
             f"Command: `{meta.get('command') or 'normlab compare'}` ({meta.get('size', 'full')} sizes; "
-            f"seeds: {seeds if seeds else 'each preset default'}; data: {meta.get('data')}; overrides: {meta.get('overrides') or 'none'})."]
+            f"seeds: {seeds if seeds else 'each preset default'}; data: {meta.get('data')}; overrides: "
+            f"{meta.get('overrides') or 'none'})."]
 
 
 def family_lines(results: dict) -> list[str]:
@@ -119,12 +130,14 @@ def family_lines(results: dict) -> list[str]:
     for (method, size, _), names in groups.items():
         where = ", ".join(names)
         if method == "holm":
-            lines.append(f"Verdicts ({where}) are family-wise: the {size} sampled tests of one `normlab compare` invocation "
-                         "are judged together by Holm's step-down, so the chance of any wrong conclusive verdict among them "
-                         "is at most 5%. Beside each verdict: the claim judged alone (its plain 95% interval).")
+            lines.append(f"Verdicts ({where}) are family-wise: the {size} sampled tests of one `normlab "
+                         "compare` invocation are judged together by Holm's step-down, so the chance of any "
+                         "wrong conclusive verdict among them is at most 5%. Beside each verdict: the claim "
+                         "judged alone (its plain 95% interval).")
         else:
-            lines.append(f"Verdicts ({where}) are per claim, UNADJUSTED for the number of claims (`--per-claim`): each is "
-                         "right with 95% confidence alone, but among many some will be wrong by chance.")
+            lines.append(f"Verdicts ({where}) are per claim, UNADJUSTED for the number of claims "
+                         "(`--per-claim`): each is right with 95% confidence alone, but among many some "
+                         "will be wrong by chance.")
     return lines
 
 
@@ -158,9 +171,10 @@ def _claim_lines(c: dict) -> list[tuple[str, list[str]]]:
     return [(label, lines) for label, lines in parts if lines]
 
 
-NOT_REPRODUCED = ("Not every claim reproduced here. 'inconclusive' means the test could not decide at the family-wise "
-                  "level: its interval straddles the claim's margin, or its p-value, adjusted for the other tests of "
-                  "the invocation, is above 5%; the evidence above gives both, and the verdict of the claim alone.")
+NOT_REPRODUCED = ("Not every claim reproduced here. 'inconclusive' means the test could not decide at the "
+                  "family-wise level: its interval straddles the claim's margin, or its p-value, adjusted "
+                  "for the other tests of the invocation, is above 5%; the evidence above gives both, and "
+                  "the verdict of the claim alone.")
 
 
 def md_safe(text: str) -> str:
@@ -180,13 +194,15 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
     lines += ["| preset | claim | verdict | alone (95%) |", "|---|---|---|---|"]
     for name, section in results["presets"].items():
         for c in section["claims"]:
-            lines.append(f"| {name} | {c['claim']} | **{c['verdict']}** | {c.get('verdict_plain', c['verdict'])} |")
+            lines.append(f"| {name} | {c['claim']} | **{c['verdict']}** | "
+                         f"{c.get('verdict_plain', c['verdict'])} |")
     lines.append("")
     for name, section in results["presets"].items():
         lines += [f"## {name}: {section['title']}", "", f"*{section['question']}*", ""]
         if section.get("meta"):
             lines += [f"Measured by `{section['meta'].get('command')}` on {section['meta'].get('date')} "
-                      f"(git {section['meta'].get('git')}, data sha256 {section['meta'].get('data_sha256')}).", ""]
+                      f"(git {section['meta'].get('git')}, "
+                      f"data sha256 {section['meta'].get('data_sha256')}).", ""]
         cols = section["columns"]
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for row in section["rows"]:
@@ -194,10 +210,15 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
         lines.append("")
         for c in section["claims"]:
             alone = c.get("verdict_plain", c["verdict"])
-            lines.append(f"- **{c['verdict']}**{_alone(c)}: {c['claim']} ({c['source']}).  " if alone != c["verdict"]
+            lines.append(f"- **{c['verdict']}**{_alone(c)}: {c['claim']} ({c['source']}).  "
+                         if alone != c["verdict"]
                          else f"- **{c['verdict']}**: {c['claim']} ({c['source']}).  ")
             for label, items in _claim_lines(c):
-                lines += [f"  {label}: {items[0]}  "] if len(items) == 1 else [f"  {label}:  "] + [f"  - {x}" for x in items]
+                lines += (
+                    [f"  {label}: {items[0]}  "]
+                    if len(items) == 1
+                    else [f"  {label}:  "] + [f"  - {x}" for x in items]
+                )
         if any(c["verdict"] != "holds" for c in section["claims"]):
             lines.append(f"- {NOT_REPRODUCED} ({section.get('size', 'full')} sizes)")
         lines.append("")
@@ -205,56 +226,68 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
             lines += [f"> {note}", ""]
         for img in images.get(name, []):
             lines += [f"![{name}]({img})", ""]
-        lines += ["| setting | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in settings_rows(section["settings"])),
+        lines += ["| setting | value |", "|---|---|",
+                  *(f"| {k} | {v} |" for k, v in settings_rows(section["settings"])),
                   "", f"Compute time {section.get('seconds', 0):.0f} s.", ""]
     return md_safe("\n".join(lines))
 
 
-CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#1f2328;line-height:1.45}
-table{border-collapse:collapse;margin:.6em 0;font-size:.9em}td,th{border:1px solid #d0d7de;padding:.25em .6em;text-align:right}
-th{background:#f6f8fa}.warn{background:#fff8c5;padding:.4em .6em;border-left:3px solid #d4a72c}td:first-child,th:first-child{text-align:left}.settings td{text-align:left}img{max-width:100%}
+CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#1f2328;
+line-height:1.45}
+table{border-collapse:collapse;margin:.6em 0;font-size:.9em}
+td,th{border:1px solid #d0d7de;padding:.25em .6em;text-align:right}
+th{background:#f6f8fa}.warn{background:#fff8c5;padding:.4em .6em;border-left:3px solid #d4a72c}
+td:first-child,th:first-child{text-align:left}.settings td{text-align:left}img{max-width:100%}
 .verdict{font-weight:600;padding:.05em .4em;border-radius:.3em;color:#fff;white-space:nowrap}
-.claim{margin:.5em 0 .8em}.claim ul{margin:.1em 0 .2em;padding-left:1.4em}.rule,.measured{font-size:.85em;color:#57606a}.note{font-size:.88em;color:#57606a;border-left:3px solid #d0d7de;padding-left:.7em}
+.claim{margin:.5em 0 .8em}.claim ul{margin:.1em 0 .2em;padding-left:1.4em}
+.rule,.measured{font-size:.85em;color:#57606a}
+.note{font-size:.88em;color:#57606a;border-left:3px solid #d0d7de;padding-left:.7em}
 code{font-size:.85em;background:#f6f8fa;padding:.1em .3em}"""
 
 
 def _badge(verdict: str) -> str:
-    return f'<span class="verdict" style="background:{VERDICT_COLOURS[verdict]}">{html.escape(verdict)}</span>'
+    colour = VERDICT_COLOURS[verdict]
+    return f'<span class="verdict" style="background:{colour}">{html.escape(verdict)}</span>'
 
 
 def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
     e = html.escape
     meta = results.get("meta", {})
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>normlab compare report</title><style>{CSS}</style></head><body>",
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>normlab compare "
+             f"report</title><style>{CSS}</style></head><body>",
              "<h1>normlab compare: report</h1>"]
     parts += [f"<p>{e(line)}</p>" for line in _meta_lines(meta)]
     counts = verdict_counts(results)
-    parts.append(f"<p>Claims: {_counts_text(counts)} at "
-                 "this scale. Every verdict is computed from the measured numbers by the rule shown with it.</p>")
+    parts.append(f"<p>Claims: {_counts_text(counts)} at this scale. Every verdict is computed from the "
+                 "measured numbers by the rule shown with it.</p>")
     parts += [f"<p>{e(line)}</p>" for line in family_lines(results)]
     parts += [f"<p class='warn'>{e(line)}</p>" for line in clock_lines(results)]
     parts.append("<table><tr><th>preset</th><th>claim</th><th>verdict</th><th>alone (95%)</th></tr>")
     for name, section in results["presets"].items():
         for c in section["claims"]:
-            parts.append(f"<tr><td>{e(name)}</td><td style='text-align:left'>{e(c['claim'])}</td><td>{_badge(c['verdict'])}</td>"
+            parts.append(f"<tr><td>{e(name)}</td><td "
+                         f"style='text-align:left'>{e(c['claim'])}</td><td>{_badge(c['verdict'])}</td>"
                          f"<td>{e(c.get('verdict_plain', c['verdict']))}</td></tr>")
     parts.append("</table>")
     for name, section in results["presets"].items():
-        parts += [f"<h2 id='{e(name)}'>{e(name)}: {e(section['title'])}</h2>", f"<p><em>{e(section['question'])}</em></p>"]
+        parts += [f"<h2 id='{e(name)}'>{e(name)}: {e(section['title'])}</h2>",
+                  f"<p><em>{e(section['question'])}</em></p>"]
         if section.get("meta"):
             m = section["meta"]
-            parts.append(f"<p class='rule'>Measured by <code>{e(str(m.get('command')))}</code> on {e(str(m.get('date')))} "
-                         f"(git {e(str(m.get('git')))}, data sha256 {e(str(m.get('data_sha256')))}).</p>")
+            parts.append(f"<p class='rule'>Measured by <code>{e(str(m.get('command')))}</code> on "
+                         f"{e(str(m.get('date')))} (git {e(str(m.get('git')))}, data sha256 "
+                         f"{e(str(m.get('data_sha256')))}).</p>")
         cols = section["columns"]
         parts.append("<table><tr>" + "".join(f"<th>{e(c)}</th>" for c in cols) + "</tr>")
         for row in section["rows"]:
             parts.append("<tr>" + "".join(f"<td>{e(_fmt(row.get(c)))}</td>" for c in cols) + "</tr>")
         parts.append("</table>")
         for c in section["claims"]:
-            body = "".join(f"<div class='rule'>{e(label)}:<ul>" + "".join(f"<li>{e(x)}</li>" for x in items) + "</ul></div>"
+            body = "".join(f"<div class='rule'>{e(label)}:<ul>" + "".join(f"<li>{e(x)}</li>" for x in items)
+                           + "</ul></div>"
                            for label, items in _claim_lines(c))
-            parts.append(f"<div class='claim'>{_badge(c['verdict'])}{e(_alone(c))} {e(c['claim'])} <span class='rule'>({e(c['source'])})</span>"
-                         f"{body}</div>")
+            parts.append(f"<div class='claim'>{_badge(c['verdict'])}{e(_alone(c))} {e(c['claim'])} <span "
+                         f"class='rule'>({e(c['source'])})</span>{body}</div>")
         if any(c["verdict"] != "holds" for c in section["claims"]):
             parts.append(f"<p class='note'>{e(NOT_REPRODUCED)}</p>")
         for note in section.get("notes", []):
@@ -262,7 +295,8 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
         for img in images.get(name, []):
             data = base64.b64encode((folder / img).read_bytes()).decode()
             parts.append(f"<p><img alt='{e(img)}' src='data:image/png;base64,{data}'></p>")
-        rows = "".join(f"<tr><td>{e(k)}</td><td>{e(v)}</td></tr>" for k, v in settings_rows(section["settings"]))
+        rows = "".join(f"<tr><td>{e(k)}</td><td>{e(v)}</td></tr>" for k,
+                       v in settings_rows(section["settings"]))
         parts.append(f"<table class='settings'><tr><th>setting</th><th>value</th></tr>{rows}</table>"
                      f"<p class='rule'>Compute time {section.get('seconds', 0):.0f} s.</p>")
     parts.append("</body></html>")
@@ -299,21 +333,29 @@ def write_tables(results: dict, out: Path) -> dict[str, Path]:
                 seeds = section.get("settings", {}).get("seeds")
                 for i, v in enumerate(values):
                     over = overs.get(key, "seeds" if isinstance(value, list) else "exact")
-                    sample = seeds[i] if over == "seeds" and isinstance(seeds, list) and len(seeds) == len(values) else i
+                    sample = (
+                        seeds[i]
+                        if over == "seeds" and isinstance(seeds, list) and len(seeds) == len(values)
+                        else i
+                    )
                     w.writerow([name, key, over, sample, "" if v is None else repr(float(v))])
     _save(paths["results_csv"], buf.getvalue())
     buf = io.StringIO()
     w = csv.writer(buf)
-    cols = ["preset", "claim", "verdict", "verdict_alone", "family", "family_size", "a", "b", "kind", "margin", "test",
+    cols = ["preset", "claim", "verdict", "verdict_alone", "family", "family_size", "a", "b", "kind",
+            "margin", "test",
             "n", "gap", "ci95_lo", "ci95_hi", "p", "p_adjusted", "leaf_verdict", "leaf_verdict_alone"]
     w.writerow(cols)
     for name, section in results["presets"].items():
         family = section.get("family") or {}
         for c in section["claims"]:
             for r in leaf_rows(c["rule"], c["measured"], family):
-                w.writerow([name, c["id"], c["verdict"], c.get("verdict_plain", c["verdict"]), family.get("method", "none"),
-                            family.get("size", ""), r["a"], r["b"], r["kind"], r["margin"], r["test"], _csv(r["n"]),
-                            _csv(r["gap"]), _csv(r["ci_lo"]), _csv(r["ci_hi"]), _csv(r["p"]), _csv(r["p_adjusted"]),
+                w.writerow([name, c["id"], c["verdict"], c.get("verdict_plain", c["verdict"]),
+                            family.get("method", "none"),
+                            family.get("size", ""), r["a"], r["b"], r["kind"], r["margin"], r["test"],
+                            _csv(r["n"]),
+                            _csv(r["gap"]), _csv(r["ci_lo"]), _csv(r["ci_hi"]), _csv(r["p"]),
+                            _csv(r["p_adjusted"]),
                             r["verdict"], r["verdict_plain"]])
     _save(paths["claims_csv"], buf.getvalue())
     _save(paths["tex"], latex_table(results))
@@ -341,7 +383,8 @@ def _overs(rule: dict) -> dict[str, str]:
     return {k: over for k in (rule["a"], rule["b"]) if isinstance(k, str)}
 
 
-_TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{", "}": r"\}",
+_TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
+        "}": r"\}",
         "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
 
 
@@ -366,20 +409,23 @@ def latex_table(results: dict) -> str:
 def load(folder: str | Path) -> dict:
     path = Path(folder) / "results.json"
     if not path.exists():
-        raise FileNotFoundError(f"no results.json in {folder}; run `normlab compare PRESET --out {folder}` first")
+        raise FileNotFoundError(f"no results.json in {folder}; run `normlab compare PRESET --out {folder}` "
+                                "first")
     from normlab.runs import read_json
 
     results = read_json(path)
     unknown = sorted(set(results.get("presets", {})) - set(PLOTS)) if isinstance(results, dict) else ["?"]
     if not isinstance(results, dict) or "presets" not in results or unknown:
-        raise ValueError(f"{path} is not a results file of this normlab ({'presets ' + ', '.join(unknown) if unknown else 'no presets'}"
-                         "); rerun the presets with normlab compare to write it again")
+        raise ValueError(f"{path} is not a results file of this normlab "
+                         f"({'presets ' + ', '.join(unknown) if unknown else 'no presets'}); rerun the "
+                         "presets with normlab compare to write it again")
     return results
 
 
 # ------------------------------------------------------------------------------ README tables
 
-README_START, README_END = "<!-- demo tables: generated by tools/readme_tables.py -->", "<!-- end of demo tables -->"
+README_START = "<!-- demo tables: generated by tools/readme_tables.py -->"
+README_END = "<!-- end of demo tables -->"
 
 
 def _short(line: str) -> str:
@@ -392,19 +438,23 @@ def readme_tables(results: dict) -> str:
     demo's results.json: regenerated by tools/readme_tables.py, checked by tests/test_readme.py."""
     norms = results["presets"]["norms"]
     n = len(norms["settings"]["seeds"])
-    lines = [f"| norm (Pre-LN) | learning rate | final val loss (mean ± std, {n} seeds) | step ms | vs LayerNorm |",
+    lines = [f"| norm (Pre-LN) | learning rate | final val loss (mean ± std, {n} seeds) | step ms | vs "
+             "LayerNorm |",
              "|---|---|---|---|---|"]
     for r in norms["rows"]:
-        lines.append(f"| {r['norm']} | {_fmt(r.get('lr'))} | {r['val_loss']:.3f} ± {r['val_std']:.3f} | {r['step_ms']:.1f} | "
-                     f"{r['step_vs_layernorm']:.2f} |")
+        lines.append(f"| {r['norm']} | {_fmt(r.get('lr'))} | {r['val_loss']:.3f} ± {r['val_std']:.3f} | "
+                     f"{r['step_ms']:.1f} | {r['step_vs_layernorm']:.2f} |")
     family = norms.get("family") or {}
-    how = (f"family-wise (Holm, {family['size']} tests)" if family.get("method") == "holm" else "per claim, unadjusted")
-    lines += ["", f"| claim | verdict here, {how} | alone (95%) | the numbers behind it |", "|---|---|---|---|"]
+    how = (f"family-wise (Holm, {family['size']} tests)" if family.get("method") == "holm"
+           else "per claim, unadjusted")
+    lines += ["", f"| claim | verdict here, {how} | alone (95%) | the numbers behind it |",
+              "|---|---|---|---|"]
     for section in results["presets"].values():
         for c in section["claims"]:
             ev = [_short(x) for x in c["evidence"]]
             more = f"; {len(ev) - 2} more in the report" if len(ev) > 2 else ""
-            lines.append(f"| {c['claim']} | {c['verdict']} | {c.get('verdict_plain', c['verdict'])} | {'; '.join(ev[:2])}{more} |")
+            lines.append(f"| {c['claim']} | {c['verdict']} | {c.get('verdict_plain', c['verdict'])} | "
+                         f"{'; '.join(ev[:2])}{more} |")
     return "\n".join(lines)
 
 
@@ -413,15 +463,18 @@ def readme_tables(results: dict) -> str:
 
 def _trend_line(t: dict) -> str:
     """A trend claim's question and evidence in one line."""
-    what = {"does not grow": f"the gap does not grow with scale (slope within +-{t['margin_per_decade']:.3g} per decade)",
+    what = {"does not grow": f"the gap does not grow with scale (slope within +-{t['margin_per_decade']:.3g} "
+                             "per decade)",
             "grows up": "the effect grows with scale (slope above 0)",
             "grows down": "the effect grows with scale (slope below 0)"}[t["question"]]
     fit = t["fit"]
     if fit is None:
-        return f"{what}: fewer than two rungs where the baseline trains, or fewer than three seed gaps: {t['verdict']}"
+        return (f"{what}: fewer than two rungs where the baseline trains, or fewer than three seed gaps: "
+                f"{t['verdict']}")
     adjusted = "" if t.get("p_adjusted") in (None, t["p"]) else f", Holm-adjusted {t['p_adjusted']:.3g}"
-    return (f"{what}: slope {fit['slope']:+.4f} ({t['units']}) per decade of parameters, 95% CI {fit['lo']:+.4f} to "
-            f"{fit['hi']:+.4f} ({fit['n']} seed gaps, df {fit['df']}); p {t['p']:.3g}{adjusted}: **{t['verdict']}**")
+    return (f"{what}: slope {fit['slope']:+.4f} ({t['units']}) per decade of parameters, 95% CI "
+            f"{fit['lo']:+.4f} to {fit['hi']:+.4f} ({fit['n']} seed gaps, df {fit['df']}); p "
+            f"{t['p']:.3g}{adjusted}: **{t['verdict']}**")
 
 
 def _rung_cell(r: dict, units: str) -> str:
@@ -434,34 +487,44 @@ def _rung_cell(r: dict, units: str) -> str:
     return f"{r['ci']['gap']:+.4g} [{r['ci']['gap_lo']:+.4g}, {r['ci']['gap_hi']:+.4g}] ({r['verdict']})"
 
 
+def _piloted_on(how: str, condition: str) -> str:
+    return how.replace("tuned (the design)", f"tuned in the design pilot on {condition}")
+
+
 def ladder_markdown(ladder: dict, images: list[str]) -> str:
     fam = ladder["family"]
-    how = (f"Holm over the ladder's {fam['size']} trend tests at {fam['alpha']:.0%}" if fam["method"] == "holm"
+    how = (f"Holm over the ladder's {fam['size']} trend tests at {fam['alpha']:.0%}"
+           if fam["method"] == "holm"
            else "each trend alone, unadjusted")
     lines = ["# normlab size ladder", "",
-             f"Widths: d_model x {', '.join(f'{w:g}' for w in ladder['widths'])} of each preset's size; tokens per parameter "
-             f"{ladder['tokens_per_parameter']}; learning rates: {ladder['lr_rule']}. Trend verdicts: {how}; each rung's "
-             "claims are judged as their own invocation's (rung0/, rung1/, rung2/: report.md each).", ""]
+             f"Widths: d_model x {', '.join(f'{w:g}' for w in ladder['widths'])} of each preset's size; "
+             f"tokens per parameter {ladder['tokens_per_parameter']}; learning rates: {ladder['lr_rule']}. "
+             f"Trend verdicts: {how}; each rung's claims are judged as their own invocation's (rung0/, "
+             "rung1/, rung2/: report.md each).", ""]
     tokenizers = ladder.get("tokenizers") or {}
     if len(tokenizers) > 1:
         lines += ["Tokenizer conditions, each claim's rows side by side and judged in one family: "
                   + ", ".join(f"{k} (vocabulary {v:,})" for k, v in tokenizers.items() if v)
                   + ". Each arm's rate at the middle rung, by condition: "
-                  + "; ".join(f"{k}: {', '.join(h.replace('tuned (the design)', f'tuned in the design pilot on {k}') for h in v)}"
+                  + "; ".join(f"{k}: {', '.join(_piloted_on(h, k) for h in v)}"
                               for k, v in (ladder.get("rates") or {}).items() if v)
-                  + f". rung0-{list(tokenizers)[1]}/ and the like hold the other conditions' rung reports.", ""]
+                  + f". rung0-{list(tokenizers)[1]}/ and the like hold the other conditions' rung reports.",
+                  ""]
     for name, p in ladder["presets"].items():
-        lines += [f"## {name}", "", "Non-embedding parameters: " + ", ".join(f"{n:,.0f}" for n in p["parameters"]), ""]
+        lines += [f"## {name}", "", "Non-embedding parameters: "
+                  + ", ".join(f"{n:,.0f}" for n in p["parameters"]), ""]
         if not p["trends"]:
             lines += ["No claim of this preset has a per-seed gap to follow across the rungs.", ""]
             continue
         several = len(p.get("conditions", [])) > 1  # tokenizer conditions: each claim's rows side by side
         lines += ["| claim | " + ("tokens | " if several else "")
-                  + " | ".join(f"rung {i} gap [95% CI] (verdict)" for i in range(len(p["parameters"]))) + " | trend |",
+                  + " | ".join(f"rung {i} gap [95% CI] (verdict)" for i in range(len(p["parameters"])))
+                  + " | trend |",
                   "|---|" + "---|" * (len(p["parameters"]) + several) + "---|"]
         for t in p["trends"]:
             cells = " | ".join(_rung_cell(r, t["units"]) for r in t["rungs"])
-            lines.append(f"| {t['id']} | " + (f"{t.get('condition')} | " if several else "") + f"{cells} | {t['verdict']} |")
+            lines.append(f"| {t['id']} | " + (f"{t.get('condition')} | " if several else "")
+                         + f"{cells} | {t['verdict']} |")
         lines.append("")
         for t in p["trends"]:
             tokens = f" ({t.get('condition')} tokens)" if several else ""

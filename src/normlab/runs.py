@@ -81,7 +81,8 @@ def read_json(path: Path) -> dict:
     try:
         return json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err}); restore it or start the run afresh with overwrite=true") from err
+        raise ValueError(f"{path} is not valid JSON ({err}); restore it or start the run afresh with "
+                         "overwrite=true") from err
 
 
 # --------------------------------------------------------------------------------- locks
@@ -108,8 +109,8 @@ def locked(folder: Path, what: str, wait: bool = False):
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             pid, _, theirs = _holder_text(fd).partition(" ")
-            raise Busy(errno.EBUSY, f"{folder} is in use by process {pid or 'unknown'} ({theirs or 'unknown'}); wait for it "
-                                    "to finish or stop it") from None
+            raise Busy(errno.EBUSY, f"{folder} is in use by process {pid or 'unknown'} "
+                                    f"({theirs or 'unknown'}); wait for it to finish or stop it") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {what}\n".encode(), 0)
         yield
@@ -207,13 +208,14 @@ def load_checkpoint(path: Path) -> dict:
         warnings.warn(f"{path} has no recorded digest ({digest_path(path).name} is missing), so it cannot be "
                       "checked for damage", stacklevel=2)
     elif file_sha256(path) not in recorded:
-        raise ValueError(f"checkpoint {path} does not match the digest in {digest_path(path).name}: it was changed or "
-                         "damaged after it was written. Restore an earlier copy of the run folder, or start the run "
-                         "afresh with overwrite=true")
+        raise ValueError(f"checkpoint {path} does not match the digest in {digest_path(path).name}: it was "
+                         "changed or damaged after it was written. Restore an earlier copy of the run "
+                         "folder, or start the run afresh with overwrite=true")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated or foreign file: say so plainly
-        raise ValueError(f"checkpoint {path} is corrupt or not a normlab checkpoint ({type(err).__name__}: {err})") from err
+        raise ValueError(f"checkpoint {path} is corrupt or not a normlab checkpoint ({type(err).__name__}: "
+                         f"{err})") from err
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -233,8 +235,8 @@ def read_metrics(path: Path, *, last_line_may_be_cut: bool = False) -> list[dict
         except ValueError as err:
             if last_line_may_be_cut and i == len(lines):
                 break
-            raise ValueError(f"{path} line {i} is not a metrics record ({err}); restore the file or start the run "
-                             "afresh with overwrite=true") from err
+            raise ValueError(f"{path} line {i} is not a metrics record ({err}); restore the file or start "
+                             "the run afresh with overwrite=true") from err
         records.append(r)
     return records
 
@@ -318,7 +320,8 @@ class RunDir:
                 f.write(json.dumps(record) + "\n")
                 f.flush()
             except OSError as err:  # resuming drops a half-written last line
-                raise OSError(err.errno, f"could not write {self.metrics_file}: {err.strerror or err}") from err
+                raise OSError(err.errno,
+                              f"could not write {self.metrics_file}: {err.strerror or err}") from err
 
         try:
             yield log

@@ -42,7 +42,8 @@ def default_rms_eps(dtype: torch.dtype) -> float:
     return torch.finfo(reference.stat_dtype(dtype)).eps
 
 
-def normalized_size(normalized_shape: int | Sequence[int], input: Tensor, what: str) -> tuple[tuple[int, ...], int]:
+def normalized_size(normalized_shape: int | Sequence[int], input: Tensor,
+                    what: str) -> tuple[tuple[int, ...], int]:
     """``normalized_shape`` as a tuple, checked against the input's trailing dimensions, and the
     number of elements it spans."""
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
@@ -83,9 +84,11 @@ def layer_norm(input: Tensor, normalized_shape: int | Sequence[int], weight: Ten
     shape, d = normalized_size(normalized_shape, input, "layer_norm")
     w, b = _flat_param(weight, "weight", shape, "layer_norm"), _flat_param(bias, "bias", shape, "layer_norm")
     for name, p in (("weight", w), ("bias", b)):
-        if p is not None and p.dtype != input.dtype and not (input.dtype in _HALF and p.dtype == torch.float32):
-            raise TypeError(f"layer_norm: {name} has dtype {p.dtype} and input {input.dtype}; they must match, "
-                            "or the parameters be float32 for a bfloat16 or float16 input (as torch requires)")
+        if p is not None and p.dtype != input.dtype and not (input.dtype in _HALF
+                                                             and p.dtype == torch.float32):
+            raise TypeError(f"layer_norm: {name} has dtype {p.dtype} and input {input.dtype}; they must "
+                            "match, or the parameters be float32 for a bfloat16 or float16 input (as torch "
+                            "requires)")
     if input.numel() == 0:
         return _empty(input, weight, bias)
     x = input.reshape(*input.shape[:input.dim() - len(shape)], d)

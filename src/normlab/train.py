@@ -40,10 +40,13 @@ from normlab.train_config import (BATCHINGS, DTYPES, RESUMABLE, SCHEDULES, Train
 def resumed(run: str | Path, changes: dict | None = None) -> tuple[TrainConfig, dict]:
     """The config a run resumes with: its own (config.json), with the RESUMABLE ``changes``."""
     if not RunDir(run).config_file.is_file():
-        raise FileNotFoundError(f"--resume {run}: not a run directory (no config.json); start a run there with out={run}")
+        raise FileNotFoundError(f"--resume {run}: not a run directory (no config.json); start a run there "
+                                f"with out={run}")
     saved = RunDir(run).config()
-    kept = {k: v for k, v in (changes or {}).items() if k in TrainConfig.__dataclass_fields__}  # train() refuses the rest
-    tcfg = TrainConfig(**{**saved["train"], "quiet": False, **kept, "out": str(run)})  # quiet is this command's
+    # train() refuses the rest
+    kept = {k: v for k, v in (changes or {}).items() if k in TrainConfig.__dataclass_fields__}
+    # quiet is this command's
+    tcfg = TrainConfig(**{**saved["train"], "quiet": False, **kept, "out": str(run)})
     tcfg.validate()
     return tcfg, saved["model"]
 
@@ -104,21 +107,25 @@ def train(tcfg: TrainConfig, model_overrides: dict | None = None, *, resume: boo
     run folder's lock already (the lab)."""
     bad = sorted(set(changes or {}) - set(RESUMABLE))
     if bad:
-        raise ValueError(f"--resume continues a run as it was configured; it can change only {', '.join(RESUMABLE)}, "
-                         f"not {', '.join(bad)} (start a new run with out=DIR for that)")
+        raise ValueError("--resume continues a run as it was configured; it can change only "
+                         f"{', '.join(RESUMABLE)}, not {', '.join(bad)} (start a new run with out=DIR for "
+                         "that)")
     model_overrides = dict(model_overrides or {})
     run = RunDir(tcfg.out)
     done = run.summary() if resume else None
     if done and set(changes or {}) <= {"quiet", "stop_at", "steps"}:
         saved = run.config()
         steps = (changes or {}).get("steps") or saved["train"]["steps"]
-        if done.get("status") == "diverged" or (done.get("status") == "completed" and done.get("step", 0) >= steps):
+        if done.get("status") == "diverged" or (done.get("status") == "completed"
+                                                and done.get("step", 0) >= steps):
             _check_finished(run, saved)
             return {**done, "already": True}  # nothing to train: the run's own figures, not a rerun's
     world = World.join()
     if world.size > 1 and tcfg.batch_size % world.size:
         world.leave()
-        raise ValueError(f"batch_size {tcfg.batch_size} must divide by the number of processes ({world.size})")
+        raise ValueError(
+            f"batch_size {tcfg.batch_size} must divide by the number of processes ({world.size})"
+        )
     try:
         # one writer per run folder: rank 0 writes it, a second `train` on it is refused
         with run.lock("normlab train") if world.main and lock else contextlib.nullcontext():
@@ -146,7 +153,11 @@ class World:
     @staticmethod
     def join() -> World:
         """This process's place: DDP under torchrun (WORLD_SIZE > 1), else alone."""
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+        device = (
+            torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -159,16 +170,19 @@ class World:
             dist.destroy_process_group()
 
 
-def _train(tcfg: TrainConfig, model_overrides: dict, run: RunDir, world: World, resume: dict | None, console) -> dict:
+def _train(tcfg: TrainConfig, model_overrides: dict, run: RunDir, world: World, resume: dict | None,
+           console) -> dict:
     """Train the run in ``run`` (``resume``: None for a new run, else the RESUMABLE changes it
     resumes with) and return its summary."""
     device, rank = world.device, world.rank
     previous: dict = {}  # a resumed run's summary: its values stay until new steps replace them
     if resume is not None:
         saved = run.config()
-        tcfg = TrainConfig(**{**saved["train"], "out": str(run), "quiet": tcfg.quiet, "stop_at": tcfg.stop_at, **resume})
+        tcfg = TrainConfig(**{**saved["train"], "out": str(run), "quiet": tcfg.quiet, "stop_at": tcfg.stop_at,
+                              **resume})
         tcfg.validate()
-        kept = {k: v for k, v in resume.items() if k not in ("quiet", "stop_at")}  # they pause or quiet, not change, a run
+        # they pause or quiet, not change, a run
+        kept = {k: v for k, v in resume.items() if k not in ("quiet", "stop_at")}
         if kept and world.main:  # the run's recorded config is what it runs with from now on
             saved["train"].update(kept)
             run.write_config(saved)
@@ -184,19 +198,24 @@ def _train(tcfg: TrainConfig, model_overrides: dict, run: RunDir, world: World, 
     model = _initialized(mcfg, tcfg.seed).to(device)
     opt = make_optimizer(model, tcfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, tcfg) / tcfg.lr)
-    batches = make_batches(train_split(dataset, tcfg.train_tokens), tcfg, seq_len, tcfg.seed, dataset.tokenizer, rank, world.size)
+    batches = make_batches(train_split(dataset, tcfg.train_tokens), tcfg, seq_len, tcfg.seed,
+                           dataset.tokenizer, rank, world.size)
     val_batches = _fixed_batches(dataset.val, tcfg, seq_len, dataset.tokenizer)
     start = 0
     first_loss = None  # the divergence test compares with it (restored on resume)
     init_val_loss = None  # the loss at initialization, where the lab's curves start (restored on resume)
-    resolved = {"train": dataclasses.asdict(tcfg), "model": {**model_overrides}, "model_resolved": dataclasses.asdict(mcfg)}
+    resolved = {"train": dataclasses.asdict(tcfg), "model": {**model_overrides},
+                "model_resolved": dataclasses.asdict(mcfg)}
     if resume is not None:
         state = run.load_checkpoint()
-        _check_agrees(run, state, {"train": dataclasses.asdict(tcfg), "model_resolved": dataclasses.asdict(mcfg)})
+        _check_agrees(run, state,
+                      {"train": dataclasses.asdict(tcfg), "model_resolved": dataclasses.asdict(mcfg)})
         try:
             model.load_state_dict(state["model"])
         except RuntimeError as err:
-            raise ValueError(f"checkpoint {run.checkpoint_file} does not fit this model config: {err}") from err
+            raise ValueError(
+                f"checkpoint {run.checkpoint_file} does not fit this model config: {err}"
+            ) from err
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
@@ -207,8 +226,8 @@ def _train(tcfg: TrainConfig, model_overrides: dict, run: RunDir, world: World, 
     elif world.main:
         held = run.held()
         if held and not tcfg.overwrite:
-            raise ValueError(f"{run} already holds a run ({', '.join(held)}); resume it (--resume {run}), choose another "
-                             "out=DIR, or pass overwrite=true to start it afresh")
+            raise ValueError(f"{run} already holds a run ({', '.join(held)}); resume it (--resume {run}), "
+                             "choose another out=DIR, or pass overwrite=true to start it afresh")
         run.start(resolved, dataset.tokenizer.save)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=tcfg.dtype == "bf16")
     # the clock (step_ms, the lab's loss-per-second axis) must time training, not compilation
@@ -219,10 +238,12 @@ def _train(tcfg: TrainConfig, model_overrides: dict, run: RunDir, world: World, 
         kept = run.truncate_metrics(start)
         last = max((r["step"] for r in kept if "step_ms" in r), default=-1)
         if last != start - 1:
-            raise ValueError(f"{run.checkpoint_file} is at step {start} but {run.metrics_file} records training up to "
-                             f"step {last + 1}: the files disagree. Restore them, or start the run afresh with overwrite=true")
+            raise ValueError(f"{run.checkpoint_file} is at step {start} but {run.metrics_file} records "
+                             f"training up to step {last + 1}: the files disagree. Restore them, or start "
+                             "the run afresh with overwrite=true")
         logged = logged_summary(kept)  # a summary the run may have died before writing is rebuilt from these
-    summary = {**previous, **{k: v for k, v in logged.items() if k in ("loss", "val_loss")}, "status": "running", "step": start}
+    summary = {**previous, **{k: v for k, v in logged.items() if k in ("loss", "val_loss")},
+               "status": "running", "step": start}
     t_start = time.perf_counter()
     tokens_seen = 0
     progress, task = _progress(tcfg, start, console) if world.main else (None, None)
@@ -259,26 +280,32 @@ def _train(tcfg: TrainConfig, model_overrides: dict, run: RunDir, world: World, 
                 weights = _token_weights(micro_batches, world, device)
                 for micro, (x, y, *mask) in enumerate(micro_batches):
                     mask = mask[0] if mask else None  # paragraphs: (B, T) real tokens
-                    tokens_seen += (int(mask.sum()) if mask is not None else x.numel()) * world.size  # every rank alike
+                    # every rank alike
+                    tokens_seen += (int(mask.sum()) if mask is not None else x.numel()) * world.size
                     sync = not world.distributed or micro == tcfg.grad_accum - 1
                     ctx = net.no_sync() if world.distributed and not sync else contextlib.nullcontext()
                     with ctx, autocast:
                         _, loss = net(x, y, mask=mask)
                     (loss / tcfg.grad_accum if weights is None else loss * weights[micro]).backward()
-                    loss_sum += loss.item() / tcfg.grad_accum if weights is None else loss.item() * weights[micro]
+                    loss_sum += (
+                        loss.item() / tcfg.grad_accum if weights is None else loss.item() * weights[micro]
+                    )
                 stopping = stop.requested
-                if world.distributed:  # the loss, and whether any rank was asked to stop: all ranks stop at the same step
+                # the loss, and whether any rank was asked to stop: all ranks stop at the same step
+                if world.distributed:
                     t = torch.tensor([loss_sum, float(stop.requested)], device=device)
                     dist.all_reduce(t)
                     loss_sum, stopping = t[0].item() / world.size, t[1].item() > 0
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf"))
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip
+                                                           if tcfg.grad_clip > 0 else float("inf"))
                 if first_loss is None:
                     first_loss = loss_sum
                 if not math.isfinite(loss_sum) or loss_sum > tcfg.diverge_factor * first_loss:
                     status = "diverged"  # keep the last good checkpoint: this state is not saved
                     log({"step": step, "loss": loss_sum, "diverged": True})
                     break
-                record = {"step": step, "loss": loss_sum, "lr": sched.get_last_lr()[0], "grad_norm": float(grad_norm)}
+                record = {"step": step, "loss": loss_sum, "lr": sched.get_last_lr()[0],
+                          "grad_norm": float(grad_norm)}
                 if diag:
                     record["layer_grad_norms"] = model.grad_norms()
                     record["activation_rms"] = model.activation_rms()
@@ -287,7 +314,8 @@ def _train(tcfg: TrainConfig, model_overrides: dict, run: RunDir, world: World, 
                 sched.step()
                 opt.zero_grad(set_to_none=True)
                 step_s = time.perf_counter() - t0
-                record.update(step_ms=round(step_s * 1e3, 3), tokens_per_s=round((tokens_seen - tokens_before) / step_s, 1))
+                record.update(step_ms=round(step_s * 1e3, 3),
+                              tokens_per_s=round((tokens_seen - tokens_before) / step_s, 1))
                 log(record)
                 step_times.append(record["step_ms"])
                 if not warned and device.type == "cpu" and len(step_times) % CONTENTION_WINDOW == 0:
@@ -299,7 +327,8 @@ def _train(tcfg: TrainConfig, model_overrides: dict, run: RunDir, world: World, 
                     log({"step": step + 1, "val_loss": val})
                 summary.update(step=step + 1, loss=loss_sum)
                 if progress:
-                    progress.update(task, completed=step + 1, loss=loss_sum, val=summary.get("val_loss", float("nan")),
+                    progress.update(task, completed=step + 1, loss=loss_sum,
+                                    val=summary.get("val_loss", float("nan")),
                                     tps=record["tokens_per_s"])
                 if tcfg.ckpt_every and (step + 1) % tcfg.ckpt_every == 0 and not last:
                     checkpoint(step + 1)
@@ -319,7 +348,8 @@ def _train(tcfg: TrainConfig, model_overrides: dict, run: RunDir, world: World, 
                    clock={**env.clock(), **({"loaded": True} if warned else {})},  # what its times depend on
                    parameters=model.num_parameters(), parameters_no_embedding=model.num_parameters(False))
     if tokens_seen == 0 and logged:  # resumed at its end: the run's figures are the logged ones
-        summary.update(tokens_per_s=logged.get("tokens_per_s"), wall_s=previous.get("wall_s", logged.get("train_s")))
+        summary.update(tokens_per_s=logged.get("tokens_per_s"),
+                       wall_s=previous.get("wall_s", logged.get("train_s")))
         if not previous:
             summary["rebuilt"] = "summary.json was missing: rebuilt from checkpoint.pt and metrics.jsonl"
     if world.main:
@@ -367,14 +397,17 @@ def train_split(dataset, train_tokens: int):
     if not train_tokens:
         return dataset.train
     if train_tokens > len(dataset.train):
-        raise ValueError(f"train_tokens must be at most the training split's {len(dataset.train):,} tokens, got {train_tokens:,}")
+        raise ValueError(f"train_tokens must be at most the training split's {len(dataset.train):,} tokens, "
+                         f"got {train_tokens:,}")
     return dataset.train[:train_tokens]
 
 
-def make_batches(tokens, tcfg: TrainConfig, seq_len: int, seed: int, tokenizer, rank: int = 0, world: int = 1):
+def make_batches(tokens, tcfg: TrainConfig, seq_len: int, seed: int, tokenizer, rank: int = 0,
+                 world: int = 1):
     """The batch source ``tcfg.batching`` asks for: (x, y) windows, or (x, y, mask) paragraphs."""
     if tcfg.batching == "paragraphs":
-        return D.ParagraphBatches(tokens, tcfg.batch_size, seq_len, seed, D.newline_id(tokenizer), rank, world)
+        return D.ParagraphBatches(tokens, tcfg.batch_size, seq_len, seed, D.newline_id(tokenizer), rank,
+                                  world)
     return D.Batches(tokens, tcfg.batch_size, seq_len, seed, rank, world)
 
 
@@ -406,7 +439,8 @@ def _progress(tcfg: TrainConfig, start: int, console):
         TextColumn("loss {task.fields[loss]:.3f}  val {task.fields[val]:.3f}  {task.fields[tps]:.0f} tok/s"),
         TimeElapsedColumn(), TimeRemainingColumn(), console=console,
     )
-    task = progress.add_task("train", total=tcfg.steps, completed=start, loss=float("nan"), val=float("nan"), tps=0.0)
+    task = progress.add_task("train", total=tcfg.steps, completed=start, loss=float("nan"), val=float("nan"),
+                             tps=0.0)
     return progress, task
 
 
@@ -422,7 +456,8 @@ def _check_finished(run: RunDir, saved: dict) -> None:
     """A finished run's files agree (checkpoint digest, config.json as ``saved``, tokenizer.json),
     checked without building its model or reading its data."""
     vocab = saved["model_resolved"]["vocab_size"]
-    resolved = dataclasses.asdict(ModelConfig.preset(saved["train"]["preset"], **{**saved["model"], "vocab_size": vocab}))
+    resolved = dataclasses.asdict(ModelConfig.preset(saved["train"]["preset"],
+                                                     **{**saved["model"], "vocab_size": vocab}))
     _check_agrees(run, run.load_checkpoint(), {"train": saved["train"], "model_resolved": resolved})
 
 
@@ -431,17 +466,18 @@ def _check_agrees(run: RunDir, state: dict, config: dict) -> None:
     with (checkpoints from before this check carry neither and pass)."""
     held = state.get("config")
     if held:
-        differ = [f"{k}: {held['train'][k]!r} in checkpoint.pt, {v!r} in config.json" for k, v in config["train"].items()
+        differ = [f"{k}: {held['train'][k]!r} in checkpoint.pt, {v!r} in config.json" for k,
+                  v in config["train"].items()
                   if k not in _VOLATILE and k in held["train"] and held["train"][k] != v]
         differ += [f"{k}: {held['model_resolved'][k]!r} in checkpoint.pt, {v!r} in config.json"
                    for k, v in config["model_resolved"].items() if held["model_resolved"].get(k, v) != v]
         if differ:
-            raise ValueError(f"{run}: config.json does not describe the run its checkpoint holds ({'; '.join(differ)}). "
-                             "Restore config.json, or start a new run with out=DIR")
+            raise ValueError(f"{run}: config.json does not describe the run its checkpoint holds "
+                             f"({'; '.join(differ)}). Restore config.json, or start a new run with out=DIR")
     digest = state.get("tokenizer_sha256")
     if digest and digest != run.tokenizer_digest():
-        raise ValueError(f"{run}: tokenizer.json is not the tokenizer checkpoint.pt was trained with; restore it, or "
-                         "start a new run with out=DIR")
+        raise ValueError(f"{run}: tokenizer.json is not the tokenizer checkpoint.pt was trained with; "
+                         "restore it, or start a new run with out=DIR")
 
 
 def _initialized(mcfg: ModelConfig, seed: int) -> Decoder:
@@ -453,7 +489,8 @@ def _saved_config(run: RunDir) -> dict:
     """A run's config.json, refused if its model could not fit this machine even to sample from."""
     saved = run.config()
     mcfg = ModelConfig(**saved["model_resolved"])
-    check_fits(mcfg, 1, mcfg.max_seq_len, torch.device("cpu"), training=False, what=f"the model {run.config_file} describes")
+    check_fits(mcfg, 1, mcfg.max_seq_len, torch.device("cpu"), training=False,
+               what=f"the model {run.config_file} describes")
     return saved
 
 
@@ -468,7 +505,9 @@ def load_run(run: str | Path) -> tuple[Decoder, D.Tokenizer]:
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as err:
-        raise ValueError(f"{run.checkpoint_file} does not fit the model config.json describes: {err}") from err
+        raise ValueError(
+            f"{run.checkpoint_file} does not fit the model config.json describes: {err}"
+        ) from err
     return model.eval(), tok
 
 
@@ -479,7 +518,8 @@ def initial_model(run: str | Path) -> Decoder:
         return _initialized(ModelConfig(**saved["model_resolved"]), saved["train"]["seed"]).eval()
 
 
-def sample(run: str | Path, prompt: str, tokens: int = 200, temperature: float = 0.8, top_k: int | None = 50, seed: int = 0) -> str:
+def sample(run: str | Path, prompt: str, tokens: int = 200, temperature: float = 0.8, top_k: int | None = 50,
+           seed: int = 0) -> str:
     """The prompt and ``tokens`` sampled tokens after it. Past the model's context (max_seq_len)
     it goes on from the last half of what it has written, positions from 0 again, as a training
     window starts anywhere in the text."""
@@ -487,7 +527,8 @@ def sample(run: str | Path, prompt: str, tokens: int = 200, temperature: float =
     ids = tok.encode(prompt) or [0]
     window = model.cfg.max_seq_len
     if len(ids) >= window:
-        raise ValueError(f"prompt is {len(ids)} tokens, the model takes at most {window - 1} before what it writes")
+        raise ValueError(f"prompt is {len(ids)} tokens, the model takes at most {window - 1} before what it "
+                         "writes")
     if tokens < 0:
         raise ValueError(f"tokens must be >= 0, got {tokens}")
     generator = torch.Generator().manual_seed(seed)

@@ -15,7 +15,8 @@ from normlab.model_config import ModelConfig
 from normlab.runs import read_json
 
 SCHEDULES = ("cosine", "constant")
-RESUMABLE = ("steps", "eval_every", "ckpt_every", "diag_every", "stop_at", "quiet")  # what --resume may change
+# what --resume may change
+RESUMABLE = ("steps", "eval_every", "ckpt_every", "diag_every", "stop_at", "quiet")
 BATCHINGS = ("windows", "paragraphs")
 DTYPES = ("fp32", "bf16")
 
@@ -26,13 +27,16 @@ class TrainConfig:
     tokenizer: str = "char"  # char, byte or bpe
     bpe_vocab: int = 1024  # vocabulary size when tokenizer=bpe
     val_fraction: float = 0.1  # share of documents held out for validation
-    train_tokens: int = 0  # train on the first N tokens of the training split only, a fixed set the steps repeat (0: all)
+    # train on the first N tokens of the training split only, a fixed set the steps repeat (0: all)
+    train_tokens: int = 0
     preset: str = "small"  # model preset; model fields (d_model=..., norm=...) override it
     steps: int = 1000  # optimizer steps
     batch_size: int = 16  # sequences per micro-batch, all ranks together (a step: batch_size * grad_accum)
     seq_len: int | None = None  # tokens per sequence; None: the model's max_seq_len
-    batching: str = "windows"  # "windows" of seq_len tokens, or "paragraphs": text between blank lines, padded and masked
-    grad_accum: int = 1  # micro-batches per step (padded ones weighted by their real tokens: the true batch's gradient)
+    # "windows" of seq_len tokens, or "paragraphs": text between blank lines, padded and masked
+    batching: str = "windows"
+    # micro-batches per step (padded ones weighted by their real tokens: the true batch's gradient)
+    grad_accum: int = 1
     lr: float = 1e-3  # peak learning rate
     min_lr: float = 1e-4  # floor of the cosine schedule
     warmup: int = 100  # linear warmup steps (0: none)
@@ -66,14 +70,16 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         checks = {"lr": (self.lr > 0, "a number > 0"), "warmup": (self.warmup >= 0, "an int >= 0 (0: none)"),
-                  "min_lr": (0 <= self.min_lr <= self.lr, f"a number >= 0 and at most lr ({self.lr:g}): the schedule's floor"),
+                  "min_lr": (0 <= self.min_lr <= self.lr,
+                             f"a number >= 0 and at most lr ({self.lr:g}): the schedule's floor"),
                   "weight_decay": (self.weight_decay >= 0, "a number >= 0 (0: none)"),
                   "beta1": (0 <= self.beta1 < 1, "in [0, 1)"), "beta2": (0 <= self.beta2 < 1, "in [0, 1)"),
                   "eval_every": (self.eval_every >= 0, "an int >= 0 (0: at the end)"),
                   "ckpt_every": (self.ckpt_every >= 0, "an int >= 0 (0: at the end)"),
                   "diag_every": (self.diag_every >= 0, "an int >= 0 (0: never)"),
                   "diverge_factor": (self.diverge_factor > 1, "a number > 1 (a multiple of the first loss)"),
-                  "seq_len": (self.seq_len is None or self.seq_len >= 1, "a positive int or None (None: max_seq_len)"),
+                  "seq_len": (self.seq_len is None or self.seq_len >= 1,
+                              "a positive int or None (None: max_seq_len)"),
                   "grad_clip": (self.grad_clip >= 0, "a number >= 0 (0: no clipping)"),
                   "train_tokens": (self.train_tokens >= 0, "an int >= 0 (0: the whole training split)")}
         for name, (ok, expected) in checks.items():

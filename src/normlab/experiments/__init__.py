@@ -106,9 +106,14 @@ PRESETS: dict[str, Callable[[Lab], dict]] = {
 GROUPS = {"all": tuple(PRESETS), "demo": ("norms", "gradients", "batchnorm", "precision")}
 # The fields a preset compares: the user cannot override them for it.
 VARIES = {"norms": {"norm", "seed"}, "scale": {"norm", "seed"},
-          "warmup": {"placement", "lr", "min_lr", "warmup", "seed", "qk_norm", "embed_norm", "beta2", "grad_clip", "norm", "mlp", "positions"},
-          "gradients": {"placement", "n_layers", "norm", "mlp", "positions", "tie_embeddings", "embed_scale", "init"}, "depth": {"placement", "lr", "min_lr", "warmup", "seed", "norm", "mlp", "positions", "deepnorm_init"},
-          "batchnorm": {"norm", "seed", "batch_size", "batching", "steps"}, "precision": set(), "speed": {"norm", "norm_impl"}, "eps": set(), "stability": set(),
+          "warmup": {"placement", "lr", "min_lr", "warmup", "seed", "qk_norm", "embed_norm", "beta2",
+                     "grad_clip", "norm", "mlp", "positions"},
+          "gradients": {"placement", "n_layers", "norm", "mlp", "positions", "tie_embeddings", "embed_scale",
+                        "init"},
+          "depth": {"placement", "lr", "min_lr", "warmup", "seed", "norm", "mlp", "positions",
+                    "deepnorm_init"},
+          "batchnorm": {"norm", "seed", "batch_size", "batching", "steps"}, "precision": set(),
+          "speed": {"norm", "norm_impl"}, "eps": set(), "stability": set(),
           "invariance": {"norm", "seed", "norm_shift_noise", "placement", "norm_eps", "backend"},
           "final-norm": {"final_norm", "lr", "min_lr", "seed", "placement", "norm"},
           "shallow": {"placement", "n_layers", "lr", "min_lr", "warmup", "seed"},
@@ -125,7 +130,9 @@ def expand(names: list[str]) -> list[str]:
         elif name in PRESETS:
             out.append(name)
         else:
-            raise ValueError(f"unknown preset {name!r}; choose from {', '.join(list(PRESETS) + list(GROUPS))}")
+            raise ValueError(
+                f"unknown preset {name!r}; choose from {', '.join(list(PRESETS) + list(GROUPS))}"
+            )
     return list(dict.fromkeys(out))
 
 
@@ -140,7 +147,8 @@ def check_overrides(presets: list[str], overrides: dict) -> None:
 def _prepare(names: list[str], settings: Settings) -> tuple[list[str], Settings]:
     presets = expand(names)
     if "demo" in names:
-        settings = dataclasses.replace(settings, size="tiny" if settings.size == "tiny" else "quick", brief=True)
+        settings = dataclasses.replace(settings, size="tiny" if settings.size == "tiny" else "quick",
+                                       brief=True)
     check_overrides(presets, settings.overrides)
     return presets, settings
 
@@ -163,7 +171,8 @@ def plan_presets(names: list[str], settings: Settings, console=None) -> list[Pen
         from rich.console import Console
 
         notes = console or Console(stderr=True)
-        notes.print(f"[yellow]{len(busy)} run(s) in progress in other processes[/yellow], left out of this plan:")
+        notes.print(f"[yellow]{len(busy)} run(s) in progress in other processes[/yellow], left out of this "
+                    "plan:")
         for run in busy:
             notes.print(f"  {run.label} ({run.folder}): process {held[run.folder]}")
     return [run for run in lab.pending.values() if not held[run.folder]]
@@ -185,8 +194,8 @@ def tune_presets(names: list[str], settings: Settings, console=None, command: st
         except RunsPending:
             pass
     if settings.tune_arms is not None and not lab.pilot["arms"]:
-        raise ValueError(f"--arms {','.join(settings.tune_arms)} matches none of the tuned arms of {', '.join(presets)}: "
-                         f"{', '.join(sorted(lab.arms_seen))}")
+        raise ValueError(f"--arms {','.join(settings.tune_arms)} matches none of the tuned arms of "
+                         f"{', '.join(presets)}: {', '.join(sorted(lab.arms_seen))}")
     key = lab.design_key  # the size, and the tokenizer where it is not characters
     design = DS.decide(lab.pilot, key, command, environment())
     out = Path(settings.out)
@@ -200,14 +209,16 @@ def tune_presets(names: list[str], settings: Settings, console=None, command: st
         # tuning one preset must not move the runs another preset's verdicts stand on
         kept = {a: v for a, v in arms.items() if a in design[key]["arms"] and v.get("preset") not in presets}
         if kept and console is not None:
-            console.print(f"kept the design's rates of {', '.join(kept)} (tuned with {', '.join(sorted({v['preset'] for v in kept.values()}))})")
+            console.print(f"kept the design's rates of {', '.join(kept)} (tuned with "
+                          f"{', '.join(sorted({v['preset'] for v in kept.values()}))})")
         merged[key] = {**design[key], "arms": {**arms, **design[key]["arms"], **kept},
                        "seeds": {**old[key].get("seeds", {}), **design[key]["seeds"]}}
     write_json(path, merged)
     return merged
 
 
-def run_presets(names: list[str], settings: Settings, console=None, command: str = "", results_file: str = "results.json") -> dict:
+def run_presets(names: list[str], settings: Settings, console=None, command: str = "",
+                results_file: str = "results.json") -> dict:
     """Run the presets (skipping finished work) and write results.json; returns the results. With
     ``settings.mode == "collect"`` nothing is trained: the presets whose runs have all finished are
     measured and written, and RunsMissing then lists the runs the others still need."""
@@ -229,30 +240,38 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
             continue
         if lab.waiting:  # computed from runs that have not finished: not a result
             continue
-        section["seconds"] = round(lab.cost, 1)  # to compute it from nothing: cached work counts at its original cost
+        # to compute it from nothing: cached work counts at its original cost
+        section["seconds"] = round(lab.cost, 1)
         if lab.stale:
-            section["notes"].append(f"Cached results that no longer matched their data or code were computed again: "
-                                    f"{', '.join(lab.stale)}.")
+            section["notes"].append("Cached results that no longer matched their data or code were computed "
+                                    f"again: {', '.join(lab.stale)}.")
         section["size"] = lab.size
         # report.py flags runs trained under different conditions (their times then do not compare)
         section["clocks"] = {k: [json.loads(c) for c in sorted(v)] for k, v in lab.clocks.items()}
         section["parameters"] = statistics.median(lab.parameters) if lab.parameters else None
-        if settings.rung is not None or lab.size == "gpu":  # the runs as sized: settings show the preset's own fields
+        # the runs as sized: settings show the preset's own fields
+        if settings.rung is not None or lab.size == "gpu":
             section["trained_at"] = [dict(zip(("d_model", "n_layers", "steps", "lr"), t))
                                      for t in sorted(lab.trained_at, key=lambda t: tuple(str(x) for x in t))]
         if settings.rung is not None:
-            section["rung"] = {"index": settings.rung, "width": LD.WIDTHS[settings.rung], "lr_rule": LD.LR_RULE}
+            section["rung"] = {"index": settings.rung, "width": LD.WIDTHS[settings.rung],
+                               "lr_rule": LD.LR_RULE}
         if lab.tuned:
             section["settings"]["arm_lrs"] = lab.tuned
         results["presets"][name] = section
         results["presets"] = {k: results["presets"][k] for k in PRESETS if k in results["presets"]}
         results["meta"] = {**environment(), "command": command, "size": lab.size, "seeds": settings.seeds,
-                           "data": settings.data or "shakespeare", "data_sha256": lab.data_hash, "overrides": settings.overrides,
-                           "tokenizer": lab.dataset.tokenizer.kind, "vocab_size": lab.dataset.tokenizer.vocab_size}
-        section["meta"] = results["meta"]  # results.json may merge sections of several commands: each says its own
+                           "data": settings.data or "shakespeare", "data_sha256": lab.data_hash,
+                           "overrides": settings.overrides,
+                           "tokenizer": lab.dataset.tokenizer.kind,
+                           "vocab_size": lab.dataset.tokenizer.vocab_size}
+        # results.json may merge sections of several commands: each says its own
+        section["meta"] = results["meta"]
         family.append(section)
-        C.familywise(family, per_claim=settings.per_claim)  # again with each section: every write is consistent
-        with locked(out, "normlab compare: results", wait=True):  # read-merge-write: another compare's sections stay
+        # again with each section: every write is consistent
+        C.familywise(family, per_claim=settings.per_claim)
+        # read-merge-write: another compare's sections stay
+        with locked(out, "normlab compare: results", wait=True):
             if path.exists():
                 merged = read_json(path)
                 merged["presets"].update(results["presets"])
@@ -269,7 +288,8 @@ def rung_file(rung: int, condition: str | None = None) -> str:
     return f"results-rung{rung}{'-' + condition if condition else ''}.json"
 
 
-def ladder_results(names: list[str], out: str | Path, per_claim: bool = False, conditions: tuple = (None,)) -> dict:
+def ladder_results(names: list[str], out: str | Path, per_claim: bool = False,
+                   conditions: tuple = (None,)) -> dict:
     """The ladder's trend claims from the rungs' results files in ``out`` (normlab.experiments.
     ladder), for each preset that every rung holds, under each tokenizer condition (``None``: the
     files without a condition suffix), judged as one family; written to <out>/ladder.json."""
@@ -292,10 +312,12 @@ def ladder_results(names: list[str], out: str | Path, per_claim: bool = False, c
             trends = LD.trends(sections, params) if all(params) else []
             for t in trends:
                 t["condition"] = tokenizer
-            p = presets.setdefault(name, {"parameters": params, "trends": [], "sizes": [s.get("size") for s in sections],
+            p = presets.setdefault(name, {"parameters": params, "trends": [],
+                                          "sizes": [s.get("size") for s in sections],
                                           "conditions": []})
             p["conditions"].append(tokenizer)
-            arms = sections[LD.MIDDLE].get("settings", {}).get("arm_lrs", {})  # the other rungs follow lr_rule
+            # the other rungs follow lr_rule
+            arms = sections[LD.MIDDLE].get("settings", {}).get("arm_lrs", {})
             rates.setdefault(tokenizer, set()).update(a["how"] for a in arms.values())
             p["trends"] += trends
     for p in presets.values():  # a claim's conditions side by side
@@ -304,7 +326,8 @@ def ladder_results(names: list[str], out: str | Path, per_claim: bool = False, c
             first.setdefault(t["id"], i)
         p["trends"].sort(key=lambda t: first[t["id"]])  # stable: each claim's conditions in their order
     family = LD.judge_trends([t for p in presets.values() for t in p["trends"]], per_claim)
-    ladder = {"widths": list(LD.WIDTHS), "lr_rule": LD.LR_RULE, "tokens_per_parameter": "held at the middle rung's ratio",
+    ladder = {"widths": list(LD.WIDTHS), "lr_rule": LD.LR_RULE,
+              "tokens_per_parameter": "held at the middle rung's ratio",
               "family": family, "presets": presets, "meta": meta, "tokenizers": vocabularies,
               "rates": {k: sorted(v) for k, v in rates.items()}}
     write_json(out / "ladder.json", ladder)
@@ -322,6 +345,8 @@ class RunsMissing(Exception):
 
 recheck = C.recheck
 
-__all__ = ["BATCH_SIZES", "GROUPS", "PRESETS", "SIZES", "SWEEP", "Interrupted", "Lab", "Pending", "RunsMissing", "Settings",
-           "check_overrides", "expand", "lm_sizes", "lr_sensitivity", "parse_lrs", "plan_presets", "recheck", "run_presets",
+__all__ = ["BATCH_SIZES", "GROUPS", "PRESETS", "SIZES", "SWEEP", "Interrupted", "Lab", "Pending",
+           "RunsMissing", "Settings",
+           "check_overrides", "expand", "lm_sizes", "lr_sensitivity", "parse_lrs", "plan_presets", "recheck",
+           "run_presets",
            "tune_presets"]

@@ -39,8 +39,8 @@ def print_costs(pending: list, console) -> None:
     preset's totals (normlab.experiments.cost says how they are counted)."""
     from rich.table import Table
 
-    table = Table(title=f"cost (FLOPs: 6ND + 6LTdD; GPU time at {MFU:.0%} MFU of {PEAK_FLOPS / 1e12:.0f} TFLOP/s, "
-                        "an H100/H200-class GPU)")
+    table = Table(title=f"cost (FLOPs: 6ND + 6LTdD; GPU time at {MFU:.0%} MFU of {PEAK_FLOPS / 1e12:.0f} "
+                        "TFLOP/s, an H100/H200-class GPU)")
     for col in ("preset", "run", "parameters", "tokens", "FLOPs", "GPU time"):
         table.add_column(col)
     totals: dict[str, list[float]] = {}
@@ -48,14 +48,17 @@ def print_costs(pending: list, console) -> None:
         c = run.cost
         if not c:
             continue
-        table.add_row(run.preset, run.label, f"{c['parameters']:,}", f"{c['tokens']:,}", f"{c['flops']:.3g}", _duration(c["gpu_s"]))
+        table.add_row(run.preset, run.label, f"{c['parameters']:,}", f"{c['tokens']:,}", f"{c['flops']:.3g}",
+                      _duration(c["gpu_s"]))
         t = totals.setdefault(run.preset, [0, 0.0, 0.0])
         t[0], t[1], t[2] = t[0] + 1, t[1] + c["flops"], t[2] + c["gpu_s"]
     for preset, (n, flops, seconds) in totals.items():
-        table.add_row(f"[bold]{preset}[/bold]", f"[bold]total of {n} runs[/bold]", "", "", f"[bold]{flops:.3g}[/bold]",
+        table.add_row(f"[bold]{preset}[/bold]", f"[bold]total of {n} runs[/bold]", "", "",
+                      f"[bold]{flops:.3g}[/bold]",
                       f"[bold]{_duration(seconds)}[/bold]")
     if len(totals) > 1:
-        table.add_row("[bold]all[/bold]", "", "", "", f"[bold]{sum(t[1] for t in totals.values()):.3g}[/bold]",
+        table.add_row("[bold]all[/bold]", "", "", "",
+                      f"[bold]{sum(t[1] for t in totals.values()):.3g}[/bold]",
                       f"[bold]{_duration(sum(t[2] for t in totals.values()))}[/bold]")
     console.print(table)
 

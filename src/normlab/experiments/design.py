@@ -48,7 +48,8 @@ def load(path: str | Path | None = None) -> dict:
     p = Path(path) if path else PACKAGED
     if not p.exists():
         if path:
-            raise FileNotFoundError(f"--design {path}: no such file (write one with `normlab compare ... --tune`)")
+            raise FileNotFoundError(f"--design {path}: no such file (write one with `normlab compare ... "
+                                    "--tune`)")
         return {}
     return json.loads(p.read_text())
 
@@ -63,7 +64,8 @@ def planned_seeds(design: dict, size: str, preset: str) -> int | None:
 
 def best_lr(losses: dict[float, list]) -> tuple[float, dict[float, float]]:
     """The learning rate of lowest mean pilot loss, and each one's mean (inf: a seed diverged)."""
-    means = {lr: (statistics.fmean(v) if v and all(x is not None and math.isfinite(x) for x in v) else math.inf)
+    means = {lr: (statistics.fmean(v) if v and all(x is not None and math.isfinite(x) for x in v)
+                  else math.inf)
              for lr, v in losses.items()}
     return min(means, key=lambda lr: (means[lr], lr)), means
 
@@ -103,36 +105,42 @@ def decide(pilot: dict, size: str, command: str, meta: dict) -> dict:
         d = [math.log(x / y) for x, y in zip(la, lb) if x and y and math.isfinite(x) and math.isfinite(y)]
         sd = statistics.stdev(d) if len(d) > 1 else math.inf
         k = FAMILY["demo" if preset in DEMO_PRESETS else "all"]
-        n, power = seeds_for(sd, margin, ALPHA / k, MAX_SEEDS[size]) if math.isfinite(sd) else (MAX_SEEDS[size], 0.0)
+        n, power = seeds_for(sd, margin, ALPHA / k,
+                             MAX_SEEDS[size]) if math.isfinite(sd) else (MAX_SEEDS[size], 0.0)
         entry = seeds.setdefault(preset, {"seeds": MIN_SEEDS, "pairs": []})
-        entry["pairs"].append({"a": a_arm, "b": b_arm, "margin": margin, "pilot_sd_log_ratio": sd if math.isfinite(sd) else None,
+        entry["pairs"].append({"a": a_arm, "b": b_arm, "margin": margin, "pilot_sd_log_ratio": sd
+                               if math.isfinite(sd) else None,
                                "pilot_gap": math.expm1(statistics.fmean(d)) if d else None, "family_size": k,
                                "alpha_per_test": ALPHA / k, "seeds": n, "power": round(power, 3)})
         entry["seeds"] = max(entry["seeds"], n)
-    return {size: {"arms": arms, "seeds": seeds, "pilot_seeds": list(PILOT_SEEDS), "lr_factors": list(LR_FACTORS),
-                   "power": POWER, "command": command, **{k: meta.get(k) for k in ("date", "git", "processor")}}}
+    return {size: {"arms": arms, "seeds": seeds, "pilot_seeds": list(PILOT_SEEDS),
+                   "lr_factors": list(LR_FACTORS),
+                   "power": POWER, "command": command,
+                   **{k: meta.get(k) for k in ("date", "git", "processor")}}}
 
 
 def markdown(design: dict, size: str) -> str:
     """The design at ``size`` as Markdown tables: each arm's pilot losses and learning rate, and
     each preset's seed count with the power calculation behind it."""
     d = design[size]
-    lines = [f"Pilot seeds {', '.join(map(str, d['pilot_seeds']))}; learning rates: each arm's preset rate times "
-             f"{', '.join(f'{f:.3g}' for f in d['lr_factors'])}; command `{d.get('command')}` (git {d.get('git')}, "
-             f"{d.get('date')}, {d.get('processor')}).", "",
+    lines = [f"Pilot seeds {', '.join(map(str, d['pilot_seeds']))}; learning rates: each arm's preset rate "
+             f"times {', '.join(f'{f:.3g}' for f in d['lr_factors'])}; command `{d.get('command')}` (git "
+             f"{d.get('git')}, {d.get('date')}, {d.get('processor')}).", "",
              "| preset | arm | grid | mean pilot validation loss | chosen |", "|---|---|---|---|---|"]
     for arm, a in d["arms"].items():
         losses = ", ".join("diverged" if v is None else f"{v:.4f}" for v in a["mean_loss"])
         lines.append(f"| {a['preset']} | {arm} | {', '.join(f'{x:g}' for x in a['grid'])} | {losses} | "
                      f"{a['lr']:g}{' (grid edge)' if a['at_edge'] else ''} |")
-    lines += ["", "| preset | equivalence | margin | pilot spread of the paired log ratio | pilot gap | tests in the family "
-              "| seeds | power |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| preset | equivalence | margin | pilot spread of the paired log ratio | pilot gap | "
+              "tests in the family | seeds | power |", "|---|---|---|---|---|---|---|---|"]
     for preset, s in d["seeds"].items():
         for p in s["pairs"]:
             sd = p["pilot_sd_log_ratio"]
             gap = p["pilot_gap"]
-            lines.append(f"| {preset} | {p['a']} vs {p['b']} | {p['margin']:.0%} | {'-' if sd is None else f'{sd:.2%}'} | "
-                         f"{'-' if gap is None else f'{gap:+.2%}'} | {p['family_size']} | {p['seeds']} | {p['power']:.0%} |")
+            lines.append(f"| {preset} | {p['a']} vs {p['b']} | {p['margin']:.0%} | "
+                         f"{'-' if sd is None else f'{sd:.2%}'} | {'-' if gap is None else f'{gap:+.2%}'} | "
+                         f"{p['family_size']} | {p['seeds']} | {p['power']:.0%} |")
     lines += ["", "Seeds per preset (the most its equivalences need): "
-              + ", ".join(f"{k} {v['seeds']}" for k, v in d["seeds"].items()) + "; the other presets keep their defaults."]
+              + ", ".join(f"{k} {v['seeds']}" for k, v in d["seeds"].items())
+              + "; the other presets keep their defaults."]
     return "\n".join(lines)

@@ -26,16 +26,18 @@ import torch
 
 from normlab import claims as C
 from normlab import data as D
-from normlab.experiments.common import COMPARABLE, WORSE, curves_of, claim_values, round_sig, lm_sizes, stats, trains, unigram_loss
+from normlab.experiments.common import (COMPARABLE, WORSE, curves_of, claim_values, round_sig, lm_sizes,
+                                        stats, trains, unigram_loss)
 from normlab.experiments.lab import Lab
 from normlab.nn import DyT
 from normlab.train import load_run, train_split
 
 ZHU25 = "Zhu, Chen, He, LeCun & Liu (2025), Transformers without Normalization, CVPR"
-CHEN25 = ("Chen, Lu, Zhu, Sun & Liu (2025), Stronger Normalization-Free Transformers (arXiv 2512.10938): Derf "
-          "improves on DyT in every domain tried, GPT-2 language modelling among them")
-REGIME26 = ("When Does Removing LayerNorm Help? Activation Bounding as a Regime-Dependent Implicit Regularizer "
-            "(arXiv 2604.23434, 2026): DyT 27% better at 1M tokens, 19% worse at 118M (64M parameters)")
+CHEN25 = ("Chen, Lu, Zhu, Sun & Liu (2025), Stronger Normalization-Free Transformers (arXiv 2512.10938): "
+          "Derf improves on DyT in every domain tried, GPT-2 language modelling among them")
+REGIME26 = ("When Does Removing LayerNorm Help? Activation Bounding as a Regime-Dependent Implicit "
+            "Regularizer (arXiv 2604.23434, 2026): DyT 27% better at 1M tokens, 19% worse at 118M (64M "
+            "parameters)")
 ALPHA0S = (0.2, 0.5, 1.0)  # the paper's default 0.5, and a factor 2.5 and 2 either side
 DEFAULT_ALPHA0 = 0.5
 BUDGET_FACTOR = 10  # the large dataset is at least this many times the small one
@@ -43,7 +45,8 @@ BUDGET_FACTOR = 10  # the large dataset is at least this many times the small on
 # over it, where a model memorizes. The small budget here is a set the steps go over as often.
 SMALL_PASSES = 164
 SATURATED = 2.0  # |alpha x| above this: tanh is within 4% of +-1 (the regime study's threshold)
-EMBED_GAIN = 64.0  # the paper's Llama 7B starts its embedding gain at sqrt(4096): embedding RMS 0.02 x 64 = 1.28
+# the paper's Llama 7B starts its embedding gain at sqrt(4096): embedding RMS 0.02 x 64 = 1.28
+EMBED_GAIN = 64.0
 
 
 @torch.no_grad()
@@ -80,9 +83,10 @@ def data_budgets(lab: Lab, steps: int, batch_size: int, seq_len: int) -> dict:
     small = max(4 * (seq_len + 1), steps * batch_size * seq_len // SMALL_PASSES)
     whole = len(lab.dataset.train)
     if whole < BUDGET_FACTOR * small:
-        raise ValueError(f"the dyt preset compares a small training set of {small:,} tokens with the whole training "
-                         f"split, which must hold at least {BUDGET_FACTOR}x that ({BUDGET_FACTOR * small:,} tokens); "
-                         f"this data's split has {whole:,}: use more text or fewer steps")
+        raise ValueError(f"the dyt preset compares a small training set of {small:,} tokens with the whole "
+                         f"training split, which must hold at least {BUDGET_FACTOR}x that "
+                         f"({BUDGET_FACTOR * small:,} tokens); this data's split has {whole:,}: use more "
+                         "text or fewer steps")
     return {"small": small, "large": whole}
 
 
@@ -106,17 +110,22 @@ def preset_dyt(lab: Lab) -> dict:
             varied = {"norm": norm, **({"dyt_alpha0": alpha0} if alpha0 is not None else {}),
                       **({"embed_gain": EMBED_GAIN} if gain else {}), **data}
             setting = settings_of(norm, alpha0, gain)
-            runs[setting, budget] = [lab.run(f"{setting}-{steps}steps{tag}-s{seed}", fields, model, {**varied, "seed": seed},
-                                             tune=True) for seed in lab.arm_seeds(f"{setting}-{steps}steps{tag}", seeds, 3)]
+            runs[setting, budget] = [lab.run(f"{setting}-{steps}steps{tag}-s{seed}", fields, model,
+                                             {**varied, "seed": seed},
+                                             tune=True)
+                                     for seed in lab.arm_seeds(f"{setting}-{steps}steps{tag}", seeds, 3)]
     lab.plan_equivalence(f"{settings_of('dyt', DEFAULT_ALPHA0)}-{steps}steps", f"rmsnorm-{steps}steps", 0.02)
 
     def saturated_in(run: dict, budget: str) -> float:
         data = train_split(lab.dataset, train_tokens[budget])
-        return lab.job(f"saturation-{run['run']}", {"run": run["run"], "B": tf["batch_size"], "T": tf["seq_len"], "on": "train"},
-                       lambda: saturation(lab.out / "runs" / run["run"], data, tf["batch_size"], tf["seq_len"]))
+        return lab.job(f"saturation-{run['run']}",
+                       {"run": run["run"], "B": tf["batch_size"], "T": tf["seq_len"], "on": "train"},
+                       lambda: saturation(lab.out / "runs" / run["run"], data, tf["batch_size"],
+                                          tf["seq_len"]))
 
     saturated = {(setting, budget): [saturated_in(r, budget) for r in rs]
-                 for (setting, budget), rs in runs.items() if setting.startswith("dyt")}  # (tanh's threshold: not Derf)
+                 # (tanh's threshold: not Derf)
+                 for (setting, budget), rs in runs.items() if setting.startswith("dyt")}
     rows, measured = [], {"unigram_loss": unigram_loss(lab.dataset.train)}
     for (setting, budget), rs in runs.items():
         measured[f"{setting}_{budget}_val"] = [r["val_loss"] for r in rs]
@@ -126,8 +135,10 @@ def preset_dyt(lab: Lab) -> dict:
         rows.append({"setting": setting, "budget": budget, "lr": lab.arm_lr(arm), "tokens": budgets[budget],
                      "passes": round_sig(passes[budget], 3),
                      "seeds": len(rs),
-                     "diverged": sum(r["status"] == "diverged" for r in rs), "val_loss": round_sig(val["mean"]),
-                     "val_std": round_sig(val["std"], 2), "saturated": round_sig(statistics.fmean(sat), 3) if sat else None})
+                     "diverged": sum(r["status"] == "diverged" for r in rs),
+                     "val_loss": round_sig(val["mean"]),
+                     "val_std": round_sig(val["std"], 2), "saturated": round_sig(statistics.fmean(sat), 3)
+                     if sat else None})
     means = {a: stats(measured[f"dyt{a:g}_large_val"])["mean"] for a in ALPHA0S}
     finite = {a: m for a, m in means.items() if m is not None}
     best = min(finite, key=finite.get) if finite else ALPHA0S[0]
@@ -136,70 +147,90 @@ def preset_dyt(lab: Lab) -> dict:
     measured["dyt_worst_alpha0_large_val"] = measured[f"dyt{worst:g}_large_val"]
     default, derf = settings_of("dyt", DEFAULT_ALPHA0), settings_of("derf", DEFAULT_ALPHA0)
     conditions = [
-        "matches: every norm of a Pre-LN decoder (both per block and the final one) replaced by DyT with a learned "
-        "scalar alpha per layer and per-feature weight, alpha0 = 0.5 the paper's default; the token embeddings times "
-        f"a learned scalar as in the paper's Llama code, started at {EMBED_GAIN:g} (its 7B's sqrt(d)) so that the "
-        "first DyT sees the paper's scale (RMS 1.28; sqrt(d) of this width would give 0.2); RMSNorm and LayerNorm in "
-        "the same model without that scalar, as the paper's baselines; the same data, steps and seeds",
-        f"differs: a {model['n_layers']}-layer character LM on Shakespeare for {steps} steps over the whole corpus "
-        f"({passes['large']:.2g} passes; the paper: LLaMA 7B-70B on 200B tokens, with alpha0 "
-        "tuned per model and per position, at 7B 0.8 before attention and 0.2 before the MLP and at the end); "
-        "DyT here also has a per-feature bias, the paper's Llama DyT does not",
+        "matches: every norm of a Pre-LN decoder (both per block and the final one) replaced by DyT with a "
+        "learned scalar alpha per layer and per-feature weight, alpha0 = 0.5 the paper's default; the token "
+        f"embeddings times a learned scalar as in the paper's Llama code, started at {EMBED_GAIN:g} (its "
+        "7B's sqrt(d)) so that the first DyT sees the paper's scale (RMS 1.28; sqrt(d) of this width would "
+        "give 0.2); RMSNorm and LayerNorm in the same model without that scalar, as the paper's baselines; "
+        "the same data, steps and seeds",
+        f"differs: a {model['n_layers']}-layer character LM on Shakespeare for {steps} steps over the whole "
+        f"corpus ({passes['large']:.2g} passes; the paper: LLaMA 7B-70B on 200B tokens, with alpha0 tuned "
+        "per model and per position, at 7B 0.8 before attention and 0.2 before the MLP and at the end); DyT "
+        "here also has a per-feature bias, the paper's Llama DyT does not",
     ]
     regime = [conditions[0],
-              f"matches: the same {steps} steps on a small training set ({budgets['small']:,} tokens, the first of the "
-              f"split) gone over {passes['small']:.0f} times, as the study's 1M tokens were (5000 steps of 64 x 512), "
-              f"and on the whole split ({budgets['large']:,} tokens, {passes['large']:.2g} passes: data not repeated, "
-              "as at the study's 118M, 1.4 passes); validation on the same held-out documents",
+              f"matches: the same {steps} steps on a small training set ({budgets['small']:,} tokens, the "
+              f"first of the split) gone over {passes['small']:.0f} times, as the study's 1M tokens were "
+              f"(5000 steps of 64 x 512), and on the whole split ({budgets['large']:,} tokens, "
+              f"{passes['large']:.2g} passes: data not repeated, as at the study's 118M, 1.4 passes); "
+              "validation on the same held-out documents",
               f"differs: a far smaller model and run (a character LM on Shakespeare, {steps} steps of "
-              f"{tf['batch_size'] * tf['seq_len']:,} tokens; the study: GPT-2 from 64M parameters on WikiText, 5000 "
-              "steps of 32,768 tokens); the study's DyT starts alpha at 2.0 in GPT-2, without an embedding gain, "
-              f"where this one starts at {DEFAULT_ALPHA0:g}, with the gain, in a Llama-style decoder"]
+              f"{tf['batch_size'] * tf['seq_len']:,} tokens; the study: GPT-2 from 64M parameters on "
+              "WikiText, 5000 steps of 32,768 tokens); the study's DyT starts alpha at 2.0 in GPT-2, "
+              f"without an embedding gain, where this one starts at {DEFAULT_ALPHA0:g}, with the gain, in a "
+              "Llama-style decoder"]
     claims = [
-        C.claim("dyt.parity", f"at the default alpha0 = {DEFAULT_ALPHA0:g}, DyT ends within 2% of RMSNorm (larger "
-                "budget), where RMSNorm trains", ZHU25, claim_values(measured, f"{default}_large_val", "rmsnorm_large_val", "unigram_loss"),
+        C.claim("dyt.parity",
+                f"at the default alpha0 = {DEFAULT_ALPHA0:g}, DyT ends within 2% of RMSNorm (larger "
+                "budget), where RMSNorm trains", ZHU25,
+                claim_values(measured, f"{default}_large_val", "rmsnorm_large_val", "unigram_loss"),
                 C.given(trains("rmsnorm_large_val"),
-                        C.within(f"{default}_large_val", "rmsnorm_large_val", 0.02, origin=COMPARABLE, paired=True)), conditions),
-        C.claim("dyt.alpha0_sensitive", f"DyT depends on alpha0: of {', '.join(f'{a:g}' for a in ALPHA0S)}, the worst "
-                "ends at least 2% above the best (larger budget; best and worst chosen by their mean), where the best "
-                "trains", ZHU25, claim_values(measured, "dyt_worst_alpha0_large_val", "dyt_best_alpha0_large_val", "unigram_loss"),
+                        C.within(f"{default}_large_val", "rmsnorm_large_val", 0.02, origin=COMPARABLE,
+                                 paired=True)), conditions),
+        C.claim("dyt.alpha0_sensitive",
+                f"DyT depends on alpha0: of {', '.join(f'{a:g}' for a in ALPHA0S)}, the worst "
+                "ends at least 2% above the best (larger budget; best and worst chosen by their mean), where "
+                "the best "
+                "trains", ZHU25, claim_values(measured, "dyt_worst_alpha0_large_val",
+                                              "dyt_best_alpha0_large_val", "unigram_loss"),
                 C.given(trains("dyt_best_alpha0_large_val"),
-                        C.above("dyt_worst_alpha0_large_val", "dyt_best_alpha0_large_val", 0.02, origin=WORSE, paired=True)),
+                        C.above("dyt_worst_alpha0_large_val", "dyt_best_alpha0_large_val", 0.02, origin=WORSE,
+                                paired=True)),
                 conditions + [f"the best alpha0 here was {best:g} and the worst {worst:g}"]),
-        C.claim("dyt.regime_flips", "DyT's effect against LayerNorm (the study's baseline) changes sign with the data: "
-                f"lower loss on a small training set gone over {passes['small']:.0f} times, higher on the whole corpus in "
-                "the same steps", REGIME26,
-                claim_values(measured, f"{default}_small_val", "layernorm_small_val", f"{default}_large_val", "layernorm_large_val",
+        C.claim("dyt.regime_flips",
+                "DyT's effect against LayerNorm (the study's baseline) changes sign with the data: lower "
+                f"loss on a small training set gone over {passes['small']:.0f} times, higher on the whole "
+                "corpus in the same steps", REGIME26,
+                claim_values(measured, f"{default}_small_val", "layernorm_small_val", f"{default}_large_val",
+                             "layernorm_large_val",
                       "unigram_loss"),
                 C.given(C.all_of(trains("layernorm_small_val"), trains("layernorm_large_val")),
                         C.all_of(C.below(f"{default}_small_val", "layernorm_small_val", paired=True),
                                  C.above(f"{default}_large_val", "layernorm_large_val", paired=True))),
-                regime + ["the baseline must train on both budgets (10% below the unigram loss): a baseline that only "
-                          "memorizes its small set gives DyT nothing to beat"]),
-        C.claim("dyt.derf_beats_dyt", f"Derf, erf(alpha x + s), ends below DyT, tanh(alpha x), at the same alpha0 = "
+                regime + ["the baseline must train on both budgets (10% below the unigram loss): a baseline "
+                          "that only memorizes its small set gives DyT nothing to beat"]),
+        C.claim("dyt.derf_beats_dyt",
+                f"Derf, erf(alpha x + s), ends below DyT, tanh(alpha x), at the same alpha0 = "
                 f"{DEFAULT_ALPHA0:g} and embedding gain (larger budget), where DyT trains", CHEN25,
                 claim_values(measured, f"{derf}_large_val", f"{default}_large_val", "unigram_loss"),
-                C.given(trains(f"{default}_large_val"), C.below(f"{derf}_large_val", f"{default}_large_val", paired=True)),
-                [conditions[0].replace("replaced by DyT", "replaced by DyT or by Derf (its shift s learned, started at 0)"),
-                 conditions[1] + "; the paper's language-model comparison trains GPT-2 on web text, thousands of "
+                C.given(trains(f"{default}_large_val"),
+                        C.below(f"{derf}_large_val", f"{default}_large_val", paired=True)),
+                [conditions[0].replace("replaced by DyT",
+                                       "replaced by DyT or by Derf (its shift s learned, started at 0)"),
+                 conditions[1]
+                 + "; the paper's language-model comparison trains GPT-2 on web text, thousands of "
                  "times this model's size",
                  "each at its own tuned learning rate (the pilot tunes every arm)"]),
     ]
     return {
         "title": "DyT and Derf: Transformers without normalization",
-        "question": "Does DyT match RMSNorm, how much does alpha0 matter, does its effect depend on the data budget, "
-                    "and does Derf's erf beat DyT's tanh?",
-        "settings": {"train": {**fields, **lab.train_over}, "model": {**model, **lab.model_over}, "budgets": budgets,
-                     "passes": passes, "alpha0s": list(ALPHA0S), "dyt_embed_gain": EMBED_GAIN, "seeds": seeds},
-        "columns": ["setting", "budget", "lr", "tokens", "passes", "seeds", "diverged", "val_loss", "val_std", "saturated"],
+        "question": "Does DyT match RMSNorm, how much does alpha0 matter, does its effect depend on the "
+                    "data budget, and does Derf's erf beat DyT's tanh?",
+        "settings": {"train": {**fields, **lab.train_over}, "model": {**model, **lab.model_over},
+                     "budgets": budgets,
+                     "passes": passes, "alpha0s": list(ALPHA0S), "dyt_embed_gain": EMBED_GAIN,
+                     "seeds": seeds},
+        "columns": ["setting", "budget", "lr", "tokens", "passes", "seeds", "diverged", "val_loss", "val_std",
+                    "saturated"],
         "rows": rows, "claims": claims,
         "series": {"runs": {f"{s}|{b}": [curves_of(r) for r in rs] for (s, b), rs in runs.items()},
                    "saturated": {f"{s}|{b}": v for (s, b), v in saturated.items()}},
-        "notes": [f"{len(seeds)} seeds per setting and budget, {steps} steps each; budget: the training tokens the "
-                  "steps draw windows from (small: the split's first tokens, large: the whole split), passes: how often "
-                  "the steps go over them. Warmup a tenth of the steps, then cosine. saturated: the "
-                  f"share of DyT inputs with |alpha x| > {SATURATED:g} after training (two batches of the run's own "
-                  "training tokens, every DyT, as the study counted). "
-                  f"The dyt settings start the embedding gain at {EMBED_GAIN:g}; {settings_of('dyt', DEFAULT_ALPHA0, False)} "
-                  "is DyT without it (embeddings of RMS 0.02 into the first DyT)."],
+        "notes": [f"{len(seeds)} seeds per setting and budget, {steps} steps each; budget: the training "
+                  "tokens the steps draw windows from (small: the split's first tokens, large: the whole "
+                  "split), passes: how often the steps go over them. Warmup a tenth of the steps, then "
+                  f"cosine. saturated: the share of DyT inputs with |alpha x| > {SATURATED:g} after training "
+                  "(two batches of the run's own training tokens, every DyT, as the study counted). The dyt "
+                  f"settings start the embedding gain at {EMBED_GAIN:g}; "
+                  f"{settings_of('dyt', DEFAULT_ALPHA0, False)} is DyT without it (embeddings of RMS 0.02 "
+                  "into the first DyT)."],
     }

@@ -52,7 +52,8 @@ class Pending:
     label: str
     folder: Path
     argv: list[str]
-    cost: dict = field(default_factory=dict)  # parameters, tokens, FLOPs, estimated GPU seconds (experiments.cost)
+    # parameters, tokens, FLOPs, estimated GPU seconds (experiments.cost)
+    cost: dict = field(default_factory=dict)
     preset: str = ""
 
     @property
@@ -63,18 +64,23 @@ class Pending:
 @dataclass
 class Settings:
     out: str = "runs/compare"
-    size: str = "full"  # full, quick, tiny or gpu (the full size widened for one GPU: normlab.experiments.ladder)
+    # full, quick, tiny or gpu (the full size widened for one GPU: normlab.experiments.ladder)
+    size: str = "full"
     seeds: int | None = None  # None: the preset's default number of seeds
     data: str | None = None  # None: the default corpus
     steps: int | None = None  # None: the preset's default
     overrides: dict = field(default_factory=dict)  # key=value training and model fields for every run
     quiet: bool = False  # no per-run progress bars
-    brief: bool = False  # the demo: leave out a preset's slowest measurement (its notes say which and how to run it)
+    # the demo: leave out a preset's slowest measurement (its notes say which and how to run it)
+    brief: bool = False
     lrs: tuple[float, ...] | None = None  # the warmup preset's learning-rate sweep; None: the size's default
-    per_claim: bool = False  # judge each claim alone (unadjusted) instead of the invocation's claims family-wise
+    # judge each claim alone (unadjusted) instead of the invocation's claims family-wise
+    per_claim: bool = False
     design: str | None = None  # the design file (tuned learning rates, seed counts); None: the packaged one
-    rung: int | None = None  # a size-ladder rung (normlab.experiments.ladder): widths, tokens and rates scaled
-    # --tune --arms: shell patterns (fnmatch) of the arms to pilot; the others keep the design's rates. None: every arm
+    # a size-ladder rung (normlab.experiments.ladder): widths, tokens and rates scaled
+    rung: int | None = None
+    # --tune --arms: shell patterns (fnmatch) of the arms to pilot; the others keep the design's
+    # rates. None: every arm
     tune_arms: tuple[str, ...] | None = None
     # "run": train what is missing; "plan": train and measure nothing, list the runs to train;
     # "collect": train nothing, measure and write results once every run has finished;
@@ -94,7 +100,8 @@ class Lab:
             self.train_over["steps"] = settings.steps
         if settings.data is not None:
             self.train_over["data"] = settings.data
-        if "lr" in self.train_over and "min_lr" not in self.train_over:  # every run's floor, as tuned runs have it
+        # every run's floor, as tuned runs have it
+        if "lr" in self.train_over and "min_lr" not in self.train_over:
             self.train_over["min_lr"] = self.train_over["lr"] / 10
         if settings.seeds is not None and settings.seeds < 1:
             raise ValueError(f"--seeds must be at least 1, got {settings.seeds}")
@@ -109,20 +116,25 @@ class Lab:
             self.model_over = {k: v for k, v in self.model_over.items() if k not in self.gpu_width}
         self.quick = settings.size in ("quick", "tiny")
         self.preset = ""
-        self.cost = 0.0  # seconds the current preset's runs and measurements took to compute (cached ones included)
-        self.stale: list[str] = []  # cached entries of the current preset that no longer matched their data or code
+        # seconds the current preset's runs and measurements took to compute (cached ones included)
+        self.cost = 0.0
+        # cached entries of the current preset that no longer matched their data or code
+        self.stale: list[str] = []
         self.pending: dict[Path, Pending] = {}  # plan and collect: the unfinished runs, by folder
         self._measured = False  # the current preset has asked for a measurement (its runs come first)
         self.waiting = False  # plan and collect: the current preset needs a run that has not finished
         self._dataset = None
         self.design = DS.load(settings.design)
-        self.pilot: dict = {"arms": {}, "pairs": []}  # --tune: each arm's pilot losses, the equivalences to power
+        # --tune: each arm's pilot losses, the equivalences to power
+        self.pilot: dict = {"arms": {}, "pairs": []}
         self.arms_seen: set[str] = set()  # --tune: every tuned arm the presets asked for, piloted or not
-        self.tuned: dict[str, dict] = {}  # the current preset's arms: the learning rate each trained at, and why
+        # the current preset's arms: the learning rate each trained at, and why
+        self.tuned: dict[str, dict] = {}
         self.parameters: list[int] = []  # the non-embedding parameters of the current preset's runs
         # the conditions (env.clock, as JSON) its runs were trained under and its timings measured under
         self.clocks: dict[str, set[str]] = {"runs": set(), "timings": set()}
-        self.trained_at: set[tuple] = set()  # (d_model, n_layers, steps, lr) of its runs as sized (gpu, ladder)
+        # (d_model, n_layers, steps, lr) of its runs as sized (gpu, ladder)
+        self.trained_at: set[tuple] = set()
 
     def begin(self, preset: str) -> None:
         self.preset, self.cost, self.stale, self._measured, self.waiting = preset, 0.0, [], False, False
@@ -148,15 +160,22 @@ class Lab:
         """The seeds of one arm: all of the preset's where the design sized them for an equivalence
         this arm is part of, else the preset's default count (the other arms' claims are
         directions with large effects; they pair with the first seeds)."""
-        pairs = self.design.get(self.size, {}).get("seeds", {}).get(preset or self.preset, {}).get("pairs", [])
-        if self.s.seeds or self.s.rung is not None or not pairs or any(arm in (p["a"], p["b"]) for p in pairs):
+        pairs = self.design.get(self.size, {}).get("seeds", {}).get(preset or self.preset,
+                                                                    {}).get("pairs", [])
+        if self.s.seeds or self.s.rung is not None or not pairs or any(arm in (p["a"], p["b"])
+                                                                       for p in pairs):
             return seeds
         return seeds[:self.pick(default, default, tiny=1)]
 
     def plan_equivalence(self, a: str, b: str, margin: float) -> None:
         """Declare an equivalence claim between two tuned arms: --tune sizes the seeds to decide it
         (where it pilots both arms; else the design's seeds stand)."""
-        if self.s.mode == "pilot" and self.piloted(a) and self.piloted(b) and (self.preset, a, b, margin) not in self.pilot["pairs"]:
+        if (
+            self.s.mode == "pilot"
+            and self.piloted(a)
+            and self.piloted(b)
+            and (self.preset, a, b, margin) not in self.pilot["pairs"]
+        ):
             self.pilot["pairs"].append((self.preset, a, b, margin))
 
     def piloted(self, arm: str) -> bool:
@@ -181,8 +200,8 @@ class Lab:
             try:
                 if json.loads(meta.read_text()).get("config_key") == config_key:
                     self.stale.append(what)
-                    self.say(f"  [yellow]{what}: the cached result in {old.name} no longer matches its data or code; "
-                             "computing it again[/yellow]")
+                    self.say(f"  [yellow]{what}: the cached result in {old.name} no longer matches its data "
+                             "or code; computing it again[/yellow]")
                     return
             except (OSError, ValueError):
                 continue
@@ -197,7 +216,8 @@ class Lab:
     @property
     def dataset(self) -> D.Dataset:
         if self._dataset is None:
-            t = TrainConfig(**{k: v for k, v in self.train_over.items() if k in ("data", "tokenizer", "bpe_vocab", "val_fraction")})
+            t = TrainConfig(**{k: v for k, v in self.train_over.items()
+                               if k in ("data", "tokenizer", "bpe_vocab", "val_fraction")})
             self._dataset = D.prepare(t.data, t.tokenizer, t.bpe_vocab, t.val_fraction)
         return self._dataset
 
@@ -207,7 +227,8 @@ class Lab:
         return ModelConfig.preset(fields.pop("preset", "small"), **fields)
 
     # -- training runs
-    def run(self, label: str, train_fields: dict, model_fields: dict, varied: dict, tune: bool = False) -> dict:
+    def run(self, label: str, train_fields: dict, model_fields: dict, varied: dict,
+            tune: bool = False) -> dict:
         """Train (or reuse, or resume) one run: the preset's base fields < the user's overrides <
         the ``varied`` fields the preset compares. Returns the run's summary and curves.
 
@@ -215,12 +236,12 @@ class Lab:
         learning rate, the design's for this size (unless the user set lr for every run); with
         --tune the arm's pilot runs are trained instead."""
         if self._measured:  # --plan lists a preset's runs up to its first measurement
-            raise RuntimeError(f"the {self.preset} preset asks for run {label} after a measurement: ask for every "
-                               "training run first, so that --plan can list them")
+            raise RuntimeError(f"the {self.preset} preset asks for run {label} after a measurement: ask for "
+                               "every training run first, so that --plan can list them")
         if self.s.mode == "pilot":
             if self.s.rung is not None:
-                raise ValueError("--tune runs at the preset's own size; the ladder transfers the tuned learning rates "
-                                 f"by its rule ({LD.LR_RULE})")
+                raise ValueError("--tune runs at the preset's own size; the ladder transfers the tuned "
+                                 f"learning rates by its rule ({LD.LR_RULE})")
             if tune:
                 self.arms_seen.add(arm_of(label))
             if tune and self.piloted(arm_of(label)):
@@ -231,7 +252,8 @@ class Lab:
             lr, how = self._design_lr(arm_of(label))
             if lr is not None:
                 varied = {**varied, "lr": lr, "min_lr": lr / 10}
-            self.tuned[arm_of(label)] = {"lr": {**train_fields, **self.train_over, **varied}.get("lr"), "how": how}
+            self.tuned[arm_of(label)] = {"lr": {**train_fields, **self.train_over, **varied}.get("lr"),
+                                         "how": how}
         return self._train(label, train_fields, model_fields, varied)
 
     @property
@@ -249,18 +271,21 @@ class Lab:
             return lr, "tuned (the design)"
         lr = DS.tuned_lr(self.design, self.size, arm)
         if lr is not None:
-            return lr, f"tuned on characters (the design has no pilot under {self.design_key.split('|')[1]} tokens)"
+            tokens = self.design_key.split("|")[1]
+            return lr, f"tuned on characters (the design has no pilot under {tokens} tokens)"
         return None, "the preset's (no design at this size)"
 
     def _non_embedding(self, tf: dict, mf: dict) -> int:
         """The run's non-embedding parameter count, from a model on the meta device: no memory,
         no initialization, and the global random state untouched (measurements may rely on it)."""
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            return Decoder(self.model_config({**mf, "preset": tf.get("preset", "small")})).num_parameters(False)
+            return Decoder(self.model_config({**mf,
+                                              "preset": tf.get("preset", "small")})).num_parameters(False)
 
     def _cost(self, tf: dict, mf: dict) -> dict:
         cfg = self.model_config({**mf, "preset": tf.get("preset", "small")})
-        return CO.run_cost(self.parameters[-1], cfg.n_layers, cfg.d_model, tf.get("seq_len") or cfg.max_seq_len, tf["steps"],
+        return CO.run_cost(self.parameters[-1], cfg.n_layers, cfg.d_model, tf.get("seq_len")
+                           or cfg.max_seq_len, tf["steps"],
                            tf["batch_size"], tf.get("grad_accum", 1))
 
     def sized(self, tf: dict, mf: dict, model_fields: dict) -> tuple[dict, dict]:
@@ -272,7 +297,8 @@ class Lab:
             tf, mf, base = self._resized(tf, mf, base, self.gpu_width)
         if self.s.rung is not None and self.s.rung != LD.MIDDLE:  # the middle rung: the very same runs
             cfg = self.model_config({**mf, "preset": tf.get("preset", "small")})
-            tf, mf, base = self._resized(tf, mf, base, {"d_model": LD.width(cfg.d_model, cfg.n_heads, self.s.rung)})
+            tf, mf, base = self._resized(tf, mf, base,
+                                         {"d_model": LD.width(cfg.d_model, cfg.n_heads, self.s.rung)})
         return tf, mf
 
     def _resized(self, tf: dict, mf: dict, base: dict, wide: dict) -> tuple[dict, dict, dict]:
@@ -334,7 +360,8 @@ class Lab:
             self._note_stale(self.out / "runs", f"{label}-*", config_key, f"run {label}")
         if self.s.mode in ("run", "pilot"):  # another process training it: wait, then take what it left
             wait_for(folder, f"normlab compare, waiting for run {label}",
-                     lambda who: self.say(f"  [bold]{self.preset}[/bold] {label} is in progress in process {who}: waiting for it"))
+                     lambda who: self.say(f"  [bold]{self.preset}[/bold] {label} is in progress in process "
+                                          f"{who}: waiting for it"))
         resume = False
         summary = run.summary()
         if summary is not None:
@@ -347,7 +374,8 @@ class Lab:
         elif run.has_checkpoint() and run.config_file.exists():
             resume = True  # killed without a summary: its last checkpoint stands
         if self.s.mode not in ("run", "pilot"):
-            self.pending.setdefault(folder, Pending(label, folder, _train_argv(folder, tf, mf, resume), self._cost(tf, mf),
+            self.pending.setdefault(folder, Pending(label, folder, _train_argv(folder, tf, mf, resume),
+                                                    self._cost(tf, mf),
                                                      self.preset))
             self.waiting = True
             return _pending_result(folder)
@@ -408,7 +436,8 @@ def arm_of(label: str) -> str:
 
 _TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 # The sources whose change changes a result; the lab's own files (presets, claims, report) do not.
-RESULT_SOURCES = ("model.py", "model_config.py", "train.py", "train_config.py", "data.py", "nn.py", "functional.py", "reference.py", "rnn.py",
+RESULT_SOURCES = ("model.py", "model_config.py", "train.py", "train_config.py", "data.py", "nn.py",
+                  "functional.py", "reference.py", "rnn.py",
                   "kernels")
 
 
@@ -420,7 +449,8 @@ def design_key(size: str, train_fields: dict) -> str:
     kind = str(train_fields.get("tokenizer", "char"))
     if kind == "char":
         return size
-    return f"{size}|{kind}" + (str(train_fields.get("bpe_vocab", TrainConfig.bpe_vocab)) if kind == "bpe" else "")
+    return f"{size}|{kind}" + (str(train_fields.get("bpe_vocab", TrainConfig.bpe_vocab)) if kind == "bpe"
+                               else "")
 
 
 def code_of(source: str) -> bytes:
@@ -448,13 +478,16 @@ def _train_argv(folder: Path, tf: dict, mf: dict, resume: bool) -> list[str]:
         return ["normlab", "train", "--quiet", "--resume", str(folder)]
 
     def text(v) -> str:
-        return "none" if v is None else str(v).lower() if isinstance(v, bool) else repr(v) if isinstance(v, float) else str(v)
+        if v is None:
+            return "none"
+        return str(v).lower() if isinstance(v, bool) else repr(v) if isinstance(v, float) else str(v)
 
     pairs = {**{k: text(v) for k, v in {**tf, **mf}.items()}, "out": str(folder), "overwrite": "true"}
     from normlab.train import resolve
 
     tcfg, m = resolve(None, pairs)
-    if dataclasses.asdict(tcfg) != {**dataclasses.asdict(TrainConfig(**tf)), "out": str(folder), "overwrite": True} or m != mf:
+    if dataclasses.asdict(tcfg) != {**dataclasses.asdict(TrainConfig(**tf)), "out": str(folder),
+                                    "overwrite": True} or m != mf:
         raise ValueError(f"the run in {folder} cannot be written as a `normlab train` command line: {pairs}")
     return ["normlab", "train", "--quiet", *(f"{k}={v}" for k, v in pairs.items())]
 
@@ -472,10 +505,12 @@ def _run_result(run: RunDir, summary: dict) -> dict:
     diverged = summary["status"] == "diverged"
     return {
         "run": run.path.name, "status": summary["status"], "steps": summary["step"],
-        "val_loss": None if diverged else summary.get("val_loss"), "init_val_loss": summary.get("init_val_loss"),
+        "val_loss": None if diverged else summary.get("val_loss"),
+        "init_val_loss": summary.get("init_val_loss"),
         "train_loss": summary.get("loss"), "wall_s": summary.get("wall_s"),
         "tokens_per_s": summary.get("tokens_per_s"), "parameters": summary.get("parameters_no_embedding"),
-        "clock": summary.get("clock"),  # what its times depend on (machine, threads); None before normlab recorded it
+        # what its times depend on (machine, threads); None before normlab recorded it
+        "clock": summary.get("clock"),
         **run.curves(200),  # step_ms: the median past the first fifth of the steps
     }
 

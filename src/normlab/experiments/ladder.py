@@ -25,13 +25,13 @@ pRMSNorm's 3.2% spread cannot be, at this count (its trend is expected inconclus
 
 **Trends.** For each claim whose effect leaf is a per-seed gap (paired runs, or runs against an
 exact number), the gap of every seed at every rung where the claim's precondition holds (its
-baseline trains: a rung that did not train says nothing about how an effect moves) (log ratio, or a - b for absolute rules) is
-regressed on log10 of the rung's parameters (ordinary least squares, seeds as the unit, scipy's
-linregress). An equivalence claim asks "the gap does not grow with scale": the slope's 95%
-interval within +-(its margin) per decade of parameters, the smallest drift that would carry the
-gap across the whole margin within one decade. A directional claim asks "the effect grows with
-scale": the slope in the effect's direction above 0. Each trend is decided on its p-value like a
-claim's leaf, with Holm's adjustment over the ladder's trends.
+baseline trains: a rung that did not train says nothing about how an effect moves) (log ratio, or
+a - b for absolute rules) is regressed on log10 of the rung's parameters (ordinary least squares,
+seeds as the unit, scipy's linregress). An equivalence claim asks "the gap does not grow with
+scale": the slope's 95% interval within +-(its margin) per decade of parameters, the smallest
+drift that would carry the gap across the whole margin within one decade. A directional claim asks
+"the effect grows with scale": the slope in the effect's direction above 0. Each trend is decided
+on its p-value like a claim's leaf, with Holm's adjustment over the ladder's trends.
 
 **Tokenizers** are a condition of the ladder (``--tokenizers char,bpe``): the same rungs and
 seeds on characters and on BPE tokens of the same text, judged as one family, so that a
@@ -66,14 +66,15 @@ from normlab import claims as C
 WIDTHS = (0.5, 1.0, 2.0)  # d_model multipliers of the three rungs
 MIDDLE = 1  # the rung at the preset's own size
 SEEDS = 5  # per arm and rung (see the module's text)
-LR_RULE = "each arm's learning rate times d_middle / d (muP's Adam rule for hidden layers), not tuned again per rung"
+LR_RULE = ("each arm's learning rate times d_middle / d (muP's Adam rule for hidden layers), "
+           "not tuned again per rung")
 TOKENIZERS = ("char", "byte", "bpe")  # the ladder's possible conditions (data.build_tokenizer's kinds)
 BPE_VOCAB = 2048  # the BPE condition's vocabulary (see the module's text)
 GPU_WIDTH, GPU_HEAD_DIM = 768, 64  # the gpu size (see the module's text)
-GPU_RULE = (f"the full size's runs at d_model {GPU_WIDTH} ({GPU_HEAD_DIM}-wide heads) and their own depth, tokens per "
-            "parameter held at the full size's, learning rates times d_full / d")
-DRIFT = C.ours("one claim margin per decade of parameters: the smallest drift that carries the gap across the whole "
-               "equivalence margin within a 10x larger model")
+GPU_RULE = (f"the full size's runs at d_model {GPU_WIDTH} ({GPU_HEAD_DIM}-wide heads) and their own depth, "
+            "tokens per parameter held at the full size's, learning rates times d_full / d")
+DRIFT = C.ours("one claim margin per decade of parameters: the smallest drift that carries the gap across "
+               "the whole equivalence margin within a 10x larger model")
 
 
 def condition_overrides(tokenizer: str, overrides: dict) -> dict:
@@ -125,7 +126,8 @@ def slope(x: list[float], y: list[float], level: float = 0.95) -> dict | None:
     r = S.linregress([a for a, _ in pts], [b for _, b in pts])
     df = len(pts) - 2
     half = float(S.t.ppf(0.5 + level / 2, df)) * float(r.stderr)
-    return {"slope": float(r.slope), "se": float(r.stderr), "lo": float(r.slope) - half, "hi": float(r.slope) + half,
+    return {"slope": float(r.slope), "se": float(r.stderr), "lo": float(r.slope) - half, "hi": float(r.slope)
+            + half,
             "df": df, "n": len(pts), "intercept": float(r.intercept)}
 
 
@@ -200,12 +202,15 @@ def trends(rungs: list[dict], params: list[float]) -> list[dict]:
             ci = C.interval(*_sides_of(leaf, match["measured"]), paired=leaf.get("paired", False),
                             absolute=leaf.get("absolute", False)) if match else None
             per_rung.append({"parameters": n, "gaps": gaps, "verdict": match["verdict"] if match else None,
-                             "precondition": None if match is None or match["rule"]["kind"] != "given" else trained,
-                             "ci": None if not ci or "none" in ci else {k: ci[k] for k in ("gap", "gap_lo", "gap_hi", "est", "lo", "hi")}})
+                             "precondition": None if match is None or match["rule"]["kind"] != "given"
+                             else trained,
+                             "ci": None if not ci or "none" in ci
+                             else {k: ci[k] for k in ("gap", "gap_lo", "gap_hi", "est", "lo", "hi")}})
         relative = _relative(leaf)
         margin = leaf.get("rel", 0.0)
         margin = math.log1p(margin) if relative and margin else margin
-        question = "does not grow" if leaf["kind"] == "within" else "grows up" if leaf["kind"] in ("above", "at_least") else "grows down"
+        question = ("does not grow" if leaf["kind"] == "within"
+                    else "grows up" if leaf["kind"] in ("above", "at_least") else "grows down")
         fit = slope(xs, ys)
         trend = {"id": claim["id"], "text": claim["claim"], "leaf": {k: leaf[k] for k in ("kind", "a", "b")},
                  "question": question, "margin_per_decade": margin if question == "does not grow" else 0.0,
@@ -216,7 +221,8 @@ def trends(rungs: list[dict], params: list[float]) -> list[dict]:
             p_hold, p_fail = _p_trend(question, fit, margin)
             p = min(1.0, 2 * min(p_hold, p_fail))
             trend.update(p=p, leans=C.HOLDS if p_hold <= p_fail else C.FAILS,
-                         verdict_plain=(C.HOLDS if p_hold <= p_fail else C.FAILS) if p <= C.ALPHA else C.UNSURE)
+                         verdict_plain=(C.HOLDS if p_hold <= p_fail else C.FAILS) if p <= C.ALPHA
+                         else C.UNSURE)
         out.append(trend)
     return out
 

@@ -40,7 +40,8 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
-def execute(pending: list[Pending], jobs: int, logs: Path, console=None, quiet: bool = False) -> list[tuple[Pending, Path]]:
+def execute(pending: list[Pending], jobs: int, logs: Path, console=None,
+            quiet: bool = False) -> list[tuple[Pending, Path]]:
     """Train the pending runs, ``jobs`` at a time; each writes its output to ``logs/<run>.log``.
     Returns the runs whose process failed, with their logs. Ctrl-C stops every job (each saves a
     checkpoint: the next command resumes it) and is raised again."""
@@ -59,9 +60,12 @@ def execute(pending: list[Pending], jobs: int, logs: Path, console=None, quiet: 
                 for slot in range(jobs):
                     if slot not in running and queue:
                         run = queue.pop(0)
-                        log = open(logs / f"{run.folder.name}.log", "w")  # noqa: SIM115 (closed when the job ends)
-                        proc = subprocess.Popen([sys.executable, "-m", "normlab", *run.argv[1:]], env=job_env(slot, jobs, gpus),
-                                                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                        # (closed when the job ends)
+                        log = open(logs / f"{run.folder.name}.log", "w")  # noqa: SIM115
+                        proc = subprocess.Popen([sys.executable, "-m", "normlab", *run.argv[1:]],
+                                                env=job_env(slot, jobs, gpus),
+                                                stdout=log, stderr=subprocess.STDOUT,
+                                                preexec_fn=_die_with_parent)
                         running[slot] = proc, run, log
                 for slot, (proc, run, log) in list(running.items()):
                     if proc.poll() is not None:

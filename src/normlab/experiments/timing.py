@@ -47,7 +47,8 @@ def balanced_orders(labels: list, rounds: int, seed: int) -> list[list]:
     return [base[s:] + base[:s] for s in shifts]
 
 
-def time_steps(configs: dict, batch: tuple, rounds: int, steps_per_round: int = 2, order_seed: int = 0) -> dict:
+def time_steps(configs: dict, batch: tuple, rounds: int, steps_per_round: int = 2,
+               order_seed: int = 0) -> dict:
     """Median training-step time (forward, backward, AdamW) of each model spec (see _build) in this
     process, measured in rounds of every model in a balanced random order (:func:`balanced_orders`)
     so that a drifting machine does not favour one. Returns {label: {"ms": median over rounds,

@@ -7,7 +7,8 @@
   (``tiny_model``) or on a packaged trained checkpoint.
 """
 
-from normlab.hf.checking import ARCHS, CHECKPOINTS, ZERO_GRAD, check_model, fetch_checkpoint, load_model, tiny_model
+from normlab.hf.checking import (ARCHS, CHECKPOINTS, ZERO_GRAD, check_model, fetch_checkpoint, load_model,
+                                 tiny_model)
 from normlab.hf.patching import FLAVORS, FUSABLE_LAYERS, PatchReport, identify, patch, unpatch
 
 __all__ = ["ARCHS", "CHECKPOINTS", "FLAVORS", "FUSABLE_LAYERS", "ZERO_GRAD", "PatchReport", "check_model",

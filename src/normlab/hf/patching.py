@@ -16,8 +16,9 @@ Gemma's: multiply in fp32, cast last). Examples in transformers 5 (docs/numerics
 
 | classes | flavor found |
 |---|---|
-| LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm (also q_norm/k_norm over head_dim), T5LayerNorm, DeepseekV3RMSNorm | rms_norm, cast="llama" |
-| GemmaRMSNorm, Gemma2RMSNorm, Gemma3RMSNorm | rms_norm, cast="gemma", offset=1 (weights store w, apply 1 + w) |
+| LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm (q_norm/k_norm too) | rms_norm, cast="llama" |
+| T5LayerNorm, DeepseekV3RMSNorm | rms_norm, cast="llama" |
+| GemmaRMSNorm, Gemma2RMSNorm, Gemma3RMSNorm | rms_norm, cast="gemma", offset=1 (stores w, applies 1 + w) |
 | Olmo2RMSNorm, torch.nn.RMSNorm (eps None: fp32's machine epsilon) | rms_norm, cast="gemma" |
 | torch.nn.LayerNorm (GPT-2, BERT with eps 1e-12, Bloom, Falcon, ...) | layer_norm |
 
@@ -45,7 +46,8 @@ from normlab import functional as F
 from normlab.torch_compat import default_rms_eps
 
 # Decoder layers whose forward is Llama's (attention residual add, then post_attention_layernorm).
-FUSABLE_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "GemmaDecoderLayer")
+FUSABLE_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+                  "GemmaDecoderLayer")
 
 
 @dataclass
@@ -55,7 +57,8 @@ class PatchReport:
     fused: list[str] = field(default_factory=list)  # decoder layers with fused residual add + norm
 
     def __str__(self) -> str:
-        lines = [f"patched {len(self.patched)} norm modules, left {len(self.skipped)} alone, fused {len(self.fused)} layers"]
+        lines = [f"patched {len(self.patched)} norm modules, left {len(self.skipped)} alone, fused "
+                 f"{len(self.fused)} layers"]
         lines += [f"  patched  {n} ({c}): {m}" for n, c, m in self.patched]
         lines += [f"  skipped  {n} ({c}): {r}" for n, c, r in self.skipped]
         return "\n".join(lines)
@@ -65,8 +68,10 @@ class PatchReport:
 EPS_ATTRS = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps", "rms_norm_eps", "norm_eps")
 # normlab's flavors a norm is probed against, in the order preferred when two agree on the probe.
 FLAVORS = ({"op": "ln"},) + tuple({"op": "rms", "cast": cast, "offset": offset, "eps_mode": mode}
-                                  for offset in (0.0, 1.0) for mode in ("inside", "outside") for cast in ("llama", "gemma"))
-# torch's norms over a batch, channel groups or neighbouring channels: none is a norm over each row's features.
+                                  for offset in (0.0, 1.0) for mode in ("inside", "outside")
+                                  for cast in ("llama", "gemma"))
+# torch's norms over a batch, channel groups or neighbouring channels: none is a norm over each row's
+# features.
 OTHER_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LocalResponseNorm)
 
 
@@ -108,7 +113,8 @@ def norm_spec(module: nn.Module, probed: dict | None = None) -> tuple[dict | Non
     if not found:
         return None, f"no epsilon attribute ({', '.join(EPS_ATTRS)})"
     d = width(module)
-    attrs = tuple(sorted((k, v) for k, v in vars(module).items() if isinstance(v, (bool, int, float, str, type(None)))))
+    attrs = tuple(sorted((k, v) for k, v in vars(module).items()
+                         if isinstance(v, (bool, int, float, str, type(None)))))
     key = (cls, d, w is None, getattr(module, "bias", None) is None, attrs)
     probed = {} if probed is None else probed
     if key not in probed:
@@ -137,7 +143,8 @@ def _probe_copy(module: nn.Module, dtype: torch.dtype, gen: torch.Generator) -> 
         probe = probe.to_empty(device="cpu")
     probe = probe.to(device="cpu", dtype=dtype)
     with torch.no_grad():  # a weight or bias kept as a buffer too: a forward that ignores it then shows
-        tensors = [*probe.named_parameters(), *((n, b) for n, b in probe.named_buffers() if n in ("weight", "bias"))]
+        tensors = [*probe.named_parameters(),
+                   *((n, b) for n, b in probe.named_buffers() if n in ("weight", "bias"))]
         for name, t in tensors:
             centre = 1.0 if name == "weight" else 0.0
             t.copy_(centre + 0.5 * torch.randn(t.shape, generator=gen, dtype=torch.float64))
@@ -152,23 +159,28 @@ def _probe_input(d: int, gen: torch.Generator) -> torch.Tensor:
     return (torch.randn(2, 2, 16, d, generator=gen, dtype=torch.float64) + 0.5) * scale
 
 
-def _apply(spec: dict, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, backend: str | None = None) -> torch.Tensor:
+def _apply(spec: dict, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, backend: str
+           | None = None) -> torch.Tensor:
     """normlab's op for ``spec``: what the probe compares and what a patched forward runs."""
     if spec["op"] == "ln":
         return F.layer_norm(x, w, b, eps=spec["eps"], backend=backend)
-    eps = spec["eps"] if spec["eps"] is not None else default_rms_eps(x.dtype)  # torch's: that of the dtype it computes in
-    return F.rms_norm(x, w, eps, eps_mode=spec["eps_mode"], cast=spec["cast"], offset=spec["offset"], backend=backend)
+    # torch's: that of the dtype it computes in
+    eps = spec["eps"] if spec["eps"] is not None else default_rms_eps(x.dtype)
+    return F.rms_norm(x, w, eps, eps_mode=spec["eps_mode"], cast=spec["cast"], offset=spec["offset"],
+                      backend=backend)
 
 
 def _differences(probe: nn.Module, spec: dict, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, str]:
     """(largest difference beyond the tolerance, share of elements that differ at all, why not) of
     normlab's ``spec`` against the module's output ``y`` on ``x``; why not is '' when it agrees."""
     try:
-        ours = _apply(spec, x, getattr(probe, "weight", None), getattr(probe, "bias", None) if spec["op"] == "ln" else None)
+        ours = _apply(spec, x, getattr(probe, "weight", None), getattr(probe, "bias", None)
+                      if spec["op"] == "ln" else None)
     except Exception as err:  # an option normlab refuses
         return float("inf"), 1.0, f"normlab cannot run it ({type(err).__name__}: {err})"
     if ours.dtype != y.dtype or ours.shape != y.shape:
-        return float("inf"), 1.0, f"output {y.dtype} {tuple(y.shape)} differs from normlab's {ours.dtype} {tuple(ours.shape)}"
+        return float("inf"), 1.0, (f"output {y.dtype} {tuple(y.shape)} differs from normlab's "
+                                   f"{ours.dtype} {tuple(ours.shape)}")
     # fp32: within 1e-5 relative. bf16/fp16: within 2 ulps, and (the same cast order rounds the same
     # way) at most 5% of the elements differ at all; the other cast order moves about a third.
     tol = 1e-5 if x.dtype == torch.float32 else 2 * torch.finfo(x.dtype).eps
@@ -176,7 +188,8 @@ def _differences(probe: nn.Module, spec: dict, x: torch.Tensor, y: torch.Tensor)
     excess = (diff - tol * (y.float().abs() + 1)).max().item()
     moved = (diff > 0).float().mean().item()
     if not excess <= 0:
-        return excess, moved, f"numerics differ from normlab's {mode_text(spec)} (largest difference {diff.max().item():.3g})"
+        return excess, moved, (f"numerics differ from normlab's {mode_text(spec)} "
+                               f"(largest difference {diff.max().item():.3g})")
     if x.dtype != torch.float32 and moved > 0.05:
         return excess, moved, f"rounding differs from normlab's {mode_text(spec)} ({moved:.0%} of elements)"
     return excess, moved, ""
@@ -198,7 +211,8 @@ def identify(module: nn.Module, d: int, eps: float | None) -> tuple[dict | None,
         try:
             y = probe(x)
         except Exception as err:
-            return None, f"its forward fails on one ({', '.join(map(str, x.shape))}) tensor ({type(err).__name__}: {str(err)[:80]})"
+            shape = ", ".join(map(str, x.shape))
+            return None, f"its forward fails on one ({shape}) tensor ({type(err).__name__}: {str(err)[:80]})"
         if not isinstance(y, torch.Tensor):
             return None, f"its forward returns a {type(y).__name__}, not a tensor"
         tried = [(_differences(probe, f, x, y), f) for f in survivors]
@@ -220,7 +234,8 @@ def _make_forward(spec: dict, backend: str | None, d: int | None):
         b = getattr(self, "bias", None) if op == "ln" else None
         if args or kwargs or not isinstance(x, torch.Tensor) or (d is not None and x.shape[-1:] != (d,)):
             return self._normlab_original(x, *args, **kwargs)  # a call the probe did not see
-        if (w is not None and w.dtype != x.dtype) or (b is not None and b.dtype != x.dtype) or x.dtype == torch.float64:
+        if (w is not None and w.dtype != x.dtype) or (b is not None
+                                                      and b.dtype != x.dtype) or x.dtype == torch.float64:
             return self._normlab_original(x)  # mixed dtypes: the original's promotion rules apply
         return _apply(spec, x, w, b, backend)
 
@@ -265,7 +280,8 @@ def patch(model: nn.Module, *, backend: str = "auto", fuse_residual: bool = Fals
                 report.skipped.append((name, type(module).__name__, reason))
             continue
         d = width(module)
-        module._normlab_previous = module.__dict__.get("forward")  # someone else's instance-level forward, if any
+        # someone else's instance-level forward, if any
+        module._normlab_previous = module.__dict__.get("forward")
         module._normlab_original = module.forward
         why = _matches(module, spec, d, gen)
         if why:
@@ -278,7 +294,8 @@ def patch(model: nn.Module, *, backend: str = "auto", fuse_residual: bool = Fals
         report.patched.append((name, type(module).__name__, module._normlab_mode))
     if fuse_residual:
         for name, layer in model.named_modules():
-            if type(layer).__name__ in FUSABLE_LAYERS and hasattr(getattr(layer, "post_attention_layernorm", None), "_normlab_spec"):
+            if type(layer).__name__ in FUSABLE_LAYERS and hasattr(getattr(layer, "post_attention_layernorm",
+                                                                          None), "_normlab_spec"):
                 if not hasattr(layer, "_normlab_original"):
                     layer._normlab_previous = layer.__dict__.get("forward")
                     layer._normlab_original = layer.forward
@@ -306,9 +323,12 @@ def _fused_layer_forward(backend):
         # the caller's keywords go to attention as the original layer passes them (no defaults added:
         # transformers renames them between releases)
         hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
-        if hidden_states.dtype == residual.dtype == norm.weight.dtype and hidden_states.dtype != torch.float64:
-            # one pass: s = residual + attn_out (rounded to the residual's dtype, as the unfused add is), y = norm(s)
-            hidden_states, residual = F.add_rms_norm(hidden_states, residual, norm.weight, spec["eps"], cast=spec["cast"],
+        if (hidden_states.dtype == residual.dtype == norm.weight.dtype
+                and hidden_states.dtype != torch.float64):
+            # one pass: s = residual + attn_out (rounded to the residual's dtype, as the unfused add
+            # is), y = norm(s)
+            hidden_states, residual = F.add_rms_norm(hidden_states, residual, norm.weight, spec["eps"],
+                                                     cast=spec["cast"],
                                                      offset=spec["offset"], backend=backend)
         else:
             residual = residual + hidden_states

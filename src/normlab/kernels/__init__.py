@@ -80,7 +80,8 @@ def _too_old(package: str, version: str) -> str | None:
     if need is None or tuple(parts) >= need:
         return None
     want = ".".join(map(str, need))
-    return f"{package} {version} is older than the {want} the kernels need; pip install -U '{package}>={want}'"
+    return (f"{package} {version} is older than the {want} the kernels need; "
+            f"pip install -U '{package}>={want}'")
 
 
 @functools.cache
@@ -144,7 +145,8 @@ def _resolve(backend: str | None, device_type: str, device_index: int | None) ->
 def _choose(name: str, device_type: str, device_index: int | None, interpret: bool) -> str:
     """_resolve's answer once the name is known: the same for every call on a device (``interpret``,
     TRITON_INTERPRET's setting, is part of the key), and a tenth of a small call's time to work out."""
-    device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
+    device = torch.device(device_type,
+                          device_index) if device_index is not None else torch.device(device_type)
     if name == "auto":
         fused = {"cpu": "cpu", "cuda": "triton"}.get(device.type)
         if fused and unavailable_reason(fused) is None and _device_reason(fused, device) is None:

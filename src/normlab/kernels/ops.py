@@ -118,7 +118,8 @@ def _rms_math(ctx, x: Tensor, weight: Tensor | None, out_dtype: torch.dtype) -> 
     eps, inside, llama, offset, k = ctx.options
     partial = None if k == x.shape[-1] else k / x.shape[-1]
     return reference.rms_norm(x, weight, eps, eps_mode="inside" if inside else "outside",
-                              cast="llama" if llama else "gemma", offset=offset, partial=partial, out_dtype=out_dtype)
+                              cast="llama" if llama else "gemma", offset=offset, partial=partial,
+                              out_dtype=out_dtype)
 
 
 # ----------------------------------------------------------------------------- rms_norm
@@ -130,7 +131,8 @@ class RMSNorm:
     name = "rms_norm"
     schema = f"(Tensor x, Tensor? weight, {RMS_OPTIONS}) -> (Tensor, Tensor)"
     backward_name = "rms_norm_backward"
-    backward_schema = f"(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, Tensor? ds, {RMS_OPTIONS}) -> (Tensor, Tensor)"
+    backward_schema = (f"(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, Tensor? ds, {RMS_OPTIONS}) "
+                       "-> (Tensor, Tensor)")
 
     @staticmethod
     def launch(L, x, weight, *options, stats=True):
@@ -169,7 +171,8 @@ class RMSNorm:
     @staticmethod
     def differentiable_gradients(ctx, grads):
         x, weight, _ = ctx.saved_tensors
-        return (*_vjp(lambda x, w: _rms_math(ctx, x, w, x.dtype), (x, weight), grads[0]), None, None, None, None, None)
+        return (*_vjp(lambda x, w: _rms_math(ctx, x, w, x.dtype), (x, weight), grads[0]), None, None, None,
+                None, None)
 
 
 # ------------------------------------------------------------------------- add_rms_norm
@@ -186,7 +189,8 @@ class AddRMSNorm(RMSNorm):
     @staticmethod
     def launch(L, x, residual, weight, *options, stats=True):
         *options, residual_in_fp32 = options
-        return L.rms_fwd_launch(x, weight, *options, residual=residual, residual_in_fp32=residual_in_fp32, stats=stats)
+        return L.rms_fwd_launch(x, weight, *options, residual=residual, residual_in_fp32=residual_in_fp32,
+                                stats=stats)
 
     @staticmethod
     def fake(mean_dtype, x, residual, *options):
@@ -206,7 +210,8 @@ class AddRMSNorm(RMSNorm):
     @staticmethod
     def gradients(ctx, grads, backward):
         s, weight, rstd = ctx.saved_tensors
-        dsum, dw = backward(grads[0], s, weight, rstd, grads[1], *ctx.options, grad_dtypes=(grad_dtype(weight),))
+        dsum, dw = backward(grads[0], s, weight, rstd, grads[1], *ctx.options,
+                            grad_dtypes=(grad_dtype(weight),))
         return (*_summed(ctx, dsum, None), _grad_like(dw, weight, ctx.needs_input_grad[2]),
                 None, None, None, None, None, None)
 
@@ -226,7 +231,8 @@ class LayerNorm:
     name = "layer_norm"
     schema = "(Tensor x, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)"
     backward_name = "layer_norm_backward"
-    backward_schema = "(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, Tensor? ds) -> (Tensor, Tensor, Tensor)"
+    backward_schema = ("(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, Tensor? ds) "
+                       "-> (Tensor, Tensor, Tensor)")
 
     @staticmethod
     def launch(L, x, weight, bias, eps, stats=True):
@@ -258,15 +264,18 @@ class LayerNorm:
     @staticmethod
     def gradients(ctx, grads, backward):
         x, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = backward(grads[0], x, weight, mean, rstd, None, grad_dtypes=(grad_dtype(weight), grad_dtype(bias)))
+        dx, dw, db = backward(grads[0], x, weight, mean, rstd, None,
+                              grad_dtypes=(grad_dtype(weight), grad_dtype(bias)))
         dx = _one_feature(dx, x, None)
         need = ctx.needs_input_grad
-        return _grad_like(dx, x, need[0]), _grad_like(dw, weight, need[1]), _grad_like(db, bias, need[2]), None
+        return _grad_like(dx, x, need[0]), _grad_like(dw, weight,
+                                                      need[1]), _grad_like(db, bias, need[2]), None
 
     @staticmethod
     def differentiable_gradients(ctx, grads):
         x, weight, bias, _, _ = ctx.saved_tensors
-        return (*_vjp(lambda x, w, b: reference.layer_norm(x, w, b, ctx.eps), (x, weight, bias), grads[0]), None)
+        return (*_vjp(lambda x, w, b: reference.layer_norm(x, w, b, ctx.eps), (x, weight, bias), grads[0]),
+                None)
 
 
 # ------------------------------------------------------------------------ add_layer_norm
@@ -282,11 +291,13 @@ class AddLayerNorm(LayerNorm):
 
     @staticmethod
     def launch(L, x, residual, weight, bias, eps, residual_in_fp32, stats=True):
-        return L.ln_fwd_launch(x, weight, bias, eps, residual=residual, residual_in_fp32=residual_in_fp32, stats=stats)
+        return L.ln_fwd_launch(x, weight, bias, eps, residual=residual, residual_in_fp32=residual_in_fp32,
+                               stats=stats)
 
     @staticmethod
     def fake(mean_dtype, x, residual, weight, bias, eps, residual_in_fp32):
-        return _like(x), _like(x, sum_dtype(x, residual, residual_in_fp32)), _per_row(x, mean_dtype), _per_row(x)
+        return _like(x), _like(x,
+                               sum_dtype(x, residual, residual_in_fp32)), _per_row(x, mean_dtype), _per_row(x)
 
     @staticmethod
     def public(output):
@@ -306,7 +317,8 @@ class AddLayerNorm(LayerNorm):
                                 grad_dtypes=(grad_dtype(weight), grad_dtype(bias)))
         dsum = _one_feature(dsum, s, grads[1])
         need = ctx.needs_input_grad
-        return (*_summed(ctx, dsum, None), _grad_like(dw, weight, need[2]), _grad_like(db, bias, need[3]), None, None)
+        return (*_summed(ctx, dsum, None), _grad_like(dw, weight, need[2]), _grad_like(db, bias, need[3]),
+                None, None)
 
     @staticmethod
     def differentiable_gradients(ctx, grads):
@@ -325,7 +337,8 @@ class DyT:
     name = "dyt"
     schema = "(Tensor x, Tensor alpha, Tensor? weight, Tensor? bias) -> Tensor"
     backward_name = "dyt_backward"
-    backward_schema = "(Tensor dy, Tensor x, Tensor alpha, Tensor? weight, Tensor? bias) -> (Tensor, Tensor, Tensor, Tensor)"
+    backward_schema = ("(Tensor dy, Tensor x, Tensor alpha, Tensor? weight, Tensor? bias) "
+                       "-> (Tensor, Tensor, Tensor, Tensor)")
     formula = staticmethod(reference.dyt)
 
     @staticmethod
@@ -356,7 +369,8 @@ class DyT:
     def gradients(ctx, grads, backward):
         """Every input's gradient comes from the backward, in the inputs' order."""
         out = backward(grads[0], *ctx.saved_tensors, grad_dtypes=None)
-        return tuple(_grad_like(g, t, need) for g, t, need in zip(out, ctx.saved_tensors, ctx.needs_input_grad))
+        return tuple(_grad_like(g, t, need) for g, t,
+                     need in zip(out, ctx.saved_tensors, ctx.needs_input_grad))
 
     @classmethod
     def differentiable_gradients(cls, ctx, grads):
@@ -383,7 +397,8 @@ class Derf(DyT):
 
     @staticmethod
     def backward_fake(mean_dtype, dy, x, alpha, shift, *_):
-        per_scalar = alpha.new_empty(alpha.shape, dtype=torch.float32), shift.new_empty(shift.shape, dtype=torch.float32)
+        per_scalar = alpha.new_empty(alpha.shape,
+                                     dtype=torch.float32), shift.new_empty(shift.shape, dtype=torch.float32)
         return _like(x), *per_scalar, _per_feature(x), _per_feature(x)
 
 
@@ -416,7 +431,8 @@ def _eager_function(prefix: str, op, L) -> type:
 
 
 def _custom_op(prefix: str, device_types, name: str, schema: str, launch: Callable, fake: Callable):
-    custom = torch.library.custom_op(f"normlab::{prefix}_{name}", launch, mutates_args=(), device_types=device_types,
+    custom = torch.library.custom_op(f"normlab::{prefix}_{name}", launch, mutates_args=(),
+                                     device_types=device_types,
                                      schema=schema)
     custom.register_fake(fake)
     return custom
@@ -428,10 +444,12 @@ def _custom_ops(prefix: str, device_types, L, mean_dtype: torch.dtype) -> dict:
     backward_ops, forward_ops = {}, {}
     for op in OPS:
         if op.backward_name not in backward_ops:
-            backward_ops[op.backward_name] = _custom_op(prefix, device_types, op.backward_name, op.backward_schema,
+            backward_ops[op.backward_name] = _custom_op(prefix, device_types, op.backward_name,
+                                                        op.backward_schema,
                                                         functools.partial(op.backward_launch, L),
                                                         functools.partial(op.backward_fake, mean_dtype))
-        forward_ops[op.name] = _custom_op(prefix, device_types, op.name, op.schema, functools.partial(op.launch, L),
+        forward_ops[op.name] = _custom_op(prefix, device_types, op.name, op.schema,
+                                          functools.partial(op.launch, L),
                                           functools.partial(op.fake, mean_dtype))
 
         def traced_backward(*inputs, grad_dtypes=None, _backward_op=backward_ops[op.backward_name]):
@@ -480,7 +498,8 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
     """The public functions of a backend whose launchers are the attributes of ``L``."""
     traced = _custom_ops(prefix, device_types, L, mean_dtype)
     eager = {op.name: _eager_function(prefix, op, L) for op in OPS}
-    untraced = {op.name: functools.partial(op.launch, L, stats=False) for op in OPS}  # no graph keeps the statistics
+    # no graph keeps the statistics
+    untraced = {op.name: functools.partial(op.launch, L, stats=False) for op in OPS}
     public = {op.name: op.public for op in OPS}
 
     # A small call's time is mostly this Python (docs/cpu-kernels.md, "Fixed costs of a call"),
@@ -517,24 +536,32 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
 
     def rms_norm(x, weight=None, eps=1e-6, *, eps_mode="inside", cast="llama", offset=0.0, partial=None):
         k = reference.partial_size(x.shape[-1], partial)
-        return call("rms_norm", (x, weight), (x, weight, eps, eps_mode == "inside", cast == "llama", offset, k),
-                    lambda: reference.rms_norm(x, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset, partial=partial))
+        return call("rms_norm", (x, weight),
+                    (x, weight, eps, eps_mode == "inside", cast == "llama", offset, k),
+                    lambda: reference.rms_norm(x, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset,
+                                               partial=partial))
 
     def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, *, residual_in_fp32=False):
-        return call("add_layer_norm", (x, residual, weight, bias), (x, residual, weight, bias, eps, residual_in_fp32),
-                    lambda: reference.add_layer_norm(x, residual, weight, bias, eps, residual_in_fp32=residual_in_fp32))
+        return call("add_layer_norm", (x, residual, weight, bias),
+                    (x, residual, weight, bias, eps, residual_in_fp32),
+                    lambda: reference.add_layer_norm(x, residual, weight, bias, eps,
+                                                     residual_in_fp32=residual_in_fp32))
 
-    def add_rms_norm(x, residual, weight=None, eps=1e-6, *, eps_mode="inside", cast="llama", offset=0.0, partial=None,
+    def add_rms_norm(x, residual, weight=None, eps=1e-6, *, eps_mode="inside", cast="llama", offset=0.0,
+                     partial=None,
                      residual_in_fp32=False):
         k = reference.partial_size(x.shape[-1], partial)
         return call("add_rms_norm", (x, residual, weight),
-                    (x, residual, weight, eps, eps_mode == "inside", cast == "llama", offset, k, residual_in_fp32),
-                    lambda: reference.add_rms_norm(x, residual, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset,
+                    (x, residual, weight, eps, eps_mode == "inside", cast == "llama", offset, k,
+                     residual_in_fp32),
+                    lambda: reference.add_rms_norm(x, residual, weight, eps, eps_mode=eps_mode, cast=cast,
+                                                   offset=offset,
                                                    partial=partial, residual_in_fp32=residual_in_fp32))
 
     # ``out=`` variants: eager, no autograd, the kernel writes straight into ``out``.
 
-    def rms_norm_out(x, weight=None, eps=1e-6, *, eps_mode="inside", cast="llama", offset=0.0, partial=None, out):
+    def rms_norm_out(x, weight=None, eps=1e-6, *, eps_mode="inside", cast="llama", offset=0.0, partial=None,
+                     out):
         if not (fused((x, weight), torch.compiler.is_compiling()) and out.is_contiguous()):
             return out.copy_(reference.rms_norm(x, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset,
                                                 partial=partial))
@@ -553,7 +580,8 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
     def dyt(x, alpha, weight=None, bias=None):
         if not has_dyt:
             return reference.dyt(x, alpha, weight, bias)
-        return call("dyt", (x, weight, bias), (x, alpha, weight, bias), lambda: reference.dyt(x, alpha, weight, bias),
+        return call("dyt", (x, weight, bias), (x, alpha, weight, bias),
+                    lambda: reference.dyt(x, alpha, weight, bias),
                     (alpha,))
 
     def derf(x, alpha, shift, weight=None, bias=None):
@@ -563,5 +591,6 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
                     lambda: reference.derf(x, alpha, shift, weight, bias), (alpha, shift))
 
     return SimpleNamespace(layer_norm=layer_norm, rms_norm=rms_norm, add_layer_norm=add_layer_norm,
-                           add_rms_norm=add_rms_norm, rms_norm_out=rms_norm_out, layer_norm_out=layer_norm_out,
+                           add_rms_norm=add_rms_norm, rms_norm_out=rms_norm_out,
+                           layer_norm_out=layer_norm_out,
                            dyt=dyt, derf=derf)

@@ -25,5 +25,6 @@ add_layer_norm, add_rms_norm = _api.add_layer_norm, _api.add_rms_norm
 rms_norm_out, layer_norm_out = _api.rms_norm_out, _api.layer_norm_out
 dyt, derf = _api.dyt, _api.derf
 
-__all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "rms_norm_out", "layer_norm_out", "dyt", "derf",
+__all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "rms_norm_out", "layer_norm_out",
+           "dyt", "derf",
            "FUSED_DTYPES"]

@@ -89,8 +89,10 @@ def _write_y(Y, W, B, row_y, x, mean, rstd, cols, mask, offset, IS_RMS: tl.const
 def norm_fwd(
     X, R, W, B, Y, S, MEAN, RSTD,
     n_rows, n_cols, k, stride_x, stride_r, stride_y, stride_s, eps, offset,
-    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr, LLAMA: tl.constexpr,
-    INSIDE: tl.constexpr, OUT_KIND: tl.constexpr, SUM_KIND: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr,
+    LLAMA: tl.constexpr,
+    INSIDE: tl.constexpr, OUT_KIND: tl.constexpr, SUM_KIND: tl.constexpr, BLOCK: tl.constexpr,
+    SINGLE: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     """SINGLE (a row fits one block): ROWS rows per program, each read once and kept in
@@ -113,11 +115,13 @@ def norm_fwd(
         else:
             mean = tl.sum(x.to(tl.float64), axis=1) / n_cols
             mean2 = mean[:, None]
-            xc = tl.where(mask, _centred(x, mean2, IS_RMS), 0.0)  # the variance around the mean, never E[x^2] - E[x]^2
+            # the variance around the mean, never E[x^2] - E[x]^2
+            xc = tl.where(mask, _centred(x, mean2, IS_RMS), 0.0)
             rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
             tl.store(MEAN + rows, mean, mask=rmask)
         tl.store(RSTD + rows, rstd, mask=rmask)
-        _write_y(Y, W, B, r2 * stride_y, x, mean2, rstd[:, None], cols, mask, offset, IS_RMS, HAS_W, HAS_B, LLAMA, OUT_KIND)
+        _write_y(Y, W, B, r2 * stride_y, x, mean2, rstd[:, None], cols, mask, offset, IS_RMS, HAS_W, HAS_B,
+                 LLAMA, OUT_KIND)
     else:
         row = tl.program_id(0).to(tl.int64)
         row_x, row_r, row_y, row_s = row * stride_x, row * stride_r, row * stride_y, row * stride_s
@@ -159,7 +163,8 @@ def norm_fwd(
 
 
 @triton.jit
-def _bwd_inputs(DY, X, W, row_dy, row_x, cols, mask, offset, HAS_W: tl.constexpr, LLAMA: tl.constexpr, IN_KIND: tl.constexpr):
+def _bwd_inputs(DY, X, W, row_dy, row_x, cols, mask, offset, HAS_W: tl.constexpr, LLAMA: tl.constexpr,
+                IN_KIND: tl.constexpr):
     """dy, x and g = dy * (offset + w) (w rounded to the input dtype in the llama order), as fp32."""
     dy = tl.load(DY + row_dy + cols, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(X + row_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -225,7 +230,8 @@ def norm_bwd(
     DY, X, W, MEAN, RSTD, DS, DX, DW, DB,
     n_rows, n_cols, k, stride_dy, stride_x, stride_ds, stride_dx, offset,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr, LLAMA: tl.constexpr,
-    INSIDE: tl.constexpr, IN_KIND: tl.constexpr, DX_KIND: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+    INSIDE: tl.constexpr, IN_KIND: tl.constexpr, DX_KIND: tl.constexpr, BLOCK: tl.constexpr,
+    SINGLE: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     """dx for rows pid, pid + P, ... and this program's dw/db partial sums in DW[pid], DB[pid].
@@ -253,10 +259,12 @@ def norm_bwd(
                 mean2 = 0.0
             else:
                 mean2 = tl.load(MEAN + rows, mask=rmask, other=0.0)[:, None]
-            dy, x, g = _bwd_inputs(DY, X, W, r2 * stride_dy, r2 * stride_x, cols, mask, offset, HAS_W, LLAMA, IN_KIND)
+            dy, x, g = _bwd_inputs(DY, X, W, r2 * stride_dy, r2 * stride_x, cols, mask, offset, HAS_W, LLAMA,
+                                   IN_KIND)
             xc = _centred(x, mean2, IS_RMS)
             t_g, t_gx, t_ss = _row_terms(g, x, xc, rstd2, cols, mask, k, IS_RMS)
-            coef, mg, mgx = _coefs(tl.sum(t_g, axis=1), tl.sum(t_gx, axis=1), tl.sum(t_ss, axis=1), rstd, k, n_cols,
+            coef, mg, mgx = _coefs(tl.sum(t_g, axis=1), tl.sum(t_gx, axis=1), tl.sum(t_ss, axis=1), rstd, k,
+                                   n_cols,
                                    IS_RMS, INSIDE)
             if IS_RMS:
                 coef2 = coef[:, None]
@@ -266,7 +274,8 @@ def norm_bwd(
                 coef2 = 0.0
                 mg2 = mg[:, None]
                 mgx2 = mgx[:, None]
-            _write_dx(DX, DS, r2 * stride_dx, r2 * stride_ds, g, x, xc, rstd2, coef2, mg2, mgx2, cols, mask, k,
+            _write_dx(DX, DS, r2 * stride_dx, r2 * stride_ds, g, x, xc, rstd2, coef2, mg2, mgx2, cols, mask,
+                      k,
                       IS_RMS, HAS_DS, DX_KIND)
             if HAS_W:
                 acc_dw += tl.sum(_dw_term(dy, xc, rstd2, LLAMA, IN_KIND), axis=0)
@@ -290,19 +299,23 @@ def norm_bwd(
             for start in range(0, n_cols, BLOCK):
                 cols = start + base
                 mask = cols < n_cols
-                dy, x, g = _bwd_inputs(DY, X, W, row64 * stride_dy, row64 * stride_x, cols, mask, offset, HAS_W, LLAMA, IN_KIND)
+                dy, x, g = _bwd_inputs(DY, X, W, row64 * stride_dy, row64 * stride_x, cols, mask, offset,
+                                       HAS_W, LLAMA, IN_KIND)
                 t_g, t_gx, t_ss = _row_terms(g, x, _centred(x, mean, IS_RMS), rstd, cols, mask, k, IS_RMS)
                 acc_g += t_g
                 acc_gx += t_gx
                 acc_ss += t_ss
-            coef, mg, mgx = _coefs(tl.sum(acc_g, axis=0), tl.sum(acc_gx, axis=0), tl.sum(acc_ss, axis=0), rstd, k, n_cols,
+            coef, mg, mgx = _coefs(tl.sum(acc_g, axis=0), tl.sum(acc_gx, axis=0), tl.sum(acc_ss, axis=0),
+                                   rstd, k, n_cols,
                                    IS_RMS, INSIDE)
             for start in range(0, n_cols, BLOCK):
                 cols = start + base
                 mask = cols < n_cols
-                dy, x, g = _bwd_inputs(DY, X, W, row64 * stride_dy, row64 * stride_x, cols, mask, offset, HAS_W, LLAMA, IN_KIND)
+                dy, x, g = _bwd_inputs(DY, X, W, row64 * stride_dy, row64 * stride_x, cols, mask, offset,
+                                       HAS_W, LLAMA, IN_KIND)
                 xc = _centred(x, mean, IS_RMS)
-                _write_dx(DX, DS, row64 * stride_dx, row64 * stride_ds, g, x, xc, rstd, coef, mg, mgx, cols, mask, k,
+                _write_dx(DX, DS, row64 * stride_dx, row64 * stride_ds, g, x, xc, rstd, coef, mg, mgx, cols,
+                          mask, k,
                           IS_RMS, HAS_DS, DX_KIND)
                 if HAS_W:
                     dw = tl.load(DW + part_row + cols, mask=mask, other=0.0)

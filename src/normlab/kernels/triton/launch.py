@@ -69,41 +69,50 @@ class Spec:
         return {"num_warps": self.num_warps, "maxnreg": min(255, 65536 // (32 * self.num_warps)), **OPTIONS}
 
 
-def fwd_spec(d: int, x: torch.dtype, *, weight: torch.dtype | None, bias: torch.dtype | None, residual: torch.dtype | None,
+def fwd_spec(d: int, x: torch.dtype, *, weight: torch.dtype | None, bias: torch.dtype | None,
+             residual: torch.dtype | None,
              sum_dtype: torch.dtype | None, is_rms: bool, llama: bool, inside: bool) -> Spec:
     """norm_fwd's specialization for rows of ``d`` features of dtype ``x`` (a missing weight, bias
     or residual is replaced by x itself, whose pointer it then is)."""
     block = _block(d)
     tile = _tile_rows(block, d)
-    pointers = (("X", x), ("R", residual or x), ("W", weight or x), ("B", bias or x), ("Y", x), ("S", sum_dtype or x),
+    pointers = (("X", x), ("R", residual or x), ("W", weight or x), ("B", bias or x), ("Y", x),
+                ("S", sum_dtype or x),
                 ("MEAN", torch.float32 if is_rms else torch.float64), ("RSTD", torch.float32))
-    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, HAS_RES=residual is not None, LLAMA=llama,
+    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None,
+                 HAS_RES=residual is not None, LLAMA=llama,
                  INSIDE=inside, OUT_KIND=KIND[x], SUM_KIND=KIND.get(sum_dtype, K.FP32),
                  BLOCK=block, SINGLE=block >= d, ROWS=tile)
     return Spec("norm_fwd", pointers, tuple(flags.items()), _warps(block * tile))
 
 
-def bwd_spec(d: int, dy: torch.dtype, x: torch.dtype, *, weight: torch.dtype | None, ds: torch.dtype | None, is_rms: bool,
+def bwd_spec(d: int, dy: torch.dtype, x: torch.dtype, *, weight: torch.dtype | None, ds: torch.dtype | None,
+             is_rms: bool,
              llama: bool, inside: bool, want_db: bool) -> Spec:
     """norm_bwd's specialization (``x``: what was normalized, the residual sum s in the add
     variants; a missing weight or ds is replaced by dy)."""
     block = _block(d)
     tile = _tile_rows(block, d)
-    pointers = (("DY", dy), ("X", x), ("W", weight or dy), ("MEAN", torch.float32 if is_rms else torch.float64),
-                ("RSTD", torch.float32), ("DS", ds or dy), ("DX", x), ("DW", torch.float32), ("DB", torch.float32))
-    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=want_db, HAS_DS=ds is not None, LLAMA=llama, INSIDE=inside,
+    pointers = (("DY", dy), ("X", x), ("W", weight or dy),
+                ("MEAN", torch.float32 if is_rms else torch.float64),
+                ("RSTD", torch.float32), ("DS", ds or dy), ("DX", x), ("DW", torch.float32),
+                ("DB", torch.float32))
+    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=want_db, HAS_DS=ds is not None, LLAMA=llama,
+                 INSIDE=inside,
                  IN_KIND=KIND[dy], DX_KIND=KIND[x], BLOCK=block, SINGLE=block >= d, ROWS=tile)
     return Spec("norm_bwd", pointers, tuple(flags.items()), _warps(block * tile))
 
 
-def dyt_spec(kernel: str, d: int, x: torch.dtype, *, weight: torch.dtype | None, bias: torch.dtype | None) -> Spec:
+def dyt_spec(kernel: str, d: int, x: torch.dtype, *, weight: torch.dtype | None, bias: torch.dtype
+             | None) -> Spec:
     """dyt_fwd's or dyt_bwd's specialization (a missing weight or bias is replaced by x)."""
     block = _block(d)
     if kernel == "dyt_fwd":
         pointers = (("X", x), ("ALPHA", torch.float32), ("W", weight or x), ("B", bias or x), ("Y", x))
         flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, OUT_KIND=KIND[x], BLOCK=block)
     else:
-        pointers = (("DY", x), ("X", x), ("ALPHA", torch.float32), ("W", weight or x), ("DX", x), ("DA", torch.float32),
+        pointers = (("DY", x), ("X", x), ("ALPHA", torch.float32), ("W", weight or x), ("DX", x),
+                    ("DA", torch.float32),
                     ("DW", torch.float32), ("DB", torch.float32))
         flags = dict(HAS_W=weight is not None, DX_KIND=KIND[x], BLOCK=block)
     return Spec(kernel, pointers, tuple(flags.items()), _warps(block))
@@ -116,15 +125,19 @@ def reachable_specs(hidden: tuple[int, ...]) -> list[Spec]:
     specs = {}
     for d, x in itertools.product(hidden, FUSED_DTYPES):
         for is_rms in (True, False):
-            options = itertools.product((x, None), (None,) if is_rms else (x, None), (True, False) if is_rms else (False,),
+            options = itertools.product((x, None), (None,) if is_rms else (x, None), (True, False) if is_rms
+                                        else (False,),
                                         (True, False) if is_rms else (True,))
             for weight, bias, llama, inside in options:
-                for residual, sum_dtype in ((None, None), (x, x), (x, torch.float32)):  # plain, add, add in fp32
+                # plain, add, add in fp32
+                for residual, sum_dtype in ((None, None), (x, x), (x, torch.float32)):
                     kw = dict(is_rms=is_rms, llama=llama, inside=inside)
-                    spec = fwd_spec(d, x, weight=weight, bias=bias, residual=residual, sum_dtype=sum_dtype, **kw)
+                    spec = fwd_spec(d, x, weight=weight, bias=bias, residual=residual, sum_dtype=sum_dtype,
+                                    **kw)
                     specs[spec] = None
                     for ds in ((None, sum_dtype) if residual is not None else (None,)):
-                        specs[bwd_spec(d, x, sum_dtype or x, weight=weight, ds=ds, want_db=not is_rms, **kw)] = None
+                        specs[bwd_spec(d, x, sum_dtype or x, weight=weight, ds=ds, want_db=not is_rms,
+                                       **kw)] = None
         for weight, bias in itertools.product((x, None), (x, None)):  # DyT; alpha is read as fp32
             for kernel in ("dyt_fwd", "dyt_bwd"):
                 specs[dyt_spec(kernel, d, x, weight=weight, bias=bias)] = None
@@ -150,7 +163,8 @@ def _launch_fwd(x, residual, weight, bias, y, s, mean, rstd, eps, offset, k, is_
         return
     r2 = _rows(residual) if residual is not None else x2
     y2, s2 = y.view(n, d), (s.view(n, d) if s is not None else y.view(n, d))
-    spec = fwd_spec(d, x.dtype, weight=_dtype(weight), bias=_dtype(bias), residual=_dtype(residual), sum_dtype=_dtype(s),
+    spec = fwd_spec(d, x.dtype, weight=_dtype(weight), bias=_dtype(bias), residual=_dtype(residual),
+                    sum_dtype=_dtype(s),
                     is_rms=is_rms, llama=llama, inside=inside)
     flags = dict(spec.constexprs)
     K.norm_fwd[(triton.cdiv(n, flags["ROWS"]),)](
@@ -168,7 +182,8 @@ def _sum_out(x, residual, residual_in_fp32):
     return torch.empty(x.shape, dtype=reference.sum_dtype(x, residual, residual_in_fp32), device=x.device)
 
 
-def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None, residual_in_fp32=False, stats=True):
+def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None, residual_in_fp32=False,
+                   stats=True):
     """Returns (y, s or None, rstd). With ``residual``: s = x + residual is written and normalized.
     The statistics are written whatever ``stats`` says (the caching allocator makes them cheap)."""
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if y is None else y
@@ -193,7 +208,8 @@ def _launch_bwd(dy, x, weight, mean, rstd, ds, offset, k, is_rms, llama, inside,
     x2, dy2 = _rows(x), _rows(dy)
     n = x2.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    spec = bwd_spec(d, dy.dtype, x.dtype, weight=_dtype(weight), ds=_dtype(ds), is_rms=is_rms, llama=llama, inside=inside,
+    spec = bwd_spec(d, dy.dtype, x.dtype, weight=_dtype(weight), ds=_dtype(ds), is_rms=is_rms, llama=llama,
+                    inside=inside,
                     want_db=want_db)
     flags = dict(spec.constexprs)
     programs = max(1, min(triton.cdiv(n, flags["ROWS"]), _programs(x.device)))
@@ -203,7 +219,8 @@ def _launch_bwd(dy, x, weight, mean, rstd, ds, offset, k, is_rms, llama, inside,
         ds2 = _rows(ds) if ds is not None else dy2
         dx2 = dx.view(n, d)
         K.norm_bwd[(programs,)](
-            dy2, x2, weight if weight is not None else dy2, mean if mean is not None else rstd, rstd.reshape(-1), ds2, dx2,
+            dy2, x2, weight if weight is not None else dy2, mean if mean is not None else rstd,
+            rstd.reshape(-1), ds2, dx2,
             dw, db, n, d, k, dy2.stride(0), x2.stride(0), ds2.stride(0), dx2.stride(0), float(offset),
             **flags, **spec.options(),
         )
@@ -234,7 +251,8 @@ def dyt_fwd_launch(x, alpha, weight, bias):
         spec = dyt_spec("dyt_fwd", d, x.dtype, weight=_dtype(weight), bias=_dtype(bias))
         flags = dict(spec.constexprs)
         K.dyt_fwd[(n, triton.cdiv(d, flags["BLOCK"]))](
-            x2, alpha.float(), weight if weight is not None else x2, bias if bias is not None else x2, y2, n, d,
+            x2, alpha.float(), weight if weight is not None else x2, bias if bias is not None else x2, y2, n,
+            d,
             x2.stride(0), y2.stride(0), **flags, **spec.options(),
         )
     return y
