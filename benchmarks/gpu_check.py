@@ -91,7 +91,8 @@ def _attempt(record: dict, fn) -> dict:
 
 def correctness(dev: str, dry: bool, quick: bool) -> list[dict]:
     gen = torch.Generator(device=dev).manual_seed(0)
-    sizes = [96, 300] if dry else [1024, 65537, 262144] if quick else [1024, 3000, 4096, 16384, 65536, 65537, 262144]
+    sizes = [96, 300] if dry else [1024, 65537, 262144] if quick else [1024, 3000, 4096, 16384, 65536, 65537,
+                                                                       262144]
     results = []
     for op in OPS:
         for name, dtype in DTYPES.items():
@@ -109,7 +110,8 @@ def correctness(dev: str, dry: bool, quick: bool) -> list[dict]:
             y = F.rms_norm(x, None, backend="triton")
             tail = slice(rows - 4, rows)
             ref = F.rms_norm(x[tail].double(), None, backend="reference")
-            assert_close(y[tail], ref, lowp=F.rms_norm(x[tail], None, backend="reference"), dtype=torch.bfloat16)
+            assert_close(y[tail], ref, lowp=F.rms_norm(x[tail], None, backend="reference"),
+                         dtype=torch.bfloat16)
         results.append(_attempt(rec, huge))
         torch.cuda.empty_cache()
     rows, d = (16, 128) if dry else (8192, 4096)
@@ -126,7 +128,8 @@ def correctness(dev: str, dry: bool, quick: bool) -> list[dict]:
         if not all(torch.equal(dws[0], other) for other in dws[1:]):
             raise AssertionError("dw differs between runs")
 
-    results.append(_attempt({"check": "dw bitwise reproducible", "op": "rms_norm", "dtype": "bf16", "shape": f"{rows}x{d}"},
+    results.append(_attempt({"check": "dw bitwise reproducible", "op": "rms_norm", "dtype": "bf16",
+                             "shape": f"{rows}x{d}"},
                             reproducible))
     return results
 
@@ -136,14 +139,18 @@ def run_bench(dev: str, dry: bool, quick: bool) -> tuple[list[dict], list[str]]:
         "16384x1024", "4096x4096", "1024x16384", "256x65536", "64x262144")
     repeat = 3 if dry else 20
     with kernels.use_backend("triton"):  # normlab's own cases on the triton backend, also on CPU
-        records, notes = bench.run_bench(ops=("rms_norm", "layer_norm", "add_rms_norm", "dyt"), backends=PEERS,
+        records, notes = bench.run_bench(ops=("rms_norm", "layer_norm", "add_rms_norm", "dyt"),
+                                         backends=PEERS,
                                          dtypes=("bf16", "fp32"), shapes=shapes, passes=("fwd", "bwd"),
-                                         allocs=("prealloc", "alloc"), repeat=repeat, device=dev, case_seconds=0.5)
+                                         allocs=("prealloc", "alloc"), repeat=repeat, device=dev,
+                                         case_seconds=0.5)
         if dry:
             notes.append("torch.compile skipped in the dry run (minutes of C++ compiles on CPU)")
         else:  # compilation is slow: two shapes
-            more, more_notes = bench.run_bench(ops=("rms_norm", "layer_norm"), backends=("normlab", "compile"), dtypes=("bf16",),
-                                               shapes=("4096x4096", "256x65536"), passes=("fwd", "bwd"), allocs=("alloc",),
+            more, more_notes = bench.run_bench(ops=("rms_norm", "layer_norm"),
+                                               backends=("normlab", "compile"), dtypes=("bf16",),
+                                               shapes=("4096x4096", "256x65536"), passes=("fwd", "bwd"),
+                                               allocs=("alloc",),
                                                repeat=10, device=dev, case_seconds=0.5)
             records += [r for r in more if r["backend"] == "compile"]
             notes += more_notes
@@ -158,20 +165,24 @@ def check_model(dev: str, dry: bool) -> dict:
     r["report"] = str(r["report"])
     if not r["ok"]:
         worst = r["tensors"][0]
-        raise AssertionError(f"patched llama exceeds the bound ({r['bound']}) at {worst['tensor']}: error {worst['err_patched']:.3g} "
-                             f"against the unpatched model's {worst['err_unpatched']:.3g}")
+        raise AssertionError(f"patched llama exceeds the bound ({r['bound']}) at {worst['tensor']}: error "
+                             f"{worst['err_patched']:.3g} against the unpatched model's "
+                             f"{worst['err_unpatched']:.3g}")
     return r
 
 
 def short_table(records: list[dict]) -> list[str]:
     """Markdown: each case's GB/s as a fraction of a copy of the same bytes, per backend."""
-    backends = [b for b in ("normlab", "torch", "liger", "quack", "compile") if any(r["backend"] == b for r in records)]
-    lines = ["| op | pass | dtype | shape | " + " | ".join(backends) + " |", "|---" * (4 + len(backends)) + "|"]
+    backends = [b for b in ("normlab", "torch", "liger", "quack", "compile")
+                if any(r["backend"] == b for r in records)]
+    lines = ["| op | pass | dtype | shape | " + " | ".join(backends) + " |", "|---" * (4 + len(backends))
+             + "|"]
     key = lambda r: (r["op"], r["pass"], r["dtype"], r["shape"])  # noqa: E731
     for k in sorted({key(r) for r in records if r["op"] != "copy"}):
         cells = []
         for b in backends:
-            v = [r["frac_of_copy"] for r in records if key(r) == k and r["backend"] == b and r["alloc"] == "alloc"]
+            v = [r["frac_of_copy"] for r in records if key(r) == k and r["backend"] == b
+                 and r["alloc"] == "alloc"]
             cells.append(f"{v[0]:.2f}" if v else "-")
         lines.append(f"| {' | '.join(map(str, k))} | " + " | ".join(cells) + " |")
     return lines
@@ -185,11 +196,14 @@ def write_summary(out: Path, env: dict, sections: list[dict], records: list[dict
              f"{env.get('gpu', env['processor'])}; torch {env['torch']}, triton {env.get('triton')}, normlab "
              f"{env['normlab']} at git {env.get('git', '?')}; {env['date']}.", "",
              "| section | result | failures | seconds |", "|---|---|---|---|"]
-    lines += [f"| {s['name']} | {'ok' if not s['failures'] else 'FAILED'} | {len(s['failures'])} | {s['seconds']} |" for s in sections]
+    lines += [f"| {s['name']} | {'ok' if not s['failures'] else 'FAILED'} | {len(s['failures'])} | "
+              f"{s['seconds']} |" for s in sections]
     lines += ["", "## Failures", ""] + ([f"- {f}" for f in failures] or ["None."])
-    lines += ["", "## Speed as a fraction of a copy of the same bytes (allocating calls)", ""] + short_table(records)
+    lines += ["", "## Speed as a fraction of a copy of the same bytes (allocating calls)",
+              ""] + short_table(records)
     copies = [r for r in records if r["op"] == "copy"]
-    lines += ["", "Copy ceiling: " + ", ".join(f"{r['dtype']} {r['shape']} {r['gbps']:.0f} GB/s" for r in copies) + "."]
+    lines += ["", "Copy ceiling: "
+              + ", ".join(f"{r['dtype']} {r['shape']} {r['gbps']:.0f} GB/s" for r in copies) + "."]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
 
 
@@ -206,7 +220,8 @@ def main() -> int:
         return 2
     dev = "cpu" if args.dry_run else "cuda"
     env = environment()
-    print(f"device: {env.get('gpu', 'cpu (dry run)')}; torch {env['torch']}; triton {env.get('triton')}", flush=True)
+    print(f"device: {env.get('gpu', 'cpu (dry run)')}; torch {env['torch']}; triton {env.get('triton')}",
+          flush=True)
     sections, records = [], []
 
     def section(name: str, fn):
@@ -216,12 +231,14 @@ def main() -> int:
         except Exception:
             failures = [traceback.format_exc()[-800:]]
         sections.append({"name": name, "failures": failures, "seconds": round(time.time() - t0, 1)})
-        print(f"{name}: {'ok' if not failures else f'{len(failures)} FAILED'} ({sections[-1]['seconds']} s)", flush=True)
+        print(f"{name}: {'ok' if not failures else f'{len(failures)} FAILED'} ({sections[-1]['seconds']} s)",
+              flush=True)
 
     def do_correctness():
         checks = correctness(dev, args.dry_run, args.quick)
         (out / "correctness.json").write_text(json.dumps({"environment": env, "checks": checks}, indent=1))
-        return [f"{c['op']} {c['dtype']} {c['shape']} ({c['check']}): {c['error']}" for c in checks if not c["ok"]]
+        return [f"{c['op']} {c['dtype']} {c['shape']} ({c['check']}): {c['error']}" for c in checks
+                if not c["ok"]]
 
     def do_bench():
         found, notes = run_bench(dev, args.dry_run, args.quick)

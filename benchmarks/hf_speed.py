@@ -28,7 +28,8 @@ def step(model, ids):
 
 
 def measure(arch: str, dtype: torch.dtype, args) -> dict:
-    model = hf.tiny_model(arch, hidden=args.hidden, layers=args.layers, heads=args.heads, ff=args.ff).to(dtype)
+    model = hf.tiny_model(arch, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                          ff=args.ff).to(dtype)
     model.train()
     ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     modes = {"unpatched": lambda: hf.unpatch(model), "patched": lambda: (hf.unpatch(model), hf.patch(model)),
@@ -45,8 +46,10 @@ def measure(arch: str, dtype: torch.dtype, args) -> dict:
             times[mode].append(time.perf_counter() - t0)
     hf.unpatch(model)
     ms = {m: statistics.median(t) * 1e3 for m, t in times.items()}
-    return {"arch": arch, "dtype": str(dtype).replace("torch.", ""), **{f"{m}_ms": round(v, 1) for m, v in ms.items()},
-            "speedup": round(ms["unpatched"] / ms["patched"], 3), "speedup_fused": round(ms["unpatched"] / ms["patched+fused"], 3)}
+    return {"arch": arch, "dtype": str(dtype).replace("torch.", ""),
+            **{f"{m}_ms": round(v, 1) for m, v in ms.items()},
+            "speedup": round(ms["unpatched"] / ms["patched"], 3),
+            "speedup_fused": round(ms["unpatched"] / ms["patched+fused"], 3)}
 
 
 def main() -> None:
@@ -70,8 +73,8 @@ def main() -> None:
     print("| arch | dtype | unpatched ms | patched ms | patched+fused ms | speedup | speedup fused |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['arch']} | {r['dtype']} | {r['unpatched_ms']} | {r['patched_ms']} | {r['patched+fused_ms']} | "
-              f"{r['speedup']:.2f} | {r['speedup_fused']:.2f} |")
+        print(f"| {r['arch']} | {r['dtype']} | {r['unpatched_ms']} | {r['patched_ms']} | "
+              f"{r['patched+fused_ms']} | {r['speedup']:.2f} | {r['speedup_fused']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": environment(), "args": vars(args), "rows": rows}, f, indent=1)

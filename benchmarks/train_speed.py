@@ -48,8 +48,10 @@ def main() -> None:
                     times[key].append(time.perf_counter() - t0)
     env = environment()
     tokens = args.batch * cfg.max_seq_len
-    print(f"{env['date']}  {env['processor']}, {env['torch_threads']} threads, torch {env['torch']}, numba {env.get('numba')}")
-    print(f"preset {args.preset}: {Decoder(cfg).num_parameters():,} parameters, batch {args.batch} x {cfg.max_seq_len} tokens")
+    print(f"{env['date']}  {env['processor']}, {env['torch_threads']} threads, torch {env['torch']}, numba "
+          f"{env.get('numba')}")
+    print(f"preset {args.preset}: {Decoder(cfg).num_parameters():,} parameters, batch {args.batch} x "
+          f"{cfg.max_seq_len} tokens")
     print(f"{'norm':<10} {'implementation':<15} {'step ms':>8} {'tokens/s':>9}")
     base = {}
     for (norm, impl), ts in times.items():

@@ -67,14 +67,17 @@ def check(gen, op, shape, dtype, opts=None, backend="cpu", leaves=None, **leaf_k
     out_mag = _output_terms(op, leaves, lowp)
     for i, (f, t, lp) in enumerate(zip(fast, truth, lowp)):
         assert f.dtype == lp.dtype and f.shape == lp.shape
-        assert_close(f, t, lowp=lp, dtype=lp.dtype, name=f"{op} output {i}", magnitude=out_mag if i == 0 else None)
+        assert_close(f, t, lowp=lp, dtype=lp.dtype, name=f"{op} output {i}", magnitude=out_mag if i == 0
+                     else None)
     mag = _grad_terms(op, leaves, opts, grads[0])
     for name in fast_g:
         if name in ("weight", "bias"):
-            assert_close(fast_g[name], truth_g[name], lowp=lowp_g[name], dtype=leaves[name].dtype, name=f"{op} d{name}",
+            assert_close(fast_g[name], truth_g[name], lowp=lowp_g[name], dtype=leaves[name].dtype,
+                         name=f"{op} d{name}",
                          rule="tensor", magnitude=_param_grad_terms(op, leaves, opts, grads[0], name))
         else:
-            assert_close(fast_g[name], truth_g[name], lowp=lowp_g[name], dtype=leaves[name].dtype, name=f"{op} d{name}",
+            assert_close(fast_g[name], truth_g[name], lowp=lowp_g[name], dtype=leaves[name].dtype,
+                         name=f"{op} d{name}",
                          rule="row", magnitude=mag)
     return fast, fast_g
 
@@ -100,7 +103,8 @@ def check_rms_dx_alone(gen, shape, dtype, opts, backend, scale):
     dy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
     _, fast = run_op("rms_norm", leaves, opts, backend, [dy])
     _, truth = run_op("rms_norm", leaves, opts, "reference", [dy], convert=lambda t: t.double())
-    assert_close(fast["x"].double() * scale, truth["x"] * scale, dtype=dtype, rule="row", name=f"rms_norm dx at {scale:g}")
+    assert_close(fast["x"].double() * scale, truth["x"] * scale, dtype=dtype, rule="row",
+                 name=f"rms_norm dx at {scale:g}")
 
 
 def _output_terms(op, leaves, lowp):

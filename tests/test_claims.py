@@ -33,8 +33,9 @@ def test_a_paired_log_ratio_interval_is_the_t_interval_of_the_log_ratios():
     assert ci["df"] == 4 and ci["test"] == "paired t" and ci["relative"]
     assert (ci["lo"], ci["est"], ci["hi"]) == pytest.approx((mean - half, mean, mean + half), rel=1e-12)
     assert ci["se"] == pytest.approx(se, rel=1e-12)
-    assert (ci["gap_lo"], ci["gap"], ci["gap_hi"]) == pytest.approx((math.expm1(mean - half), math.expm1(mean),
-                                                                      math.expm1(mean + half)), rel=1e-12)
+    assert (ci["gap_lo"], ci["gap"],
+            ci["gap_hi"]) == pytest.approx((math.expm1(mean - half), math.expm1(mean),
+                                             math.expm1(mean + half)), rel=1e-12)
 
 
 def test_welch_and_one_sample_intervals_on_logs_match_a_direct_computation():
@@ -50,7 +51,8 @@ def test_welch_and_one_sample_intervals_on_logs_match_a_direct_computation():
     one = C.interval(a, 2.0)
     m, se = statistics.fmean(la) - math.log(2.0), statistics.stdev(la) / math.sqrt(3)
     assert one["test"] == "one-sample t" and one["n"] == (3, None)
-    assert (one["lo"], one["hi"]) == pytest.approx((m - stats.t.ppf(0.975, 2) * se, m + stats.t.ppf(0.975, 2) * se), rel=1e-12)
+    assert (one["lo"], one["hi"]) == pytest.approx((m - stats.t.ppf(0.975, 2) * se, m
+                                                    + stats.t.ppf(0.975, 2) * se), rel=1e-12)
 
 
 def test_an_absolute_gap_is_the_difference_itself():
@@ -71,7 +73,8 @@ def test_no_relative_interval_passes_minus_100_percent():
 
 
 def test_zero_spread_gives_no_t_interval():
-    for a, b, kw in (([-1.0, -1.0, -1.0], 0, {}), ([2.0, 2.0], [1.0, 1.0], {}), ([2.0, 3.0], [1.0, 2.0], {"paired": True})):
+    for a, b, kw in (([-1.0, -1.0, -1.0], 0, {}), ([2.0, 2.0], [1.0, 1.0], {}),
+                     ([2.0, 3.0], [1.0, 2.0], {"paired": True})):
         ci = C.interval(a, b, absolute=True, **kw)
         assert "no spread" in ci["none"]
         verdict, (line,) = C.evaluate(C.below("a", "b", absolute=True, **kw), {"a": a, "b": b})
@@ -105,7 +108,8 @@ def test_equivalence_states_the_smallest_margin_at_which_it_would_hold():
 
 @pytest.mark.parametrize("kind, a, verdict", [
     ("above", [1.15, 1.16, 1.17], "holds"),
-    ("above", [1.05, 1.06, 1.07], "does not hold"),  # above b, but the whole interval short of the claimed 10%
+    # above b, but the whole interval short of the claimed 10%
+    ("above", [1.05, 1.06, 1.07], "does not hold"),
     ("above", [0.97, 0.98, 0.96], "does not hold"),
     ("above", [1.02, 1.2, 1.1], "inconclusive"),  # straddles 10%
     ("below", [0.90, 0.91, 0.89], "holds"),
@@ -121,7 +125,8 @@ def test_the_evidence_says_what_a_rejected_size_still_supports():
     # the all-quick record's rms_speed: faster by 6.1% to 7.0% against a claimed 7%
     b = [100.0, 120.0, 90.0, 110.0]
     a = [x * f for x, f in zip(b, (0.935, 0.934, 0.936, 0.9345))]
-    verdict, (line,) = C.evaluate(C.below("a", "b", 0.07, origin=WHY, paired=True, over="processes"), {"a": a, "b": b})
+    verdict, (line,) = C.evaluate(C.below("a", "b", 0.07, origin=WHY, paired=True, over="processes"),
+                                  {"a": a, "b": b})
     assert verdict == "does not hold"
     assert "the direction holds, the claimed size does not" in line and "below by 6.4% to 6.6%" in line
 
@@ -138,7 +143,8 @@ def test_interval_and_p_value_give_the_same_verdict():
         a = [x * math.exp(gen.gauss(gen.choice([-0.05, 0, 0.05]), 0.03)) for x in b]
         ci = C.interval(a, b, paired=rule.get("paired", False))
         lo, hi = ci["gap_lo"], ci["gap_hi"]
-        expected = {"within": ("holds" if -m <= lo and hi <= m else "does not hold" if lo > m or hi < -m else "inconclusive"),
+        expected = {"within": ("holds" if -m <= lo and hi <= m else "does not hold" if lo > m or hi < -m
+                               else "inconclusive"),
                     "above": ("holds" if lo > m else "does not hold" if hi < m else "inconclusive"),
                     "at_least": ("holds" if lo > -m else "does not hold" if hi < -m else "inconclusive"),
                     "below": ("holds" if hi < -m else "does not hold" if lo > -m else "inconclusive"),
@@ -149,7 +155,8 @@ def test_interval_and_p_value_give_the_same_verdict():
 @pytest.mark.parametrize("kind", ["within", "above", "below", "at_most", "at_least"])
 def test_one_seed_is_inconclusive(kind):
     rule = getattr(C, kind)("a", "b", 0.02, origin=WHY)
-    for m in ({"a": [1.5], "b": [1.0]}, {"a": [1.0], "b": [1.5]}, {"a": [1.0, 1.01], "b": [1.5]}, {"a": 1.5, "b": 1.0}):
+    for m in ({"a": [1.5], "b": [1.0]}, {"a": [1.0], "b": [1.5]}, {"a": [1.0, 1.01], "b": [1.5]},
+              {"a": 1.5, "b": 1.0}):
         verdict, lines = C.evaluate(rule, m)
         assert verdict == "inconclusive"
         assert "no interval" in lines[0]
@@ -170,7 +177,8 @@ def test_point_rules_judge_exact_values_even_alone_and_stay_out_of_the_family():
     assert C.judge(rule, {"diverged": 1}) == "holds"
     assert C.judge(rule, {"diverged": 0}) == "does not hold"
     assert C.judge(C.at_most("diverged", 0, point="a count", origin=WHY), {"diverged": 0}) == "holds"
-    assert C.judge(C.above("x", 0, point="a count", origin=WHY), {"x": 0}) == "does not hold"  # "above 0" excludes 0
+    # "above 0" excludes 0
+    assert C.judge(C.above("x", 0, point="a count", origin=WHY), {"x": 0}) == "does not hold"
     assert C.leaf_pvalues(rule, {"diverged": 1}) == []
     with pytest.raises(ValueError, match="holds samples"):
         C.judge(rule, {"diverged": [1, 0]})
@@ -227,7 +235,8 @@ def test_holm_matches_statsmodels():
 def _claims_of_family(n_noise: int) -> list[dict]:
     gen = random.Random(5)
     # p = 0.005 alone: below 0.05, not below 0.05 / 61
-    tight = C.claim("q.equal", "a is like b", "src", {"a": [2.20, 2.215, 2.19, 2.205], "b": [2.185, 2.19, 2.18, 2.195]},
+    tight = C.claim("q.equal", "a is like b", "src",
+                    {"a": [2.20, 2.215, 2.19, 2.205], "b": [2.185, 2.19, 2.18, 2.195]},
                     C.within("a", "b", 0.02, origin=WHY))
     noise = [C.claim(f"n.{i}", "noise", "src", {"a": _draw(gen, 3, 1.0, 0.05), "b": _draw(gen, 3, 1.0, 0.05)},
                      C.above("a", "b")) for i in range(n_noise)]
@@ -256,7 +265,8 @@ def test_family_wise_error_is_controlled_where_per_claim_error_is_not():
     gen = random.Random(7)
     wrong_plain = wrong_holm = 0
     for _ in range(100):
-        sections = [{"claims": [C.claim(f"n.{i}", "x", "s", {"a": _draw(gen, 4, 1.0, 0.05), "b": _draw(gen, 4, 1.0, 0.05)},
+        sections = [{"claims": [C.claim(f"n.{i}", "x", "s",
+                                        {"a": _draw(gen, 4, 1.0, 0.05), "b": _draw(gen, 4, 1.0, 0.05)},
                                         C.above("a", "b")) for i in range(20)]}]
         C.familywise(sections)
         wrong_plain += any(c["verdict_plain"] != "inconclusive" for c in sections[0]["claims"])
@@ -271,9 +281,11 @@ def test_recheck_catches_a_verdict_or_a_family_that_does_not_follow():
     assert C.recheck(results) == []
     sections[0]["claims"][0]["verdict"] = "holds"  # the plain verdict written over the family-wise one
     assert C.recheck(results) == ["q: q.equal"]
-    sections[0]["claims"][0]["verdict"] = C.judge(sections[0]["claims"][0]["rule"], sections[0]["claims"][0]["measured"],
+    sections[0]["claims"][0]["verdict"] = C.judge(sections[0]["claims"][0]["rule"],
+                                                  sections[0]["claims"][0]["measured"],
                                                   C._adjuster(sections[0]["family"]))
-    sections[0]["family"] = {**sections[0]["family"], "p_values": sections[0]["family"]["p_values"][1:]}  # a smaller family
+    # a smaller family
+    sections[0]["family"] = {**sections[0]["family"], "p_values": sections[0]["family"]["p_values"][1:]}
     assert "q: q.equal" in C.recheck(results)
 
 
@@ -281,7 +293,8 @@ def test_recheck_catches_a_verdict_or_a_family_that_does_not_follow():
 
 
 def test_all_and_any():
-    yes, no = C.at_least("one", 1, point="a count", origin=WHY), C.at_least("zero", 1, point="a count", origin=WHY)
+    yes, no = C.at_least("one", 1, point="a count", origin=WHY), C.at_least("zero", 1, point="a count",
+                                                                            origin=WHY)
     unsure = C.at_least("none", 1, point="a count", origin=WHY)
     m = {"one": 1, "zero": 0, "none": None}
     assert C.judge(C.all_of(yes, yes), m) == "holds"
@@ -293,13 +306,17 @@ def test_all_and_any():
 
 
 def test_the_evidence_of_an_or_says_which_part_decided():
-    rule = C.any_of(C.at_least("zero", 1, point="a count", origin=WHY), C.at_least("one", 1, point="a count", origin=WHY))
+    rule = C.any_of(C.at_least("zero", 1, point="a count", origin=WHY),
+                    C.at_least("one", 1, point="a count", origin=WHY))
     verdict, lines = C.evaluate(rule, {"zero": 0, "one": 1})
     assert verdict == "holds" and lines[0] == "one of 2 alternatives suffices (the second holds: holds):"
     assert lines[1].startswith("either: zero") and lines[1].endswith("does not hold")
     assert lines[2].startswith("or: one") and lines[2].endswith("holds")
     verdict, lines = C.evaluate(rule, {"zero": 0, "one": 0})
-    assert verdict == "does not hold" and lines[0] == "one of 2 alternatives suffices (none holds: does not hold):"
+    assert (
+        verdict == "does not hold"
+        and lines[0] == "one of 2 alternatives suffices (none holds: does not hold):"
+    )
 
 
 def test_given_is_inconclusive_unless_its_condition_holds():
@@ -308,7 +325,8 @@ def test_given_is_inconclusive_unless_its_condition_holds():
     assert C.judge(rule, m) == "holds"
     assert C.judge(rule, {**m, "cold": [1.9, 1.91, 1.89]}) == "does not hold"
     verdict, lines = C.evaluate(rule, {**m, "warm": [3.39, 3.4, 3.38], "cold": [3.39, 3.4, 3.38]})
-    assert verdict == "inconclusive" and lines[0].startswith("precondition does not hold")  # nothing trained: untestable
+    # nothing trained: untestable
+    assert verdict == "inconclusive" and lines[0].startswith("precondition does not hold")
     # the then-rule is part of the family whether or not its precondition held
     assert len(C.leaf_pvalues(rule, {**m, "warm": [3.39, 3.4, 3.38]})) == 2
 
@@ -319,7 +337,8 @@ def test_the_evidence_states_the_interval_and_the_seeds():
     line = c["evidence"][0]
     assert "gap +0.7% (95% CI" in line and "3 and 3 seeds" in line and "Welch t on log ratios" in line
     assert "must be within +-2%;" in line and line.endswith(f": {c['verdict']}")
-    assert c["origins"] == ["a within +-2% of b: normlab's choice (the seed-to-seed spread of this size is about 1%)"]
+    assert c["origins"] == ["a within +-2% of b: normlab's choice (the seed-to-seed spread of this size is "
+                            "about 1%)"]
     assert c["rule_text"] == "a within +-2% of b [95% t interval of the log ratio over seeds]"
 
 
@@ -345,7 +364,8 @@ def test_absolute_rules_compare_differences_and_name_their_target():
     verdict, (line,) = C.evaluate(rule, {"slope": [-0.45, -0.5, -0.55]})
     assert "gap 0 (95% CI -0.1242 to 0.1242" in line and "must be within +-0.25;" in line
     # a target of 0 is named, not dropped
-    assert C.describe(C.within("slope", 0, 0.25, origin=WHY, absolute=True)).startswith("slope within +-0.25 of 0 [")
+    assert C.describe(C.within("slope", 0, 0.25, origin=WHY,
+                               absolute=True)).startswith("slope within +-0.25 of 0 [")
 
 
 def test_a_rule_gives_a_shared_bracket_once():

@@ -8,9 +8,11 @@ from normlab.cli import info_rows, main
 
 
 def test_version_and_info_as_a_module():
-    out = subprocess.run([sys.executable, "-m", "normlab", "--version"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "normlab", "--version"], capture_output=True, text=True,
+                         check=True)
     assert out.stdout.strip() == f"normlab {normlab.__version__}"
-    out = subprocess.run([sys.executable, "-m", "normlab", "info"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "normlab", "info"], capture_output=True, text=True,
+                         check=True)
     assert "reference" in out.stdout and "auto picks" in out.stdout
 
 
@@ -47,14 +49,16 @@ def test_warmup_compiles_once_and_a_second_run_compiles_nothing(tmp_path):
     for _ in range(2):
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
-        found = re.search(r"compiled (\d+) kernel signatures, (\d+) were cached already; numba's cache now holds (\d+)",
+        found = re.search(r"compiled (\d+) kernel signatures, (\d+) were cached already; numba's cache now "
+                          r"holds (\d+)",
                           " ".join(out.stdout.split()))
         assert found, out.stdout
         counts.append(tuple(map(int, found.groups())))
     (compiled, cached, held), again = counts
     assert compiled > 0 and cached == 0 and held == compiled
     assert again == (0, compiled, compiled)
-    info = subprocess.run([sys.executable, "-m", "normlab", "info"], capture_output=True, text=True, env=env, timeout=600)
+    info = subprocess.run([sys.executable, "-m", "normlab", "info"], capture_output=True, text=True, env=env,
+                          timeout=600)
     said = " ".join(info.stdout.split())
     assert f"{compiled} kernel signatures compiled" in said
     # rms_norm's forward and backward only: not "cold" beside a list of compiled signatures
@@ -69,7 +73,9 @@ def cpu_kernels():
 
 def test_warmup_names_a_bad_choice(capsys):
     assert main(["warmup", "--dtypes", "fp64"]) == 2
-    assert "--dtypes takes a comma-separated list from fp32, bf16, fp16; got fp64" in " ".join(capsys.readouterr().out.split())
+    assert "--dtypes takes a comma-separated list from fp32, bf16, fp16; got fp64" in " ".join(
+        capsys.readouterr().out.split()
+    )
 
 
 def test_an_unknown_preset_is_the_first_thing_said(capsys):
@@ -92,8 +98,11 @@ def test_an_interrupted_pilot_says_what_is_kept_and_exits_130(monkeypatch, capsy
     from normlab import experiments
 
     def tune_presets(*args, **kwargs):
-        raise experiments.Interrupted("pilot-pre-curse-lr0.006-s100 stopped at step 113") if stop == "interrupted" \
+        raise (
+            experiments.Interrupted("pilot-pre-curse-lr0.006-s100 stopped at step 113")
+            if stop == "interrupted"
             else KeyboardInterrupt()
+        )
 
     monkeypatch.setattr(experiments, "tune_presets", tune_presets)
     assert main(["compare", "curse", "--size", "tiny", "--tune", "--out", str(tmp_path)]) == 130
@@ -118,5 +127,6 @@ def test_arms_is_a_choice_of_the_pilot(monkeypatch, capsys, tmp_path):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(experiments, "tune_presets", tune_presets)
-    assert main(["compare", "dyt", "--size", "tiny", "--tune", "--arms", "derf*,dyt0.5-*", "--out", str(tmp_path)]) == 130
+    assert main(["compare", "dyt", "--size", "tiny", "--tune", "--arms", "derf*,dyt0.5-*", "--out",
+                 str(tmp_path)]) == 130
     assert seen["arms"] == ("derf*", "dyt0.5-*")

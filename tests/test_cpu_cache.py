@@ -41,7 +41,8 @@ def test_every_file_with_numba_code_is_in_the_cache_key():
 
     from normlab.kernels.cpu import cache
 
-    jitted = re.compile(r"^@(njit|intrinsic|overload|kernel)\b|= (intrinsic|forward_block|backward_block|grad_sums)\(", re.M)
+    jitted = re.compile(r"^@(njit|intrinsic|overload|kernel)\b|= "
+                        r"(intrinsic|forward_block|backward_block|grad_sums)\(", re.M)
     folder = Path(cache.__file__).parent
     with_code = {p.name for p in folder.glob("*.py") if jitted.search(p.read_text())}
     assert with_code and with_code <= set(cache.SOURCES), with_code - set(cache.SOURCES)
@@ -66,13 +67,15 @@ def test_a_changed_helper_recompiles_the_kernels_that_inline_it(tmp_path):
     import sys
 
     src = tmp_path / "src"
-    shutil.copytree(Path(cpu.__file__).parents[2], src / "normlab", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(Path(cpu.__file__).parents[2], src / "normlab",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     env = {**os.environ, "PYTHONPATH": str(src), "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
 
     said = []
 
     def probe():
-        done = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True, timeout=600)
+        done = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True,
+                              timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
         said.append(done.stderr)
         hits, misses, total = done.stdout.split()
@@ -121,8 +124,9 @@ def _toy_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*_toy_sum*") if p.suffix in (".nbi", ".nbc"))
 
 
-@pytest.mark.parametrize("damage", ["index cut short", "index garbled", "data at 30%", "data at 50%", "data at 80%",
-                                    "data emptied", "data another valid pickle"])
+@pytest.mark.parametrize("damage",
+                         ["index cut short", "index garbled", "data at 30%", "data at 50%", "data at 80%",
+                          "data emptied", "data another valid pickle"])
 def test_a_damaged_cache_entry_is_discarded_and_compiled_again(damage, tmp_path, monkeypatch):
     # a damaged entry crashed numba (EOFError, UnpicklingError, LLVM aborting the process); it
     # must instead warn, compile again and give the same answer
@@ -141,7 +145,8 @@ def test_a_damaged_cache_entry_is_discarded_and_compiled_again(damage, tmp_path,
     data = next(p for p in _toy_files(tmp_path) if p.suffix == ".nbc")
     if damage.startswith("index"):
         blob = index.read_bytes()
-        index.write_bytes(blob[: len(blob) // 2] if damage == "index cut short" else blob[:-40] + os.urandom(40))
+        index.write_bytes(blob[: len(blob) // 2] if damage == "index cut short" else blob[:-40]
+                          + os.urandom(40))
     elif damage == "data emptied":
         data.write_bytes(b"")
     elif damage == "data another valid pickle":

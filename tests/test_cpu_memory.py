@@ -44,7 +44,8 @@ def test_each_memory_path_gives_the_same_bits(gen, op, dtype, path, monkeypatch)
         else:
             monkeypatch.setattr(memory, "PREFETCH_L2_MIN_BYTES", min_bytes)
         grads = torch.Generator().manual_seed(7)
-        runs.append(run_op(op, leaves, {}, "cpu", [torch.randn(leaves["x"].shape, generator=grads).to(dtype)] * 2))
+        runs.append(run_op(op, leaves, {}, "cpu",
+                           [torch.randn(leaves["x"].shape, generator=grads).to(dtype)] * 2))
     (plain, plain_g), (other, other_g) = runs
     assert all(torch.equal(a, b) for a, b in zip(plain, other))
     assert all(torch.equal(plain_g[k], other_g[k]) for k in plain_g)
@@ -56,8 +57,9 @@ def test_each_memory_path_gives_the_same_bits(gen, op, dtype, path, monkeypatch)
 def test_cache_sizes_come_from_sysfs(tmp_path, monkeypatch):
     if not os.environ.get("NORMLAB_CPU_PREFETCH_L2_KB"):  # the default: a quarter of this machine's L1
         assert memory.PREFETCH_L2_MIN_BYTES == memory._l1_data_bytes() // 4
-    for i, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "2048K"),
-                                             (3, "Unified", "36M")]):
+    for i, (level, kind,
+            size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "2048K"),
+                                (3, "Unified", "36M")]):
         (tmp_path / f"index{i}").mkdir()
         for name, text in (("level", str(level)), ("type", kind), ("size", size)):
             (tmp_path / f"index{i}" / name).write_text(text + "\n")
@@ -65,7 +67,8 @@ def test_cache_sizes_come_from_sysfs(tmp_path, monkeypatch):
     for name, text in (("level", "1"), ("type", "Data"), ("size", "")):
         (tmp_path / "index9" / name).write_text(text)
     caches = memory._caches(str(tmp_path))
-    assert sorted(caches) == [(1, "Data", 48 << 10), (1, "Instruction", 32 << 10), (2, "Unified", 2 << 20), (3, "Unified", 36 << 20)]
+    assert sorted(caches) == [(1, "Data", 48 << 10), (1, "Instruction", 32 << 10), (2, "Unified", 2 << 20),
+                              (3, "Unified", 36 << 20)]
     monkeypatch.setattr(memory, "_caches", lambda: caches)
     assert (memory._l1_data_bytes(), memory._last_level_cache_bytes()) == (48 << 10, 36 << 20)
     monkeypatch.setattr(memory, "_caches", lambda: [])
@@ -195,7 +198,8 @@ def test_a_bad_environment_setting_names_its_variable(name, value):
     import sys
 
     code = "import torch, normlab; normlab.rms_norm(torch.randn(2, 8), backend='cpu')"
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, name: value}, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, name: value}, capture_output=True,
+                         text=True)
     assert out.returncode != 0 and f"environment variable {name} must be" in out.stderr, out.stderr[-500:]
 
 
@@ -256,7 +260,8 @@ def test_the_first_kernel_call_leaves_torchs_thread_count_and_gradients_alone(ho
         "    grads.append(w.grad)\n"
         "print(torch.get_num_threads(), all(torch.equal(grads[0], g) for g in grads[1:]))\n"
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"} if how.startswith("OMP") else {k: v for k, v in os.environ.items()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if how.startswith("OMP") else {k: v for k,
+                                                                                v in os.environ.items()
                                                                                  if k != "OMP_NUM_THREADS"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.split() == ["1", "True"], out.stdout + out.stderr[-500:]
@@ -279,7 +284,8 @@ class Rows(Dataset):
 
 F.rms_norm(torch.randn(4, 256), backend="cpu")  # the parent starts the threading layer first
 err, serial, ran = 0.0, set(), []
-for x, y, was_serial, kernels in DataLoader(Rows(), batch_size=2, num_workers=2, multiprocessing_context="fork"):
+loader = DataLoader(Rows(), batch_size=2, num_workers=2, multiprocessing_context="fork")
+for x, y, was_serial, kernels in loader:
     truth = R.rms_norm(x.double())
     err = max(err, ((y.double() - truth).abs() / truth.abs().clamp_min(1)).max().item())
     serial |= set(was_serial.tolist())

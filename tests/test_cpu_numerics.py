@@ -12,7 +12,8 @@ from normlab import reference
 from normlab.testing import assert_close
 
 import opcheck
-from opcheck import (DTYPES, FAR_SCALE_OPTIONS, OPS, RMS_OPTIONS, call_op, check, check_deterministic_weight_grads,
+from opcheck import (DTYPES, FAR_SCALE_OPTIONS, OPS, RMS_OPTIONS, call_op, check,
+                     check_deterministic_weight_grads,
                      check_far_from_unit_scale, op_leaves)
 
 pytest.importorskip("numba", reason="the cpu backend needs numba (pip install normlab[cpu])")
@@ -116,8 +117,10 @@ def test_non_contiguous_inputs(gen):
     for x in (base[:, 0], base.transpose(0, 1), base[..., ::2], base[::2, :, 10:70]):
         assert not x.is_contiguous()
         w = torch.randn(x.shape[-1], generator=gen)
-        assert_close(F.rms_norm(x, w, backend="cpu"), F.rms_norm(x.double(), w.double()), lowp=F.rms_norm(x, w, backend="reference"), dtype=torch.float32)
-        assert_close(F.layer_norm(x, w, w, backend="cpu"), F.layer_norm(x.double(), w.double(), w.double()), lowp=F.layer_norm(x, w, w, backend="reference"), dtype=torch.float32)
+        assert_close(F.rms_norm(x, w, backend="cpu"), F.rms_norm(x.double(), w.double()),
+                     lowp=F.rms_norm(x, w, backend="reference"), dtype=torch.float32)
+        assert_close(F.layer_norm(x, w, w, backend="cpu"), F.layer_norm(x.double(), w.double(), w.double()),
+                     lowp=F.layer_norm(x, w, w, backend="reference"), dtype=torch.float32)
         y, s = F.add_rms_norm(x, x.flip(-1), w, backend="cpu")
         assert torch.equal(s, x + x.flip(-1))
 
@@ -126,8 +129,10 @@ def test_non_contiguous_inputs(gen):
 def test_rows_of_zeros_give_zeros(dtype):
     x = torch.zeros(3, 50, dtype=dtype, requires_grad=True)
     w = torch.randn(50).to(dtype)
-    for fn in (lambda: F.rms_norm(x, w, backend="cpu"), lambda: F.rms_norm(x, w, eps_mode="outside", backend="cpu"),
-               lambda: F.layer_norm(x, w, None, backend="cpu"), lambda: F.add_rms_norm(x, x, w, backend="cpu")[0]):
+    for fn in (lambda: F.rms_norm(x, w, backend="cpu"),
+               lambda: F.rms_norm(x, w, eps_mode="outside", backend="cpu"),
+               lambda: F.layer_norm(x, w, None, backend="cpu"),
+               lambda: F.add_rms_norm(x, x, w, backend="cpu")[0]):
         y = fn()
         assert torch.equal(y, torch.zeros_like(y))
         (g,) = torch.autograd.grad(y.float().sum(), x)
@@ -214,18 +219,21 @@ def test_weight_gradients_stay_accurate_over_many_rows(gen, op):
     # it stays within twice torch's error plus one rounding step.
     rows, d = 16384, 128
     x64, dy64 = (torch.randn(rows, d, generator=gen, dtype=torch.float64) * 2 + 0.5 for _ in range(2))
-    w64, b64 = torch.randn(d, generator=gen, dtype=torch.float64), torch.randn(d, generator=gen, dtype=torch.float64)
+    w64, b64 = torch.randn(d, generator=gen, dtype=torch.float64), torch.randn(d, generator=gen,
+                                                                               dtype=torch.float64)
     grads = {}
     for name, backend, dtype in (("truth", "reference", torch.float64), ("torch", "reference", torch.float32),
                                  ("normlab", "cpu", torch.float32)):
         w, b = (t.detach().to(dtype).requires_grad_() for t in (w64, b64))
         x = x64.to(dtype)
-        y = F.rms_norm(x, w, backend=backend, cast="gemma") if op == "rms_norm" else F.layer_norm(x, w, b, backend=backend)
+        y = F.rms_norm(x, w, backend=backend,
+                       cast="gemma") if op == "rms_norm" else F.layer_norm(x, w, b, backend=backend)
         y.backward(dy64.to(dtype))
         grads[name] = [t.grad.double() for t in ((w,) if op == "rms_norm" else (w, b))]
     for truth, ref, ours in zip(grads["truth"], grads["torch"], grads["normlab"]):
         scale = truth.abs().max()
-        err_ref, err_ours = ((ref - truth).abs().max() / scale).item(), ((ours - truth).abs().max() / scale).item()
+        err_ref, err_ours = ((ref - truth).abs().max() / scale).item(), ((ours
+                                                                          - truth).abs().max() / scale).item()
         assert err_ours <= 2 * err_ref + torch.finfo(torch.float32).eps, (err_ours, err_ref)
 
 

@@ -53,19 +53,22 @@ torch.save(saved, sys.argv[1])
 
 def _probe(tmp_path: Path, tiers: str, name: str, passes: str = "both", dtypes: str = "fp32",
            **extra_env: str) -> tuple[int, int, str, dict, str]:
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / f"numba-{name}"), "NORMLAB_CPU_TIERS": tiers, **extra_env}
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / f"numba-{name}"), "NORMLAB_CPU_TIERS": tiers,
+           **extra_env}
     out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / f"{name}.pt"), passes, dtypes], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     compiled, loaded, level = out.stdout.split()
-    return int(compiled), int(loaded), level, torch.load(tmp_path / f"{name}.pt", weights_only=True), out.stderr
+    return int(compiled), int(loaded), level, torch.load(tmp_path / f"{name}.pt",
+                                                         weights_only=True), out.stderr
 
 
 def _level_compiled_here(tmp_path: Path, level: str, dtypes: str = "fp32") -> dict:
     """The probe's outputs from ``level``'s code compiled in a fresh process (numba told to target
     the level, as build_tiers does), not loaded from a tier."""
     cpu_name, features = cache.llvm_target(level)
-    return _probe(tmp_path, "off", f"{level}-here", dtypes=dtypes, NUMBA_CPU_NAME=cpu_name, NUMBA_CPU_FEATURES=features)[3]
+    return _probe(tmp_path, "off", f"{level}-here", dtypes=dtypes, NUMBA_CPU_NAME=cpu_name,
+                  NUMBA_CPU_FEATURES=features)[3]
 
 
 def _host_kernels(backend: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
@@ -142,7 +145,8 @@ def test_bf16_kernels_load_from_the_bf16_level_and_the_rest_from_v4(tmp_path):
     # Each level holds one dtype here, so nothing compiled means each call found its own level.
     out = tmp_path / "tiers"
     build_tiers.build("x86-64-v4", out, ops="rms_norm", dtypes="fp32")
-    assert build_tiers.build("x86-64-v4-bf16", out, ops="rms_norm", dtypes="fp32") is None  # it holds bf16 only
+    # it holds bf16 only
+    assert build_tiers.build("x86-64-v4-bf16", out, ops="rms_norm", dtypes="fp32") is None
     build_tiers.build("x86-64-v4-bf16", out, ops="rms_norm")
     assert sorted(p.name for p in out.iterdir()) == ["x86-64-v4", "x86-64-v4-bf16"]
     compiled, loaded, level, got, err = _probe(tmp_path, str(out), "tier", dtypes="bf16,fp32")
@@ -172,10 +176,13 @@ def test_the_host_loads_the_best_level_it_can_run_and_nothing_else(tmp_path, mon
         assert host_with(cache.TIERS["x86-64-v3"] + ("avx512f",)) == "x86-64-v3"  # AVX-512 in part is not v4
         assert host_with(cache.TIERS["x86-64-v3"] + ("prfchw",)) == "x86-64-v3"  # an Intel AVX2 CPU: no sse4a
         zen3 = cache.TIERS["x86-64-v3"] + ("sse4a", "prfchw", "sha", "clzero")
-        assert host_with(zen3) == "x86-64-v3-zen"  # an AMD one, with the generic level behind it (fp32 kernels)
+        # an AMD one, with the generic level behind it (fp32 kernels)
+        assert host_with(zen3) == "x86-64-v3-zen"
         assert [level for level, _ in cache.host_tiers()] == ["x86-64-v3-zen", "x86-64-v3"]
-        assert host_with(cache.TIERS["x86-64-v4-bf16"] + ("sse4a", "prfchw")) == "x86-64-v4-bf16"  # Zen 4, 5: AVX-512 first
-        assert [level for level, _ in cache.host_tiers()] == ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3-zen", "x86-64-v3"]
+        # Zen 4, 5: AVX-512 first
+        assert host_with(cache.TIERS["x86-64-v4-bf16"] + ("sse4a", "prfchw")) == "x86-64-v4-bf16"
+        assert [level for level, _ in cache.host_tiers()] == ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3-zen",
+                                                              "x86-64-v3"]
         assert host_with([f for f in cache.TIERS["x86-64-v3"] if f != "movbe"]) is None
         shutil.rmtree(tmp_path / "x86-64-v3-zen")
         shutil.rmtree(tmp_path / "x86-64-v3")
@@ -198,7 +205,8 @@ def test_info_names_the_levels_it_would_load_best_first(tmp_path, monkeypatch, c
     for level in cache.TIERS:
         (tmp_path / level / f"normlab-{cache.sources_hash()}").mkdir(parents=True)
     monkeypatch.setenv("NORMLAB_CPU_TIERS", str(tmp_path))
-    monkeypatch.setattr(cache.llvm, "get_host_cpu_features", lambda: dict.fromkeys(cache.TIERS["x86-64-v4"], True))
+    monkeypatch.setattr(cache.llvm, "get_host_cpu_features",
+                        lambda: dict.fromkeys(cache.TIERS["x86-64-v4"], True))
     cache.host_tiers.cache_clear()
     try:
         assert cli.main(["info"]) == 0
@@ -285,15 +293,18 @@ def test_the_avx2_bf16_kernels_give_nan_where_the_math_does_and_torchs_nan_bits(
     # kernels cannot show this on a CPU with AVX512-BF16, hence the level's code.
     d = 1024  # whole paired blocks
     x = torch.randn(8, d, generator=gen)
-    x[1, 5], x[2, 7], x[3], x[4], x[5] = math.nan, math.inf, 0.0, x[4] * 1e15, x[5] * 1e-15  # squares within float32
+    # squares within float32
+    x[1, 5], x[2, 7], x[3], x[4], x[5] = math.nan, math.inf, 0.0, x[4] * 1e15, x[5] * 1e-15
     x[0, 9] = 0.0  # times w_inf's inf
     w, b, r = torch.randn(d, generator=gen), torch.randn(d, generator=gen), torch.randn(8, d, generator=gen)
     w_inf, b_nan, w_zero, x_past_k = w.clone(), b.clone(), w.clone(), x.clone()
     w_inf[9], b_nan[11], w_zero[900], x_past_k[6, 900] = math.inf, math.nan, 0.0, math.inf
     dy, ds = torch.randn(8, d, generator=gen), torch.randn(8, d, generator=gen)
     dy_ln = dy.clone()
-    dy[6, 3] = math.inf  # not for LayerNorm: whether its dx is then inf or nan depends on the formula and the row
-    tensors = dict(x=x, r=r, w=w, w_inf=w_inf, b=b, b_nan=b_nan, x_past_k=x_past_k, w_zero=w_zero, dy=dy, dy_ln=dy_ln, ds=ds)
+    # not for LayerNorm: whether its dx is then inf or nan depends on the formula and the row
+    dy[6, 3] = math.inf
+    tensors = dict(x=x, r=r, w=w, w_inf=w_inf, b=b, b_nan=b_nan, x_past_k=x_past_k, w_zero=w_zero, dy=dy,
+                   dy_ln=dy_ln, ds=ds)
     inputs = {k: v.bfloat16() for k, v in tensors.items()}
     # Negative nans (0xFFC0), which torch's conversion does not make; rounded without the select
     # their bits would stay so. Row 0's sums are finite, so only ds, which no sum of pass 1 reads,
@@ -303,9 +314,11 @@ def test_the_avx2_bf16_kernels_give_nan_where_the_math_does_and_torchs_nan_bits(
         inputs[name].view(torch.int16)[at] = -64
     torch.save(inputs, tmp_path / "in.pt")
     cpu_name, features = cache.llvm_target("x86-64-v3")
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "NORMLAB_CPU_TIERS": "off", "NUMBA_CPU_NAME": cpu_name,
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "NORMLAB_CPU_TIERS": "off",
+           "NUMBA_CPU_NAME": cpu_name,
            "NUMBA_CPU_FEATURES": features}
-    run = subprocess.run([sys.executable, "-c", AVX2_KERNELS, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
+    run = subprocess.run([sys.executable, "-c", AVX2_KERNELS, str(tmp_path / "in.pt"),
+                          str(tmp_path / "out.pt")], env=env,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     got = torch.load(tmp_path / "out.pt", weights_only=True)
@@ -332,9 +345,11 @@ def test_the_avx2_bf16_kernels_give_nan_where_the_math_does_and_torchs_nan_bits(
 
     grads = {
         "rms llama": grad(lambda t: normlab.rms_norm(t, v["w"], cast="llama", **F), v["x"]),
-        "rms gemma offset": grad(lambda t: normlab.rms_norm(t, v["w"], cast="gemma", offset=1.0, **F), v["x"]),
+        "rms gemma offset": grad(lambda t: normlab.rms_norm(t, v["w"], cast="gemma", offset=1.0, **F),
+                                 v["x"]),
         "rms partial": grad(lambda t: normlab.rms_norm(t, v["w"], partial=0.5, **F), v["x"]),
-        "rms outside": grad(lambda t: normlab.rms_norm(t, v["w"], **dict(F, eps=1e-5), eps_mode="outside"), v["x"]),
+        "rms outside": grad(lambda t: normlab.rms_norm(t, v["w"], **dict(F, eps=1e-5), eps_mode="outside"),
+                            v["x"]),
         "add rms": grad(lambda t: normlab.rms_norm(t, v["w"], **F), s, v["ds"]),
         "layer": grad(lambda t: normlab.layer_norm(t, v["w"], v["b"], **F), v["x"], dy="dy_ln"),
         "add layer": grad(lambda t: normlab.layer_norm(t, v["w"], v["b"], **F), s, v["ds"], dy="dy_ln"),
@@ -343,6 +358,10 @@ def test_the_avx2_bf16_kernels_give_nan_where_the_math_does_and_torchs_nan_bits(
         for name, want in want_all.items():
             y = got[kind][name]
             nan = torch.isnan(want)
-            assert nan.any() and torch.equal(torch.isnan(y), nan), f"{kind} {name}: nan at {torch.isnan(y).sum()} places, not {nan.sum()}"
-            assert (y[nan].view(torch.int16) == 0x7FC0).all(), f"{kind} {name}: a nan that is not torch's quiet nan"
+            assert nan.any() and torch.equal(torch.isnan(y), nan), (
+                f"{kind} {name}: nan at {torch.isnan(y).sum()} places, not {nan.sum()}"
+            )
+            assert (y[nan].view(torch.int16) == 0x7FC0).all(), (
+                f"{kind} {name}: a nan that is not torch's quiet nan"
+            )
             assert_close(y[~nan], want[~nan], name=f"{kind} {name}")

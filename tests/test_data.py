@@ -113,7 +113,8 @@ def test_batches_are_seeded_windows_and_resume_from_their_state():
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda p: D.load_documents(str(p / "missing")), r"is neither a corpus \(shakespeare\) nor an existing file or folder"),
+        (lambda p: D.load_documents(str(p / "missing")),
+         r"is neither a corpus \(shakespeare\) nor an existing file or folder"),
         (lambda p: D.load_documents(str(p)), r"holds no .txt files"),
         (lambda p: (p / "e.txt").write_text("  \n") and D.load_documents(str(p)), r"is empty"),
         (lambda p: D.Batches(np.arange(10, dtype=np.uint16), 2, 16, 0), r"fewer than one window"),
@@ -151,10 +152,14 @@ def test_paragraph_batching_trains_with_masks(corpus, tmp_path, monkeypatch):
     from normlab import train as T
 
     (tmp_path / "c").mkdir()
-    (tmp_path / "c" / "play.txt").write_text("\n\n".join((Path(corpus) / "play0.txt").read_text().splitlines()[:200]))
-    tcfg, m = T.resolve(None, dict(data=str(tmp_path / "c"), preset="tiny", steps=12, batch_size=4, seq_len=32,
-                                   batching="paragraphs", norm="layernorm", lr=3e-3, eval_every=6, eval_batches=2, ckpt_every=0,
-                                   quiet=True, out=str(tmp_path / "run")))
+    (tmp_path / "c" / "play.txt").write_text(
+        "\n\n".join((Path(corpus) / "play0.txt").read_text().splitlines()[:200])
+    )
+    tcfg, m = T.resolve(None,
+                        dict(data=str(tmp_path / "c"), preset="tiny", steps=12, batch_size=4, seq_len=32,
+                             batching="paragraphs", norm="layernorm", lr=3e-3, eval_every=6, eval_batches=2,
+                             ckpt_every=0,
+                             quiet=True, out=str(tmp_path / "run")))
     summary = T.train(tcfg, m)
     assert summary["status"] == "completed" and summary["val_loss"] < summary["init_val_loss"]
     with pytest.raises(ValueError, match="batching must be one of windows, paragraphs"):
@@ -166,7 +171,8 @@ def test_a_binary_file_as_data_is_refused(tmp_path):
     path.write_bytes(bytes(range(256)) * 40)
     with pytest.raises(D.DataError, match=r"weights.txt does not look like text: \d+% of its characters"):
         D.load_documents(str(path))
-    path.write_text("plain words\n" * 100 + "caf\u00e9 \u2014 na\u00efve\n")  # text with a few non-ASCII letters is fine
+    # text with a few non-ASCII letters is fine
+    path.write_text("plain words\n" * 100 + "caf\u00e9 \u2014 na\u00efve\n")
     assert D.load_documents(str(path))[0][0] == "weights.txt"
 
 

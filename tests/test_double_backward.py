@@ -21,21 +21,26 @@ D = 24
 OPS = {
     "rms_norm": (("x", "w"), lambda v, be: F.rms_norm(v["x"], v["w"], backend=be),
                  lambda v: R.rms_norm(v["x"], v["w"])),
-    "rms_norm gemma 1+w": (("x", "w"), lambda v, be: F.rms_norm(v["x"], v["w"], cast="gemma", offset=1.0, backend=be),
+    "rms_norm gemma 1+w": (("x", "w"), lambda v,
+                           be: F.rms_norm(v["x"], v["w"], cast="gemma", offset=1.0, backend=be),
                            lambda v: R.rms_norm(v["x"], v["w"], cast="gemma", offset=1.0)),
-    "rms_norm outside partial": (("x", "w"), lambda v, be: F.rms_norm(v["x"], v["w"], eps_mode="outside", partial=0.5, backend=be),
+    "rms_norm outside partial": (("x", "w"), lambda v,
+                                 be: F.rms_norm(v["x"], v["w"], eps_mode="outside", partial=0.5, backend=be),
                                  lambda v: R.rms_norm(v["x"], v["w"], eps_mode="outside", partial=0.5)),
-    "rms_norm weightless": (("x",), lambda v, be: F.rms_norm(v["x"], backend=be), lambda v: R.rms_norm(v["x"])),
+    "rms_norm weightless": (("x",), lambda v, be: F.rms_norm(v["x"], backend=be),
+                            lambda v: R.rms_norm(v["x"])),
     "layer_norm": (("x", "w", "b"), lambda v, be: F.layer_norm(v["x"], v["w"], v["b"], backend=be),
                    lambda v: R.layer_norm(v["x"], v["w"], v["b"])),
     # Both outputs carry gradient: the normalized one and the sum (the next residual).
     "add_rms_norm": (("x", "r", "w"), lambda v, be: _both(F.add_rms_norm(v["x"], v["r"], v["w"], backend=be)),
                      lambda v: _both(R.add_rms_norm(v["x"], v["r"], v["w"]))),
-    "add_layer_norm": (("x", "r", "w", "b"), lambda v, be: _both(F.add_layer_norm(v["x"], v["r"], v["w"], v["b"], backend=be)),
+    "add_layer_norm": (("x", "r", "w", "b"), lambda v,
+                       be: _both(F.add_layer_norm(v["x"], v["r"], v["w"], v["b"], backend=be)),
                        lambda v: _both(R.add_layer_norm(v["x"], v["r"], v["w"], v["b"]))),
     "dyt": (("x", "a", "w", "b"), lambda v, be: F.dyt(v["x"], v["a"], v["w"], v["b"], backend=be),
             lambda v: R.dyt(v["x"], v["a"], v["w"], v["b"])),
-    "derf": (("x", "a", "s", "w", "b"), lambda v, be: F.derf(v["x"], v["a"], v["s"], v["w"], v["b"], backend=be),
+    "derf": (("x", "a", "s", "w", "b"), lambda v,
+             be: F.derf(v["x"], v["a"], v["s"], v["w"], v["b"], backend=be),
              lambda v: R.derf(v["x"], v["a"], v["s"], v["w"], v["b"])),
 }
 
@@ -70,7 +75,8 @@ def test_gradient_penalty_matches_the_float64_math(gen, backend, dtype, op):
     leaves = _leaves(gen, names, dtype)
     weights = torch.rand(D, generator=gen)
     got = _penalized(lambda v: ours(v, backend), leaves, weights)
-    want = _penalized(exact, {k: v.detach().double().requires_grad_() for k, v in leaves.items()}, weights.double())
+    want = _penalized(exact, {k: v.detach().double().requires_grad_() for k, v in leaves.items()},
+                      weights.double())
     tol = 1e-4 if dtype == torch.float32 else 0.06  # relative, in norm over the whole gradient
     for name, g, w in zip(names, got, want):
         scale = w.norm()
@@ -155,7 +161,8 @@ def test_torch_func_transforms_match_the_float64_math(gen, backend, op):
             **{f"grad d{k}": g for k, g in grads.items()},
             "jacrev": torch.func.jacrev(lambda x: fn({**values, "x": x}))(values["x"]),
             "vmap": per_row(fn, values),
-            "jvp": torch.func.jvp(fn, (values,), ({k: tangents[k].to(v.dtype) for k, v in values.items()},))[1],
+            "jvp": torch.func.jvp(fn, (values,),
+                                  ({k: tangents[k].to(v.dtype) for k, v in values.items()},))[1],
             "dual tangent": dual_tangent(fn, values),
         }
 

@@ -70,9 +70,11 @@ def test_every_preset_writes_a_complete_section(finished):
 
 def test_sections_record_what_their_runs_and_timings_were_measured_under(finished):
     clocks = finished[1]["presets"]["norms"]["clocks"]
-    assert [c["threads"] for c in clocks["runs"]] == [torch.get_num_threads()]  # every run here: one condition
+    # every run here: one condition
+    assert [c["threads"] for c in clocks["runs"]] == [torch.get_num_threads()]
     assert clocks["timings"] and clocks["timings"][0]["processor"] == clocks["runs"][0]["processor"]
-    assert finished[1]["presets"]["eps"]["clocks"] == {"runs": [], "timings": []}  # exact: nothing timed or trained
+    # exact: nothing timed or trained
+    assert finished[1]["presets"]["eps"]["clocks"] == {"runs": [], "timings": []}
 
 
 def _keys(rule) -> set:
@@ -108,79 +110,115 @@ def _seeds(mean, spread=0.005):
      {"rmsnorm_step_ms": [10.5, 12.5, 15.5], "layernorm_step_ms": [10.0, 12.0, 15.0]}),
     ("norms.none_worse", {"none_val": _seeds(3.0), "layernorm_val": _seeds(2.0), "none_diverged": 0},
      {"none_val": _seeds(2.0), "layernorm_val": _seeds(2.1), "none_diverged": 0}),
-    ("warmup.post_sensitive", {"post_nowarm_sensitivity": _seeds(1.2, 0.05), "post_warm_sensitivity": _seeds(0.5, 0.05)},
+    ("warmup.post_sensitive",
+     {"post_nowarm_sensitivity": _seeds(1.2, 0.05), "post_warm_sensitivity": _seeds(0.5, 0.05)},
      {"post_nowarm_sensitivity": _seeds(0.4, 0.01), "post_warm_sensitivity": _seeds(0.5, 0.01)}),
-    ("warmup.pre_not", {"pre_nowarm_sensitivity": [0.495, 0.5, 0.51], "pre_warm_sensitivity": _seeds(0.5, 0.01)},
+    ("warmup.pre_not",
+     {"pre_nowarm_sensitivity": [0.495, 0.5, 0.51], "pre_warm_sensitivity": _seeds(0.5, 0.01)},
      {"pre_nowarm_sensitivity": _seeds(0.9, 0.01), "pre_warm_sensitivity": _seeds(0.5, 0.01)}),
     ("warmup.post_lower_lr", {"post_warm_best_log10_lr": [-3.0] * 6, "pre_warm_best_log10_lr": [-2.0] * 6},
      {"post_warm_best_log10_lr": [-2.0] * 6, "pre_warm_best_log10_lr": [-3.0] * 6}),
-    ("warmup.qk_norm_logits", {"pre_warm_qknorm_max_logit_top_lr": _seeds(5.0, 0.1), "pre_warm_max_logit_top_lr": _seeds(40.0, 1.0)},
+    ("warmup.qk_norm_logits",
+     {"pre_warm_qknorm_max_logit_top_lr": _seeds(5.0, 0.1), "pre_warm_max_logit_top_lr": _seeds(40.0, 1.0)},
      {"pre_warm_qknorm_max_logit_top_lr": _seeds(40.0, 0.1), "pre_warm_max_logit_top_lr": _seeds(30.0, 0.1)}),
-    ("warmup.qk_norm_sensitivity", {"pre_warm_qknorm_sensitivity": _seeds(0.3, 0.01), "pre_warm_sensitivity": _seeds(0.5, 0.01)},
+    ("warmup.qk_norm_sensitivity",
+     {"pre_warm_qknorm_sensitivity": _seeds(0.3, 0.01), "pre_warm_sensitivity": _seeds(0.5, 0.01)},
      {"pre_warm_qknorm_sensitivity": _seeds(0.6, 0.01), "pre_warm_sensitivity": _seeds(0.5, 0.01)}),
-    ("warmup.embed_norm_stable", {"pre_warm_embednorm_diverged_high": [0] * 9, "pre_warm_diverged_high": [1] * 6 + [0] * 3},
+    ("warmup.embed_norm_stable",
+     {"pre_warm_embednorm_diverged_high": [0] * 9, "pre_warm_diverged_high": [1] * 6 + [0] * 3},
      {"pre_warm_embednorm_diverged_high": [1] * 6 + [0] * 3, "pre_warm_diverged_high": [0] * 9}),
-    ("warmup.embed_norm_quality", {"pre_warm_embednorm_best_val": _seeds(2.0), "pre_warm_best_val": _seeds(2.005), "unigram_loss": 3.4},
+    ("warmup.embed_norm_quality",
+     {"pre_warm_embednorm_best_val": _seeds(2.0), "pre_warm_best_val": _seeds(2.005), "unigram_loss": 3.4},
      {"pre_warm_embednorm_best_val": _seeds(2.2), "pre_warm_best_val": _seeds(2.0), "unigram_loss": 3.4}),
-    ("warmup.sandwich_unstable", {"pre_warm_sandwich_diverged": [1] * 6 + [0] * 12, "pre_warm_diverged": [0] * 18},
+    ("warmup.sandwich_unstable",
+     {"pre_warm_sandwich_diverged": [1] * 6 + [0] * 12, "pre_warm_diverged": [0] * 18},
      {"pre_warm_sandwich_diverged": [0] * 18, "pre_warm_diverged": [0] * 12 + [1] * 6}),
-    ("gradients.post_grows", {"xiong_post_growth": _seeds(3.0, 0.2)}, {"xiong_post_growth": _seeds(0.8, 0.05)}),
-    ("gradients.pre_flat.llama", {"llama_pre_growth": _seeds(1.1, 0.05)}, {"llama_pre_growth": _seeds(0.25, 0.02)}),
-    ("gradients.post_last_constant", {"xiong_post_last_slope": _seeds(0.02, 0.03)}, {"xiong_post_last_slope": _seeds(-0.5, 0.03)}),
-    ("gradients.pre_last_scaling", {"xiong_pre_last_slope": _seeds(-0.48, 0.03)}, {"xiong_pre_last_slope": _seeds(0.0, 0.03)}),
-    ("depth.deepnorm_trains", {"deepnorm_val": _seeds(2.0), "pre_val": _seeds(1.95), "deepnorm_diverged": 0, "unigram_loss": 3.4},
+    ("gradients.post_grows", {"xiong_post_growth": _seeds(3.0, 0.2)},
+     {"xiong_post_growth": _seeds(0.8, 0.05)}),
+    ("gradients.pre_flat.llama", {"llama_pre_growth": _seeds(1.1, 0.05)},
+     {"llama_pre_growth": _seeds(0.25, 0.02)}),
+    ("gradients.post_last_constant", {"xiong_post_last_slope": _seeds(0.02, 0.03)},
+     {"xiong_post_last_slope": _seeds(-0.5, 0.03)}),
+    ("gradients.pre_last_scaling", {"xiong_pre_last_slope": _seeds(-0.48, 0.03)},
+     {"xiong_pre_last_slope": _seeds(0.0, 0.03)}),
+    ("depth.deepnorm_trains",
+     {"deepnorm_val": _seeds(2.0), "pre_val": _seeds(1.95), "deepnorm_diverged": 0, "unigram_loss": 3.4},
      {"deepnorm_val": [None] * 3, "pre_val": _seeds(1.95), "deepnorm_diverged": 3, "unigram_loss": 3.4}),
-    ("depth.deepnorm_article_trains", {"deepnorm_article_val": _seeds(2.0), "pre_val": _seeds(1.95), "deepnorm_article_diverged": 0,
-                                       "unigram_loss": 3.4},
-     {"deepnorm_article_val": _seeds(2.0), "pre_val": _seeds(1.95), "deepnorm_article_diverged": 1, "unigram_loss": 3.4}),
-    ("depth.post_fails", {"post_val": [None] * 3, "pre_val": _seeds(1.95), "post_diverged": 3, "unigram_loss": 3.4},
+    ("depth.deepnorm_article_trains",
+     {"deepnorm_article_val": _seeds(2.0), "pre_val": _seeds(1.95), "deepnorm_article_diverged": 0,
+      "unigram_loss": 3.4},
+     {"deepnorm_article_val": _seeds(2.0), "pre_val": _seeds(1.95), "deepnorm_article_diverged": 1,
+      "unigram_loss": 3.4}),
+    ("depth.post_fails",
+     {"post_val": [None] * 3, "pre_val": _seeds(1.95), "post_diverged": 3, "unigram_loss": 3.4},
      {"post_val": _seeds(1.95), "pre_val": _seeds(2.0), "post_diverged": 0, "unigram_loss": 3.4}),
-    ("batchnorm.gap_grows", {"batchnorm_gap_b2": _seeds(0.05, 0.002), "batchnorm_gap_b32": _seeds(0.01, 0.002)},
+    ("batchnorm.gap_grows",
+     {"batchnorm_gap_b2": _seeds(0.05, 0.002), "batchnorm_gap_b32": _seeds(0.01, 0.002)},
      {"batchnorm_gap_b2": _seeds(0.005, 0.0001), "batchnorm_gap_b32": _seeds(0.01, 0.0001)}),
-    ("batchnorm.small_batch_worse", {"batchnorm_excess_b2": _seeds(0.08, 0.002), "batchnorm_excess_b32": _seeds(0.02, 0.002)},
+    ("batchnorm.small_batch_worse",
+     {"batchnorm_excess_b2": _seeds(0.08, 0.002), "batchnorm_excess_b32": _seeds(0.02, 0.002)},
      {"batchnorm_excess_b2": _seeds(0.01, 0.001), "batchnorm_excess_b32": _seeds(0.03, 0.001)}),
-    ("batchnorm.accumulation_worse", {"batchnorm_excess_accum": _seeds(0.08, 0.002), "batchnorm_excess_b32": _seeds(0.02, 0.002),
-                                      "layernorm_val_accum": _seeds(2.0), "layernorm_val_b32": _seeds(2.0), "unigram_loss": 3.4},
+    ("batchnorm.accumulation_worse",
+     {"batchnorm_excess_accum": _seeds(0.08, 0.002), "batchnorm_excess_b32": _seeds(0.02, 0.002),
+      "layernorm_val_accum": _seeds(2.0), "layernorm_val_b32": _seeds(2.0), "unigram_loss": 3.4},
      {"batchnorm_excess_accum": _seeds(0.01, 0.001), "batchnorm_excess_b32": _seeds(0.03, 0.001),
       "layernorm_val_accum": _seeds(2.0), "layernorm_val_b32": _seeds(2.0), "unigram_loss": 3.4}),
     ("batchnorm.late_positions_noisier", {"late_position_tokens": 400.0, "early_position_tokens": 800.0,
                                           "late_position_spread": [0.09, 0.093, 0.088, 0.095],
                                           "early_position_spread": [0.07, 0.071, 0.0695, 0.072]},
      {"late_position_tokens": 400.0, "early_position_tokens": 800.0,
-      "late_position_spread": [0.05, 0.052, 0.049, 0.051], "early_position_spread": [0.07, 0.071, 0.0695, 0.072]}),
+      "late_position_spread": [0.05, 0.052, 0.049, 0.051],
+      "early_position_spread": [0.07, 0.071, 0.0695, 0.072]}),
     ("batchnorm.position_unseen_refused", {"position_unseen_refused": 1}, {"position_unseen_refused": 0}),
-    ("curse.pre_deep_weaker", {"pre_deep_share": [0.30, 0.33, 0.31], "pre_val": _seeds(2.0), "unigram_loss": 3.4},
+    ("curse.pre_deep_weaker",
+     {"pre_deep_share": [0.30, 0.33, 0.31], "pre_val": _seeds(2.0), "unigram_loss": 3.4},
      {"pre_deep_share": [0.60, 0.62, 0.61], "pre_val": _seeds(2.0), "unigram_loss": 3.4}),
-    ("curse.post_deep_not_weaker", {"post_deep_share": [0.55, 0.56, 0.54], "post_val": _seeds(2.0), "unigram_loss": 3.4},
+    ("curse.post_deep_not_weaker",
+     {"post_deep_share": [0.55, 0.56, 0.54], "post_val": _seeds(2.0), "unigram_loss": 3.4},
      {"post_deep_share": [0.30, 0.31, 0.29], "post_val": _seeds(2.0), "unigram_loss": 3.4}),
-    ("curse.lns_deeper", {"lns_deep_share": [0.45, 0.47, 0.46], "pre_deep_share": [0.30, 0.33, 0.31], "pre_val": _seeds(2.0),
-                          "unigram_loss": 3.4},
-     {"lns_deep_share": [0.20, 0.23, 0.21], "pre_deep_share": [0.30, 0.33, 0.31], "pre_val": _seeds(2.0), "unigram_loss": 3.4}),
+    ("curse.lns_deeper",
+     {"lns_deep_share": [0.45, 0.47, 0.46], "pre_deep_share": [0.30, 0.33, 0.31], "pre_val": _seeds(2.0),
+      "unigram_loss": 3.4},
+     {"lns_deep_share": [0.20, 0.23, 0.21], "pre_deep_share": [0.30, 0.33, 0.31], "pre_val": _seeds(2.0),
+      "unigram_loss": 3.4}),
     ("curse.lns_loss", {"lns_val": _seeds(1.9), "pre_val": _seeds(2.0), "unigram_loss": 3.4},
      {"lns_val": _seeds(2.1), "pre_val": _seeds(2.0), "unigram_loss": 3.4}),
-    ("precision.naive_bf16_worse", {"rms_norm_bf16_naive_median_eps": _seeds(0.5, 0.01), "rms_norm_bf16_normlab_median_eps": _seeds(0.2, 0.01),
-                                    "layer_norm_bf16_naive_median_eps": _seeds(0.6, 0.01), "layer_norm_bf16_normlab_median_eps": _seeds(0.2, 0.01)},
-     {"rms_norm_bf16_naive_median_eps": _seeds(0.2, 0.01), "rms_norm_bf16_normlab_median_eps": _seeds(0.3, 0.01)}),
-    ("speed.bytes_not_flops", {"normlab_layer_norm_total_ms": [1.0, 1.05, 1.1], "normlab_rms_norm_total_ms": [0.95, 1.0, 1.05]},
+    ("precision.naive_bf16_worse", {"rms_norm_bf16_naive_median_eps": _seeds(0.5, 0.01),
+                                    "rms_norm_bf16_normlab_median_eps": _seeds(0.2, 0.01),
+                                    "layer_norm_bf16_naive_median_eps": _seeds(0.6, 0.01),
+                                    "layer_norm_bf16_normlab_median_eps": _seeds(0.2, 0.01)},
+     {"rms_norm_bf16_naive_median_eps": _seeds(0.2, 0.01),
+      "rms_norm_bf16_normlab_median_eps": _seeds(0.3, 0.01)}),
+    ("speed.bytes_not_flops",
+     {"normlab_layer_norm_total_ms": [1.0, 1.05, 1.1], "normlab_rms_norm_total_ms": [0.95, 1.0, 1.05]},
      {"normlab_layer_norm_total_ms": [1.6, 1.68, 1.76], "normlab_rms_norm_total_ms": [1.0, 1.05, 1.1]}),
-    ("speed.gru_step", {"gru_rmsnorm_step_ms": [80.0, 85.0, 90.0], "gru_layernorm_step_ms": [100.0, 106.0, 112.0]},
+    ("speed.gru_step",
+     {"gru_rmsnorm_step_ms": [80.0, 85.0, 90.0], "gru_layernorm_step_ms": [100.0, 106.0, 112.0]},
      {"gru_rmsnorm_step_ms": [101.0, 107.0, 113.0], "gru_layernorm_step_ms": [100.0, 106.0, 112.0]}),
-    ("speed.rms_kernel_normlab", {"normlab_rms_norm_total_ms": [0.8, 0.85, 0.9], "normlab_layer_norm_total_ms": [1.0, 1.05, 1.1]},
+    ("speed.rms_kernel_normlab",
+     {"normlab_rms_norm_total_ms": [0.8, 0.85, 0.9], "normlab_layer_norm_total_ms": [1.0, 1.05, 1.1]},
      {"normlab_rms_norm_total_ms": [1.1, 1.15, 1.2], "normlab_layer_norm_total_ms": [1.0, 1.05, 1.1]}),
     ("eps.inside_bounded", {"inside_max_gain_sqrt_eps": 1.0}, {"inside_max_gain_sqrt_eps": 1.5}),
     ("eps.outside_amplifies", {"outside_zero_row_gain_eps": 1.0}, {"outside_zero_row_gain_eps": 1e-3}),
     ("eps.fused_matches", {"inside_normlab_gain_rel_err": 1e-7, "outside_normlab_gain_rel_err": 1e-7},
      {"inside_normlab_gain_rel_err": 1e-7, "outside_normlab_gain_rel_err": 0.5}),
-    ("invariance.layernorm_exact", {"layernorm_invariant_max_change": 1e-15}, {"layernorm_invariant_max_change": 0.5}),
-    ("invariance.rmsnorm_scale", {"rmsnorm_invariant_max_change": 1e-15}, {"rmsnorm_invariant_max_change": 0.5}),
-    ("invariance.rmsnorm_not_recentering", {"rmsnorm_recentering_min_change": 0.5}, {"rmsnorm_recentering_min_change": 1e-14}),
-    ("invariance.layernorm_shift_trained", {"layernorm_shift0.1_val": _seeds(2.0), "layernorm_shift0.5_val": _seeds(2.002),
-                                            "layernorm_val": _seeds(2.001), "unigram_loss": 3.4},
-     {"layernorm_shift0.1_val": _seeds(2.0), "layernorm_shift0.5_val": _seeds(2.5), "layernorm_val": _seeds(2.0),
+    ("invariance.layernorm_exact", {"layernorm_invariant_max_change": 1e-15},
+     {"layernorm_invariant_max_change": 0.5}),
+    ("invariance.rmsnorm_scale", {"rmsnorm_invariant_max_change": 1e-15},
+     {"rmsnorm_invariant_max_change": 0.5}),
+    ("invariance.rmsnorm_not_recentering", {"rmsnorm_recentering_min_change": 0.5},
+     {"rmsnorm_recentering_min_change": 1e-14}),
+    ("invariance.layernorm_shift_trained",
+     {"layernorm_shift0.1_val": _seeds(2.0), "layernorm_shift0.5_val": _seeds(2.002),
+      "layernorm_val": _seeds(2.001), "unigram_loss": 3.4},
+     {"layernorm_shift0.1_val": _seeds(2.0), "layernorm_shift0.5_val": _seeds(2.5),
+      "layernorm_val": _seeds(2.0),
       "unigram_loss": 3.4}),
-    ("invariance.rmsnorm_shift_trained", {"rmsnorm_shift0.5_val": _seeds(2.3), "rmsnorm_val": _seeds(2.0), "unigram_loss": 3.4},
+    ("invariance.rmsnorm_shift_trained",
+     {"rmsnorm_shift0.5_val": _seeds(2.3), "rmsnorm_val": _seeds(2.0), "unigram_loss": 3.4},
      {"rmsnorm_shift0.5_val": _seeds(1.9), "rmsnorm_val": _seeds(2.0), "unigram_loss": 3.4}),
-    ("batchnorm.accumulation", {"layernorm_accumulation_change": 1e-16, "batchnorm_accumulation_change": 0.08},
+    ("batchnorm.accumulation",
+     {"layernorm_accumulation_change": 1e-16, "batchnorm_accumulation_change": 0.08},
      {"layernorm_accumulation_change": 1e-16, "batchnorm_accumulation_change": 1e-15}),
     ("invariance.rmsnorm_sphere", {"rmsnorm_sphere": 1e-16}, {"rmsnorm_sphere": 0.01}),
     ("invariance.layernorm_train_eval", {"layernorm_train_eval": 0.0, "batchnorm_train_eval": 0.9},
@@ -191,24 +229,33 @@ def _seeds(mean, spread=0.005):
     ("stability.bf16_within_bound", {"bf16_out_of_bound": 0}, {"bf16_out_of_bound": 2}),
     ("final_norm.loss", {"nofinal_base_val": _seeds(2.2), "final_base_val": _seeds(2.0), "unigram_loss": 3.4},
      {"nofinal_base_val": _seeds(1.9), "final_base_val": _seeds(2.0), "unigram_loss": 3.4}),
-    ("final_norm.head_grows", {"nofinal_base_head_growth": _seeds(5.0, 0.1)}, {"nofinal_base_head_growth": _seeds(0.8, 0.01)}),
-    ("final_norm.high_lr", {"nofinal_high_val": [None] * 3, "final_high_val": _seeds(2.0), "nofinal_high_diverged": 3,
-                            "unigram_loss": 3.4},
-     {"nofinal_high_val": _seeds(1.9), "final_high_val": _seeds(2.0), "nofinal_high_diverged": 0, "unigram_loss": 3.4}),
-    ("shallow.post_better", {"post_shallow_val": _seeds(1.9), "pre_shallow_val": _seeds(2.0), "unigram_loss": 3.4},
+    ("final_norm.head_grows", {"nofinal_base_head_growth": _seeds(5.0, 0.1)},
+     {"nofinal_base_head_growth": _seeds(0.8, 0.01)}),
+    ("final_norm.high_lr",
+     {"nofinal_high_val": [None] * 3, "final_high_val": _seeds(2.0), "nofinal_high_diverged": 3,
+      "unigram_loss": 3.4},
+     {"nofinal_high_val": _seeds(1.9), "final_high_val": _seeds(2.0), "nofinal_high_diverged": 0,
+      "unigram_loss": 3.4}),
+    ("shallow.post_better",
+     {"post_shallow_val": _seeds(1.9), "pre_shallow_val": _seeds(2.0), "unigram_loss": 3.4},
      {"post_shallow_val": _seeds(2.1), "pre_shallow_val": _seeds(2.0), "unigram_loss": 3.4}),
-    ("shallow.pre_deep", {"post_deep_val": [None] * 3, "pre_deep_val": _seeds(2.0), "post_deep_diverged": 3, "unigram_loss": 3.4},
-     {"post_deep_val": _seeds(1.9), "pre_deep_val": _seeds(2.0), "post_deep_diverged": 0, "unigram_loss": 3.4}),
-    ("sandwich.stream_growth", {"sandwich_stream_growth": _seeds(1.2, 0.01), "pre_stream_growth": _seeds(3.0, 0.1)},
+    ("shallow.pre_deep",
+     {"post_deep_val": [None] * 3, "pre_deep_val": _seeds(2.0), "post_deep_diverged": 3, "unigram_loss": 3.4},
+     {"post_deep_val": _seeds(1.9), "pre_deep_val": _seeds(2.0), "post_deep_diverged": 0,
+      "unigram_loss": 3.4}),
+    ("sandwich.stream_growth",
+     {"sandwich_stream_growth": _seeds(1.2, 0.01), "pre_stream_growth": _seeds(3.0, 0.1)},
      {"sandwich_stream_growth": _seeds(3.0, 0.1), "pre_stream_growth": _seeds(1.2, 0.01)}),
     ("sandwich.quality", {"sandwich_val": _seeds(2.0), "pre_val": _seeds(2.01), "unigram_loss": 3.4},
      {"sandwich_val": _seeds(2.5), "pre_val": _seeds(2.0), "unigram_loss": 3.4}),
     ("dyt.parity", {"dyt0.5_large_val": _seeds(2.0), "rmsnorm_large_val": _seeds(2.01)},
      {"dyt0.5_large_val": _seeds(2.5), "rmsnorm_large_val": _seeds(2.0)}),
-    ("dyt.alpha0_sensitive", {"dyt_worst_alpha0_large_val": _seeds(2.3), "dyt_best_alpha0_large_val": _seeds(2.0)},
+    ("dyt.alpha0_sensitive",
+     {"dyt_worst_alpha0_large_val": _seeds(2.3), "dyt_best_alpha0_large_val": _seeds(2.0)},
      {"dyt_worst_alpha0_large_val": _seeds(1.9), "dyt_best_alpha0_large_val": _seeds(2.0)}),
-    ("dyt.regime_flips", {"dyt0.5_small_val": _seeds(2.8), "layernorm_small_val": _seeds(3.0), "dyt0.5_large_val": _seeds(2.2),
-                          "layernorm_large_val": _seeds(2.0)},
+    ("dyt.regime_flips",
+     {"dyt0.5_small_val": _seeds(2.8), "layernorm_small_val": _seeds(3.0), "dyt0.5_large_val": _seeds(2.2),
+      "layernorm_large_val": _seeds(2.0)},
      {"dyt0.5_small_val": _seeds(3.2), "layernorm_small_val": _seeds(3.0), "dyt0.5_large_val": _seeds(2.2),
       "layernorm_large_val": _seeds(2.0)}),
 ])
@@ -223,7 +270,8 @@ def test_changing_the_numbers_flips_the_verdict(finished, cid, holds, fails):
 
 TRAINED = {"unigram_loss": 3.4, "post_warm_best_val": _seeds(2.0), "pre_warm_best_val": _seeds(2.0),
            "layernorm_val": _seeds(2.0), "rmsnorm_val": _seeds(2.0), "rmsnorm_large_val": _seeds(2.0),
-           "layernorm_small_val": _seeds(3.0), "layernorm_large_val": _seeds(2.0), "dyt_best_alpha0_large_val": _seeds(2.0),
+           "layernorm_small_val": _seeds(3.0), "layernorm_large_val": _seeds(2.0),
+           "dyt_best_alpha0_large_val": _seeds(2.0),
            "layernorm_val_b2": _seeds(2.0), "layernorm_val_b32": _seeds(2.0)}
 
 
@@ -240,12 +288,15 @@ def test_eps_claims_hold_exactly_and_the_fused_kernels_agree(finished):
 
 def test_the_exact_facts_of_stability_and_invariance_hold_at_any_size(finished):
     # LayerNorm's gain follows 1/sqrt(s^2 + eps) up to its cap, RMSNorm's stays at or below 1/|mean|
-    for name, ids in (("stability", None), ("invariance", ("invariance.rmsnorm_sphere", "invariance.layernorm_train_eval")),
+    for name, ids in (("stability", None),
+                      ("invariance", ("invariance.rmsnorm_sphere", "invariance.layernorm_train_eval")),
                       ("batchnorm", ("batchnorm.accumulation",))):
         claims = [c for c in finished[1]["presets"][name]["claims"] if ids is None or c["id"] in ids]
         assert claims and all(c["verdict"] == "holds" for c in claims), [c["evidence"] for c in claims]
     rows = finished[1]["presets"]["stability"]["rows"]
-    assert rows[0]["layernorm_gain"] < 1.01 and rows[-1]["layernorm_gain"] == pytest.approx(1e-5 ** -0.5, rel=1e-3)
+    assert rows[0]["layernorm_gain"] < 1.01 and rows[-1]["layernorm_gain"] == pytest.approx(
+        1e-5**-0.5, rel=1e-3
+    )
     assert max(r["rmsnorm_gain"] for r in rows) <= 1.0 + 1e-9
 
 
@@ -277,15 +328,21 @@ def test_the_stability_sweep_records_its_settings_and_measures(finished):
     assert math.log10(max(lrs) / min(lrs)) >= 1.5
     m = {k: v for c in section["claims"] for k, v in c["measured"].items()}
     for key in ("post_warm", "post_nowarm", "pre_warm", "pre_nowarm", "pre_warm_qknorm"):
-        assert all(math.isfinite(v) and v >= 0 for v in m.get(f"{key}_sensitivity", [])) and m.get(f"{key}_sensitivity")
+        assert all(math.isfinite(v) and v >= 0
+                   for v in m.get(f"{key}_sensitivity", [])) and m.get(f"{key}_sensitivity")
     assert all(v > 0 for v in m["pre_warm_max_logit_top_lr"] + m["pre_warm_qknorm_max_logit_top_lr"])
     assert set(section["series"]["curves"]) == set(E.SWEEP)
-    embed = json.loads(next((finished[0] / "runs").glob("pre-warm-embednorm-lr*-s0-*/config.json")).read_text())
+    embed = json.loads(
+        next((finished[0] / "runs").glob("pre-warm-embednorm-lr*-s0-*/config.json")).read_text()
+    )
     assert embed["model_resolved"]["embed_norm"] is True and run["model_resolved"]["embed_norm"] is False
     high = sorted(lrs)[len(lrs) // 2:]
     assert len(m["pre_warm_embednorm_diverged_high"]) == len(high) * len(section["settings"]["seeds"])
-    assert all(v is None or math.isfinite(v) for v in m["pre_warm_embednorm_best_val"]) and m["pre_warm_embednorm_best_val"]
-    sandwich = json.loads(next((finished[0] / "runs").glob("pre-warm-sandwich-lr*-s0-*/config.json")).read_text())
+    assert all(v is None or math.isfinite(v)
+               for v in m["pre_warm_embednorm_best_val"]) and m["pre_warm_embednorm_best_val"]
+    sandwich = json.loads(
+        next((finished[0] / "runs").glob("pre-warm-sandwich-lr*-s0-*/config.json")).read_text()
+    )
     assert sandwich["model_resolved"]["placement"] == "sandwich" and sandwich["train"]["warmup"] > 0
     # the exact counts: one 0/1 per (rate, seed), summing to the table's diverged column at each rate
     n = len(section["settings"]["seeds"])
@@ -294,7 +351,8 @@ def test_the_stability_sweep_records_its_settings_and_measures(finished):
 
 
 def test_lr_sensitivity_follows_wortsman():
-    assert E.lr_sensitivity([2.0, 2.5, None, 5.0], init=4.0) == pytest.approx((2.0 + 2.5 + 4.0 + 4.0) / 4 - 2.0)
+    assert E.lr_sensitivity([2.0, 2.5, None, 5.0], init=4.0) == pytest.approx((2.0 + 2.5 + 4.0 + 4.0) / 4
+                                                                              - 2.0)
     assert E.lr_sensitivity([2.0, 2.0], init=4.0) == 0
     assert E.lr_sensitivity([2.0, 2.5], init=None) is None  # a run from before the loss at init was logged
 
@@ -319,10 +377,13 @@ def test_every_threshold_has_an_origin(finished):
         for c in section["claims"]:
             for leaf in leaves(c["rule"]):
                 if leaf.get("rel") or not isinstance(leaf["b"], str):
-                    assert leaf["origin"]["by"] in ("source", "normlab") and leaf["origin"]["text"], (c["id"], leaf)
-            assert c["origins"] or all(not (leaf.get("rel") or not isinstance(leaf["b"], str)) for leaf in leaves(c["rule"]))
+                    assert leaf["origin"]["by"] in ("source",
+                                                    "normlab") and leaf["origin"]["text"], (c["id"], leaf)
+            assert c["origins"] or all(not (leaf.get("rel") or not isinstance(leaf["b"], str))
+                                       for leaf in leaves(c["rule"]))
     speed = _claim(finished[1], "norms.rms_speed")
-    assert speed["origins"][0].endswith("from the source ('reduces the running time by 7%~64% on different models' (abstract))")
+    assert speed["origins"][0].endswith("from the source ('reduces the running time by 7%~64% on different "
+                                        "models' (abstract))")
 
 
 def test_every_curve_starts_at_step_zero_on_both_axes(finished):
@@ -344,7 +405,8 @@ def test_batchnorm_depends_on_batch_mates_and_layernorm_does_not(finished):
 def test_batchnorm_trend_trains_on_padded_batches_of_each_size(finished):
     section = finished[1]["presets"]["batchnorm"]
     trend = [r for r in section["rows"] if r["batching"] == "paragraphs"]
-    assert {(r["norm"], r["batch_size"]) for r in trend} == {(n, b) for n in ("batchnorm", "layernorm") for b in E.BATCH_SIZES}
+    assert {(r["norm"], r["batch_size"]) for r in trend} == {(n, b) for n in ("batchnorm", "layernorm")
+                                                             for b in E.BATCH_SIZES}
     for r in trend:
         assert r["val_loss"] is not None and r["train_eval_gap"] is not None
         if r["norm"] == "layernorm":
@@ -355,8 +417,12 @@ def test_batchnorm_trend_trains_on_padded_batches_of_each_size(finished):
     accum = [r for r in section["rows"] if r["batching"] == "paragraphs, 8 x 4 accumulated"]
     assert [(r["norm"], r["batch_size"]) for r in accum] == [("batchnorm", 32), ("layernorm", 32)]
     for norm in ("batchnorm", "layernorm"):
-        run = json.loads(next((finished[0] / "runs").glob(f"pad-{norm}-b4x8-s0-*/config.json")).read_text())["train"]
-        true = json.loads(next((finished[0] / "runs").glob(f"pad-{norm}-b32-s0-*/config.json")).read_text())["train"]
+        run = json.loads(next((finished[0] / "runs").glob(f"pad-{norm}-b4x8-s0-*/config.json")).read_text())[
+            "train"
+        ]
+        true = json.loads(next((finished[0] / "runs").glob(f"pad-{norm}-b32-s0-*/config.json")).read_text())[
+            "train"
+        ]
         assert (run["batch_size"], run["grad_accum"], run["lr"]) == (4, 8, true["lr"])
     m = _claim(finished[1], "batchnorm.accumulation_worse")["measured"]
     assert len(m["batchnorm_excess_accum"]) == len(section["settings"]["trend"]["seeds"])
@@ -387,7 +453,8 @@ def test_every_batch_size_of_the_trend_trains_the_same_steps(finished):
     steps = {}
     for path in (finished[0] / "runs").glob("pad-*-b*-s0-*/config.json"):
         train = json.loads(path.read_text())["train"]
-        steps[train["batch_size"] * train["grad_accum"]] = train["steps"]  # the accumulated runs: the batch of 32
+        # the accumulated runs: the batch of 32
+        steps[train["batch_size"] * train["grad_accum"]] = train["steps"]
     assert set(steps) == set(E.BATCH_SIZES) and len(set(steps.values())) == 1, steps
     assert finished[1]["presets"]["batchnorm"]["settings"]["trend"]["steps"] == next(iter(steps.values()))
 
@@ -456,7 +523,8 @@ def test_report_renders(finished, rendered):
             assert c["evidence"]
             for line in c["evidence"] + c["origins"]:
                 assert line in md and html.escape(line) in page, line
-            assert all(any(w in x for w in ("seed", "process", "round", "draw", "feature", "exact", "not measured"))
+            assert all(any(w in x
+                           for w in ("seed", "process", "round", "draw", "feature", "exact", "not measured"))
                        for x in c["evidence"]), c["evidence"]
     assert "Machine and versions" in md and "normlab compare all --size tiny" in md
     family = results["presets"]["norms"]["family"]
@@ -480,7 +548,8 @@ def test_a_full_disk_keeps_the_previous_report_whole(finished, tmp_path, monkeyp
     from pathlib import Path
 
     out, results = finished
-    results = {**results, "presets": {"precision": results["presets"]["precision"]}}  # one preset: fewer plots
+    # one preset: fewer plots
+    results = {**results, "presets": {"precision": results["presets"]["precision"]}}
     folder = tmp_path / "report"
     report.render(results, folder)
     before = (folder / "report.html").read_bytes()
@@ -506,15 +575,18 @@ def test_the_report_writes_tables_others_can_reuse(finished, rendered):
     rows = list(csv.DictReader(paths["results_csv"].open()))
     norms = results["presets"]["norms"]
     mine = [r for r in rows if r["preset"] == "norms" and r["quantity"] == "rmsnorm_val"]
-    assert [float(r["value"]) for r in mine] == pytest.approx(_claim(results, "norms.rms_quality")["measured"]["rmsnorm_val"])
-    assert [int(r["sample"]) for r in mine] == norms["settings"]["seeds"] and {r["over"] for r in mine} == {"seeds"}
+    assert [float(r["value"])
+            for r in mine] == pytest.approx(_claim(results, "norms.rms_quality")["measured"]["rmsnorm_val"])
+    assert [int(r["sample"]) for r in mine] == norms["settings"]["seeds"] and {r["over"]
+                                                                               for r in mine} == {"seeds"}
     claims = list(csv.DictReader(paths["claims_csv"].open()))
     ids = {c["id"] for s in results["presets"].values() for c in s["claims"]}
     assert {r["claim"] for r in claims} == ids
     tested = [r for r in claims if r["p"]]
     assert len(tested) == norms["family"]["size"]  # one row per test of the family
     for r in tested:  # the adjusted p is Holm's over the family's p-values
-        assert float(r["p_adjusted"]) == pytest.approx(C.holm_adjust(float(r["p"]), norms["family"]["p_values"]))
+        assert float(r["p_adjusted"]) == pytest.approx(C.holm_adjust(float(r["p"]),
+                                                                     norms["family"]["p_values"]))
     tex = paths["tex"].read_text()
     assert "\\toprule" in tex and "\\bottomrule" in tex and tex.count(" \\\\") == len(ids) + 1
     assert "rms\\_quality" in tex  # escaped for LaTeX
@@ -533,13 +605,15 @@ def test_second_run_redoes_nothing(finished, monkeypatch):
     monkeypatch.setattr(lab_module, "train", fail)
     monkeypatch.setattr(timing_module, "time_steps", fail)
     monkeypatch.setattr(precision_module, "precision_errors", fail)
-    again = E.run_presets(["all"], E.Settings(out=str(out), size="tiny", data=results["meta"]["data"], quiet=True))
+    again = E.run_presets(["all"],
+                          E.Settings(out=str(out), size="tiny", data=results["meta"]["data"], quiet=True))
     for name in E.PRESETS:
         assert again["presets"][name]["rows"] == results["presets"][name]["rows"]
 
 
 def test_interrupted_run_resumes_from_its_checkpoint(corpus, env, tmp_path):
-    settings = E.Settings(out=str(tmp_path), size="tiny", data=str(corpus), quiet=True, overrides={"stop_at": "3"})
+    settings = E.Settings(out=str(tmp_path), size="tiny", data=str(corpus), quiet=True,
+                          overrides={"stop_at": "3"})
     lab = E.Lab(settings)
     lab.preset = "norms"
     fields, model = E.lm_sizes(lab)
@@ -552,7 +626,8 @@ def test_interrupted_run_resumes_from_its_checkpoint(corpus, env, tmp_path):
     result = lab.run("rmsnorm-s0", fields, model, {"norm": "rmsnorm", "seed": 0})
     assert any("resuming" in s for s in said)
     assert result["status"] == "completed" and result["steps"] == fields["steps"]
-    steps = [json.loads(line)["step"] for line in open(tmp_path / "runs" / result["run"] / "metrics.jsonl") if "step_ms" in line]
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "runs" / result["run"] / "metrics.jsonl")
+             if "step_ms" in line]
     assert steps == list(range(fields["steps"]))  # each step once: nothing redone, nothing skipped
 
 
@@ -567,7 +642,8 @@ def test_overriding_what_a_preset_compares_is_an_error():
 def test_cli_compare_and_report(finished, capsys, tmp_path):
     out, results = finished
     out = tmp_path  # precision alone: it trains nothing, and its report draws one preset's plots
-    code = main(["compare", "precision", "--size", "tiny", "--out", str(out), "--data", results["meta"]["data"], "--quiet"])
+    code = main(["compare", "precision", "--size", "tiny", "--out", str(out), "--data",
+                 results["meta"]["data"], "--quiet"])
     assert code == 0
     text = capsys.readouterr().out
     assert "precision" in text and "report:" in text
@@ -585,7 +661,8 @@ def test_gradients_show_the_sources_model_and_this_decoder(finished):
     ids = {c["id"] for c in section["claims"]}
     assert {"gradients.post_grows", "gradients.post_grows.llama", "gradients.pre_last_scaling.llama"} <= ids
     for c in section["claims"]:
-        assert any(x.startswith("matches") for x in c["conditions"]) and any(x.startswith("differs") for x in c["conditions"])
+        assert any(x.startswith("matches") for x in c["conditions"]) and any(x.startswith("differs")
+                                                                             for x in c["conditions"])
         for key, v in c["measured"].items():  # one value per seed, all finite
             assert isinstance(v, list) and all(math.isfinite(x) for x in v), (c["id"], key)
     assert "The factor that moves it most" in section["notes"][-1]
@@ -593,7 +670,8 @@ def test_gradients_show_the_sources_model_and_this_decoder(finished):
 
 def test_depth_claims_need_a_pre_ln_baseline_that_trains(finished):
     c = _claim(finished[1], "depth.deepnorm_trains")
-    untrained = {"deepnorm_val": _seeds(3.3), "pre_val": _seeds(3.35), "deepnorm_diverged": 0, "unigram_loss": 3.4}
+    untrained = {"deepnorm_val": _seeds(3.3), "pre_val": _seeds(3.35), "deepnorm_diverged": 0,
+                 "unigram_loss": 3.4}
     verdict, lines = C.evaluate(c["rule"], {**c["measured"], **untrained})
     assert verdict == "inconclusive" and lines[0].startswith("precondition does not hold")
 
@@ -603,7 +681,9 @@ def test_the_depth_preset_trains_deepnorm_with_both_inits(finished):
     assert [(r["placement"], r["init"]) for r in section["rows"]] == [
         ("post", "xavier"), ("deepnorm", "deepnet"), ("deepnorm", "article"), ("pre", "xavier")]
     runs = finished[0] / "runs"
-    article = json.loads(next(runs.glob("deepnorm-article-deep-s0-*/config.json")).read_text())["model_resolved"]
+    article = json.loads(next(runs.glob("deepnorm-article-deep-s0-*/config.json")).read_text())[
+        "model_resolved"
+    ]
     deepnet = json.loads(next(runs.glob("deepnorm-deep-s0-*/config.json")).read_text())["model_resolved"]
     assert (article["deepnorm_init"], deepnet["deepnorm_init"]) == ("article", "deepnet")
     assert {c["id"] for c in section["claims"]} >= {"depth.deepnorm_trains", "depth.deepnorm_article_trains"}
@@ -615,7 +695,8 @@ def test_a_layers_contribution_is_the_loss_of_the_model_without_its_block(finish
 
     section = finished[1]["presets"]["curse"]
     folder = next((finished[0] / "runs").glob("pre-curse-s0-*"))
-    val = E.Lab(E.Settings(out=str(finished[0]), size="tiny", data=finished[1]["meta"]["data"], quiet=True)).dataset.val
+    val = E.Lab(E.Settings(out=str(finished[0]), size="tiny", data=finished[1]["meta"]["data"],
+                           quiet=True)).dataset.val
     got = layer_contributions(folder, val, 4, 16, 2)
     model, _ = load_run(folder)
     model.eval()
@@ -630,7 +711,9 @@ def test_a_layers_contribution_is_the_loss_of_the_model_without_its_block(finish
     assert len(got["cos"]) == len(blocks) and all(-1 <= c <= 1 for c in got["cos"])
     assert deep_share([1.0, 1.0, 0.0, 2.0]) == 0.5 and deep_share([1.0, -1.0, 3.0, 0.0]) == 0.75
     assert deep_share([-1.0, 0.0]) is None
-    lns = json.loads(next((finished[0] / "runs").glob("lns-curse-s0-*/config.json")).read_text())["model_resolved"]
+    lns = json.loads(next((finished[0] / "runs").glob("lns-curse-s0-*/config.json")).read_text())[
+        "model_resolved"
+    ]
     assert lns["ln_scaling"] is True and lns["placement"] == "pre" and lns["n_layers"] >= 4
     assert [r["arm"] for r in section["rows"]] == ["pre", "post", "lns"]
 
@@ -638,7 +721,8 @@ def test_a_layers_contribution_is_the_loss_of_the_model_without_its_block(finish
 def test_every_claim_lists_its_conditions(finished):
     for name, section in finished[1]["presets"].items():
         for c in section["claims"]:
-            assert c.get("conditions") and all(isinstance(x, str) and x for x in c["conditions"]), (name, c["id"])
+            assert c.get("conditions") and all(isinstance(x, str) and x
+                                               for x in c["conditions"]), (name, c["id"])
 
 
 def test_the_speed_preset_times_a_normalized_gru_and_the_norms_share_of_a_step(finished):
@@ -652,7 +736,8 @@ def test_the_speed_preset_times_a_normalized_gru_and_the_norms_share_of_a_step(f
     steps = norms["series"]["step_ms"]
     share = 1 - statistics.median(n / ln for n, ln in zip(steps["none"], steps["layernorm"]))
     assert budget["norm_share_of_step"] == pytest.approx(share, rel=0.01, abs=1e-3)
-    assert budget["expected_step_gain"] == pytest.approx(budget["norm_share_of_step"] * budget["kernel_gain"], rel=0.02, abs=1e-3)
+    assert budget["expected_step_gain"] == pytest.approx(budget["norm_share_of_step"] * budget["kernel_gain"],
+                                                         rel=0.02, abs=1e-3)
     assert any(f"the norms take {share:.1%} of a LayerNorm step" in x and "even if RMSNorm cost nothing" in x
                for x in _claim(finished[1], "norms.rms_speed")["conditions"])
 
@@ -661,7 +746,8 @@ def test_the_demo_leaves_out_the_batch_size_trend_and_says_how_to_run_it(finishe
     out = tmp_path / "demo"
     shutil.copytree(finished[0] / "runs", out / "runs")
     shutil.copytree(finished[0] / "jobs", out / "jobs")
-    results = E.run_presets(["demo"], E.Settings(out=str(out), size="tiny", data=finished[1]["meta"]["data"], quiet=True))
+    results = E.run_presets(["demo"], E.Settings(out=str(out), size="tiny", data=finished[1]["meta"]["data"],
+                                                 quiet=True))
     section = results["presets"]["batchnorm"]
     assert [c["id"] for c in section["claims"]] == ["batchnorm.mates", "batchnorm.accumulation"]
     assert "normlab compare batchnorm --quick" in section["notes"][-1]
@@ -679,7 +765,8 @@ def test_the_pilot_tunes_each_arm_and_sizes_the_seeds(corpus, env, tmp_path):
     design = E.tune_presets(["norms"], settings, command="normlab compare norms --size tiny --tune")["tiny"]
     assert set(design["arms"]) == set(common_module.NORMS)
     for arm, a in design["arms"].items():
-        around = [float(f"{2e-3 * f:.3g}") for f in DS.LR_FACTORS]  # the preset's learning rate and either side
+        # the preset's learning rate and either side
+        around = [float(f"{2e-3 * f:.3g}") for f in DS.LR_FACTORS]
         assert set(around) <= set(a["grid"]) and len(a["grid"]) <= len(around) + DS.MAX_EXTEND
         if len(a["grid"]) > len(around):  # extended only past an edge that held the best
             assert a["grid"][0] < around[0] or a["grid"][-1] > around[-1]
@@ -687,7 +774,8 @@ def test_the_pilot_tunes_each_arm_and_sizes_the_seeds(corpus, env, tmp_path):
         assert a["lr"] == min(finite, key=finite.get)  # the lowest mean pilot loss
     # the pilot trains only at its own seeds, never at a test seed
     labels = [p.name for p in (tmp_path / "tune" / "runs").iterdir()]
-    assert labels and all(name.startswith("pilot-") and any(f"-s{s}-" in name for s in DS.PILOT_SEEDS) for name in labels)
+    assert labels and all(name.startswith("pilot-") and any(f"-s{s}-" in name for s in DS.PILOT_SEEDS)
+                          for name in labels)
     pairs = design["seeds"]["norms"]["pairs"]
     assert [(p["a"], p["b"]) for p in pairs] == [("rmsnorm", "layernorm"), ("prmsnorm", "rmsnorm")]
     for p in pairs:
@@ -707,15 +795,21 @@ def test_the_pilot_tunes_each_arm_and_sizes_the_seeds(corpus, env, tmp_path):
     assert [(p["a"], p["b"]) for p in both["seeds"]["scale"]["pairs"]] == [("scalenorm", "rmsnorm")]
     # --arms pilots only the arms it names: the others keep their rates (the marked one), and an
     # equivalence whose arms were not both piloted keeps its seeds; a pattern that names no arm is refused
-    one = E.tune_presets(["norms"], dataclasses.replace(settings, tune_arms=("prms*",)), command="... --arms 'prms*'")["tiny"]
+    one = E.tune_presets(["norms"], dataclasses.replace(settings, tune_arms=("prms*",)),
+                         command="... --arms 'prms*'")["tiny"]
     assert one["arms"]["rmsnorm"]["lr"] == 0.00123 and one["arms"]["prmsnorm"] == design["arms"]["prmsnorm"]
     assert one["seeds"]["norms"] == design["seeds"]["norms"]
-    with pytest.raises(ValueError, match="--arms zz matches none of the tuned arms of norms: batchnorm, layernorm, none"):
+    with pytest.raises(ValueError,
+                       match="--arms zz matches none of the tuned arms of norms: batchnorm, layernorm, none"):
         E.tune_presets(["norms"], dataclasses.replace(settings, tune_arms=("zz",)), command="")
     # a pilot under BPE tokens writes its rates under their own key and leaves the character ones be
-    bpe = E.tune_presets(["norms"], dataclasses.replace(settings, tune_arms=("prms*",), overrides={"tokenizer": "bpe", "bpe_vocab": "300"}),
+    bpe = E.tune_presets(["norms"], dataclasses.replace(settings, tune_arms=("prms*",),
+                                                        overrides={"tokenizer": "bpe", "bpe_vocab": "300"}),
                          command="")
-    assert set(bpe["tiny|bpe300"]["arms"]) == {"prmsnorm"} and bpe["tiny"] == json.loads(path.read_text())["tiny"] == one
+    assert (
+        set(bpe["tiny|bpe300"]["arms"]) == {"prmsnorm"}
+        and bpe["tiny"] == json.loads(path.read_text())["tiny"] == one
+    )
 
 
 def test_a_tokenizer_other_than_characters_has_rates_of_its_own(tmp_path):
@@ -726,7 +820,8 @@ def test_a_tokenizer_other_than_characters_has_rates_of_its_own(tmp_path):
                                 "tiny|bpe2048": {"arms": {"rmsnorm": {"lr": 0.0005}}}}))
 
     def lab(**overrides):
-        return lab_module.Lab(E.Settings(out=str(tmp_path / "out"), size="tiny", design=str(path), overrides=overrides))
+        return lab_module.Lab(E.Settings(out=str(tmp_path / "out"), size="tiny", design=str(path),
+                                         overrides=overrides))
 
     assert lab().design_key == "tiny" and lab(tokenizer="char").design_key == "tiny"
     bpe = lab(tokenizer="bpe", bpe_vocab="2048")
@@ -766,8 +861,10 @@ def test_each_arm_trains_at_the_learning_rate_its_design_gives(corpus, env, tmp_
     _no_clocks(monkeypatch)
     lrs = {"layernorm": 1e-3, "rmsnorm": 3e-3, "prmsnorm": 4e-3, "batchnorm": 5e-4, "none": 2e-4}
     path = tmp_path / "design.json"
-    path.write_text(json.dumps({"tiny": {"arms": {k: {"lr": v} for k, v in lrs.items()}, "seeds": {"norms": {"seeds": 2}}}}))
-    settings = E.Settings(out=str(tmp_path / "out"), size="tiny", data=str(corpus), quiet=True, design=str(path))
+    path.write_text(json.dumps({"tiny": {"arms": {k: {"lr": v} for k, v in lrs.items()},
+                                         "seeds": {"norms": {"seeds": 2}}}}))
+    settings = E.Settings(out=str(tmp_path / "out"), size="tiny", data=str(corpus), quiet=True,
+                          design=str(path))
     section = E.run_presets(["norms"], settings)["presets"]["norms"]
     assert section["settings"]["seeds"] == [0, 1]  # the design's seed count
     for norm, lr in lrs.items():
@@ -779,13 +876,21 @@ def test_each_arm_trains_at_the_learning_rate_its_design_gives(corpus, env, tmp_
         assert next(r for r in section["rows"] if r["norm"] == norm)["lr"] == lr
     # the design's seed count goes to the arms of the equivalences it was sized for; the others keep
     # the preset's default (tiny: 1)
-    path.write_text(json.dumps({"tiny": {"seeds": {"norms": {"seeds": 3, "pairs": [{"a": "rmsnorm", "b": "layernorm"}]}}}}))
-    sized = E.run_presets(["norms"], dataclasses.replace(settings, out=str(tmp_path / "sized")))["presets"]["norms"]
-    assert {r["norm"]: r["seeds"] for r in sized["rows"]} == {"layernorm": 3, "rmsnorm": 3, "prmsnorm": 1, "batchnorm": 1,
+    path.write_text(
+        json.dumps(
+            {"tiny": {"seeds": {"norms": {"seeds": 3, "pairs": [{"a": "rmsnorm", "b": "layernorm"}]}}}}
+        )
+    )
+    sized = E.run_presets(["norms"],
+                          dataclasses.replace(settings, out=str(tmp_path / "sized")))["presets"]["norms"]
+    assert {r["norm"]: r["seeds"] for r in sized["rows"]} == {"layernorm": 3, "rmsnorm": 3, "prmsnorm": 1,
+                                                              "batchnorm": 1,
                                                               "none": 1}
     # a learning rate the user sets for every run wins, and the report says so
-    over = E.run_presets(["norms"], dataclasses.replace(settings, out=str(tmp_path / "over"), overrides={"lr": 1e-3}))
-    assert {a["how"] for a in over["presets"]["norms"]["settings"]["arm_lrs"].values()} == {"set for every run"}
+    over = E.run_presets(["norms"],
+                         dataclasses.replace(settings, out=str(tmp_path / "over"), overrides={"lr": 1e-3}))
+    assert {a["how"]
+            for a in over["presets"]["norms"]["settings"]["arm_lrs"].values()} == {"set for every run"}
 
 
 def test_the_power_calculation():
@@ -796,7 +901,8 @@ def test_the_power_calculation():
     assert DS.power_tost(sd, n, m, alpha) == pytest.approx(2 * stats.t.cdf(math.log1p(m) / se - t, n - 1) - 1)
     n_needed, power = DS.seeds_for(sd, m, alpha, most=50)
     assert power >= DS.POWER > DS.power_tost(sd, n_needed - 1, m, alpha)
-    assert DS.seeds_for(1.0, m, alpha, most=8) == (8, pytest.approx(DS.power_tost(1.0, 8, m, alpha)))  # capped: says its power
+    # capped: says its power
+    assert DS.seeds_for(1.0, m, alpha, most=8) == (8, pytest.approx(DS.power_tost(1.0, 8, m, alpha)))
 
 
 def test_the_learning_rate_sweep_is_a_field():
@@ -811,7 +917,8 @@ def test_the_learning_rate_sweep_is_a_field():
 def test_the_warmup_preset_sweeps_the_learning_rates_it_is_given(finished, tmp_path):
     out = tmp_path / "lrs"
     shutil.copytree(finished[0] / "runs", out / "runs")
-    settings = E.Settings(out=str(out), size="tiny", data=finished[1]["meta"]["data"], quiet=True, lrs=(1e-3, 0.1))
+    settings = E.Settings(out=str(out), size="tiny", data=finished[1]["meta"]["data"], quiet=True,
+                          lrs=(1e-3, 0.1))
     section = E.run_presets(["warmup"], settings)["presets"]["warmup"]
     assert section["settings"]["lrs"] == [1e-3, 0.1]
     assert all(c["lr"] == [1e-3, 0.1] for c in section["series"]["curves"].values())
@@ -823,8 +930,10 @@ def test_each_section_says_which_command_measured_it(finished, tmp_path):
     shutil.copytree(finished[0] / "runs", out / "runs")
     shutil.copytree(finished[0] / "jobs", out / "jobs")
     data = finished[1]["meta"]["data"]
-    E.run_presets(["precision"], E.Settings(out=str(out), size="tiny", data=data, quiet=True), command="first")
-    merged = E.run_presets(["norms"], E.Settings(out=str(out), size="tiny", data=data, quiet=True), command="second")
+    E.run_presets(["precision"], E.Settings(out=str(out), size="tiny", data=data, quiet=True),
+                  command="first")
+    merged = E.run_presets(["norms"], E.Settings(out=str(out), size="tiny", data=data, quiet=True),
+                           command="second")
     assert merged["presets"]["precision"]["meta"]["command"] == "first"
     assert merged["presets"]["norms"]["meta"]["command"] == "second"
     assert len(merged["presets"]["norms"]["meta"]["data_sha256"]) == 16
@@ -871,7 +980,8 @@ def test_the_code_hash_ignores_layout_and_comments_but_not_code():
     source = (Path(lab_module.__file__).parents[1] / "train.py").read_text()
     assert "def lr_at" in source
     relaid = source.replace("\n\n\ndef ", "\n\n\n# a comment\ndef ").replace("(step: int, cfg: TrainConfig)",
-                                                                            "(\n    step: int,\n    cfg: TrainConfig,\n)")
+                                                                            "(\n    step: int,\n    cfg: "
+                                                                            "TrainConfig,\n)")
     assert relaid != source and code_of(relaid) == code_of(source)
     assert code_of(source.replace("step < cfg.warmup", "step <= cfg.warmup")) != code_of(source)
 
@@ -884,8 +994,10 @@ def _untimed(results: dict, names) -> dict:
     def timed(key: str) -> bool:
         return "ms" in key.split("_") or key.startswith(("tokens_per_s", "step_vs"))
 
-    return {name: {"rows": [{k: v for k, v in row.items() if not timed(k)} for row in results["presets"][name]["rows"]],
-                   "claims": {c["id"]: (c["verdict"], c["measured"]) for c in results["presets"][name]["claims"]
+    return {name: {"rows": [{k: v for k, v in row.items() if not timed(k)}
+                            for row in results["presets"][name]["rows"]],
+                   "claims": {c["id"]: (c["verdict"], c["measured"])
+                              for c in results["presets"][name]["claims"]
                               if not any(timed(k) for k in c["measured"])}}
             for name in names}
 
@@ -899,15 +1011,19 @@ def test_the_plan_lists_every_run_a_preset_trains(finished, tmp_path):
     assert E.plan_presets(["all"], E.Settings(out=str(out), size="tiny", data=results["meta"]["data"])) == []
 
 
-def test_planned_commands_then_collect_train_nothing_more_and_match_a_direct_run(finished, tmp_path, capsys, monkeypatch):
+def test_planned_commands_then_collect_train_nothing_more_and_match_a_direct_run(
+    finished, tmp_path, capsys, monkeypatch
+):
     out, results = finished
     data = results["meta"]["data"]
     _timings_of(out, tmp_path)
     # sandwich trains two runs at tiny (each a fresh process here), gradients none
-    assert main(["compare", "sandwich", "gradients", "--size", "tiny", "--data", data, "--out", str(tmp_path), "--plan"]) == 0
+    assert main(["compare", "sandwich", "gradients", "--size", "tiny", "--data", data, "--out", str(tmp_path),
+                 "--plan"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     *trains, collect = [shlex.split(line) for line in lines]
-    assert len(trains) == 2 and all(t[:2] == ["normlab", "train"] for t in trains)  # pre-LN and sandwich, one seed
+    # pre-LN and sandwich, one seed
+    assert len(trains) == 2 and all(t[:2] == ["normlab", "train"] for t in trains)
     assert collect[:2] == ["normlab", "compare"] and collect[-1] == "--collect"
     for argv in trains:  # what a job array or GNU parallel would do with them
         subprocess.run([sys.executable, "-m", "normlab", *argv[1:]], check=True, capture_output=True)
@@ -928,7 +1044,8 @@ def test_collect_trains_nothing_and_lists_the_runs_it_still_needs(finished, tmp_
         raise AssertionError("collect trained a run")
 
     monkeypatch.setattr(lab_module, "train", fail)
-    args = ["compare", "norms", "precision", "--size", "tiny", "--data", results["meta"]["data"], "--out", str(tmp_path)]
+    args = ["compare", "norms", "precision", "--size", "tiny", "--data", results["meta"]["data"], "--out",
+            str(tmp_path)]
     assert main([*args, "--collect"]) == 1
     text = capsys.readouterr().out
     assert "5 training run(s) have not finished" in text and "rmsnorm-s0" in text
@@ -942,10 +1059,12 @@ def test_two_jobs_at_once_give_the_verdicts_of_one(finished, tmp_path, capsys):
     _timings_of(out, tmp_path)
     # one preset of two runs, one per job: what is tested is the sweep's scheduling, which every
     # preset's runs go through alike
-    args = ["compare", "sandwich", "--size", "tiny", "--data", results["meta"]["data"], "--out", str(tmp_path), "--quiet"]
+    args = ["compare", "sandwich", "--size", "tiny", "--data", results["meta"]["data"], "--out",
+            str(tmp_path), "--quiet"]
     assert main([*args, "--jobs", "2"]) == 0
     logs = list((tmp_path / "logs").iterdir())
-    assert len(logs) == 2 and all("completed" in log.read_text() for log in logs)  # pre-LN and sandwich, one seed
+    # pre-LN and sandwich, one seed
+    assert len(logs) == 2 and all("completed" in log.read_text() for log in logs)
     two = json.loads((tmp_path / "results.json").read_text())
     # the verdicts of what was trained; a clock's (the speed claim's) can differ between any two runs
 
@@ -962,7 +1081,8 @@ def test_two_jobs_at_once_give_the_verdicts_of_one(finished, tmp_path, capsys):
 def test_a_job_that_fails_is_reported_with_its_log(tmp_path):
     from normlab.experiments import sweep
 
-    bad = E.Pending("broken", tmp_path / "runs" / "broken", ["normlab", "train", "--quiet", "steps=0", f"out={tmp_path}/x"])
+    bad = E.Pending("broken", tmp_path / "runs" / "broken",
+                    ["normlab", "train", "--quiet", "steps=0", f"out={tmp_path}/x"])
     good = E.Pending("fine", tmp_path / "runs" / "fine", ["normlab", "--version"])
     failed = sweep.execute([bad, good], 2, tmp_path / "logs")
     assert [run.label for run, _ in failed] == ["broken"]
@@ -987,8 +1107,14 @@ def test_the_invariances_are_exact_where_the_theory_says(finished):
     for norm in ("layernorm", "rmsnorm"):
         for where in ("op", "model"):
             for name, change in exact[norm][where].items():
-                assert (change < 1e-12) if name in invariant[norm] else (change > 1e-2), (norm, where, name, change)
-    shifted = {r["transform"]: r["val_loss"] for r in section["rows"] if r["where"] == "training" and r["norm"] == "layernorm"}
+                assert (change < 1e-12) if name in invariant[norm] else (change > 1e-2), (
+                    norm,
+                    where,
+                    name,
+                    change,
+                )
+    shifted = {r["transform"]: r["val_loss"] for r in section["rows"] if r["where"] == "training"
+               and r["norm"] == "layernorm"}
     assert len(shifted) == 3  # trained without shift noise and with it at two levels
 
 
@@ -998,7 +1124,8 @@ def test_final_norm_records_what_the_lm_head_reads(finished):
         for c in curves:
             assert c["step"][0] == 0 and len(c["step"]) >= 2 and all(v > 0 for v in c["rms"]), key
     with_norm = [r for r in section["rows"] if r["final_norm"] and r["head_rms_end"] is not None]
-    assert with_norm and all(0.1 < r["head_rms_end"] < 10 for r in with_norm)  # a norm's output: RMS near its weights'
+    # a norm's output: RMS near its weights'
+    assert with_norm and all(0.1 < r["head_rms_end"] < 10 for r in with_norm)
 
 
 def test_sandwich_measures_the_stream_after_every_layer(finished):
@@ -1007,7 +1134,8 @@ def test_sandwich_measures_the_stream_after_every_layer(finished):
     for placement, per_seed in section["series"]["stream_rms"].items():
         assert all(len(v) == layers and all(x > 0 for x in v) for v in per_seed), placement
     # the Pre-LN runs are the norms preset's RMSNorm runs
-    norms_runs = {c["val_curve"]["loss"][-1] for c in finished[1]["presets"]["norms"]["series"]["runs"]["rmsnorm"]}
+    norms_runs = {c["val_curve"]["loss"][-1]
+                  for c in finished[1]["presets"]["norms"]["series"]["runs"]["rmsnorm"]}
     assert {c["val_curve"]["loss"][-1] for c in section["series"]["runs"]["pre"]} <= norms_runs
     # before training: Pre-LN's stream is its small initial embeddings plus small branch outputs,
     # a sandwich's first layer already adds normalized branch outputs
@@ -1017,13 +1145,18 @@ def test_sandwich_measures_the_stream_after_every_layer(finished):
     assert all(t != i for p in init for t, i in zip(section["series"]["stream_rms"][p], init[p]))
     for row in section["rows"]:
         ratios = [v[-1] / v[0] for v in init[row["placement"]]]
-        assert row["growth_at_init"] == pytest.approx(sum(ratios) / len(ratios), rel=5e-3)  # rows keep 3 digits
+        # rows keep 3 digits
+        assert row["growth_at_init"] == pytest.approx(sum(ratios) / len(ratios), rel=5e-3)
 
 
 
 def test_dyt_compares_a_small_repeated_set_with_the_whole_split_and_measures_saturation(finished):
     section = finished[1]["presets"]["dyt"]
-    budgets, passes, train = section["settings"]["budgets"], section["settings"]["passes"], section["settings"]["train"]
+    budgets, passes, train = (
+        section["settings"]["budgets"],
+        section["settings"]["passes"],
+        section["settings"]["train"],
+    )
     assert budgets["large"] >= 10 * budgets["small"]
     settings = {r["setting"] for r in section["rows"]}
     assert settings == {"rmsnorm", "layernorm", "dyt0.2", "dyt0.5", "dyt1", "dyt0.5-nogain", "derf0.5"}
@@ -1045,9 +1178,17 @@ def test_dyt_compares_a_small_repeated_set_with_the_whole_split_and_measures_sat
             saved = json.loads(config.read_text())
             setting = name.split("-")[0] + ("-nogain" if "-nogain-" in name else "")
             gains.setdefault(setting, set()).add(saved["model"].get("embed_gain"))
-            data.setdefault("small" if "tokens-s" in name else "large", set()).add(saved["train"].get("train_tokens", 0))
+            data.setdefault("small" if "tokens-s" in name else "large",
+                            set()).add(saved["train"].get("train_tokens", 0))
     assert data == {"small": {budgets["small"]}, "large": {0}}
-    assert gains["dyt0.5"] == gains["dyt0.2"] == gains["dyt1"] == gains["derf0.5"] == {section["settings"]["dyt_embed_gain"]} == {64.0}
+    assert (
+        gains["dyt0.5"]
+        == gains["dyt0.2"]
+        == gains["dyt1"]
+        == gains["derf0.5"]
+        == {section["settings"]["dyt_embed_gain"]}
+        == {64.0}
+    )
     assert gains["dyt0.5-nogain"] == gains["rmsnorm"] == gains["layernorm"] == {None}
     norms = {json.loads(c.read_text())["model"]["norm"] for c in (out / "runs").glob("derf0.5-*/config.json")}
     assert norms == {"derf"}
@@ -1062,17 +1203,22 @@ def test_dyt_small_budget_is_a_set_gone_over_as_often_as_the_study_s(tmp_path):
 
     lab = SimpleNamespace(dataset=SimpleNamespace(train=np.zeros(20_000, np.int32)))
     budgets = dyt.data_budgets(lab, 250, 16, 64)  # the quick size
-    assert budgets == {"small": 250 * 16 * 64 // dyt.SMALL_PASSES, "large": 20_000} and budgets["small"] == 1560
-    assert dyt.data_budgets(lab, 20, 4, 16)["small"] == 4 * 17  # at least a few windows, however few the steps
+    assert budgets == {"small": 250 * 16 * 64 // dyt.SMALL_PASSES,
+                       "large": 20_000} and budgets["small"] == 1560
+    # at least a few windows, however few the steps
+    assert dyt.data_budgets(lab, 20, 4, 16)["small"] == 4 * 17
     lab.dataset.train = np.zeros(15_599, np.int32)
-    with pytest.raises(ValueError, match=r"small training set of 1,560 tokens .* at least 10x that \(15,600 tokens\); "
+    with pytest.raises(ValueError,
+                       match=r"small training set of 1,560 tokens .* at least 10x that \(15,600 tokens\); "
                                          r"this data's split has 15,599"):
         dyt.data_budgets(lab, 250, 16, 64)
 
 
 def test_the_verdict_counts_read_as_english():
-    assert report._counts_text({"holds": 1, "does not hold": 1, "inconclusive": 2}) == "1 holds, 1 does not hold, 2 inconclusive"
-    assert report._counts_text({"holds": 3, "does not hold": 0, "inconclusive": 1}) == "3 hold, 0 do not hold, 1 inconclusive"
+    assert report._counts_text({"holds": 1, "does not hold": 1,
+                                "inconclusive": 2}) == "1 holds, 1 does not hold, 2 inconclusive"
+    assert report._counts_text({"holds": 3, "does not hold": 0,
+                                "inconclusive": 1}) == "3 hold, 0 do not hold, 1 inconclusive"
 
 
 def test_settings_are_a_readable_table_not_raw_json():
@@ -1081,10 +1227,13 @@ def test_settings_are_a_readable_table_not_raw_json():
 
     from pathlib import Path
 
-    results = json.loads((Path(__file__).parents[1] / "docs/results/compare-demo-epyc-avx512/results.json").read_text())
+    results = json.loads(
+        (Path(__file__).parents[1] / "docs/results/compare-demo-epyc-avx512/results.json").read_text()
+    )
     md = report.markdown(results, {})
     assert '{"train"' not in md and "| setting | value |" in md
     rows = dict(report.settings_rows(results["presets"]["norms"]["settings"]))
-    assert rows["seeds"] == f"0 to {len(results['presets']['norms']['settings']['seeds']) - 1} ({len(results['presets']['norms']['settings']['seeds'])})"
+    seeds = len(results["presets"]["norms"]["settings"]["seeds"])
+    assert rows["seeds"] == f"0 to {seeds - 1} ({seeds})"
     assert rows["arm_lrs"].startswith("layernorm: lr ") and "; rmsnorm: lr " in rows["arm_lrs"]
     assert "steps 200" in rows["train"]

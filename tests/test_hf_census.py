@@ -17,8 +17,13 @@ def test_shrink_cuts_depth_experts_and_per_layer_lists():
 
     config = Qwen3MoeConfig(num_hidden_layers=24, num_experts=64, layer_types=["full_attention"] * 24)
     changed = C.shrink(config)
-    assert config.num_hidden_layers == 2 and config.num_experts == 4 and config.layer_types == ["full_attention"] * 2
-    assert "num_hidden_layers 24->2" in changed and "num_local_experts 64->4" in changed  # its name for num_experts
+    assert (
+        config.num_hidden_layers == 2
+        and config.num_experts == 4
+        and config.layer_types == ["full_attention"] * 2
+    )
+    # its name for num_experts
+    assert "num_hidden_layers 24->2" in changed and "num_local_experts 64->4" in changed
 
 
 def test_census_rows_say_what_patch_does_with_each_norm(tmp_path):
@@ -31,7 +36,8 @@ def test_census_rows_say_what_patch_does_with_each_norm(tmp_path):
     convnext = {v for n, v in verdicts["convnext"] if n == "ConvNextLayerNorm"}
     assert "layer_norm eps=1e-06" in convnext  # channels last: over the features
     assert any(v.startswith("its forward fails on one") for v in convnext)  # channels first: over dimension 1
-    # the gated norm (MambaRMSNormGated in transformers 5.24, Mamba2RMSNormGated from 5.25) normalizes in groups
+    # # the gated norm (MambaRMSNormGated in transformers 5.24, Mamba2RMSNormGated from 5.25) normalizes in
+    # groups
     assert any(n.endswith("RMSNormGated") and "no normlab flavor agrees" in v for n, v in verdicts["mamba2"])
     assert by_type["align_text_model"]["class"] == "AlignTextModel" and by_type["align_text_model"]["norms"]
 
@@ -64,4 +70,5 @@ def test_ctrl_c_keeps_the_model_types_surveyed(tmp_path):
     paths = C.write(rows, tmp_path, {"transformers": "x"}, asked=2)
     assert json.loads(paths["json"].read_text())["interrupted"] == {"surveyed": 1, "asked": 2}
     assert "Interrupted (Ctrl-C): 1 of the 2 model types asked for" in paths["md"].read_text()
-    assert "interrupted" not in json.loads(C.write(rows, tmp_path, {"transformers": "x"}, asked=1)["json"].read_text())
+    assert "interrupted" not in json.loads(C.write(rows, tmp_path, {"transformers": "x"},
+                                                   asked=1)["json"].read_text())

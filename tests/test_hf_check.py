@@ -36,8 +36,10 @@ def test_low_precision_within_the_bound(arch, dtype):
     assert r["patched"] == len(norm_modules(hf.tiny_model(arch)))
     judged = {t["tensor"] for t in r["tensors"]}
     model = hf.tiny_model(arch)
-    norm_weights = {f"{n}.weight" for n in norm_modules(model) if getattr(dict(model.named_modules())[n], "weight", None) is not None}
-    assert {"output", "inputs_embeds"} <= judged and norm_weights <= judged  # the norms' own gradients are judged
+    norm_weights = {f"{n}.weight" for n in norm_modules(model)
+                    if getattr(dict(model.named_modules())[n], "weight", None) is not None}
+    # the norms' own gradients are judged
+    assert {"output", "inputs_embeds"} <= judged and norm_weights <= judged
 
 
 def test_cli_check_model(capsys, tmp_path):
@@ -69,26 +71,30 @@ def test_zero_gradients_are_listed_not_judged():
 
 def test_an_encoder_without_a_head_is_checked_on_its_hidden_states(tmp_path):
     T = pytest.importorskip("transformers")
-    config = T.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    config = T.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=64)
     torch.manual_seed(0)
     T.BertModel(config).save_pretrained(tmp_path / "encoder")
     model = hf.load_model(tmp_path / "encoder")
     assert type(model).__name__ == "BertModel"  # config.json's architecture, no invented head
     r = hf.check_model(model, dtype="fp32", repeat=1)
     assert r["output"] == "hidden states" and r["ok"]
-    assert any(t["tensor"].startswith("pooler.") for t in r["tensors"])  # the pooled output is in the loss too
+    # the pooled output is in the loss too
+    assert any(t["tensor"].startswith("pooler.") for t in r["tensors"])
 
 
 def test_a_checkpoint_without_the_weights_of_its_architecture_is_refused(tmp_path):
     import json
 
     T = pytest.importorskip("transformers")
-    config = T.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
+    config = T.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                          intermediate_size=64)
     T.BertModel(config).save_pretrained(tmp_path)
     meta = json.loads((tmp_path / "config.json").read_text())
     meta["architectures"] = ["BertForMaskedLM"]  # claims a head the weights do not hold
     (tmp_path / "config.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=r"no trained weights for \d+ tensor\(s\) of BertForMaskedLM \(cls\.predictions"):
+    with pytest.raises(ValueError,
+                       match=r"no trained weights for \d+ tensor\(s\) of BertForMaskedLM \(cls\.predictions"):
         hf.load_model(tmp_path)
 
 

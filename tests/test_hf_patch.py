@@ -33,7 +33,10 @@ def test_unpatch_restores_the_original_and_keys_stay(arch):
 def test_patch_reports_qwen3_head_norms_and_gemma_offset():
     report = hf.patch(hf.tiny_model("qwen3"))
     modes = {n: m for n, _, m in report.patched}
-    assert "model.layers.0.self_attn.q_norm" in modes and "cast=llama" in modes["model.layers.0.self_attn.q_norm"]
+    assert (
+        "model.layers.0.self_attn.q_norm" in modes
+        and "cast=llama" in modes["model.layers.0.self_attn.q_norm"]
+    )
     report = hf.patch(hf.tiny_model("gemma3"))
     assert all("cast=gemma offset=1" in m for _, _, m in report.patched)
     report = hf.patch(hf.tiny_model("bert"))

@@ -72,7 +72,8 @@ def test_each_rms_flavor_is_found(cast, offset, outside):
     norm = HandRMSNorm(24, cast, offset, outside)
     spec, why = hf.identify(norm, 24, 1e-6)
     assert why == ""
-    assert spec == {"op": "rms", "cast": cast, "offset": offset, "eps_mode": "outside" if outside else "inside", "eps": 1e-6}
+    assert spec == {"op": "rms", "cast": cast, "offset": offset, "eps_mode": "outside" if outside
+                    else "inside", "eps": 1e-6}
 
 
 def test_weightless_and_layer_norms_are_found():
@@ -108,9 +109,11 @@ def test_a_patched_norm_gives_other_calls_to_its_original():
 
 
 def test_a_weightless_norm_of_any_width_is_patched_for_every_width():
-    norm = HandRMSNorm(8, cast="gemma", weight=False)  # no weight, no normalized_shape: Gemma 4's with_scale=False
+    # no weight, no normalized_shape: Gemma 4's with_scale=False
+    norm = HandRMSNorm(8, cast="gemma", weight=False)
     report = hf.patch(norm)
-    assert [m for _, _, m in report.patched] == ["rms_norm cast=llama offset=0 eps=1e-06"]  # no weight: the orders agree
+    # no weight: the orders agree
+    assert [m for _, _, m in report.patched] == ["rms_norm cast=llama offset=0 eps=1e-06"]
     for d in (5, 200):
         x = torch.randn(3, d, dtype=torch.float64)
         want = x / (x.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
@@ -118,7 +121,8 @@ def test_a_weightless_norm_of_any_width_is_patched_for_every_width():
 
 
 def test_a_weight_the_forward_ignores_is_not_applied():
-    class DummyWeightRMSNorm(nn.Module):  # Falcon-Mamba's weightless norm keeps a weight buffer it never reads
+    # Falcon-Mamba's weightless norm keeps a weight buffer it never reads
+    class DummyWeightRMSNorm(nn.Module):
         def __init__(self, d):
             super().__init__()
             self.eps = 1e-6

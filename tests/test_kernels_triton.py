@@ -12,7 +12,8 @@ import torch
 from normlab import functional as F
 from normlab import kernels
 from normlab.testing import assert_close
-from opcheck import (DTYPES, FAR_SCALE_OPTIONS, OPS, RMS_OPTIONS, call_op, check, check_deterministic_weight_grads,
+from opcheck import (DTYPES, FAR_SCALE_OPTIONS, OPS, RMS_OPTIONS, call_op, check,
+                     check_deterministic_weight_grads,
                      check_far_from_unit_scale, op_leaves)
 
 pytest.importorskip("triton", reason="the triton backend needs triton (pip install normlab[gpu])")
@@ -88,15 +89,18 @@ def test_large_mean_rows(gen, monkeypatch, max_block):
 @pytest.mark.parametrize("opts", FAR_SCALE_OPTIONS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rms_rows_far_from_unit_scale(gen, dtype, opts, scale):
-    check_far_from_unit_scale(gen, dtype, opts, scale, "triton")  # rstd^3 alone leaves float32: it was once formed first
+    # rstd^3 alone leaves float32: it was once formed first
+    check_far_from_unit_scale(gen, dtype, opts, scale, "triton")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rows_of_zeros_give_zeros(dtype):
     x = torch.zeros(3, 50, dtype=dtype, device=DEVICE, requires_grad=True)
     w = torch.randn(50).to(dtype).to(DEVICE)
-    for fn in (lambda: F.rms_norm(x, w, backend="triton"), lambda: F.rms_norm(x, w, eps_mode="outside", backend="triton"),
-               lambda: F.layer_norm(x, w, None, backend="triton"), lambda: F.add_rms_norm(x, x, w, backend="triton")[0]):
+    for fn in (lambda: F.rms_norm(x, w, backend="triton"),
+               lambda: F.rms_norm(x, w, eps_mode="outside", backend="triton"),
+               lambda: F.layer_norm(x, w, None, backend="triton"),
+               lambda: F.add_rms_norm(x, x, w, backend="triton")[0]):
         y = fn()
         assert torch.equal(y, torch.zeros_like(y))
         (g,) = torch.autograd.grad(y.float().sum(), x)
@@ -169,7 +173,8 @@ def test_real_sizes_on_gpu(gen, op, d):
 def test_compiled_module_on_gpu(gen):
     import normlab
 
-    block = torch.nn.Sequential(normlab.RMSNorm(256), torch.nn.Linear(256, 256), normlab.LayerNorm(256)).cuda()
+    block = torch.nn.Sequential(normlab.RMSNorm(256), torch.nn.Linear(256, 256),
+                                normlab.LayerNorm(256)).cuda()
     x = torch.randn(4, 32, 256, device="cuda", requires_grad=True)
     eager = block(x)
     compiled = torch.compile(block, fullgraph=True)(x)

@@ -43,7 +43,8 @@ def test_rungs_grow_parameters_4x_at_equal_tokens_per_parameter(corpus, tmp_path
 def test_every_arm_of_a_rung_trains_on_the_same_tokens(corpus, tmp_path):
     lab = Lab(Settings(out=str(tmp_path), size="quick", data=str(corpus), rung=2))
     tf, mf = lm_sizes(lab)
-    steps = {lab.sized(dict(tf), {**mf, "norm": n}, dict(mf))[0]["steps"] for n in ("layernorm", "rmsnorm", "none")}
+    steps = {lab.sized(dict(tf), {**mf, "norm": n}, dict(mf))[0]["steps"]
+             for n in ("layernorm", "rmsnorm", "none")}
     assert len(steps) == 1
 
 
@@ -53,7 +54,8 @@ def test_the_norms_ladder_trains_the_arms_whose_trends_it_can_decide(corpus, tmp
     from normlab.experiments.norms import LADDER_NORMS
 
     def arms(**over):
-        pending = E.plan_presets(["norms"], Settings(out=str(tmp_path / str(over)), size="quick", data=str(corpus), **over))
+        pending = E.plan_presets(["norms"], Settings(out=str(tmp_path / str(over)), size="quick",
+                                                     data=str(corpus), **over))
         fields = [dict(a.split("=", 1) for a in r.argv if "=" in a) for r in pending]
         return {(f["norm"], int(f["seed"])) for f in fields}
 
@@ -66,8 +68,10 @@ def test_the_norms_ladder_trains_the_arms_whose_trends_it_can_decide(corpus, tmp
 def test_the_gpu_size_widens_the_full_runs_at_equal_tokens_per_parameter(corpus, tmp_path, preset):
     """--size gpu: each full-size run at d_model 768 with 64-wide heads and its own depth, its
     steps grown by the parameter ratio, its rate by d_full / 768; the plan lists those runs."""
-    full = {r.label: r for r in E.plan_presets([preset], Settings(out=str(tmp_path / "f"), size="full", data=str(corpus)))}
-    gpu = {r.label: r for r in E.plan_presets([preset], Settings(out=str(tmp_path / "g"), size="gpu", data=str(corpus)))}
+    full = {r.label: r for r in E.plan_presets([preset], Settings(out=str(tmp_path / "f"), size="full",
+                                                                  data=str(corpus)))}
+    gpu = {r.label: r
+           for r in E.plan_presets([preset], Settings(out=str(tmp_path / "g"), size="gpu", data=str(corpus)))}
     assert full and set(gpu) == set(full)
     for label, run in gpu.items():
         f = dict(a.split("=", 1) for a in full[label].argv[3:] if "=" in a)
@@ -83,7 +87,9 @@ def test_the_gpu_size_widens_the_full_runs_at_equal_tokens_per_parameter(corpus,
     widths = Lab(Settings(out=str(tmp_path), size="gpu", data=str(corpus), overrides={"d_model": "512"}))
     tf, mf = lm_sizes(widths)  # the user's width is the gpu width, and the rate follows it
     gtf, gmf = widths.sized(dict(tf), dict(mf), dict(mf))
-    assert (gmf["d_model"], gmf["n_heads"]) == (512, 8) and gtf["lr"] == pytest.approx(tf["lr"] * mf["d_model"] / 512, rel=1e-3)
+    assert (gmf["d_model"], gmf["n_heads"]) == (512, 8) and gtf["lr"] == pytest.approx(
+        tf["lr"] * mf["d_model"] / 512, rel=1e-3
+    )
 
 
 def test_the_slope_interval_is_the_least_squares_one():
@@ -97,7 +103,8 @@ def test_the_slope_interval_is_the_least_squares_one():
     se = math.sqrt(sigma2 * np.linalg.inv(X.T @ X)[1, 1])
     half = stats.t.ppf(0.975, len(x) - 2) * se
     assert fit["slope"] == pytest.approx(beta[1], rel=1e-9) and fit["se"] == pytest.approx(se, rel=1e-9)
-    assert (fit["lo"], fit["hi"]) == (pytest.approx(beta[1] - half, rel=1e-9), pytest.approx(beta[1] + half, rel=1e-9))
+    assert (fit["lo"], fit["hi"]) == (pytest.approx(beta[1] - half, rel=1e-9),
+                                      pytest.approx(beta[1] + half, rel=1e-9))
     assert LD.slope([1, 1, 1], [1, 2, 3]) is None and LD.slope([1, 2], [1, 2]) is None
 
 
@@ -148,7 +155,8 @@ def test_a_rung_whose_baseline_did_not_train_is_left_out_of_the_trend():
 
 
 def test_tokenizer_bpe_reaches_every_presets_runs_and_keys_the_cache(corpus, tmp_path):
-    char = {r.folder.name for r in E.plan_presets(["all"], Settings(out=str(tmp_path), size="tiny", data=str(corpus)))}
+    char = {r.folder.name
+            for r in E.plan_presets(["all"], Settings(out=str(tmp_path), size="tiny", data=str(corpus)))}
     pending = E.plan_presets(["all"], Settings(out=str(tmp_path), size="tiny", data=str(corpus),
                                                overrides={"tokenizer": "bpe", "bpe_vocab": 300}))
     assert pending and all("tokenizer=bpe" in r.command and "bpe_vocab=300" in r.command for r in pending)
@@ -157,16 +165,20 @@ def test_tokenizer_bpe_reaches_every_presets_runs_and_keys_the_cache(corpus, tmp
 
 
 def test_compare_ladder_end_to_end(corpus, tmp_path, capsys):
-    out = tmp_path / "ladder"  # shallow: the cheapest preset with trained, paired claims; on characters and BPE
-    assert main(["compare", "shallow", "--size", "tiny", "--ladder", "--tokenizers", "char,bpe", "bpe_vocab=300",
+    # shallow: the cheapest preset with trained, paired claims; on characters and BPE
+    out = tmp_path / "ladder"
+    assert main(["compare", "shallow", "--size", "tiny", "--ladder", "--tokenizers", "char,bpe",
+                 "bpe_vocab=300",
                  "--data", str(corpus), "--out", str(out), "--quiet"]) == 0
     ladder = json.loads((out / "ladder.json").read_text())
     params = ladder["presets"]["shallow"]["parameters"]
     assert params[0] < params[1] < params[2]
     trends = ladder["presets"]["shallow"]["trends"]
-    assert [(t["id"], t["condition"]) for t in trends] == [(i, c) for i in ("shallow.post_better", "shallow.pre_deep")
-                                                           for c in ("char", "bpe")]  # each claim's conditions together
-    assert ladder["family"]["size"] == sum(t["p"] is not None for t in trends)  # one family over both conditions
+    assert [(t["id"], t["condition"])
+            for t in trends] == [(i, c) for i in ("shallow.post_better", "shallow.pre_deep")
+                                 for c in ("char", "bpe")]  # each claim's conditions together
+    # one family over both conditions
+    assert ladder["family"]["size"] == sum(t["p"] is not None for t in trends)
     for rung in range(3):
         for suffix, tokenizer in ((None, "char"), ("bpe", "bpe")):
             results = json.loads((out / E.rung_file(rung, suffix)).read_text())
@@ -174,24 +186,33 @@ def test_compare_ladder_end_to_end(corpus, tmp_path, capsys):
             assert results["meta"]["tokenizer"] == tokenizer
             # the runs as the rung sized them, not the preset's own steps
             at = results["presets"]["shallow"]["trained_at"]
-            assert {a["d_model"] for a in at} == {LD.width(16, 2, rung)} and len({a["steps"] for a in at}) == 1
+            assert {a["d_model"]
+                    for a in at} == {LD.width(16, 2, rung)} and len({a["steps"] for a in at}) == 1
             assert (out / (f"rung{rung}" + (f"-{suffix}" if suffix else "")) / "report.md").exists()
     rows = [line for line in (out / "ladder.md").read_text().splitlines() if line.startswith("| shallow.")]
     assert [r.split(" | ")[1] for r in rows] == ["char", "bpe", "char", "bpe"]
     assert (out / "plots" / "ladder-shallow.png").stat().st_size > 1000
-    lrs = [json.loads((out / E.rung_file(r)).read_text())["presets"]["shallow"]["settings"]["arm_lrs"]["pre-L1"]["lr"]
-           for r in range(3)]
-    assert lrs[0] == pytest.approx(2 * lrs[1]) and lrs[2] == pytest.approx(lrs[1] / 2)  # what each rung trained at
+    lrs = [
+        json.loads((out / E.rung_file(r)).read_text())["presets"]["shallow"]["settings"]["arm_lrs"]["pre-L1"][
+            "lr"
+        ]
+        for r in range(3)
+    ]
+    # what each rung trained at
+    assert lrs[0] == pytest.approx(2 * lrs[1]) and lrs[2] == pytest.approx(lrs[1] / 2)
     text = (out / "ladder.md").read_text()
     assert "muP" in text and "shallow.post_better" in text
-    middle = json.loads((out / E.rung_file(1, "bpe")).read_text())["presets"]["shallow"]["settings"]["arm_lrs"]
-    assert ladder["rates"]["bpe"] == sorted({a["how"] for a in middle.values()})  # how each condition's rates were chosen
+    middle = json.loads((out / E.rung_file(1,
+                                           "bpe")).read_text())["presets"]["shallow"]["settings"]["arm_lrs"]
+    # how each condition's rates were chosen
+    assert ladder["rates"]["bpe"] == sorted({a["how"] for a in middle.values()})
     assert "Each arm's rate at the middle rung, by condition: char: " in " ".join(text.split())
     assert main(["compare", "shallow", "--size", "tiny", "--ladder", "--tune", "--out", str(out)]) == 2
     assert "--tune runs at the preset's own size" in " ".join(capsys.readouterr().out.split())
     assert main(["compare", "shallow", "--size", "tiny", "--tokenizers", "char,bpe", "--out", str(out)]) == 2
     assert "add --ladder" in " ".join(capsys.readouterr().out.split())
-    assert main(["compare", "shallow", "--size", "tiny", "--ladder", "--tokenizers", "char,words", "--out", str(out)]) == 2
+    assert main(["compare", "shallow", "--size", "tiny", "--ladder", "--tokenizers", "char,words", "--out",
+                 str(out)]) == 2
     assert "--tokenizers takes" in " ".join(capsys.readouterr().out.split())
 
 
@@ -214,6 +235,7 @@ def test_plan_costs_are_6ND_plus_attention(corpus, tmp_path, capsys):
         assert run.cost["parameters"] == n and run.cost["tokens"] == tokens
         assert run.cost["flops"] == pytest.approx(want, rel=1e-12)
         assert run.cost["gpu_s"] == pytest.approx(want / (cost.MFU * cost.PEAK_FLOPS))
-    assert main(["compare", "norms", "--size", "tiny", "--data", str(corpus), "--out", str(tmp_path), "--plan"]) == 0
+    assert main(["compare", "norms", "--size", "tiny", "--data", str(corpus), "--out", str(tmp_path),
+                 "--plan"]) == 0
     err = " ".join(capsys.readouterr().err.split())
     assert f"total of {len(pending)} runs" in err and "6ND" in err

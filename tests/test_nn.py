@@ -20,7 +20,8 @@ def test_layer_norm_state_dict_moves_both_ways_with_torch(gen):
     theirs.load_state_dict(ours.state_dict())
     assert torch.allclose(ours(x), theirs(x), atol=1e-6)
     # bias=False and elementwise_affine=False mirror torch's parameter sets.
-    assert LayerNorm(8, bias=False).state_dict().keys() == torch.nn.LayerNorm(8, bias=False).state_dict().keys()
+    assert LayerNorm(8, bias=False).state_dict().keys() == torch.nn.LayerNorm(8,
+                                                                              bias=False).state_dict().keys()
     assert not LayerNorm(8, elementwise_affine=False).state_dict()
 
 
@@ -51,7 +52,8 @@ def test_modules_call_the_functional_api_with_their_options(gen):
     with torch.no_grad():
         m.weight.normal_(generator=gen)
     x = torch.randn(3, 40, generator=gen)
-    assert torch.equal(m(x), F.rms_norm(x, m.weight, 1e-5, cast="gemma", offset=1.0, eps_mode="outside", partial=0.25))
+    assert torch.equal(m(x), F.rms_norm(x, m.weight, 1e-5, cast="gemma", offset=1.0, eps_mode="outside",
+                                        partial=0.25))
     x.requires_grad_()
     m(x).sum().backward()
     assert x.grad is not None and m.weight.grad is not None
@@ -60,7 +62,8 @@ def test_modules_call_the_functional_api_with_their_options(gen):
 def test_repr_shows_the_options():
     assert repr(LayerNorm(16, eps=1e-12)) == "LayerNorm(16, eps=1e-12, elementwise_affine=True, bias=True)"
     r = repr(RMSNorm(16, cast="gemma", offset=1.0, eps_mode="outside", partial=0.5, backend="reference"))
-    assert r == "RMSNorm(16, eps=1e-06, elementwise_affine=True, cast='gemma', offset=1, eps_mode='outside', partial=0.5, backend='reference')"
+    assert r == ("RMSNorm(16, eps=1e-06, elementwise_affine=True, cast='gemma', offset=1, "
+                 "eps_mode='outside', partial=0.5, backend='reference')")
     assert "momentum=0.1" in repr(SequenceBatchNorm(8))
 
 
@@ -99,7 +102,8 @@ def test_sequence_batch_norm_padding_does_not_matter_but_batch_mates_do(gen):
 
 @pytest.mark.parametrize(
     "kind, cls",
-    [("layernorm", LayerNorm), ("rmsnorm", RMSNorm), ("prmsnorm", RMSNorm), ("l2", L2Norm), ("scalenorm", ScaleNorm),
+    [("layernorm", LayerNorm), ("rmsnorm", RMSNorm), ("prmsnorm", RMSNorm), ("l2", L2Norm),
+     ("scalenorm", ScaleNorm),
      ("batchnorm", SequenceBatchNorm), ("dyt", DyT), ("none", torch.nn.Identity)],
 )
 def test_build_norm_kinds(kind, cls):
@@ -123,9 +127,12 @@ def test_build_norm_options():
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda: build_norm("groupnorm", 8), r"kind must be one of 'layernorm', 'rmsnorm', 'prmsnorm', 'l2', 'scalenorm', 'batchnorm', 'dyt', 'derf', 'none'; got 'groupnorm'"),
+        (lambda: build_norm("groupnorm", 8), r"kind must be one of 'layernorm', 'rmsnorm', 'prmsnorm', "
+                                             r"'l2', 'scalenorm', 'batchnorm', 'dyt', 'derf', 'none'; got "
+                                             r"'groupnorm'"),
         (lambda: build_norm("rmsnorm", 8, partial=0.5), r"partial is an option of kind='prmsnorm'"),
-        (lambda: build_norm("layernorm", 8, cast="gemma"), r"unknown option\(s\) cast for norm kind 'layernorm'; valid options: "),
+        (lambda: build_norm("layernorm", 8, cast="gemma"),
+         r"unknown option\(s\) cast for norm kind 'layernorm'; valid options: "),
         (lambda: build_norm("none", 8, eps=1e-5), r"unknown option\(s\) eps for norm kind 'none'"),
         (lambda: RMSNorm(0), r"dim must be a positive int"),
         (lambda: LayerNorm(8, eps=-1.0), r"eps must be a finite number >= 0"),
@@ -141,7 +148,8 @@ def test_module_errors(call, message):
 
 
 def test_module_forward_rejects_wrong_width():
-    with pytest.raises(ValueError, match=r"weight has shape \(16,\), expected \(12,\) to match the last dimension of x"):
+    with pytest.raises(ValueError,
+                       match=r"weight has shape \(16,\), expected \(12,\) to match the last dimension of x"):
         RMSNorm(16)(torch.randn(2, 12))
 
 
@@ -232,7 +240,8 @@ def _per_position_loop(x, mask, steps_seen, running_mean, running_var, momentum,
 def test_per_position_batchnorm_matches_the_float64_loop(gen, dtype):
     B, T, d = 5, 7, 6
     bn = SequenceBatchNorm(d, per_position=True, max_positions=10)
-    rm, rv, seen = torch.zeros(10, d, dtype=torch.float64), torch.ones(10, d, dtype=torch.float64), torch.zeros(10)
+    rm, rv, seen = torch.zeros(10, d, dtype=torch.float64), torch.ones(10, d,
+                                                                       dtype=torch.float64), torch.zeros(10)
     for _ in range(3):  # padded to different lengths; the last positions are real in one sequence, then none
         lengths = torch.randint(1, T + 1, (B,), generator=gen)
         lengths[0] = T - 2
@@ -246,7 +255,8 @@ def test_per_position_batchnorm_matches_the_float64_loop(gen, dtype):
         # rounding of x - mean, divided by it, reached 3e-5 on values of 0.9 (one seed in a hundred)
         err = (got.double() - want).abs()[mask]
         assert (err <= tol * (1 + terms[mask])).all(), err.max()
-    assert torch.allclose(bn.running_mean.double(), rm, atol=1e-5) and torch.allclose(bn.running_var.double(), rv, atol=1e-4)
+    assert torch.allclose(bn.running_mean.double(), rm,
+                          atol=1e-5) and torch.allclose(bn.running_var.double(), rv, atol=1e-4)
     assert torch.equal(bn.seen, seen.long())
     # the input gradient in float64, against the loop's (autograd through the same float64 math)
     x = (torch.randn(B, T, d, generator=gen, dtype=torch.float64) * 3 + 1).requires_grad_()
@@ -271,7 +281,8 @@ def test_per_position_batchnorm_refuses_a_position_training_never_reached():
     bn(torch.randn(2, 8, 4), mask)
     bn.eval()
     assert bn(torch.randn(1, 5, 4)).isfinite().all()
-    with pytest.raises(ValueError, match=r"position 5 has no running statistics: .*the longest training sequence had 5 positions"):
+    with pytest.raises(ValueError, match=r"position 5 has no running statistics: .*the longest training "
+                                         r"sequence had 5 positions"):
         bn(torch.randn(1, 6, 4))
     # a padded position past it is not a token: nothing to normalize, nothing refused
     assert bn(torch.randn(1, 6, 4), torch.tensor([[True] * 5 + [False]])).shape == (1, 6, 4)

@@ -85,7 +85,8 @@ def test_torch_samples_match_within_twice_torchs_error(name, dtype, layout):
                 err = (o.double() - t).abs().max().item()
                 torch_err = (th.double() - t).abs().max().item()
                 bound = 2 * torch_err + atol + rtol * t.abs().max().item()
-                assert err <= bound, f"{what}: error {err:.3g} over {bound:.3g} (torch's own: {torch_err:.3g})"
+                assert err <= bound, (f"{what}: error {err:.3g} over {bound:.3g} "
+                                      f"(torch's own: {torch_err:.3g})")
                 checked += 1
     assert checked >= len(samples)
 

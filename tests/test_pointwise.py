@@ -88,7 +88,8 @@ def check(gen, shape, dtype, backend="cpu", leaves=None, **kw):
     terms = {"alpha": (u * leaves["x"].double()).abs().sum().reshape(1), "shift": u.abs().sum().reshape(1)}
     for name in fast_g:
         rule = "row" if name == "x" else "tensor"
-        assert_close(fast_g[name], truth_g[name], lowp=lowp_g[name], dtype=leaves[name].dtype, name=f"d{name}", rule=rule,
+        assert_close(fast_g[name], truth_g[name], lowp=lowp_g[name], dtype=leaves[name].dtype,
+                     name=f"d{name}", rule=rule,
                      magnitude=terms.get(name))
     return fast, fast_g
 
@@ -103,8 +104,9 @@ def test_matches_float64_at_odd_sizes(gen, fn, dtype, tables, d, monkeypatch):
 
 @pytest.mark.parametrize("fn", FNS)
 @pytest.mark.parametrize("dtype, tables", PATHS)
-@pytest.mark.parametrize("scale, alpha, shift", [(1e-6, 0.5, 0.0), (1e-6, 0.5, 1e-7), (30.0, 0.5, -0.4), (1e4, 2.0, 0.3),
-                                                 (1.0, 1e-3, 0.3), (1.0, 0.8, 2.5)])
+@pytest.mark.parametrize("scale, alpha, shift",
+                         [(1e-6, 0.5, 0.0), (1e-6, 0.5, 1e-7), (30.0, 0.5, -0.4), (1e4, 2.0, 0.3),
+                          (1.0, 1e-3, 0.3), (1.0, 0.8, 2.5)])
 def test_tiny_and_saturating_inputs(gen, fn, dtype, tables, scale, alpha, shift, monkeypatch):
     use_tables(monkeypatch, tables)
     leaves = _leaves(gen, (6, 257), dtype, scale=scale, alpha=alpha, fn=fn, shift=shift)
@@ -140,7 +142,8 @@ def test_non_finite_rows_stay_in_their_row(gen, fn, dtype, tables, monkeypatch):
     finite = torch.ones(5, 200, dtype=torch.bool)
     finite[1, 7] = False
     assert torch.equal(torch.isfinite(y), finite)
-    assert torch.allclose(y[finite].float(), ref[finite].float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-6)
+    assert torch.allclose(y[finite].float(), ref[finite].float(), atol=2e-2 if dtype == torch.bfloat16
+                          else 1e-6)
     (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
     assert torch.isnan(dx[1, 7]) and torch.isfinite(dx[[0, 2, 4]]).all()
 
@@ -202,7 +205,8 @@ def test_a_row_pair_is_bitwise_two_single_rows(gen, fn, dtype, tables):
     for a, b in zip(*results):
         assert a.tobytes() == b.tobytes()
     assert not np.array_equal(results[0][1][:, :n], start[:, :n])  # the terms were added
-    assert np.array_equal(results[0][1][:, n:], start[:, n:]) and not results[0][2][:, n:].any()  # and nothing past n
+    # and nothing past n
+    assert np.array_equal(results[0][1][:, n:], start[:, n:]) and not results[0][2][:, n:].any()
     assert (results[0][0][2:] != 0).all() == (fn == "derf")  # dshift's sums: Derf's alone
 
 
@@ -213,7 +217,8 @@ def _filled_table(x, a, s, grad):
     row, stages = x[None, :64].copy(), np.zeros((1, STAGE_WIDTH), np.float32)
     w = np.ones(64, np.float32)
     if grad:
-        K.pointwise_bwd(row, row, a, s, w, row.copy(), np.zeros((1, 2)), np.zeros((1, 64)), np.zeros((1, 64)), stages, False, table, False)
+        K.pointwise_bwd(row, row, a, s, w, row.copy(), np.zeros((1, 2)), np.zeros((1, 64)), np.zeros((1, 64)),
+                        stages, False, table, False)
     else:
         K.pointwise_fwd(row, a, s, w, 0 * w, row.copy(), stages, False, table, False)
     return table
@@ -230,7 +235,8 @@ def test_wide_rows_get_their_own_bits_in_pairs(gen, fn, dtype):
     dy = torch.randn(7, d, generator=gen).to(dtype)
     together = _run(leaves, "cpu", dy)[1]
     for r in (0, 3, 6):
-        alone = _run({k: (v[r : r + 1] if k == "x" else v) for k, v in leaves.items()}, "cpu", dy[r : r + 1])[1]
+        alone = _run({k: (v[r : r + 1] if k == "x" else v) for k, v in leaves.items()}, "cpu",
+                     dy[r : r + 1])[1]
         assert torch.equal(together["x"][r : r + 1], alone["x"]), r
 
 
@@ -248,7 +254,8 @@ def test_tanh_and_its_derivative_against_float64():
     stages = np.zeros((1, STAGE_WIDTH), np.float32)
     none = np.empty(0, np.float32)  # (float32: no table)
     K.pointwise_fwd(x, 1.0, None, one, 0 * one, y, stages, False, none, False)
-    K.pointwise_bwd(np.ones_like(x), x, 1.0, None, one, dx, np.zeros((1, 2)), np.zeros((1, x.shape[1])), np.zeros((1, x.shape[1])),
+    K.pointwise_bwd(np.ones_like(x), x, 1.0, None, one, dx, np.zeros((1, 2)), np.zeros((1, x.shape[1])),
+                    np.zeros((1, x.shape[1])),
                     stages, False, none, False)
     z64 = z.float().double()
     exact = torch.tanh(z64)
@@ -279,7 +286,8 @@ def test_erf_and_its_derivative_against_float64():
     stages = np.zeros((1, STAGE_WIDTH), np.float32)
     none = np.empty(0, np.float32)
     K.pointwise_fwd(x, 1.0, np.float32(0.0), one, 0 * one, y, stages, False, none, False)
-    K.pointwise_bwd(np.ones_like(x), x, 1.0, np.float32(0.0), one, dx, np.zeros((1, 2)), np.zeros((1, x.shape[1])),
+    K.pointwise_bwd(np.ones_like(x), x, 1.0, np.float32(0.0), one, dx, np.zeros((1, 2)),
+                    np.zeros((1, x.shape[1])),
                     np.zeros((1, x.shape[1])), stages, False, none, True)
     z64 = z.astype(np.float64)
     exact = erf(z64)
@@ -298,14 +306,17 @@ def test_erf_and_its_derivative_against_float64():
 @pytest.mark.parametrize("fn", FNS)
 def test_float64_gradcheck(fn):
     x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
-    scalars = [torch.tensor([v], dtype=torch.float64, requires_grad=True) for v in ((0.6,) if fn == "dyt" else (0.6, 0.2))]
-    params = (torch.randn(7, dtype=torch.float64, requires_grad=True), torch.randn(7, dtype=torch.float64, requires_grad=True))
+    scalars = [torch.tensor([v], dtype=torch.float64, requires_grad=True)
+               for v in ((0.6,) if fn == "dyt" else (0.6, 0.2))]
+    params = (torch.randn(7, dtype=torch.float64, requires_grad=True),
+              torch.randn(7, dtype=torch.float64, requires_grad=True))
     assert torch.autograd.gradcheck(lambda *a: getattr(F, fn)(*a, backend="cpu"), (x, *scalars, *params))
 
 
 def test_derf_module_and_build_norm():
     m = build_norm("derf", 64, alpha0=0.2, shift0=0.1)
-    assert isinstance(m, Derf) and m.alpha.item() == pytest.approx(0.2) and m.shift.item() == pytest.approx(0.1)
+    assert isinstance(m,
+                      Derf) and m.alpha.item() == pytest.approx(0.2) and m.shift.item() == pytest.approx(0.1)
     assert sorted(n for n, _ in m.named_parameters()) == ["alpha", "bias", "shift", "weight"]
     x = torch.randn(2, 3, 64)
     assert torch.allclose(m(x), reference.derf(x, m.alpha, m.shift, m.weight, m.bias))
@@ -347,7 +358,8 @@ def test_derf_gradient_penalty_matches_the_reference(gen):
 def test_the_module_and_build_norm():
     m = build_norm("dyt", 64, alpha0=0.2)
     assert isinstance(m, DyT) and m.alpha.shape == (1,) and m.alpha.item() == pytest.approx(0.2)
-    assert sorted(n for n, _ in m.named_parameters()) == ["alpha", "bias", "weight"]  # the paper's module's names
+    # the paper's module's names
+    assert sorted(n for n, _ in m.named_parameters()) == ["alpha", "bias", "weight"]
     x = torch.randn(2, 3, 64)
     assert torch.allclose(m(x), reference.dyt(x, m.alpha, m.weight, m.bias))
     assert build_norm("dyt", 8, weightless=True).weight is None
@@ -444,7 +456,8 @@ def test_both_forms_of_two_to_the_n_are_exact():
     for scale in (1, 2):
         for scalef in (False, True) if TE.AVX512 else (False,):
             got = _one_lane(lambda b, v: TE.pow2(b, v, scale, scalef=scalef))(ns)
-            assert np.array_equal(np.array(got), np.ldexp(np.float32(scale), ns.astype(int)).astype(np.float32)), (scale, scalef)
+            assert np.array_equal(np.array(got), np.ldexp(np.float32(scale),
+                                                          ns.astype(int)).astype(np.float32)), (scale, scalef)
 
 
 @pytest.mark.parametrize("fn", FNS)
@@ -464,7 +477,8 @@ def test_each_memory_path_gives_the_same_bits(gen, fn, dtype, d, path, monkeypat
     dy = torch.randn(37, d, generator=gen).to(dtype)
     runs = []
     for min_bytes in (1 << 62, 0):
-        monkeypatch.setattr(*((launch, "STREAM_MIN_BYTES") if path == "streaming stores" else (memory, "PREFETCH_L2_MIN_BYTES")),
+        monkeypatch.setattr(*((launch, "STREAM_MIN_BYTES") if path == "streaming stores"
+                              else (memory, "PREFETCH_L2_MIN_BYTES")),
                             min_bytes)
         runs.append(_run(leaves, "cpu", dy))
     (plain, plain_g), (streamed, streamed_g) = runs
@@ -478,7 +492,8 @@ def test_each_memory_path_gives_the_same_bits(gen, fn, dtype, d, path, monkeypat
     assert not memory.zero_stages(launch.nchunks(37, 1 << 30)).any()
 
 
-@pytest.mark.skipif(not K.TABLES, reason="no tables here (no AVX-512, or slow gathers): 16-bit inputs compute tanh")
+@pytest.mark.skipif(not K.TABLES,
+                    reason="no tables here (no AVX-512, or slow gathers): 16-bit inputs compute tanh")
 @pytest.mark.parametrize("fn", FNS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d, stream", [(1024, False), (300, False), (2048, True)])
@@ -511,13 +526,15 @@ def test_tables_give_the_bits_of_computing(gen, fn, dtype, d, stream, monkeypatc
             use_tables(monkeypatch, on)
             sizes.clear()
             runs.append(_run(leaves, "cpu", dy))
-            assert sizes == ([K.TABLE_SIZE, 2 * K.TABLE_SIZE] if on else [0, 0])  # the kernels were given the tables
+            # the kernels were given the tables
+            assert sizes == ([K.TABLE_SIZE, 2 * K.TABLE_SIZE] if on else [0, 0])
         (y, g), (ty, tg) = runs
         assert torch.equal(y.view(torch.int16), ty.view(torch.int16))
         for k in g:
             assert g[k].view(torch.int32 if g[k].dtype == torch.float32 else torch.int16).equal(
                 tg[k].view(torch.int32 if tg[k].dtype == torch.float32 else torch.int16)), k
-    assert torch.isfinite(g["alpha"]) and torch.isfinite(g["weight"]).all()  # the finite input's sums are compared too
+    # the finite input's sums are compared too
+    assert torch.isfinite(g["alpha"]) and torch.isfinite(g["weight"]).all()
 
 
 def test_tables_only_where_gathers_are_fast(tmp_path):

@@ -80,7 +80,8 @@ def test_rms_norm(gen, dtype, lead, d, opts):
     w = None if weightless else rand(gen, d, dtype=dtype)
     y = R.rms_norm(x, w, 1e-6, **opts)
     assert y.dtype == dtype
-    truth = rms_truth(x, w, 1e-6, opts.get("eps_mode", "inside"), opts.get("offset", 0.0), opts.get("partial"))
+    truth = rms_truth(x, w, 1e-6, opts.get("eps_mode", "inside"), opts.get("offset", 0.0),
+                      opts.get("partial"))
     assert_close(y, truth)
 
 
@@ -266,5 +267,6 @@ def test_eps_outside_keeps_a_non_finite_row_statistic(gen, bad):
     x[1, 3] = bad
     y = R.rms_norm(x, None, 1e-6, eps_mode="outside")
     want = x / (x.square().mean(-1, keepdim=True).sqrt() + 1e-6)
-    assert torch.equal(torch.isnan(y), torch.isnan(want)) and torch.isnan(y[1]).sum() == (16 if bad != bad else 1)
+    assert torch.equal(torch.isnan(y),
+                       torch.isnan(want)) and torch.isnan(y[1]).sum() == (16 if bad != bad else 1)
     assert_close(y[0], want[0])

@@ -15,7 +15,8 @@ from normlab import report
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 VERDICTS = ("does not hold", "inconclusive", "holds")
 CLAIM = re.compile(r"^- \*\*(holds|does not hold|inconclusive)\*\*(?: \(alone: [a-z ]+\))?: (.*)")
-ALTERNATIVES = re.compile(r"^one of (\d+) alternatives suffices \((.*): (holds|does not hold|inconclusive)\):$")
+ALTERNATIVES = re.compile(r"^one of (\d+) alternatives suffices \((.*): (holds|does not "
+                          r"hold|inconclusive)\):$")
 EXACT = re.compile(r"^(\S+): (\S+), must be (at most|at least) (\S+) \(exact;")
 HOLM = re.compile(r"p (\S+) \((holds|does not hold|inconclusive) alone\)(?:, Holm-adjusted p (\S+))?: "
                   r"(holds|does not hold|inconclusive)$")
@@ -29,12 +30,14 @@ def outcome(line: str) -> str:
 
 
 def both(verdicts: list[str]) -> str:
-    return "does not hold" if "does not hold" in verdicts else "holds" if all(v == "holds" for v in verdicts) \
+    return "does not hold" if "does not hold" in verdicts else "holds" if all(v == "holds"
+                                                                              for v in verdicts) \
         else "inconclusive"
 
 
 def either(verdicts: list[str]) -> str:
-    return "holds" if "holds" in verdicts else "does not hold" if all(v == "does not hold" for v in verdicts) \
+    return "holds" if "holds" in verdicts else "does not hold" if all(v == "does not hold"
+                                                                      for v in verdicts) \
         else "inconclusive"
 
 
@@ -94,7 +97,8 @@ def check_claim(verdict: str, evidence: list[str]) -> list[str]:
             problems.append(f"the precondition is stated {sorted({v for v, _ in pre})}, its lines give {own}")
         problems += [p for _, line in pre for p in check_leaf(line)]
         if own != "holds":
-            return problems + ([] if verdict == "inconclusive" else [f"verdict {verdict} with a precondition that {own}"])
+            return problems + ([] if verdict == "inconclusive"
+                               else [f"verdict {verdict} with a precondition that {own}"])
     parts, i = [], 0
     while i < len(rest):
         m = ALTERNATIVES.match(rest[i])
@@ -140,19 +144,21 @@ def test_every_evidence_line_agrees_with_its_verdict_and_rule(record, tmp_path):
     text = report.markdown(results, {})
     blocks = claim_blocks(text)
     assert len(blocks) == sum(len(s["claims"]) for s in results["presets"].values())
-    problems = [f"{claim[:60]}: {p}" for verdict, claim, evidence in blocks for p in check_claim(verdict, evidence)]
+    problems = [f"{claim[:60]}: {p}" for verdict, claim, evidence in blocks
+                for p in check_claim(verdict, evidence)]
     assert not problems, "\n".join(problems)
-    assert any("alternatives suffices" in line for _, _, ev in blocks for line in ev)  # the OR claims are read
+    # the OR claims are read
+    assert any("alternatives suffices" in line for _, _, ev in blocks for line in ev)
 
 
 def test_the_reader_catches_evidence_that_contradicts_its_verdict():
     # the check must be able to fail: a verdict flipped, an adjusted p ignored, an OR misnamed
-    ev = ["precondition holds: a vs u: gap -30% (95% CI -31% to -29%, 5 seeds), must be at least 10% below; p 1e-06 "
-          "(holds alone), Holm-adjusted p 1e-05: holds",
+    ev = ["precondition holds: a vs u: gap -30% (95% CI -31% to -29%, 5 seeds), must be at least 10% below; "
+          "p 1e-06 (holds alone), Holm-adjusted p 1e-05: holds",
           "one of 2 alternatives suffices (the first holds: holds):",
           "either: d: 2, must be at least 1 (exact; a count; not a sampled test): holds",
-          "or: n vs l: gap +19% (95% CI +11% to +28%, 3 pairs of seeds), must be at least 2% above; p 0.011 (holds alone), "
-          "Holm-adjusted p 0.11: inconclusive"]
+          "or: n vs l: gap +19% (95% CI +11% to +28%, 3 pairs of seeds), must be at least 2% above; p 0.011 "
+          "(holds alone), Holm-adjusted p 0.11: inconclusive"]
     assert check_claim("holds", ev) == []
     assert check_claim("does not hold", ev)
     wrong_p = copy.copy(ev)
@@ -187,11 +193,13 @@ def test_runs_trained_under_mixed_conditions_are_said_at_the_top_and_not_plotted
     for section in results["presets"].values():
         section["clocks"] = {"runs": [one], "timings": [two]}
     text = report.markdown(results, {})
-    assert "Mixed conditions" not in text and "different conditions" not in text  # one for the runs: nothing to say
+    # one for the runs: nothing to say
+    assert "Mixed conditions" not in text and "different conditions" not in text
     results["presets"]["norms"]["clocks"]["runs"] = [one, two]
     text = report.markdown(results, {})
     top = text.split("| preset | claim |")[0]
-    assert "Mixed conditions: the training runs of norms were trained under 2 (AMD EPYC, 1 thread; AMD EPYC, 2 threads)" in top
+    assert ("Mixed conditions: the training runs of norms were trained under 2 (AMD EPYC, 1 thread; "
+            "AMD EPYC, 2 threads)") in top
     assert "(the collecting process's)" in top
     html_text = report.html_page(results, {}, tmp_path)
     assert "Mixed conditions" in html_text

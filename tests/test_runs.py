@@ -24,8 +24,9 @@ def cache(tmp_path, monkeypatch):
 def finished(corpus, tmp_path_factory):
     """A finished tiny run (checkpoints at 5 and 10), copied by each test that changes it."""
     out = tmp_path_factory.mktemp("runs") / "run"
-    tcfg, m = T.resolve(None, dict(data=str(corpus), preset="tiny", steps=10, batch_size=4, seq_len=16, warmup=2,
-                                   eval_every=5, eval_batches=1, ckpt_every=5, quiet=True, out=str(out)))
+    tcfg, m = T.resolve(None,
+                        dict(data=str(corpus), preset="tiny", steps=10, batch_size=4, seq_len=16, warmup=2,
+                             eval_every=5, eval_batches=1, ckpt_every=5, quiet=True, out=str(out)))
     T.train(tcfg, m)
     return out
 
@@ -88,7 +89,8 @@ def test_an_edited_learning_rate_in_config_json_is_refused(run, capsys):
     _edit(run / "config.json", lambda c: c["train"].update(lr=0.5))
     assert _resume(run, "steps=12") != 0
     said = " ".join(capsys.readouterr().out.split())
-    assert "config.json does not describe the run" in said and "lr: 0.001 in checkpoint.pt, 0.5 in config.json" in said
+    assert "config.json does not describe the run" in said
+    assert "lr: 0.001 in checkpoint.pt, 0.5 in config.json" in said
 
 
 def test_an_edited_model_or_tokenizer_is_refused_by_sample(run):
@@ -102,7 +104,8 @@ def test_an_edited_model_or_tokenizer_is_refused_by_sample(run):
     assert chars, tok.keys()
     tok["chars"] = chars[::-1]
     (run / "tokenizer.json").write_text(json.dumps(tok))
-    with pytest.raises(ValueError, match="tokenizer.json is not the tokenizer checkpoint.pt was trained with"):
+    with pytest.raises(ValueError,
+                       match="tokenizer.json is not the tokenizer checkpoint.pt was trained with"):
         T.sample(run, "the", tokens=3)
 
 
@@ -128,7 +131,8 @@ def test_bad_json_and_metrics_lines_name_their_file(run, tmp_path):
     with pytest.raises(ValueError, match="metrics.jsonl line 4 is not a metrics record"):
         RN.read_metrics(run / "metrics.jsonl")
     (tmp_path / "m.jsonl").write_text('{"step": 0, "step_ms": 1}\n{"st')
-    assert RN.truncate_metrics(tmp_path / "m.jsonl", 3) == [{"step": 0, "step_ms": 1}]  # a line cut short by a crash
+    # a line cut short by a crash
+    assert RN.truncate_metrics(tmp_path / "m.jsonl", 3) == [{"step": 0, "step_ms": 1}]
 
 
 def test_a_failed_write_names_its_path_and_leaves_no_temporary_file(tmp_path):
@@ -173,7 +177,8 @@ def test_a_full_disk_while_logging_names_metrics_jsonl(corpus, tmp_path, monkeyp
 
     monkeypatch.setattr(builtins, "open", fake_open)
     out = tmp_path / "run"
-    code = main(["train", f"data={corpus}", "preset=tiny", "steps=6", "batch_size=4", "seq_len=16", "eval_batches=1",
+    code = main(["train", f"data={corpus}", "preset=tiny", "steps=6", "batch_size=4", "seq_len=16",
+                 "eval_batches=1",
                  f"out={out}", "--quiet"])
     said = " ".join(capsys.readouterr().out.split())
     assert code == 1 and f"could not write {out / 'metrics.jsonl'}" in said and "No space left" in said
@@ -187,10 +192,12 @@ def test_a_second_writer_on_one_run_folder_is_refused_and_nothing_doubles(corpus
 
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, "-m", "normlab", "train", f"data={corpus}", "preset=tiny", "steps=100000", "batch_size=4",
+    args = [sys.executable, "-m", "normlab", "train", f"data={corpus}", "preset=tiny", "steps=100000",
+            "batch_size=4",
             "seq_len=16", "eval_every=0", "ckpt_every=50", f"out={out}", "overwrite=true", "--quiet"]
     first = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300  # training, so its SIGINT handler is in place (a cold numba cache compiles first)
+    # training, so its SIGINT handler is in place (a cold numba cache compiles first)
+    deadline = time.time() + 300
     while time.time() < deadline and "step_ms" not in ((out / "metrics.jsonl").read_text()
                                                        if (out / "metrics.jsonl").exists() else ""):
         time.sleep(0.1)
@@ -200,7 +207,9 @@ def test_a_second_writer_on_one_run_folder_is_refused_and_nothing_doubles(corpus
     first.send_signal(signal.SIGINT)  # stops with a checkpoint after its current step
     assert first.wait(timeout=300) == 130, first.stderr.read()
     steps = [r["step"] for r in RN.read_metrics(out / "metrics.jsonl") if "step_ms" in r]
-    assert steps == list(range(len(steps))) and json.loads((out / "summary.json").read_text())["step"] == len(steps)
+    assert steps == list(range(len(steps))) and json.loads((out / "summary.json").read_text())["step"] == len(
+        steps
+    )
 
 
 def test_two_compares_into_one_folder_keep_both_presets(corpus, tmp_path):
@@ -210,8 +219,10 @@ def test_two_compares_into_one_folder_keep_both_presets(corpus, tmp_path):
 
     out = tmp_path / "compare"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "normlab", "compare", name, "--size", "tiny", "--data", str(corpus),
-                               "--out", str(out), "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-m", "normlab", "compare", name, "--size", "tiny", "--data",
+                               str(corpus),
+                               "--out", str(out), "--quiet"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
              for name in ("eps", "invariance")]
     for p in procs:
         assert p.wait(timeout=600) == 0, p.stdout.read()[-2000:]
@@ -224,7 +235,9 @@ def test_a_bad_results_file_is_named_by_report(tmp_path, capsys):
     assert f"{tmp_path / 'results.json'} is not valid JSON" in " ".join(capsys.readouterr().out.split())
     (tmp_path / "results.json").write_text('{"presets": {"nonsense": {}}}')
     assert main(["report", str(tmp_path)]) == 2
-    assert "is not a results file of this normlab (presets nonsense)" in " ".join(capsys.readouterr().out.split())
+    assert "is not a results file of this normlab (presets nonsense)" in " ".join(
+        capsys.readouterr().out.split()
+    )
 
 
 def test_jobs_die_with_a_killed_parent(corpus, tmp_path):
@@ -234,7 +247,8 @@ def test_jobs_die_with_a_killed_parent(corpus, tmp_path):
     import time
 
     out = tmp_path / "compare"
-    parent = subprocess.Popen([sys.executable, "-m", "normlab", "compare", "norms", "--size", "tiny", "--steps", "100000",
+    parent = subprocess.Popen([sys.executable, "-m", "normlab", "compare", "norms", "--size", "tiny",
+                               "--steps", "100000",
                                "--data", str(corpus), "--out", str(out), "--jobs", "2", "--quiet"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -273,9 +287,11 @@ def test_jobs_die_with_a_killed_parent(corpus, tmp_path):
 def test_a_damaged_tokenizer_file_is_named_with_what_to_do(run, damage):
     path = run / "tokenizer.json"
     text = path.read_text()
-    path.write_text({"cut short": text[: len(text) // 2], "bpe garbled": json.dumps({"kind": "bpe", "tokenizer": "{\"model\": 3}"}),
+    path.write_text({"cut short": text[: len(text) // 2],
+                     "bpe garbled": json.dumps({"kind": "bpe", "tokenizer": "{\"model\": 3}"}),
                      "not an object": "[1, 2]"}[damage])
-    with pytest.raises(ValueError, match=r"tokenizer.json (cannot be read as a tokenizer|is not a normlab tokenizer).*overwrite=true"):
+    with pytest.raises(ValueError, match=r"tokenizer.json (cannot be read as a tokenizer|is not a normlab "
+                                         r"tokenizer).*overwrite=true"):
         T.sample(run, "the", tokens=3)
 
 
@@ -295,7 +311,8 @@ def _hold(folder, seconds):
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(folder), str(seconds)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(folder), str(seconds)], stdout=subprocess.PIPE,
+                            text=True)
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -313,7 +330,8 @@ def test_a_run_another_process_trains_is_in_progress_not_unstarted(corpus, tmp_p
         again = experiments.plan_presets(["sandwich"], settings)
         assert [r.folder for r in again] == [r.folder for r in planned[1:]]
         said = " ".join(capsys.readouterr().err.split())
-        assert "1 run(s) in progress in other processes" in said and f"process {holder.pid} normlab train" in said
+        assert "1 run(s) in progress in other processes" in said
+        assert f"process {holder.pid} normlab train" in said
     finally:
         holder.kill()
         holder.wait()
@@ -351,7 +369,8 @@ def test_resuming_a_finished_run_prints_its_config_and_trains_nothing(run, capsy
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["train", "--resume", "/nonexistent/run"], "--resume /nonexistent/run: not a run directory (no config.json)"),
+    (["train", "--resume", "/nonexistent/run"],
+     "--resume /nonexistent/run: not a run directory (no config.json)"),
     (["train", "--config", "/nonexistent.json"], "--config /nonexistent.json: no such file"),
     (["train", "norm=foo"], "norm must be one of"),
 ])
@@ -378,7 +397,8 @@ def test_a_run_dir_reads_back_what_it_wrote(tmp_path):
     assert run.config() == {"train": {"lr": 0.1}} and run.summary()["val_loss"] is None  # NaN written as null
     assert run.held() == ["config.json", "metrics.jsonl", "summary.json"]
     curves = run.curves(points=5)
-    assert curves["val_curve"] == {"step": [0, 10], "loss": [4.0, 3.0], "time_s": [0.0, round(sum(times) / 1e3, 3)]}
+    assert curves["val_curve"] == {"step": [0, 10], "loss": [4.0, 3.0],
+                                   "time_s": [0.0, round(sum(times) / 1e3, 3)]}
     assert curves["train_curve"]["step"] == [0, 2, 4, 6, 8]
     assert curves["step_ms"] == pytest.approx(sorted(times[2:])[3] / 2 + sorted(times[2:])[4] / 2)
     kept = run.truncate_metrics(4)  # a resume from step 4 logs steps 4.. again

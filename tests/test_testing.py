@@ -28,7 +28,8 @@ def test_an_inf_where_the_truth_is_in_range_fails():
         assert_close(torch.tensor([float("inf"), 1.5], dtype=torch.float16), truth)
     # the same values in float32, where 7.98e6 is in range: inf is wrong there
     with pytest.raises(AssertionError, match="inf pattern"):
-        assert_close(torch.tensor([-float("inf")], dtype=torch.float32), torch.tensor([-7.98e6], dtype=torch.float64))
+        assert_close(torch.tensor([-float("inf")], dtype=torch.float32),
+                     torch.tensor([-7.98e6], dtype=torch.float64))
 
 
 def test_nan_must_match_nan():

@@ -22,8 +22,10 @@ def test_multidimensional_normalized_shape_matches_torch_in_float64(gen, backend
     w = torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True)
     b = torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True)
     g = torch.randn(x.shape, generator=gen, dtype=torch.float64)
-    for ours, theirs in ((lambda: NC.layer_norm(x, shape, w, b, 1e-5, backend=backend), lambda: TF.layer_norm(x, shape, w, b)),
-                         (lambda: NC.rms_norm(x, shape, w, backend=backend), lambda: TF.rms_norm(x, shape, w))):
+    for ours, theirs in ((lambda: NC.layer_norm(x, shape, w, b, 1e-5, backend=backend),
+                          lambda: TF.layer_norm(x, shape, w, b)),
+                         (lambda: NC.rms_norm(x, shape, w, backend=backend),
+                          lambda: TF.rms_norm(x, shape, w))):
         got = torch.autograd.grad(ours(), (x, w), g)
         want = torch.autograd.grad(theirs(), (x, w), g)
         for a, e in zip(got, want):
@@ -56,7 +58,8 @@ def test_eps_none_is_torchs_default(gen, dtype):
 
 
 def test_empty_inputs_give_empty_results_with_gradients():
-    for x, shape in ((torch.randn(4, 0, requires_grad=True), (0,)), (torch.randn(0, 5, requires_grad=True), (5,))):
+    for x, shape in ((torch.randn(4, 0, requires_grad=True), (0,)),
+                     (torch.randn(0, 5, requires_grad=True), (5,))):
         for fn in (NC.layer_norm, NC.rms_norm):
             y = fn(x, shape)
             assert y.shape == TF.layer_norm(x, shape).shape == x.shape
@@ -76,7 +79,8 @@ def test_layer_norm_over_one_feature_has_exactly_zero_input_gradient(gen, backen
     y, s = F.add_layer_norm(x, r, w, b, backend=backend)
     gs = torch.randn(7, 1, generator=gen).to(dtype)
     dx, dr = torch.autograd.grad((y, s), (x, r), (g, gs))
-    if backend == "reference":  # autograd adds ds to two cancelling terms of size rstd * |g w|: their ulps stay
+    # autograd adds ds to two cancelling terms of size rstd * |g w|: their ulps stay
+    if backend == "reference":
         tol = dict(atol=4 * torch.finfo(dtype).eps * 316 * (g.abs().max() * w.abs().max()).item(), rtol=0)
         torch.testing.assert_close(dx, gs.to(dx.dtype), **tol)
         torch.testing.assert_close(dr, gs.to(dr.dtype), **tol)
@@ -87,7 +91,11 @@ def test_layer_norm_over_one_feature_has_exactly_zero_input_gradient(gen, backen
 def test_mixed_dtypes_follow_torchs_rules_on_cpu(gen):
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
     for xd, wd in itertools.product(dtypes, dtypes):
-        x, w, b = torch.randn(3, 8, generator=gen).to(xd), torch.randn(8, generator=gen).to(wd), torch.randn(8).to(wd)
+        x, w, b = (
+            torch.randn(3, 8, generator=gen).to(xd),
+            torch.randn(8, generator=gen).to(wd),
+            torch.randn(8).to(wd),
+        )
         for ours, theirs in ((lambda: NC.layer_norm(x, (8,), w, b), lambda: TF.layer_norm(x, (8,), w, b)),
                              (lambda: NC.rms_norm(x, (8,), w), lambda: TF.rms_norm(x, (8,), w))):
             try:
@@ -103,7 +111,8 @@ def test_mixed_dtypes_follow_torchs_rules_on_cpu(gen):
 
 def test_bad_normalized_shapes_are_named():
     x = torch.randn(2, 3)
-    with pytest.raises(ValueError, match=r"normalized_shape \[4\] must be the trailing dimensions of input, whose shape"):
+    with pytest.raises(ValueError,
+                       match=r"normalized_shape \[4\] must be the trailing dimensions of input, whose shape"):
         NC.layer_norm(x, (4,))
     with pytest.raises(ValueError, match="weight has shape \\[2\\], expected normalized_shape \\[3\\]"):
         NC.rms_norm(x, 3, torch.ones(2))
@@ -134,7 +143,8 @@ def test_modules_take_torchs_arguments_and_state_dicts(gen):
 def test_a_model_with_torchs_layernorm_swapped_for_normlabs_matches_in_float64(gen):
     def model(norm):
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Unflatten(1, (2, 3)), norm, torch.nn.Flatten(), torch.nn.Linear(6, 4)).double()
+        return torch.nn.Sequential(torch.nn.Unflatten(1, (2, 3)), norm, torch.nn.Flatten(),
+                                   torch.nn.Linear(6, 4)).double()
 
     theirs = model(torch.nn.LayerNorm((2, 3)))
     ours = model(torch.nn.LayerNorm((2, 3)))

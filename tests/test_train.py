@@ -36,7 +36,8 @@ def tiny(corpus, out, **kw):
 
 
 def losses(run):
-    return [r["loss"] for r in map(json.loads, Path(run, "metrics.jsonl").read_text().splitlines()) if "loss" in r and "diverged" not in r]
+    return [r["loss"] for r in map(json.loads, Path(run, "metrics.jsonl").read_text().splitlines())
+            if "loss" in r and "diverged" not in r]
 
 
 def test_loss_falls_and_the_run_directory_is_complete(corpus, tmp_path):
@@ -52,7 +53,9 @@ def test_loss_falls_and_the_run_directory_is_complete(corpus, tmp_path):
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
     saved = json.loads((run / "config.json").read_text())
     assert saved["train"]["steps"] == 30 and saved["model_resolved"]["d_model"] == 32
-    assert (run / "tokenizer.json").exists() and json.loads((run / "summary.json").read_text())["versions"]["torch"] == torch.__version__
+    assert (run / "tokenizer.json").exists() and json.loads((run / "summary.json").read_text())["versions"][
+        "torch"
+    ] == torch.__version__
     # what its times depend on, so that a report can tell runs timed under different conditions apart
     clock = json.loads((run / "summary.json").read_text())["clock"]
     assert clock["threads"] == torch.get_num_threads() and clock["processor"] and "loaded" not in clock
@@ -75,7 +78,8 @@ def test_resume_continues_exactly(corpus, tmp_path):
     assert summary["status"] == "completed" and summary["step"] == 30
     assert losses(tmp_path / "split") == losses(tmp_path / "straight")  # fp32 on CPU: bitwise
     straight = json.loads((tmp_path / "straight" / "summary.json").read_text())
-    assert summary["init_val_loss"] == straight["init_val_loss"] is not None  # the loss at init survives the resume
+    # the loss at init survives the resume
+    assert summary["init_val_loss"] == straight["init_val_loss"] is not None
 
 
 def test_initial_model_is_the_run_before_its_first_step(corpus, tmp_path):
@@ -86,7 +90,8 @@ def test_initial_model_is_the_run_before_its_first_step(corpus, tmp_path):
     state = torch.random.get_rng_state()
     start = T.initial_model(tmp_path / "run")
     assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random state is left alone
-    assert T.evaluate(start, batches, "cpu", contextlib.nullcontext()) == summary["init_val_loss"]  # fp32 on CPU: bitwise
+    # fp32 on CPU: bitwise
+    assert T.evaluate(start, batches, "cpu", contextlib.nullcontext()) == summary["init_val_loss"]
     trained = T.load_run(tmp_path / "run")[0]
     assert not torch.equal(trained.state_dict()["embed.weight"], start.state_dict()["embed.weight"])
     with pytest.raises(FileNotFoundError, match="not a run directory"):
@@ -105,7 +110,8 @@ def test_a_huge_learning_rate_ends_as_diverged_with_a_usable_checkpoint(corpus, 
 def test_sigint_leaves_a_loadable_checkpoint_and_complete_metrics(corpus, tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "NORMLAB_CACHE": str(tmp_path / "cache")}
-    cmd = [sys.executable, "-m", "normlab", "train", f"data={corpus}", "preset=tiny", "steps=100000", "batch_size=8",
+    cmd = [sys.executable, "-m", "normlab", "train", f"data={corpus}", "preset=tiny", "steps=100000",
+           "batch_size=8",
            "seq_len=32", "ckpt_every=0", "eval_every=0", f"out={run}", "--quiet"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run / "metrics.jsonl"
@@ -139,13 +145,17 @@ def test_two_processes_match_one(corpus, tmp_path, batching):
     # paragraphs: each rank's loss is the mean over its own real tokens, weighted by its share
     env = {**os.environ, "NORMLAB_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     data = corpus if batching == "windows" else paragraph_corpus(tmp_path / "texts")
-    args = [f"data={data}", "preset=tiny", "steps=8", "batch_size=8", "seq_len=32", "eval_every=0", f"batching={batching}",
+    args = [f"data={data}", "preset=tiny", "steps=8", "batch_size=8", "seq_len=32", "eval_every=0",
+            f"batching={batching}",
             "norm=layernorm", "--quiet"]
-    one = subprocess.run([sys.executable, "-m", "normlab", "train", *args, f"out={tmp_path / 'one'}"], env=env,
+    one = subprocess.run([sys.executable, "-m", "normlab", "train", *args, f"out={tmp_path / 'one'}"],
+                         env=env,
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
-                          "-m", "normlab", "train", *args, f"out={tmp_path / 'two'}"], env=env, capture_output=True,
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          "--master_port=29517",
+                          "-m", "normlab", "train", *args, f"out={tmp_path / 'two'}"], env=env,
+                         capture_output=True,
                          text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
@@ -174,13 +184,17 @@ def test_config_resolution_and_unknown_keys(tmp_path):
 def test_corrupt_checkpoint_gives_a_clear_error(tmp_path):
     bad = tmp_path / "checkpoint.pt"
     bad.write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="is corrupt or not a normlab checkpoint"), pytest.warns(UserWarning, match="no recorded digest"):
+    with (
+        pytest.raises(ValueError, match="is corrupt or not a normlab checkpoint"),
+        pytest.warns(UserWarning, match="no recorded digest"),
+    ):
         load_checkpoint(bad)
 
 
 def test_cli_refuses_to_overwrite_a_run_and_reports_data_errors(corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["train", f"data={corpus}", "preset=tiny", "steps=2", "batch_size=4", "seq_len=16", "eval_batches=1", f"out={out}", "--quiet"]) == 0
+    assert main(["train", f"data={corpus}", "preset=tiny", "steps=2", "batch_size=4", "seq_len=16",
+                 "eval_batches=1", f"out={out}", "--quiet"]) == 0
     assert main(["train", f"data={corpus}", "preset=tiny", "steps=2", f"out={out}", "--quiet"]) == 2
     assert "already holds a run" in capsys.readouterr().out
     assert main(["train", f"data={tmp_path / 'nothing'}", "--quiet", f"out={tmp_path / 'r2'}"]) == 2
@@ -196,12 +210,14 @@ def test_cli_refuses_to_overwrite_a_run_and_reports_data_errors(corpus, tmp_path
 
 
 def test_bf16_autocast_and_gradient_accumulation_train(corpus, tmp_path):
-    tcfg, m = tiny(corpus, tmp_path / "bf16", dtype="bf16", grad_accum=2, steps=20, eval_every=0, ckpt_every=0)
+    tcfg, m = tiny(corpus, tmp_path / "bf16", dtype="bf16", grad_accum=2, steps=20, eval_every=0,
+                   ckpt_every=0)
     summary = T.train(tcfg, m)
     assert summary["status"] == "completed"
     ls = losses(tmp_path / "bf16")
     assert len(ls) == 20 and ls[-1] < ls[0] - 0.3
-    step = next(r for r in map(json.loads, (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()) if "step_ms" in r)
+    step = next(r for r in map(json.loads, (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines())
+                if "step_ms" in r)
     assert step["tokens_per_s"] > 0 and step["lr"] == pytest.approx(3e-3 / 3)  # warmup: step 1 of 3
 
 
@@ -212,7 +228,8 @@ def test_resuming_with_an_incompatible_checkpoint_says_so(corpus, tmp_path):
     cfg["model"]["d_model"] = 64  # the saved weights are for d_model 32
     (tmp_path / "run" / "config.json").write_text(json.dumps(cfg))
     tcfg, _ = tiny(corpus, tmp_path / "run", steps=3)
-    with pytest.raises(ValueError, match="config.json does not describe the run its checkpoint holds .d_model: 32"):
+    with pytest.raises(ValueError,
+                       match="config.json does not describe the run its checkpoint holds .d_model: 32"):
         T.train(tcfg, None, resume=True)
 
 
@@ -223,10 +240,13 @@ def test_step_times_do_not_include_compilation(corpus, tmp_path):
     env = {**os.environ, "NORMLAB_CACHE": str(tmp_path / "cache"), "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
 
     def step_ms(name):
-        cmd = [sys.executable, "-m", "normlab", "train", f"data={corpus}", "preset=tiny", "norm=layernorm", "steps=20",
-               "batch_size=8", "seq_len=32", "ckpt_every=0", "eval_every=10", f"out={tmp_path / name}", "--quiet"]
+        cmd = [sys.executable, "-m", "normlab", "train", f"data={corpus}", "preset=tiny", "norm=layernorm",
+               "steps=20",
+               "batch_size=8", "seq_len=32", "ckpt_every=0", "eval_every=10", f"out={tmp_path / name}",
+               "--quiet"]
         subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
-        return [json.loads(line)["step_ms"] for line in open(tmp_path / name / "metrics.jsonl") if "step_ms" in line]
+        return [json.loads(line)["step_ms"] for line in open(tmp_path / name / "metrics.jsonl")
+                if "step_ms" in line]
 
     cold, warm = step_ms("cold"), step_ms("warm")
     assert len(cold) == len(warm) == 20, (cold, warm)  # a time for every step
@@ -244,9 +264,11 @@ def test_a_killed_run_resumes_with_every_step_logged_once(corpus, tmp_path):
     again on resume, and metrics.jsonl must hold each step once, with the losses of a run that
     was never interrupted."""
     env = {**os.environ, "NORMLAB_CACHE": str(tmp_path / "cache")}
-    args = [f"data={corpus}", "preset=tiny", "steps=40", "batch_size=8", "seq_len=32", "ckpt_every=5", "eval_every=5",
+    args = [f"data={corpus}", "preset=tiny", "steps=40", "batch_size=8", "seq_len=32", "ckpt_every=5",
+            "eval_every=5",
             "warmup=3", "lr=3e-3", "--quiet"]
-    subprocess.run([sys.executable, "-m", "normlab", "train", *args, f"out={tmp_path / 'straight'}"], env=env, check=True,
+    subprocess.run([sys.executable, "-m", "normlab", "train", *args, f"out={tmp_path / 'straight'}"], env=env,
+                   check=True,
                    capture_output=True, timeout=600)
     run = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "normlab", "train", *args, f"out={run}"], env=env,
@@ -270,11 +292,15 @@ def test_a_killed_run_resumes_with_every_step_logged_once(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("min_lr", "-1e-4", "min_lr must be a number >= 0"), ("eval_every", "-1", "eval_every must be an int >= 0"),
-    ("diverge_factor", "1.0", "diverge_factor must be a number > 1"), ("seq_len", "0", "seq_len must be a positive int"),
-    ("grad_clip", "nan", "grad_clip must be a number >= 0"), ("train_tokens", "-5", "train_tokens must be an int >= 0"),
+    ("min_lr", "-1e-4", "min_lr must be a number >= 0"),
+    ("eval_every", "-1", "eval_every must be an int >= 0"),
+    ("diverge_factor", "1.0", "diverge_factor must be a number > 1"),
+    ("seq_len", "0", "seq_len must be a positive int"),
+    ("grad_clip", "nan", "grad_clip must be a number >= 0"),
+    ("train_tokens", "-5", "train_tokens must be an int >= 0"),
     ("min_lr", "0.01", r"min_lr must be a number >= 0 and at most lr \(0.001\)"),  # the cosine would climb
-    ("weight_decay", "-0.1", "weight_decay must be a number >= 0"), ("beta1", "1.5", r"beta1 must be in \[0, 1\)"),
+    ("weight_decay", "-0.1", "weight_decay must be a number >= 0"),
+    ("beta1", "1.5", r"beta1 must be in \[0, 1\)"),
     ("beta2", "1", r"beta2 must be in \[0, 1\)"),
 ])
 def test_training_fields_are_checked(key, value, message):
@@ -292,14 +318,17 @@ def test_train_tokens_draws_every_window_from_the_first_tokens(corpus, tmp_path,
     for _ in range(20):
         for row in gen.next()[0].tolist():
             assert "".join(chr(t + 1000) for t in row) in text
-    with pytest.raises(ValueError, match=f"train_tokens must be at most the training split's {len(dataset.train):,} tokens"):
+    with pytest.raises(ValueError, match="train_tokens must be at most the training split's "
+                                         f"{len(dataset.train):,} tokens"):
         T.train_split(dataset, len(dataset.train) + 1)
     seen = []  # a run hands the batches the first train_tokens tokens, and records the field
     real = T.make_batches
-    monkeypatch.setattr(T, "make_batches", lambda tokens, *a, **k: seen.append(tokens) or real(tokens, *a, **k))
+    monkeypatch.setattr(T, "make_batches", lambda tokens, *a, **k: seen.append(tokens)
+                        or real(tokens, *a, **k))
     tcfg, m = tiny(corpus, tmp_path / "run", steps=3, train_tokens=300)
     assert T.train(tcfg, m)["status"] == "completed"
-    assert [len(t) for t in seen] == [300, len(dataset.val)] and (seen[0] == dataset.train[:300]).all()  # (then validation's)
+    # (then validation's)
+    assert [len(t) for t in seen] == [300, len(dataset.val)] and (seen[0] == dataset.train[:300]).all()
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["train_tokens"] == 300
 
 
@@ -309,7 +338,8 @@ def test_train_refuses_a_folder_that_holds_a_run_unless_told_to_overwrite(corpus
     (out / "config.json").write_text("{}")  # a run that died before its first checkpoint
     (out / "metrics.jsonl").write_text('{"step": 0, "loss": 4.0}\n')
     tcfg, m = tiny(corpus, out, steps=3)
-    with pytest.raises(ValueError, match=r"already holds a run \(config.json, metrics.jsonl\).*overwrite=true"):
+    with pytest.raises(ValueError,
+                       match=r"already holds a run \(config.json, metrics.jsonl\).*overwrite=true"):
         T.train(tcfg, m)
     assert (out / "metrics.jsonl").read_text() == '{"step": 0, "loss": 4.0}\n'  # untouched
     tcfg, m = tiny(corpus, out, steps=3, overwrite=True)
@@ -331,17 +361,23 @@ def test_a_full_disk_names_the_path_and_keeps_the_last_good_checkpoint(corpus, t
 
     monkeypatch.setattr(torch, "save", save)
     out = tmp_path / "run"
-    code = main(["train", f"data={corpus}", "preset=tiny", "steps=12", "batch_size=4", "seq_len=16", "eval_batches=1",
+    code = main(["train", f"data={corpus}", "preset=tiny", "steps=12", "batch_size=4", "seq_len=16",
+                 "eval_batches=1",
                  "ckpt_every=5", f"out={out}", "--quiet"])
     text = capsys.readouterr().out
-    assert code == 1 and f"could not write {out / 'checkpoint.pt'}" in " ".join(text.split()) and "No space left" in text
+    assert (
+        code == 1
+        and f"could not write {out / 'checkpoint.pt'}" in " ".join(text.split())
+        and "No space left" in text
+    )
     assert load_checkpoint(out / "checkpoint.pt")["step"] == 5  # the last good one
     assert not list(out.glob("*.tmp"))  # no debris
 
 
 def test_resume_takes_more_steps_refuses_other_changes_and_keeps_the_summary(corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    base = [f"data={corpus}", "preset=tiny", "steps=6", "batch_size=4", "seq_len=16", "eval_batches=1", "eval_every=3"]
+    base = [f"data={corpus}", "preset=tiny", "steps=6", "batch_size=4", "seq_len=16", "eval_batches=1",
+            "eval_every=3"]
     assert main(["train", *base, f"out={out}", "--quiet"]) == 0
     done = json.loads((out / "summary.json").read_text())
     assert main(["train", "--resume", str(out), "steps=6", "--quiet"]) == 0  # nothing left to do
@@ -350,9 +386,11 @@ def test_resume_takes_more_steps_refuses_other_changes_and_keeps_the_summary(cor
     assert main(["train", "--resume", str(out), "lr=1.0", "--quiet"]) == 2
     assert "can change only steps" in capsys.readouterr().out
     assert main(["train", "--resume", str(out), "steps=9", "--quiet"]) == 0
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if "step_ms" in line]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if "step_ms" in line]
     assert steps == list(range(9)) and json.loads((out / "summary.json").read_text())["step"] == 9
-    assert json.loads((out / "config.json").read_text())["train"]["steps"] == 9  # a later --resume continues to 9
+    # a later --resume continues to 9
+    assert json.loads((out / "config.json").read_text())["train"]["steps"] == 9
 
 
 def test_sigint_to_one_ddp_rank_stops_both_at_the_same_step(corpus, tmp_path):
@@ -360,15 +398,19 @@ def test_sigint_to_one_ddp_rank_stops_both_at_the_same_step(corpus, tmp_path):
     and leave one checkpoint at the step the summary names."""
     env = {**os.environ, "NORMLAB_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     run = tmp_path / "ddp"
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29523",
-                             "-m", "normlab", "train", f"data={corpus}", "preset=tiny", "steps=100000", "batch_size=8",
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             "--master_port=29523",
+                             "-m", "normlab", "train", f"data={corpus}", "preset=tiny", "steps=100000",
+                             "batch_size=8",
                              "seq_len=32", "eval_every=0", "ckpt_every=0", f"out={run}", "--quiet"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics, deadline = run / "metrics.jsonl", time.time() + 240
     while time.time() < deadline and (not metrics.exists() or metrics.read_text().count("step_ms") < 5):
         time.sleep(0.2)
-    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()]
-    rank1 = next(p for p in workers if b"RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes().replace(b"LOCAL_RANK", b"X"))
+    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                              text=True).stdout.split()]
+    rank1 = next(p for p in workers
+                 if b"RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes().replace(b"LOCAL_RANK", b"X"))
     os.kill(rank1, signal.SIGINT)
     try:
         proc.wait(timeout=120)  # a deadlocked barrier would hang here
@@ -383,15 +425,18 @@ def test_sigint_to_one_ddp_rank_stops_both_at_the_same_step(corpus, tmp_path):
     assert load_checkpoint(run / "checkpoint.pt")["step"] == summary["step"]
 
 
-@pytest.mark.parametrize("field", ["n_layers=1000000", "d_model=1048576", "batch_size=1000000000", "max_seq_len=100000000",
+@pytest.mark.parametrize("field", ["n_layers=1000000", "d_model=1048576", "batch_size=1000000000",
+                                   "max_seq_len=100000000",
                                    "eval_batches=1000000000"])
 def test_a_config_that_cannot_fit_is_refused_before_anything_is_built(corpus, tmp_path, field, monkeypatch):
     # these ran until killed or died in the allocator with a raw traceback
     name, value = field.split("=")
     built = []
     monkeypatch.setattr(T, "_initialized", lambda *a: built.append(a) or pytest.fail("the model was built"))
-    tcfg, m = tiny(corpus, tmp_path / "run", **{name: int(value)}, **({"seq_len": None} if name == "max_seq_len" else {}))
-    with pytest.raises(MemoryError, match=r"needs at least [\d,.]+ GiB .* more than the [\d,.]+ GiB this machine has"):
+    tcfg, m = tiny(corpus, tmp_path / "run", **{name: int(value)},
+                   **({"seq_len": None} if name == "max_seq_len" else {}))
+    with pytest.raises(MemoryError,
+                       match=r"needs at least [\d,.]+ GiB .* more than the [\d,.]+ GiB this machine has"):
         T.train(tcfg, m)
     assert not built and not (tmp_path / "run" / "checkpoint.pt").exists()
 
@@ -408,14 +453,16 @@ def test_sample_refuses_a_run_whose_config_was_edited_past_the_machine(corpus, t
 
 
 def test_the_cli_refuses_a_model_too_large_in_one_line(corpus, tmp_path, capsys):
-    code = main(["train", f"data={corpus}", "preset=tiny", "n_layers=1000000", "quiet=true", f"out={tmp_path / 'run'}"])
+    code = main(["train", f"data={corpus}", "preset=tiny", "n_layers=1000000", "quiet=true",
+                 f"out={tmp_path / 'run'}"])
     out = capsys.readouterr().out
     assert code == 2 and "error:" in out and "GiB" in out and "Traceback" not in out
 
 
 def test_slowdown_compares_the_last_window_with_the_fastest():
     assert FP.slowdown([1.0] * 19) is None  # not two windows yet
-    assert FP.slowdown([5.0] * 10 + [1.0] * 10 + [1.0] * 10) == 1.0  # a slow start (warm-up) is not contention
+    # a slow start (warm-up) is not contention
+    assert FP.slowdown([5.0] * 10 + [1.0] * 10 + [1.0] * 10) == 1.0
     assert FP.slowdown([1.0] * 10 + [2.0] * 5 + [7.0] * 5 + [6.0] * 10) == 6.0
 
 
@@ -444,8 +491,13 @@ def test_train_warns_once_when_steps_slow_down_under_load(corpus, tmp_path, monk
     finally:
         torch.set_num_threads(threads)
     err = capsys.readouterr().err
-    steps = [r["step_ms"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "step_ms" in r]
-    assert re.search(r"normlab: warning: training steps now take \d+x as long as this run's fastest.*OMP_NUM_THREADS=1", err), (err, steps, len(calls))
+    steps = [
+        r["step_ms"]
+        for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+        if "step_ms" in r
+    ]
+    assert re.search(r"normlab: warning: training steps now take \d+x as long as this run's "
+                     r"fastest.*OMP_NUM_THREADS=1", err), (err, steps, len(calls))
     assert err.count("as long as this run's fastest") == 1
 
 
@@ -463,9 +515,14 @@ def test_accumulated_padded_batches_give_the_true_batchs_step(tmp_path):
     texts = paragraph_corpus(tmp_path / "texts")
     first = {}
     for name, bs, accum in (("true", 8, 1), ("accum", 2, 4)):
-        tcfg, m = tiny(texts, tmp_path / name, batching="paragraphs", batch_size=bs, grad_accum=accum, steps=1,
+        tcfg, m = tiny(texts, tmp_path / name, batching="paragraphs", batch_size=bs, grad_accum=accum,
+                       steps=1,
                        eval_every=0, norm="layernorm")
         T.train(tcfg, m)
-        first[name] = next(r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines()) if "loss" in r)
+        first[name] = next(
+            r
+            for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r
+        )
     for key in ("loss", "grad_norm"):
         assert first["accum"][key] == pytest.approx(first["true"][key], rel=1e-5), key

@@ -33,10 +33,13 @@ def _compiler_env() -> dict:
 
 def test_every_reachable_specialization_compiles_for_a100_and_h100(tmp_path):
     report = tmp_path / "compile.json"
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "triton_compile.py"), "--targets", "80,90", "--hidden", HIDDEN,
-                           "--json", str(report)], env=_compiler_env(), capture_output=True, text=True, timeout=1200)
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "triton_compile.py"), "--targets", "80,90",
+                           "--hidden", HIDDEN,
+                           "--json", str(report)], env=_compiler_env(), capture_output=True, text=True,
+                          timeout=1200)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-3000:]
-    print(summary)  # e.g. "1176 compiles (588 specs x 2 targets) in 99.4 s; 0 problems; at most 146 registers"
+    # e.g. "1176 compiles (588 specs x 2 targets) in 99.4 s; 0 problems; at most 146 registers"
+    print(summary)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(report.read_text())
     specs = len(T.reachable_specs(tuple(int(h) for h in HIDDEN.split(","))))
@@ -67,20 +70,24 @@ def test_the_check_ignores_what_others_left_in_tritons_cache_and_survives_a_seco
     # ptxas never ran and the check found no figures; two runs on one kept cache must not collide
     shared, kept = tmp_path / "triton-shared", tmp_path / "kept"
     env = {**_compiler_env(), "TRITON_CACHE_DIR": str(shared)}
-    planted = subprocess.run([sys.executable, "-c", PLANT, str(ROOT / "tools")], env=env, capture_output=True, text=True,
+    planted = subprocess.run([sys.executable, "-c", PLANT, str(ROOT / "tools")], env=env, capture_output=True,
+                             text=True,
                              timeout=600)
     assert planted.returncode == 0, planted.stderr[-3000:]
     assert any(shared.rglob("*.cubin")), "nothing planted in Triton's cache"
-    args = [sys.executable, str(ROOT / "tools" / "triton_compile.py"), "--targets", "90", "--hidden", "64", "--kernels", "dyt_bwd",
+    args = [sys.executable, str(ROOT / "tools" / "triton_compile.py"), "--targets", "90", "--hidden", "64",
+            "--kernels", "dyt_bwd",
             "--jobs", "1", "--cache", str(kept)]
 
     def check(json_path, proc=None):
-        proc = proc or subprocess.Popen(args + ["--json", str(json_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        proc = proc or subprocess.Popen(args + ["--json", str(json_path)], env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE,
                                         text=True)
         out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, out[-3000:] + err[-3000:]
         results = json.loads(json_path.read_text())["results"]
-        assert len(results) == 6 and all(r["registers"] > 0 and r["cubin_bytes"] > 0 for r in results), results
+        assert len(results) == 6 and all(r["registers"] > 0 and r["cubin_bytes"] > 0
+                                         for r in results), results
         return results
 
     first = check(tmp_path / "first.json")
@@ -88,7 +95,8 @@ def test_the_check_ignores_what_others_left_in_tritons_cache_and_survives_a_seco
     files = sorted(kept.glob("*.json"))
     assert len(files) == 6
     files[0].write_text(files[0].read_text()[:20])  # a result cut short, as a kill mid-write would leave it
-    both = [subprocess.Popen(args + ["--json", str(tmp_path / f"run{i}.json")], env=env, stdout=subprocess.PIPE,
+    both = [subprocess.Popen(args + ["--json", str(tmp_path / f"run{i}.json")], env=env,
+                             stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for i in range(2)]
     for i, proc in enumerate(both):
         again = check(tmp_path / f"run{i}.json", proc)
@@ -114,8 +122,10 @@ def test_the_grid_holds_every_spec_the_launchers_launch(monkeypatch):
     d = 96
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for op in OPS:
-            for opts in [{}] + (RMS_OPTIONS if "rms" in op else []) + ([{"residual_in_fp32": True}] if "add" in op else []):
-                call_op(op, op_leaves(gen, op, (3, d), dtype), {k: v for k, v in opts.items() if k != "partial"}, "triton")
+            for opts in [{}] + (RMS_OPTIONS if "rms" in op else []) + ([{"residual_in_fp32": True}]
+                                                                       if "add" in op else []):
+                call_op(op, op_leaves(gen, op, (3, d), dtype),
+                        {k: v for k, v in opts.items() if k != "partial"}, "triton")
         x = torch.randn(3, d, dtype=dtype, requires_grad=True)
         F.layer_norm(x, None, None, backend="triton").sum().backward()  # no weight, no bias
         F.rms_norm(x, None, backend="triton").sum().backward()
@@ -148,7 +158,8 @@ def test_fp_fusion_left_to_the_default_is_caught(how, tmp_path):
     # Triton 3.9 warns when fusion is left to its default, which flips in 3.10: the grid reports
     # that warning as a problem, so a kernel launched without OPTIONS fails the compile test
     env = {**_compiler_env(), "TRITON_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", DETECT, str(ROOT / "tools"), how], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", DETECT, str(ROOT / "tools"), how], env=env,
+                          capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     warned, spills, cubin = done.stdout.split()
@@ -157,16 +168,19 @@ def test_fp_fusion_left_to_the_default_is_caught(how, tmp_path):
 
 def test_gpu_check_dry_run_writes_what_a_gpu_run_writes(tmp_path):
     out = tmp_path / "gpu-check"
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run", str(out)], capture_output=True,
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run", str(out)],
+                          capture_output=True,
                           text=True, timeout=900, env={**os.environ, "PYTHON": sys.executable})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for name in ("summary.md", "summary.json", "correctness.json", "bench.json", "check-model.json", "log.txt"):
+    for name in ("summary.md", "summary.json", "correctness.json", "bench.json", "check-model.json",
+                 "log.txt"):
         assert (out / name).stat().st_size > 0, name
     summary = json.loads((out / "summary.json").read_text())
     assert [s["name"] for s in summary["sections"]] == ["correctness", "bench", "copy", "check-model"]
     assert summary["dry_run"] and summary["failures"] == []
     checks = json.loads((out / "correctness.json").read_text())["checks"]
     ops = ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "dyt")
-    assert len(checks) == len(ops) * 3 * 2 + 2 and all(c["ok"] for c in checks)  # ops x dtypes x sizes, 2 more
+    # ops x dtypes x sizes, 2 more
+    assert len(checks) == len(ops) * 3 * 2 + 2 and all(c["ok"] for c in checks)
     assert {c["op"] for c in checks} == set(ops)
     assert "## Failures" in (out / "summary.md").read_text()

@@ -68,7 +68,8 @@ def main() -> None:
             for src in (args.old, args.new):
                 env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
                 cmd = [sys.executable, "-c", WORKER, op, n, d, args.dtype, str(args.calls)]
-                workers.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
+                workers.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                                env=env))
             try:
                 for w in workers:
                     if w.stdout.readline().strip() != "ready":

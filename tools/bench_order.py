@@ -68,7 +68,8 @@ def main() -> None:
     yn, rn = L._rows(out, d), np.empty(n, np.float32)
     wn, rnd = w.float().numpy(), L._round_to(dt, True)
     calls = {
-        "kernel": lambda i: rmsnorm.rms_fwd(L._rows(xs[i % 8], d), wn, yn, rn, 1e-6, True, d, rnd, *L._stages(yn.nbytes, n),
+        "kernel": lambda i: rmsnorm.rms_fwd(L._rows(xs[i % 8], d), wn, yn, rn, 1e-6, True, d, rnd,
+                                            *L._stages(yn.nbytes, n),
                                                 memory.prefetch_far(d * xs[0].itemsize)),
         "alloc": lambda i: normlab.rms_norm(xs[i % 8], w, 1e-6),
         "out=": lambda i: normlab.rms_norm(xs[i % 8], w, 1e-6, out=out),
@@ -88,8 +89,9 @@ def main() -> None:
                 times[mode].append(time.perf_counter() - t0)
         ratios = [b / a for a, b in zip(times["A"], times["B"])]
         q1, _, q3 = statistics.quantiles(ratios, n=4)
-        print(f"{name:7s} A {1e3 * statistics.median(times['A']):.3f} ms  B {1e3 * statistics.median(times['B']):.3f} ms  "
-              f"B/A {statistics.median(ratios):.3f} (quartiles {q1:.3f}-{q3:.3f})")
+        print(f"{name:7s} A {1e3 * statistics.median(times['A']):.3f} ms  B "
+              f"{1e3 * statistics.median(times['B']):.3f} ms  B/A {statistics.median(ratios):.3f} (quartiles "
+              f"{q1:.3f}-{q3:.3f})")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Compile the fused CPU kernels ahead of time for the portable x86-64 levels, for a platform wheel.
 
-    python tools/build_tiers.py [--tiers x86-64-v4-bf16,x86-64-v4,x86-64-v3] [--ops ...] [--dtypes ...] [--out DIR]
+    python tools/build_tiers.py [--tiers x86-64-v4-bf16,x86-64-v4,x86-64-v3] [--ops ...] [--dtypes ...]
+        [--out DIR]
 
 Each level is compiled in its own process whose numba targets that level (NUMBA_CPU_NAME=<level>,
 no extra features; x86-64-v4-bf16 is x86-64-v4 with +avx512bf16, built for the bf16 kernels only)
@@ -36,8 +37,10 @@ def build(level: str, out: Path, ops: str | None = None, dtypes: str | None = No
         if not dtypes:
             return None
     cpu_name, features = llvm_target(level)
-    env = {**os.environ, "NUMBA_CPU_NAME": cpu_name, "NUMBA_CPU_FEATURES": features, "NUMBA_CACHE_DIR": str(out / level),
-           "NORMLAB_CPU_TIERS": "off", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "NUMBA_CPU_NAME": cpu_name, "NUMBA_CPU_FEATURES": features,
+           "NUMBA_CACHE_DIR": str(out / level),
+           "NORMLAB_CPU_TIERS": "off",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, __file__, "--compile-only", "--ops", ops or "", "--dtypes", dtypes or ""]
     t0 = time.perf_counter()
     subprocess.run(cmd, env=env, check=True)
@@ -64,7 +67,8 @@ def compile_only(ops: str, dtypes: str) -> None:
 
     for name in [k.__name__ for k in KERNELS] + ["start_threads"]:
         setattr(launch, name, compiler(getattr(launch, name)))
-    calls = cli.warmup_calls(*[v.split(",") if v else default for v, default in ((ops, cli.WARMUP_OPS), (dtypes, cli.WARMUP_DTYPES))])
+    calls = cli.warmup_calls(*[v.split(",") if v else default for v,
+                               default in ((ops, cli.WARMUP_OPS), (dtypes, cli.WARMUP_DTYPES))])
     for _, call in calls:
         call()  # outputs are left unwritten: nothing reads them but the next compile-only call
     print(f"{sum(len(k.signatures) for k in KERNELS)} kernel signatures compiled")
@@ -82,7 +86,8 @@ def main() -> None:
         return compile_only(args.ops, args.dtypes)
     for level in args.tiers.split(","):
         seconds = build(level.strip(), Path(args.out), args.ops, args.dtypes)
-        print(f"{level}: compiled in {seconds:.0f} s into {Path(args.out) / level}" if seconds is not None else
+        print(f"{level}: compiled in {seconds:.0f} s into {Path(args.out) / level}" if seconds is not None
+              else
               f"{level}: nothing to build (it holds only {EXTENDED[level.strip()][2]} kernels)")
 
 

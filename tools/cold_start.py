@@ -43,12 +43,15 @@ def main() -> None:
     if args.cold:
         env["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="normlab-numba-")
     print(f"rms_norm {args.dtype} {args.shape}, with a weight")
-    print(f"{'run':<5} {'import torch':>12} {'import normlab':>14} {'first forward':>14} {'first backward':>15} {'both':>6}")
+    print(f"{'run':<5} {'import torch':>12} {'import normlab':>14} {'first forward':>14} "
+          f"{'first backward':>15} {'both':>6}")
     for run in range(3):
-        out = subprocess.run([sys.executable, "-c", CHILD, args.dtype, args.shape], env=env, capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-c", CHILD, args.dtype, args.shape], env=env,
+                             capture_output=True, text=True,
                              check=True)
         a, b, c, d = out.stdout.split()
-        print(f"{run + 1:<5} {a + ' s':>12} {b + ' s':>14} {c + ' s':>14} {d + ' s':>15} {float(c) + float(d):>4.1f} s")
+        print(f"{run + 1:<5} {a + ' s':>12} {b + ' s':>14} {c + ' s':>14} {d + ' s':>15} "
+              f"{float(c) + float(d):>4.1f} s")
 
 
 if __name__ == "__main__":

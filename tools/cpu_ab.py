@@ -46,7 +46,8 @@ from normlab.kernels.cpu import memory  # noqa: E402
 
 
 def load(src: str, name: str):
-    """The kernels (rms_fwd, ln_fwd, rms_bwd, ln_bwd, and DyT's where the tree has them) of the tree whose sources are in ``src``."""
+    """The kernels (rms_fwd, ln_fwd, rms_bwd, ln_bwd, and DyT's where the tree has them) of the tree
+    whose sources are in ``src``."""
     package = Path(src) / "normlab" / "kernels" / "cpu"
     if not package.is_dir():  # before the kernels became a package: one module, _numba.py
         spec = importlib.util.spec_from_file_location(name, package.parent / "_numba.py")
@@ -58,16 +59,19 @@ def load(src: str, name: str):
     parent.__path__ = [str(package)]
     sys.modules[name] = parent
     rms, ln = (importlib.import_module(f"{name}.{op}") for op in ("rmsnorm", "layernorm"))
-    kernels = types.SimpleNamespace(rms_fwd=rms.rms_fwd, ln_fwd=ln.ln_fwd, rms_bwd=rms.rms_bwd, ln_bwd=ln.ln_bwd)
+    kernels = types.SimpleNamespace(rms_fwd=rms.rms_fwd, ln_fwd=ln.ln_fwd, rms_bwd=rms.rms_bwd,
+                                    ln_bwd=ln.ln_bwd)
     # trees from 7beb5e1 on take ``far`` (prefetch into L2) after ``stream``
     kernels.far = "far" in inspect.signature(rms.rms_fwd.py_func).parameters
     if (package / "pointwise.py").is_file():  # DyT and Derf in one kernel: s (the shift) None for DyT
         pw = importlib.import_module(f"{name}.pointwise")
-        far = "far" in inspect.signature(pw.pointwise_fwd.py_func).parameters  # (..., table, far) in later trees
+        # (..., table, far) in later trees
+        far = "far" in inspect.signature(pw.pointwise_fwd.py_func).parameters
         tail = (lambda far_: (far_,)) if far else (lambda far_: ())
         kernels.dyt_fwd = lambda x, a, *rest, far_: pw.pointwise_fwd(x, a, None, *rest, *tail(far_))
-        kernels.dyt_bwd = lambda dy, x, a, w, dx, da, *rest, far_: pw.pointwise_bwd(dy, x, a, None, w, dx, np.zeros((da.shape[0], 2)),
-                                                                                     *rest, *tail(far_))
+        kernels.dyt_bwd = lambda dy, x, a, w, dx, da, *rest, far_: pw.pointwise_bwd(
+            dy, x, a, None, w, dx, np.zeros((da.shape[0], 2)), *rest, *tail(far_)
+        )
         dyt = pw
     elif (package / "dynamic_tanh.py").is_file():
         dyt = importlib.import_module(f"{name}.dynamic_tanh")
@@ -84,7 +88,8 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False, 
     """A no-argument callable that runs ``op`` of kernel module K on the next input set (with
     ``in_cache``, always the same one)."""
     k = 1 if in_cache else rotation((n, d), dtype)
-    sets = [(memory.as_numpy(torch.randn(n, d, dtype=dtype)), memory.as_numpy(torch.randn(n, d, dtype=dtype))) for _ in range(k)]
+    sets = [(memory.as_numpy(torch.randn(n, d, dtype=dtype)), memory.as_numpy(torch.randn(n, d, dtype=dtype)))
+            for _ in range(k)]
     y = memory.as_numpy(torch.empty(n, d, dtype=dtype))
     w, b = torch.randn(d).numpy(), torch.randn(d).numpy()
     stages, nt = C._stages(n * d * dtype.itemsize, n)
@@ -105,8 +110,9 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False, 
         "rmsb": lambda x, dy: K.rms_bwd(dy, x, w, rstd, None, y, dw, 1e-6, True, d, rnd, stages, nt, *bwd),
         "lnb": lambda x, dy: K.ln_bwd(dy, x, w, mean, rstd, None, y, dw, db, stages, nt, *bwd),
         "dyt": lambda x, dy: K.dyt_fwd(x, 0.5, w, b, y, stages, nt, *K.dyt_table(x, False), far_=far1),
-        "dytb": lambda x, dy: K.dyt_bwd(dy, x, 0.5, w, y, da_sum, dw_sum, db_sum, stages, nt, *K.dyt_table(x, True),
-                                        far_=far2),
+        "dytb": lambda x,
+        dy: K.dyt_bwd(dy, x, 0.5, w, y, da_sum, dw_sum, db_sum, stages, nt, *K.dyt_table(x, True),
+                      far_=far2),
     }
     call, turn = calls[op], [0]
 
@@ -152,7 +158,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--llama", action="store_true", help="rms_norm in the llama cast order (gemma's otherwise)")
+    parser.add_argument("--llama", action="store_true",
+                        help="rms_norm in the llama cast order (gemma's otherwise)")
     parser.add_argument("--in-cache", action="store_true",
                         help="one input set, batches of 200 calls: the arithmetic without memory in the way "
                              "(with --threads 1 and shapes that fit the core's cache, e.g. 64x1024)")
@@ -169,7 +176,8 @@ def main() -> None:
             # Two sets of buffers, allocated A's first and B's first: whichever was allocated
             # second ran 5%-10% faster here (an A/A run read 1.1), so rounds alternate the sets.
             first = runner(old, op, n, d, dtype, args.llama, ic), runner(new, op, n, d, dtype, args.llama, ic)
-            second = tuple(reversed((runner(new, op, n, d, dtype, args.llama, ic), runner(old, op, n, d, dtype, args.llama, ic))))
+            second = tuple(reversed((runner(new, op, n, d, dtype, args.llama, ic),
+                                     runner(old, op, n, d, dtype, args.llama, ic))))
             cp = copier(n, d, dtype, ic)
             for f in (*first, *second, cp):
                 f()  # compile, first touch
@@ -185,8 +193,9 @@ def main() -> None:
                 fa.append(c / ta * scale)
                 fb.append(c / tb * scale)
                 gain.append(ta / tb)
-            print(f"{op:5s} {shape:>10s}: x copy A {statistics.median(fa):.2f}  B {statistics.median(fb):.2f};"
-                  f"  B speedup {statistics.median(gain):.3f} (range {min(gain):.2f}-{max(gain):.2f})", flush=True)
+            print(f"{op:5s} {shape:>10s}: x copy A {statistics.median(fa):.2f}  B "
+                  f"{statistics.median(fb):.2f};  B speedup {statistics.median(gain):.3f} (range "
+                  f"{min(gain):.2f}-{max(gain):.2f})", flush=True)
 
 
 if __name__ == "__main__":

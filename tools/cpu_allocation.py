@@ -65,7 +65,8 @@ def main() -> None:
             times[name].append(time.perf_counter() - t0)
             del result  # a freed output goes back to the pool before the next round
     env = environment()
-    print(f"{env['date']}  {env['processor']}, {env['torch_threads']} threads, torch {env['torch']}, numba {env.get('numba')}")
+    print(f"{env['date']}  {env['processor']}, {env['torch_threads']} threads, torch {env['torch']}, numba "
+          f"{env.get('numba')}")
     print(f"rms_norm forward, {args.dtype} {args.shape}, median of {args.rounds} interleaved rounds")
     floor = statistics.median(times["prealloc"])
     print(f"{'allocator':<10} {'ms':>8} {'x prealloc':>11}")

@@ -94,7 +94,8 @@ def main() -> None:
     xn, dyn = memory.as_numpy(x.detach().view(n, d)), memory.as_numpy(dy.view(n, d))
     out = memory.as_numpy(torch.empty(n, d, dtype=dtype))
     stages, nt = C._stages(n * d * dtype.itemsize, n)
-    far, far2 = memory.prefetch_far(d * dtype.itemsize), memory.prefetch_far(2 * d * dtype.itemsize)  # x; x and dy
+    # x; x and dy
+    far, far2 = memory.prefetch_far(d * dtype.itemsize), memory.prefetch_far(2 * d * dtype.itemsize)
     wn, bn = w.detach().float().numpy(), b.detach().float().numpy()
     mean, rstd = np.empty(n), np.empty(n, np.float32)
     dw = np.zeros(d, np.float32)
@@ -106,9 +107,11 @@ def main() -> None:
     rows = {
         "rms_norm": {
             "kernel fwd": lambda: rmsnorm.rms_fwd(xn, wn, out, rstd, 1e-6, True, d, rnd, stages, nt, far),
-            "kernel bwd": lambda: rmsnorm.rms_bwd(dyn, xn, wn, rstd, None, out, dw, 1e-6, True, d, rnd, stages, nt, far2),
+            "kernel bwd": lambda: rmsnorm.rms_bwd(dyn, xn, wn, rstd, None, out, dw, 1e-6, True, d, rnd,
+                                                  stages, nt, far2),
             "launcher fwd": lambda: C.rms_fwd_launch(x.detach(), w, 1e-6, True, False, 0.0, d, stats=False),
-            "launcher bwd": lambda: C.rms_bwd_launch(dy, x.detach(), w, rstd_t, None, 1e-6, True, False, 0.0, d),
+            "launcher bwd": lambda: C.rms_bwd_launch(dy, x.detach(), w, rstd_t, None, 1e-6, True, False, 0.0,
+                                                     d),
             "fwd, no grad": lambda: F.rms_norm(x.detach(), w.detach(), backend="cpu"),
             "fwd, with graph": lambda: F.rms_norm(x, w, backend="cpu"),
             "bwd (autograd.grad)": timed_backward(lambda: F.rms_norm(x, w, backend="cpu"), [x, w], dy, scrub),
@@ -116,12 +119,14 @@ def main() -> None:
         },
         "layer_norm": {
             "kernel fwd": lambda: layernorm.ln_fwd(xn, wn, bn, out, mean, rstd, 1e-5, stages, nt, far),
-            "kernel bwd": lambda: layernorm.ln_bwd(dyn, xn, wn, mean, rstd, None, out, dw, dw.copy(), stages, nt, far2),
+            "kernel bwd": lambda: layernorm.ln_bwd(dyn, xn, wn, mean, rstd, None, out, dw, dw.copy(), stages,
+                                                   nt, far2),
             "launcher fwd": lambda: C.ln_fwd_launch(x.detach(), w, b, 1e-5, stats=False),
             "launcher bwd": lambda: C.ln_bwd_launch(dy, x.detach(), w, mean_t, lrstd_t, None),
             "fwd, no grad": lambda: F.layer_norm(x.detach(), w.detach(), b.detach(), backend="cpu"),
             "fwd, with graph": lambda: F.layer_norm(x, w, b, backend="cpu"),
-            "bwd (autograd.grad)": timed_backward(lambda: F.layer_norm(x, w, b, backend="cpu"), [x, w, b], dy, scrub),
+            "bwd (autograd.grad)": timed_backward(lambda: F.layer_norm(x, w, b, backend="cpu"), [x, w, b], dy,
+                                                  scrub),
             "torch eager fwd": lambda: TF.layer_norm(x.detach(), (d,), w.detach(), b.detach(), 1e-5),
         },
     }

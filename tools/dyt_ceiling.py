@@ -43,7 +43,8 @@ def _backward(dx, dy, x, w, dwc, dbc, stage, a, table, reps):
     use = table.shape[0] > 0
     total = 0.0
     for _ in range(reps):
-        total += _BWD_BLOCKS(dx, 0, x.shape[0], dy, x, w, dwc, dbc, stage, a, None, False, table, use, False)[0]
+        total += _BWD_BLOCKS(dx, 0, x.shape[0], dy, x, w, dwc, dbc, stage, a, None, False, table, use,
+                             False)[0]
     return total
 
 
@@ -63,9 +64,11 @@ def compute_ns(dtype: str, pass_: str, shape: tuple[int, int]) -> float:
     if table.size:  # the kernel fills it: one small call
         rows = np.stack([x[:64]] * 2)
         if pass_ == "fwd":
-            K.pointwise_fwd(rows, a, None, w[:64], w[:64], rows.copy(), np.zeros((1, STAGE_WIDTH), np.float32), False, table, False)
+            K.pointwise_fwd(rows, a, None, w[:64], w[:64], rows.copy(),
+                            np.zeros((1, STAGE_WIDTH), np.float32), False, table, False)
         else:
-            K.pointwise_bwd(rows, rows, a, None, w[:64], rows.copy(), np.zeros((1, 2)), np.zeros((1, 64)), np.zeros((1, 64)),
+            K.pointwise_bwd(rows, rows, a, None, w[:64], rows.copy(), np.zeros((1, 2)), np.zeros((1, 64)),
+                            np.zeros((1, 64)),
                       np.zeros((1, STAGE_WIDTH), np.float32), False, table, False)
     if pass_ == "fwd":
         y = x.copy()
@@ -88,7 +91,8 @@ def measured_ms(shape: tuple[int, int], dtype: str, rounds: int = 30) -> dict[st
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     k = rotation(shape, torch_dtype)
     xs, dys = ([torch.randn(shape).to(torch_dtype) for _ in range(k)] for _ in range(2))
-    alpha, w, b = torch.tensor([0.5]), torch.ones(shape[1], dtype=torch_dtype), torch.zeros(shape[1], dtype=torch_dtype)
+    alpha, w, b = torch.tensor([0.5]), torch.ones(shape[1],
+                                                  dtype=torch_dtype), torch.zeros(shape[1], dtype=torch_dtype)
     out = torch.empty_like(xs[0])
     calls = {"copy": lambda i: out.copy_(xs[i]),
              "fwd": lambda i: L.dyt_fwd_launch(xs[i], alpha, w, b),
@@ -110,9 +114,10 @@ def main() -> None:
     args = parser.parse_args()
     rows, d = (int(v) for v in args.shape.split("x"))
     torch.set_num_threads(args.threads)
-    print(f"{args.shape}, {args.threads} threads; x copy as normlab bench counts it (a backward moves 3 tensors, a copy 2)")
-    print(f"{'dtype':<6} {'pass':<5} {'ns/value/core':>14} {'compute ms':>11} {'kernel ms':>10} {'copy ms':>8} "
-          f"{'kernel x copy':>14} {'ceiling x copy':>15}")
+    print(f"{args.shape}, {args.threads} threads; x copy as normlab bench counts it (a backward moves 3 "
+          "tensors, a copy 2)")
+    print(f"{'dtype':<6} {'pass':<5} {'ns/value/core':>14} {'compute ms':>11} {'kernel ms':>10} "
+          f"{'copy ms':>8} {'kernel x copy':>14} {'ceiling x copy':>15}")
     for dtype in ("fp32", "bf16"):
         ms = measured_ms((rows, d), dtype)
         for pass_ in ("fwd", "bwd"):

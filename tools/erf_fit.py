@@ -40,14 +40,16 @@ def ulp_error(got: np.ndarray, z: np.ndarray) -> float:
 
 def main() -> None:
     split, cap = TE.ERF_SPLIT, TE.ERF_CAP
-    p = fit(lambda s: erf(np.sqrt(s)) / np.sqrt(s) - 1, 1e-12, split**2, 6, lambda s: 1 / np.maximum(np.sqrt(s), 1e-3))
+    p = fit(lambda s: erf(np.sqrt(s)) / np.sqrt(s) - 1, 1e-12, split**2, 6,
+            lambda s: 1 / np.maximum(np.sqrt(s), 1e-3))
     q = fit(lambda t: (-np.log(erfc(t)) - t) / t, split, cap, 6, lambda t: erfc(t) / erfc(split))
     z = np.linspace(1e-6, split, 200001, dtype=np.float32)
     small = (z + z * horner(p, (z * z).astype(np.float32))).astype(np.float32)
     t = np.linspace(split, cap, 200001, dtype=np.float32)
     r = (t + t * horner(q, t)).astype(np.float32)
     large = (1 - np.exp(-r.astype(np.float64)).astype(np.float32)).astype(np.float32)
-    for name, coefs, mine, err in (("P", p, TE.ERF_P, ulp_error(small, z)), ("Q", q, TE.ERF_Q, ulp_error(large, t))):
+    for name, coefs, mine, err in (("P", p, TE.ERF_P, ulp_error(small, z)),
+                                   ("Q", q, TE.ERF_Q, ulp_error(large, t))):
         same = np.array_equal(coefs, np.array(mine, np.float32))
         print(f"{name} = ({', '.join(repr(float(c)) for c in coefs)})")
         print(f"  as in tanh_erf.py: {same}; worst {err:.2f} ulp in float32 without fmas")

@@ -33,15 +33,21 @@ def main() -> None:
     args = parser.parse_args()
     if args.step < 1:
         parser.error(f"--step must be a whole number >= 1, got {args.step}")
-    shift, f, cap = (None, np.tanh, TE.TANH_CAP) if args.fn == "tanh" else (np.float32(0.0), erf, TE.SLOPE_CAP)
-    slope = (lambda z: 1 / np.cosh(z) ** 2) if args.fn == "tanh" else (lambda z: 2 / np.sqrt(np.pi) * np.exp(-z * z))
+    shift, f, cap = (None, np.tanh, TE.TANH_CAP) if args.fn == "tanh" else (np.float32(0.0), erf,
+                                                                            TE.SLOPE_CAP)
+    slope = (
+        (lambda z: 1 / np.cosh(z) ** 2)
+        if args.fn == "tanh"
+        else (lambda z: 2 / np.sqrt(np.pi) * np.exp(-z * z))
+    )
     end = int(np.float32(cap + 0.5).view(np.int32))
     one, zero = np.ones(CHUNK, np.float32), np.zeros(CHUNK, np.float32)
     stages, no_table = np.zeros((1, STAGE_WIDTH), np.float32), np.empty(0, np.float32)
     worst, at, not_one, hist = 0.0, 0.0, 0, np.zeros(len(BINS) - 1, np.int64)
     worst_rel, rel_at, not_zero = 0.0, 0.0, 0
     for start in range(1, end, CHUNK * args.step):
-        z = np.arange(start, min(start + CHUNK * args.step, end), args.step, dtype=np.int32).view(np.float32)[None]
+        z = np.arange(start, min(start + CHUNK * args.step, end), args.step,
+                      dtype=np.int32).view(np.float32)[None]
         n, z64 = z.size, z[0].astype(np.float64)
         y, dx = np.empty_like(z), np.empty_like(z)
         K.pointwise_fwd(z, 1.0, shift, one[:n], zero[:n], y, stages, False, no_table, False)
@@ -51,7 +57,8 @@ def main() -> None:
             worst, at = float(err.max()), float(z[0, err.argmax()])
         not_one += int(((exact.astype(np.float32) == 1) & (y[0] != 1)).sum())
         hist += np.histogram(err, BINS)[0]
-        K.pointwise_bwd(one[None, :n], z, 1.0, shift, one[:n], dx, np.zeros((1, 2)), np.zeros((1, n)), np.zeros((1, n)), stages, False,
+        K.pointwise_bwd(one[None, :n], z, 1.0, shift, one[:n], dx, np.zeros((1, 2)), np.zeros((1, n)),
+                        np.zeros((1, n)), stages, False,
                         no_table, False)
         inside = z64 < cap  # the backward zeroes dx from the cap on
         true = slope(z64[inside])
@@ -63,7 +70,8 @@ def main() -> None:
     for lo, hi, n in zip(BINS, BINS[1:], hist):
         print(f"  [{lo}, {hi}) ulp: {n:,}")
     print(f"values float32's {args.fn} rounds to 1 that came out other than 1: {not_one}")
-    print(f"backward: {args.fn}' worst {worst_rel:.3g} relative at z = {rel_at!r}; from the cap on, dx not 0: {not_zero}")
+    print(f"backward: {args.fn}' worst {worst_rel:.3g} relative at z = {rel_at!r}; from the cap on, dx not "
+          f"0: {not_zero}")
 
 
 if __name__ == "__main__":

@@ -65,7 +65,8 @@ def dump(path: str) -> None:
             r = torch.randn(shape, generator=gen).to(dtype).requires_grad_()
             leaves.append(r)
             args.append(r)
-        w = (torch.randn(shape[-1], generator=gen) * 0.5 + 1).to(dtype).requires_grad_() if has_weight else None
+        w = (torch.randn(shape[-1], generator=gen) * 0.5
+             + 1).to(dtype).requires_grad_() if has_weight else None
         args.append(w)
         leaves += [w] if w is not None else []
         if "layer" in op:
@@ -91,7 +92,8 @@ def _bits(t):
     """A tensor's bit patterns as integers (so nan equals nan when its bits do)."""
     import torch
 
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                                8: torch.int64}[t.element_size()])
 
 
 def main() -> int:
@@ -120,7 +122,8 @@ def main() -> int:
                 total += 1
                 a, b = old[name], new.get(name)
                 same = b is not None and len(a) == len(b) and all(
-                    x.dtype == y.dtype and x.shape == y.shape and torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b)
+                    x.dtype == y.dtype and x.shape == y.shape and torch.equal(_bits(x), _bits(y)) for x,
+                    y in zip(a, b)
                 )
                 if not same:
                     failures.append(("streamed " if stream else "") + name)

@@ -25,11 +25,13 @@ def bench(tiers: str, args, out: Path) -> dict:
     env = {**os.environ, "NORMLAB_CPU_TIERS": tiers}
     if tiers != "off":
         env["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="normlab-tier-")
-    subprocess.run([sys.executable, "-m", "normlab", "bench", "--backends", "normlab", "--passes", "fwd,bwd", "--ops", args.ops,
+    subprocess.run([sys.executable, "-m", "normlab", "bench", "--backends", "normlab", "--passes", "fwd,bwd",
+                    "--ops", args.ops,
                     "--dtypes", args.dtypes, "--shapes", args.shapes, "--json", str(out), "--quiet"],
                    env=env, check=True, capture_output=True)
     records = json.loads(out.read_text())["records"]
-    return {(r["op"], r["dtype"], r["shape"], r["pass"]): r["frac_of_copy"] for r in records if r["backend"] == "normlab"}
+    return {(r["op"], r["dtype"], r["shape"], r["pass"]): r["frac_of_copy"] for r in records
+            if r["backend"] == "normlab"}
 
 
 def main() -> None:

@@ -75,7 +75,8 @@ def signature(spec: T.Spec) -> tuple[dict, dict]:
 
 
 def _ptxas_figures(log: str) -> dict:
-    spills = [int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
+    spills = [int(a) + int(b) for a,
+              b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
     return {"spill_bytes": max(spills, default=0), "registers": max(regs, default=0)} if regs else {}
 
@@ -83,7 +84,8 @@ def _ptxas_figures(log: str) -> dict:
 def _key(spec: T.Spec, capability: int) -> str:
     """What a compile's result depends on: Triton, the kernels' source, the spec, the target."""
     sig, flags = signature(spec)
-    text = repr((triton.__version__, sorted(sig.items()), sorted(flags.items()), sorted(spec.options().items()), capability,
+    text = repr((triton.__version__, sorted(sig.items()), sorted(flags.items()),
+                 sorted(spec.options().items()), capability,
                  spec.kernel, os.environ.get("TRITON_DEFAULT_FP_FUSION")))
     return hashlib.sha256(KERNEL_SOURCE + text.encode()).hexdigest()[:32]
 
@@ -92,8 +94,11 @@ def _compile(spec: T.Spec, capability: int) -> dict:
     sig, flags = signature(spec)
     out = io.StringIO()
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="normlab-triton-") as fresh, warnings.catch_warnings(record=True) as caught, \
-            contextlib.redirect_stdout(out):
+    with (
+        tempfile.TemporaryDirectory(prefix="normlab-triton-") as fresh,
+        warnings.catch_warnings(record=True) as caught,
+        contextlib.redirect_stdout(out),
+    ):
         warnings.simplefilter("always")
         triton.knobs.cache.dir = fresh  # a cache hit would skip ptxas and its figures
         try:
@@ -156,7 +161,8 @@ def run(targets: list[int], hidden: tuple[int, ...], jobs: int, progress=None, c
                 if progress:
                     progress(len(results), len(jobs_all))
     results.sort(key=lambda r: (r["target"], r["index"]))
-    return {"specs": [{"kernel": s.kernel, "pointers": {k: TYPES[v] for k, v in s.pointers}, "constexprs": dict(s.constexprs),
+    return {"specs": [{"kernel": s.kernel, "pointers": {k: TYPES[v] for k, v in s.pointers},
+                       "constexprs": dict(s.constexprs),
                        "num_warps": s.num_warps} for s in specs],
             "results": results, "seconds": round(time.perf_counter() - t0, 1), "triton": triton.__version__,
             "shared_limit": {str(k): v for k, v in SHARED_LIMIT.items()}}
@@ -180,7 +186,8 @@ def problems(report: dict) -> list[str]:
         elif r["spill_bytes"]:
             out.append(f"{where}: ptxas spills {r['spill_bytes']} bytes ({r['registers']} registers)")
         if r["shared"] > SHARED_LIMIT[r["target"]]:
-            out.append(f"{where}: {r['shared']} bytes of shared memory, over sm_{r['target']}'s {SHARED_LIMIT[r['target']]}")
+            out.append(f"{where}: {r['shared']} bytes of shared memory, over sm_{r['target']}'s "
+                       f"{SHARED_LIMIT[r['target']]}")
         if r["fp_fusion_warning"]:
             out.append(f"{where}: floating-point fusion left to Triton's default")
     return out
@@ -194,10 +201,12 @@ def _progress(done: int, total: int) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", default="80,90", help="compute capabilities, comma-separated")
-    parser.add_argument("--hidden", default="64,4096,16384,262144", help="hidden sizes whose block choices to compile")
+    parser.add_argument("--hidden", default="64,4096,16384,262144",
+                        help="hidden sizes whose block choices to compile")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--kernels", help="only these kernels (comma-separated, e.g. dyt_fwd,dyt_bwd)")
-    parser.add_argument("--cache", default=env.user_cache("triton-compile"), help="where results are kept between runs ('' for none)")
+    parser.add_argument("--cache", default=env.user_cache("triton-compile"),
+                        help="where results are kept between runs ('' for none)")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args()
     targets = [int(t) for t in args.targets.split(",")]
@@ -212,9 +221,9 @@ def main() -> int:
         print(line)
     regs = [r.get("registers", 0) for r in report["results"]]
     kept = sum(1 for r in report["results"] if r.get("kept"))
-    print(f"{len(report['results'])} compiles ({len(report['specs'])} specs x {len(targets)} targets, {kept} kept from "
-          f"{args.cache or 'no cache'}) in {report['seconds']} s; "
-          f"{len(found)} problems; at most {max(regs, default=0)} registers")
+    print(f"{len(report['results'])} compiles ({len(report['specs'])} specs x {len(targets)} targets, {kept} "
+          f"kept from {args.cache or 'no cache'}) in {report['seconds']} s; {len(found)} problems; at most "
+          f"{max(regs, default=0)} registers")
     return 1 if found else 0
 
 
