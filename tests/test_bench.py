@@ -214,8 +214,8 @@ def test_records_name_the_cpus_vector_instructions(monkeypatch, flags, vectors):
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     run = {"environment": {**env.environment(), "date": "2026-12-03 00:00:00 UTC"}, "records": [
         {"op": op, "backend": b, "dtype": "fp32", "shape": "4096x4096", "pass": p, "alloc": "alloc", "ms": ms,
-         "frac_of_copy": 1.0} for op in ("rms_norm", "layer_norm") for b,
-        ms in (("normlab", 1.0), ("torch", 3.0))
+         "frac_of_copy": 1.0} for op in ("rms_norm", "layer_norm")
+        for b, ms in (("normlab", 1.0), ("torch", 3.0))
         for p in ("fwd", "bwd")]}
     summary = bench_tables.readme_summary(run, "x.json")
     assert summary.startswith(f"On {os.cpu_count()} cores of an Some CPU, {vectors} (2026-12-03")

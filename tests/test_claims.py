@@ -51,8 +51,8 @@ def test_welch_and_one_sample_intervals_on_logs_match_a_direct_computation():
     one = C.interval(a, 2.0)
     m, se = statistics.fmean(la) - math.log(2.0), statistics.stdev(la) / math.sqrt(3)
     assert one["test"] == "one-sample t" and one["n"] == (3, None)
-    assert (one["lo"], one["hi"]) == pytest.approx((m - stats.t.ppf(0.975, 2) * se, m
-                                                    + stats.t.ppf(0.975, 2) * se), rel=1e-12)
+    assert (one["lo"], one["hi"]) == pytest.approx((m - stats.t.ppf(0.975, 2) * se,
+                                                    m + stats.t.ppf(0.975, 2) * se), rel=1e-12)
 
 
 def test_an_absolute_gap_is_the_difference_itself():

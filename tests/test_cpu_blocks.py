@@ -316,5 +316,5 @@ def test_a_chunks_dw_and_db_partial_rows_sit_half_a_page_apart():
             parts = rows.partial_row_pairs(nchunks, d)
             assert parts.shape[0] == 2 * nchunks and parts.shape[1] >= d and not parts.any()
             for c in range(nchunks):
-                assert (parts[2 * c + 1].ctypes.data
-                        - parts[2 * c].ctypes.data) % 4096 == 2048, (nchunks, d, c)
+                gap = parts[2 * c + 1].ctypes.data - parts[2 * c].ctypes.data
+                assert gap % 4096 == 2048, (nchunks, d, c)

@@ -145,8 +145,8 @@ def test_a_damaged_cache_entry_is_discarded_and_compiled_again(damage, tmp_path,
     data = next(p for p in _toy_files(tmp_path) if p.suffix == ".nbc")
     if damage.startswith("index"):
         blob = index.read_bytes()
-        index.write_bytes(blob[: len(blob) // 2] if damage == "index cut short" else blob[:-40]
-                          + os.urandom(40))
+        index.write_bytes(blob[: len(blob) // 2] if damage == "index cut short"
+                          else blob[:-40] + os.urandom(40))
     elif damage == "data emptied":
         data.write_bytes(b"")
     elif damage == "data another valid pickle":

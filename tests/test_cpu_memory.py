@@ -57,9 +57,8 @@ def test_each_memory_path_gives_the_same_bits(gen, op, dtype, path, monkeypatch)
 def test_cache_sizes_come_from_sysfs(tmp_path, monkeypatch):
     if not os.environ.get("NORMLAB_CPU_PREFETCH_L2_KB"):  # the default: a quarter of this machine's L1
         assert memory.PREFETCH_L2_MIN_BYTES == memory._l1_data_bytes() // 4
-    for i, (level, kind,
-            size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "2048K"),
-                                (3, "Unified", "36M")]):
+    caches = [(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "2048K"), (3, "Unified", "36M")]
+    for i, (level, kind, size) in enumerate(caches):
         (tmp_path / f"index{i}").mkdir()
         for name, text in (("level", str(level)), ("type", kind), ("size", size)):
             (tmp_path / f"index{i}" / name).write_text(text + "\n")
@@ -260,8 +259,8 @@ def test_the_first_kernel_call_leaves_torchs_thread_count_and_gradients_alone(ho
         "    grads.append(w.grad)\n"
         "print(torch.get_num_threads(), all(torch.equal(grads[0], g) for g in grads[1:]))\n"
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"} if how.startswith("OMP") else {k: v for k,
-                                                                                v in os.environ.items()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if how.startswith("OMP") else {k: v
+                                                                                for k, v in os.environ.items()
                                                                                  if k != "OMP_NUM_THREADS"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.split() == ["1", "True"], out.stdout + out.stderr[-500:]

@@ -351,8 +351,8 @@ def test_the_stability_sweep_records_its_settings_and_measures(finished):
 
 
 def test_lr_sensitivity_follows_wortsman():
-    assert E.lr_sensitivity([2.0, 2.5, None, 5.0], init=4.0) == pytest.approx((2.0 + 2.5 + 4.0 + 4.0) / 4
-                                                                              - 2.0)
+    want = (2.0 + 2.5 + 4.0 + 4.0) / 4 - 2.0
+    assert E.lr_sensitivity([2.0, 2.5, None, 5.0], init=4.0) == pytest.approx(want)
     assert E.lr_sensitivity([2.0, 2.0], init=4.0) == 0
     assert E.lr_sensitivity([2.0, 2.5], init=None) is None  # a run from before the loss at init was logged
 

@@ -67,8 +67,8 @@ def compile_only(ops: str, dtypes: str) -> None:
 
     for name in [k.__name__ for k in KERNELS] + ["start_threads"]:
         setattr(launch, name, compiler(getattr(launch, name)))
-    calls = cli.warmup_calls(*[v.split(",") if v else default for v,
-                               default in ((ops, cli.WARMUP_OPS), (dtypes, cli.WARMUP_DTYPES))])
+    calls = cli.warmup_calls(*[v.split(",") if v else default
+                               for v, default in ((ops, cli.WARMUP_OPS), (dtypes, cli.WARMUP_DTYPES))])
     for _, call in calls:
         call()  # outputs are left unwritten: nothing reads them but the next compile-only call
     print(f"{sum(len(k.signatures) for k in KERNELS)} kernel signatures compiled")

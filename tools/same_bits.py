@@ -65,8 +65,9 @@ def dump(path: str) -> None:
             r = torch.randn(shape, generator=gen).to(dtype).requires_grad_()
             leaves.append(r)
             args.append(r)
-        w = (torch.randn(shape[-1], generator=gen) * 0.5
-             + 1).to(dtype).requires_grad_() if has_weight else None
+        w = None
+        if has_weight:
+            w = (torch.randn(shape[-1], generator=gen) * 0.5 + 1).to(dtype).requires_grad_()
         args.append(w)
         leaves += [w] if w is not None else []
         if "layer" in op:
@@ -122,8 +123,8 @@ def main() -> int:
                 total += 1
                 a, b = old[name], new.get(name)
                 same = b is not None and len(a) == len(b) and all(
-                    x.dtype == y.dtype and x.shape == y.shape and torch.equal(_bits(x), _bits(y)) for x,
-                    y in zip(a, b)
+                    x.dtype == y.dtype and x.shape == y.shape and torch.equal(_bits(x), _bits(y))
+                    for x, y in zip(a, b)
                 )
                 if not same:
                     failures.append(("streamed " if stream else "") + name)

@@ -75,8 +75,8 @@ def signature(spec: T.Spec) -> tuple[dict, dict]:
 
 
 def _ptxas_figures(log: str) -> dict:
-    spills = [int(a) + int(b) for a,
-              b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
+    spills = [int(a) + int(b)
+              for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
     return {"spill_bytes": max(spills, default=0), "registers": max(regs, default=0)} if regs else {}
 

@@ -347,8 +347,8 @@ def _bwd_runner(peer: Peer, pass_: str, xs, rs, dys, dss, device, scrub: Callabl
     times the backward alone and returns that duration (a fresh graph each call: no retain_graph,
     which compiled backwards with donated buffers refuse)."""
     k = len(xs)
-    leaves = [(x.detach().clone().requires_grad_(), r.detach().clone().requires_grad_()) for x,
-              r in zip(xs, rs)]
+    leaves = [(x.detach().clone().requires_grad_(), r.detach().clone().requires_grad_())
+              for x, r in zip(xs, rs)]
 
     def forward(j):
         x, r = leaves[j]
@@ -487,8 +487,8 @@ def _records(cases: list[Case], device: torch.device) -> list[dict]:
     return out
 
 
-def write_json(path: str, records: list[dict], env: dict, scrub: bool = True, notes: list[str]
-               | None = None) -> None:
+def write_json(path: str, records: list[dict], env: dict, scrub: bool = True,
+               notes: list[str] | None = None) -> None:
     """``method.scrub_bytes``: what was read before each timed call (0: nothing, the method of
     records made before the scrub, which have no ``method``). ``method.grad_mode``: "untimed"
     where autograd's mode is set outside each timed call (Case.grad_mode); records without it

@@ -183,9 +183,9 @@ def _judge_leaf(rule: dict, measured: dict, adjust) -> tuple[str, str, float | N
     if ci is None or "none" in ci:
         n = len(finite(va))
         unit = over if n != 1 else over.rstrip("s")
-        why = (f"{n} {unit}: "
-               + ci["none"]) if ci else (f"{n} {unit} {'give' if n != 1 else 'gives'} no interval (at "
-                                          "least 2 needed on each side)")
+        verb = "give" if n != 1 else "gives"
+        why = (f"{n} {unit}: " + ci["none"] if ci
+               else f"{n} {unit} {verb} no interval (at least 2 needed on each side)")
         return UNSURE, f"{a} vs {_b_text(b)}: {why}: inconclusive", 1.0
     p_hold, p_fail = _p_sides(rule, ci)
     verdict, p = _decided(p_hold, p_fail, ALPHA)
@@ -452,8 +452,8 @@ def origins(rule: dict) -> list[str]:
             else f"{what}: normlab's choice ({o['text']})"]
 
 
-def claim(cid: str, text: str, source: str, measured: dict, rule: dict, conditions: list[str]
-          | None = None) -> dict:
+def claim(cid: str, text: str, source: str, measured: dict, rule: dict,
+          conditions: list[str] | None = None) -> dict:
     """A claim record with its verdict and evidence computed from ``measured`` by ``rule``: the
     plain per-claim ones, until :func:`familywise` judges the invocation's claims together."""
     verdict, evidence = evaluate(rule, measured)

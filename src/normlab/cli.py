@@ -236,8 +236,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
 
     overrides = key_values(args.overrides)
     # typed like the config's fields; train() refuses what a resumed run may not change
-    changes = {k: v for part in train.split_overrides(overrides) for k,
-               v in part.items()} if args.resume else None
+    changes = {k: v for part in train.split_overrides(overrides)
+               for k, v in part.items()} if args.resume else None
     tcfg, model_overrides = train.resumed(args.resume,
                                           changes) if args.resume else train.resolve(args.config, overrides)
     if args.quiet:

@@ -59,8 +59,8 @@ def _manual_hint() -> str:
     )
 
 
-def pip_download(requirement: str, sha256: str, dest: Path, *, source: bool = True, find_links: Path
-                 | None = None) -> Path:
+def pip_download(requirement: str, sha256: str, dest: Path, *, source: bool = True,
+                 find_links: Path | None = None) -> Path:
     """pip download one pinned file (``requirement`` NAME==VERSION) into ``dest``: its source
     archive, or with ``source=False`` its wheel. pip checks ``sha256`` (hash-checking mode) before
     it unpacks anything, so a foreign archive's setup.py never runs; it runs only for the archive
@@ -512,8 +512,8 @@ class ParagraphBatches:
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pick = torch.randint(0, len(self.starts), (self.batch_size,), generator=self.gen)[self.rows].tolist()
-        units = [self.tokens[s : min(e, s + self.seq_len + 1)] for s,
-                 e in zip(self.starts[pick], self.ends[pick])]
+        units = [self.tokens[s : min(e, s + self.seq_len + 1)]
+                 for s, e in zip(self.starts[pick], self.ends[pick])]
         T = max(len(u) for u in units) - 1
         x = torch.zeros(len(units), T, dtype=torch.long)
         y = torch.zeros(len(units), T, dtype=torch.long)

@@ -89,8 +89,8 @@ class Attention(nn.Module):
         self.record_logits = False  # diagnostics: keep the largest attention logit of the next forward
         self.max_logit: Tensor | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None, cache: dict
-                | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None,
+                cache: dict | None) -> Tensor:
         B, T, _ = x.shape  # (B, T, d)
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.kv_heads, self.head_dim)

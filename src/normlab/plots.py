@@ -419,8 +419,8 @@ def plot_shallow(section: dict, plt) -> dict:
             xs, mean, lo, hi = _mean_curve(curves, "step")
             diverged = sum(c["status"] == "diverged" for c in curves)
             if xs:
-                ax.plot(xs, mean, color=PLACEMENT_COLOURS[p], label=p
-                        + (f" ({diverged} diverged)" if diverged else ""))
+                ax.plot(xs, mean, color=PLACEMENT_COLOURS[p],
+                        label=p + (f" ({diverged} diverged)" if diverged else ""))
                 ax.fill_between(xs, lo, hi, color=PLACEMENT_COLOURS[p], alpha=0.2)
         ax.set_title(f"{depth} layers", fontsize=10)
         ax.set_xlabel("step")

@@ -60,8 +60,8 @@ def _setting(v) -> str:
     a dict as "key value" pairs, a dict of dicts as "key: pairs; ..."."""
     if isinstance(v, dict):
         nested = any(isinstance(x, dict) for x in v.values())
-        return ("; " if nested else ", ").join(f"{k}{':' if isinstance(x, dict) else ''} {_setting(x)}" for k,
-                                               x in v.items())
+        return ("; " if nested else ", ").join(f"{k}{':' if isinstance(x, dict) else ''} {_setting(x)}"
+                                               for k, x in v.items())
     if isinstance(v, list):
         if len(v) > 6 and all(isinstance(x, int) for x in v) and v == list(range(v[0], v[0] + len(v))):
             return f"{v[0]} to {v[-1]} ({len(v)})"
@@ -92,8 +92,8 @@ def clock_lines(results: dict) -> list[str]:
     lines = []
     if mixed:
         lines.append("Mixed conditions: the training runs of " + "; of ".join(
-            f"{name} were trained under {len(c)} ({'; '.join(clock_text(x) for x in c)})" for name,
-            c in mixed.items())
+            f"{name} were trained under {len(c)} ({'; '.join(clock_text(x) for x in c)})"
+            for name, c in mixed.items())
             + ". Their tokens/s, run_step_ms and per-second curves do not compare across those conditions: "
             "the per-second curves are left out. Timing claims are not among them: each is measured in one "
             "process, keyed by machine and thread count.")
@@ -295,8 +295,8 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
         for img in images.get(name, []):
             data = base64.b64encode((folder / img).read_bytes()).decode()
             parts.append(f"<p><img alt='{e(img)}' src='data:image/png;base64,{data}'></p>")
-        rows = "".join(f"<tr><td>{e(k)}</td><td>{e(v)}</td></tr>" for k,
-                       v in settings_rows(section["settings"]))
+        rows = "".join(f"<tr><td>{e(k)}</td><td>{e(v)}</td></tr>"
+                       for k, v in settings_rows(section["settings"]))
         parts.append(f"<table class='settings'><tr><th>setting</th><th>value</th></tr>{rows}</table>"
                      f"<p class='rule'>Compute time {section.get('seconds', 0):.0f} s.</p>")
     parts.append("</body></html>")

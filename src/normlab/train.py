@@ -466,8 +466,8 @@ def _check_agrees(run: RunDir, state: dict, config: dict) -> None:
     with (checkpoints from before this check carry neither and pass)."""
     held = state.get("config")
     if held:
-        differ = [f"{k}: {held['train'][k]!r} in checkpoint.pt, {v!r} in config.json" for k,
-                  v in config["train"].items()
+        differ = [f"{k}: {held['train'][k]!r} in checkpoint.pt, {v!r} in config.json"
+                  for k, v in config["train"].items()
                   if k not in _VOLATILE and k in held["train"] and held["train"][k] != v]
         differ += [f"{k}: {held['model_resolved'][k]!r} in checkpoint.pt, {v!r} in config.json"
                    for k, v in config["model_resolved"].items() if held["model_resolved"].get(k, v) != v]

@@ -53,8 +53,8 @@ def preset_eps(lab: Lab) -> dict:
                           "output_rms": round_sig(e["output_rms"])})
         measured[f"{mode}_max_gain_sqrt_eps"] = max(e["gain"] for e in exact) * math.sqrt(EPS)
         measured[f"{mode}_zero_row_gain_eps"] = exact[0]["gain"] * EPS
-        measured[f"{mode}_normlab_gain_rel_err"] = max(abs(f["gain"] - e["gain"]) / e["gain"] for e,
-                                                       f in zip(exact, fused))
+        measured[f"{mode}_normlab_gain_rel_err"] = max(abs(f["gain"] - e["gain"]) / e["gain"]
+                                                       for e, f in zip(exact, fused))
     conditions = ["matches: the exact derivative, computed in float64 on all-zero rows (padding) and on "
                   "rows of RMS 1e-8 to 1, with eps = 1e-6 as in Llama",
                   "differs: the norm alone on random rows, not the padded positions of a model in training"]

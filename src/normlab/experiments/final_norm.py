@@ -104,8 +104,8 @@ def preset_final_norm(lab: Lab) -> dict:
                     "head_rms_end",
                     "head_rms_growth"],
         "rows": rows, "claims": claims,
-        "series": {"runs": {f"{final}|{which}": [curves_of(r) for r in rs] for (final, which),
-                            rs in runs.items()},
+        "series": {"runs": {f"{final}|{which}": [curves_of(r) for r in rs]
+                            for (final, which), rs in runs.items()},
                    "head_rms": {f"{final}|{which}": cs for (final, which), cs in curves.items()}},
         "notes": [f"{len(seeds)} seeds per setting. head_rms: the RMS of the LM head's input (the final "
                   f"norm's output, or without it the residual stream) every {train_fields['diag_every']} "

@@ -127,8 +127,8 @@ def preset_gradients(lab: Lab) -> dict:
                     conditions),
             C.claim(f"gradients.pre_last_scaling{tag}",
                     f"the last layer's W2 gradient of Pre-LN scales like L^-1/2 ({where}, "
-                    f"L = {', '.join(map(str, depths))}: log-log slope within -0.5 +- 0.25)", XIONG20
-                    + ", Theorem 1",
+                    f"L = {', '.join(map(str, depths))}: log-log slope within -0.5 +- 0.25)",
+                    XIONG20 + ", Theorem 1",
                     claim_values(measured, f"{name}_pre_last_slope"),
                     C.within(f"{name}_pre_last_slope", -0.5, 0.25, origin=slope_band, absolute=True),
                     conditions),

@@ -264,8 +264,8 @@ def preset_invariance(lab: Lab) -> dict:
         "claims": claims,
         "series": {"exact": exact, "geometry": facts,
                    "invariant": {k: sorted(v) for k, v in INVARIANT.items()},
-                   "runs": {f"{norm}|{noise:g}": [curves_of(r) for r in runs[norm, noise]] for norm,
-                            noise in runs}},
+                   "runs": {f"{norm}|{noise:g}": [curves_of(r) for r in runs[norm, noise]]
+                            for norm, noise in runs}},
         "notes": ["relative_change: ||y' - y|| / ||y|| in float64 after the transformation (input shift: a "
                   f"random constant per row, std {SHIFT:g}; scales: x {SCALE:g}; weight re-centering: W + 1 "
                   "g^T, g random). The model rows transform every branch's output projection of a "

@@ -126,8 +126,8 @@ def slope(x: list[float], y: list[float], level: float = 0.95) -> dict | None:
     r = S.linregress([a for a, _ in pts], [b for _, b in pts])
     df = len(pts) - 2
     half = float(S.t.ppf(0.5 + level / 2, df)) * float(r.stderr)
-    return {"slope": float(r.slope), "se": float(r.stderr), "lo": float(r.slope) - half, "hi": float(r.slope)
-            + half,
+    return {"slope": float(r.slope), "se": float(r.stderr), "lo": float(r.slope) - half,
+            "hi": float(r.slope) + half,
             "df": df, "n": len(pts), "intercept": float(r.intercept)}
 
 

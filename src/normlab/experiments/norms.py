@@ -93,8 +93,8 @@ def preset_norms(lab: Lab) -> dict:
     # The norms' share of a step, in the model: what the same step costs without them (the "none"
     # arm, timed in the same processes). Calls timed alone miss what a norm costs inside a model
     # (its autograd nodes, output allocations, parameter gradients and AdamW updates).
-    share = 1 - statistics.median(n / ln for n,
-                                  ln in zip(timing["none"]["samples"], timing["layernorm"]["samples"]))
+    share = 1 - statistics.median(n / ln
+                                  for n, ln in zip(timing["none"]["samples"], timing["layernorm"]["samples"]))
     kernel_gain = 1 - calls["rmsnorm"] / calls["layernorm"]
     budget = {"norm_calls_per_step": n_calls, "layernorm_call_ms": round_sig(calls["layernorm"]),
               "rmsnorm_call_ms": round_sig(calls["rmsnorm"]),
@@ -161,8 +161,8 @@ def preset_norms(lab: Lab) -> dict:
                     "run_step_ms", "tokens_per_s",
                     "step_ms", "step_vs_layernorm"],
         "rows": rows, "claims": claims,
-        "series": {"runs": {norm: [{"seed": s, **curves_of(r)} for s, r in zip(seeds, rs)] for norm,
-                            rs in runs.items()},
+        "series": {"runs": {norm: [{"seed": s, **curves_of(r)} for s, r in zip(seeds, rs)]
+                            for norm, rs in runs.items()},
                    "step_ms": {norm: timing[norm]["samples"] for norm in norms}},
         "notes": ["val_loss: validation loss at the end of training (mean over seeds; std, min, max over "
                   "seeds). step_ms: training-step time measured round-robin across the norms in each of "

@@ -68,8 +68,8 @@ def preset_scale(lab: Lab) -> dict:
                      "seeds": seeds},
         "columns": ["norm", "lr", "val_loss", "val_std", "val_min", "val_max", "seeds", "diverged"],
         "rows": rows, "claims": claims,
-        "series": {"runs": {norm: [{"seed": s, **curves_of(r)} for s, r in zip(seeds, rs)] for norm,
-                            rs in runs.items()}},
+        "series": {"runs": {norm: [{"seed": s, **curves_of(r)} for s, r in zip(seeds, rs)]
+                            for norm, rs in runs.items()}},
         "notes": ["val_loss: validation loss at the end of training (mean over seeds; std, min, max over "
                   "seeds). l2: every row leaves the norm at length 1 (RMSNorm: sqrt(d)), so each block's "
                   "input is sqrt(d) times smaller at initialization; ScaleNorm starts as weightless RMSNorm "

@@ -178,8 +178,8 @@ def preset_speed(lab: Lab) -> dict:
                     "bytes_per_row"],
         "rows": rows, "claims": claims, "series": {"records": kern["records"],
                                                 "timing": {**{k: v["ms"] for k, v in timing.items()},
-                                                           **{f"gru|{k}": v["ms"] for k,
-                                                              v in gru_timing.items()}}},
+                                                           **{f"gru|{k}": v["ms"]
+                                                              for k, v in gru_timing.items()}}},
         "notes": ["Kernel rows come from normlab bench (allocating calls, median of interleaved rounds; "
                   "frac_of_copy: GB/s over the GB/s of y.copy_(x) on the same tensor in the same run; the "
                   "kernel claims pair the ops by round). Train-step rows: median time of a forward, "

@@ -79,8 +79,8 @@ def bf16_misses(norm: str, d: int, n: int, seed: int, backend: str) -> list[str]
         # |x| rstd, not with the output (as the kernels' tests bound it: normlab.testing)
         out_terms = (xd.abs() + xd.mean(-1, keepdim=True).abs()) * rstd if norm == "layernorm" else None
         grad_terms = rstd * dy.double().abs()
-        for j, (what, terms,
-                rule) in enumerate((("output", out_terms, "element"), ("input gradient", grad_terms, "row"))):
+        for j, (what, terms, rule) in enumerate((("output", out_terms, "element"),
+                                                 ("input gradient", grad_terms, "row"))):
             try:
                 assert_close(results["fast"][j], results["truth"][j], lowp=results["lowp"][j],
                              dtype=torch.bfloat16,
@@ -108,8 +108,8 @@ def preset_stability(lab: Lab) -> dict:
     }
     table = [{"spread": s, "layernorm_gain": round_sig(a),
               "layernorm_bound": round_sig(1 / math.sqrt((s * MEAN) ** 2 + EPS)),
-              "rmsnorm_gain": round_sig(b), "rmsnorm_bound": round_sig(1 / abs(MEAN))} for s, a,
-             b in zip(SPREADS, ln, rms)]
+              "rmsnorm_gain": round_sig(b), "rmsnorm_bound": round_sig(1 / abs(MEAN))}
+             for s, a, b in zip(SPREADS, ln, rms)]
     conditions = [f"matches: rows of mean {MEAN:g} and spread s from {SPREADS[0]:g} down to {SPREADS[-1]:g} "
                   f"times the mean, eps = {EPS:g} (torch's LayerNorm default) for both norms, the exact "
                   "derivative in float64",

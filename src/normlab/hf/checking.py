@@ -252,8 +252,8 @@ def check_model(model: nn.Module, *, dtype: str = "fp32", batch: int = 2, seq: i
     judged = []
     for name, (u, p, t) in tensors.items():
         err_u, err_p = _rel(u, t), _rel(p, t)
-        judged.append({"tensor": name, "err_patched": err_p, "err_unpatched": err_u, "excess": err_p
-                       - 2 * err_u - eps})
+        judged.append({"tensor": name, "err_patched": err_p, "err_unpatched": err_u,
+                       "excess": err_p - 2 * err_u - eps})
     judged.sort(key=lambda r: r["excess"], reverse=True)
     result = {"dtype": dtype, "patched": len(report.patched), "skipped": len(report.skipped),
               "fused": len(report.fused),

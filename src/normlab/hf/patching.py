@@ -159,8 +159,8 @@ def _probe_input(d: int, gen: torch.Generator) -> torch.Tensor:
     return (torch.randn(2, 2, 16, d, generator=gen, dtype=torch.float64) + 0.5) * scale
 
 
-def _apply(spec: dict, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, backend: str
-           | None = None) -> torch.Tensor:
+def _apply(spec: dict, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None,
+           backend: str | None = None) -> torch.Tensor:
     """normlab's op for ``spec``: what the probe compares and what a patched forward runs."""
     if spec["op"] == "ln":
         return F.layer_norm(x, w, b, eps=spec["eps"], backend=backend)

@@ -369,8 +369,8 @@ class DyT:
     def gradients(ctx, grads, backward):
         """Every input's gradient comes from the backward, in the inputs' order."""
         out = backward(grads[0], *ctx.saved_tensors, grad_dtypes=None)
-        return tuple(_grad_like(g, t, need) for g, t,
-                     need in zip(out, ctx.saved_tensors, ctx.needs_input_grad))
+        return tuple(_grad_like(g, t, need)
+                     for g, t, need in zip(out, ctx.saved_tensors, ctx.needs_input_grad))
 
     @classmethod
     def differentiable_gradients(cls, ctx, grads):

@@ -239,8 +239,8 @@ class _Cache(caching.FunctionCache):
         stamp = self._impl.locator.get_source_stamp()
         self._cache_file = _CheckedFile(self._cache_path, self._impl.filename_base, stamp)
         tiers = host_tiers() if self._tiered else ()
-        self._tiers = [(level, _CheckedFile(folder, self._impl.filename_base, stamp)) for level,
-                       folder in tiers]
+        self._tiers = [(level, _CheckedFile(folder, self._impl.filename_base, stamp))
+                       for level, folder in tiers]
 
     def _load_overload(self, sig, target_context):
         loaded = super()._load_overload(sig, target_context)

@@ -382,8 +382,8 @@ def _make_grad_blocks(rows=1, hw=HW_BF16):
                     prefetch_ahead(context, builder, signature.args[k], args[k], at, EMIT, rows, args[-1])
             xs, tabled = {}, {}  # (row, v) -> x, and (t, slope) where the blocks may gather
             if _tabled(xkind):
-                idx = {(r, v): _patterns(builder, builder.gep(data[kx], [at]), v) for r,
-                       (_, _, kx) in enumerate(rows_in) for v in blocks}
+                idx = {(r, v): _patterns(builder, builder.gep(data[kx], [at]), v)
+                       for r, (_, _, kx) in enumerate(rows_in) for v in blocks}
                 xs = {key: _x_of(builder, i, xkind) for key, i in idx.items()}
                 flat = _either(builder, args[13],
                                lambda: [u for i in idx.values() for u in _gather_pairs(builder, data[12], i)],

@@ -159,8 +159,8 @@ def _y_vector(llama):
 
 _Y_BLOCK = {(llama, stream, paired, finite): forward_block(_y_vector(llama), llama, stream, paired=paired,
                                                            finite=finite)
-            for llama in (False, True) for stream in (False, True) for paired,
-            finite in ((False, False), (True, False), (True, True))}
+            for llama in (False, True) for stream in (False, True)
+            for paired, finite in ((False, False), (True, False), (True, True))}
 
 
 # replaced by the overload below

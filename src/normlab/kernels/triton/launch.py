@@ -103,8 +103,8 @@ def bwd_spec(d: int, dy: torch.dtype, x: torch.dtype, *, weight: torch.dtype | N
     return Spec("norm_bwd", pointers, tuple(flags.items()), _warps(block * tile))
 
 
-def dyt_spec(kernel: str, d: int, x: torch.dtype, *, weight: torch.dtype | None, bias: torch.dtype
-             | None) -> Spec:
+def dyt_spec(kernel: str, d: int, x: torch.dtype, *, weight: torch.dtype | None,
+             bias: torch.dtype | None) -> Spec:
     """dyt_fwd's or dyt_bwd's specialization (a missing weight or bias is replaced by x)."""
     block = _block(d)
     if kernel == "dyt_fwd":
