@@ -199,6 +199,57 @@ def test_the_host_loads_the_best_level_it_can_run_and_nothing_else(tmp_path, mon
         cache.host_tiers.cache_clear()
 
 
+def test_an_arm64_host_loads_the_aarch64_level_and_never_an_x86_one(tmp_path, monkeypatch):
+    for level in cache.TIERS:
+        (tmp_path / level / f"normlab-{cache.sources_hash()}").mkdir(parents=True)
+    monkeypatch.setenv("NORMLAB_CPU_TIERS", str(tmp_path))
+
+    def levels(triple, features):
+        monkeypatch.setattr(cache.llvm, "get_process_triple", lambda: triple)
+        monkeypatch.setattr(cache.llvm, "get_host_cpu_features", lambda: dict.fromkeys(features, True))
+        cache.host_tiers.cache_clear()
+        return [level for level, _ in cache.host_tiers()]
+
+    arm = "aarch64-unknown-linux-gnu"
+    try:
+        assert levels(arm, ("neon", "fp-armv8", "sve")) == ["aarch64"]
+        assert levels(arm, ()) == ["aarch64"]  # NEON is in every ARM64 CPU: the level asks for nothing
+        # a level is for one machine: x86 feature names on an ARM64 host load no x86 level
+        assert levels(arm, cache.TIERS["x86-64-v4-bf16"]) == ["aarch64"]
+        assert levels("x86_64-unknown-linux-gnu", cache.TIERS["x86-64-v3"]) == ["x86-64-v3"]
+        assert levels("x86_64-unknown-linux-gnu", ()) == []
+        assert levels("powerpc64le-unknown-linux-gnu", ()) == []
+        shutil.rmtree(tmp_path / "aarch64")
+        assert levels("arm64-unknown-linux-gnu", ("neon",)) == []
+    finally:
+        cache.host_tiers.cache_clear()
+    assert cache.llvm_target("aarch64") == ("generic", "")
+    monkeypatch.setattr(cache.numba.config, "CPU_NAME", "generic")  # the aarch64 level's build
+    monkeypatch.setattr(cache.numba.config, "CPU_FEATURES", "")
+    assert cache.target_features() == {}
+
+
+def test_the_arm64_level_is_built_by_an_arm64_python(tmp_path, monkeypatch):
+    """On x86-64 under emulation (tools/qemu_arm.sh), on an ARM64 machine by its own Python; the x86
+    levels only on x86-64."""
+    calls = []
+    monkeypatch.setattr(build_tiers.subprocess, "run", lambda cmd, env, check: calls.append((cmd, env)))
+    monkeypatch.setattr(build_tiers, "process_arch", lambda: "x86_64")
+    build_tiers.build("aarch64", tmp_path, ops="rms_norm")
+    (cmd, env), = calls
+    assert cmd[:3] == ["bash", str(ROOT / "tools" / "qemu_arm.sh"), "python"]
+    assert cmd[3:6] == [build_tiers.__file__, "--compile-only", "--ops"] and "rms_norm" in cmd
+    assert (env["NUMBA_CPU_NAME"], env["NUMBA_CPU_FEATURES"]) == ("generic", "")
+    assert env["NUMBA_CACHE_DIR"] == str(tmp_path / "aarch64")
+    monkeypatch.setattr(build_tiers, "process_arch", lambda: "aarch64")
+    build_tiers.build("aarch64", tmp_path)
+    assert calls[1][0][0] == sys.executable
+    with pytest.raises(ValueError, match="x86-64-v3 can only be built on an x86-64 machine"):
+        build_tiers.build("x86-64-v3", tmp_path)
+    assert build_tiers.levels_for("aarch64") == ["aarch64"]
+    assert build_tiers.levels_for("x86_64") == ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3-zen", "x86-64-v3"]
+
+
 def test_info_names_the_levels_it_would_load_best_first(tmp_path, monkeypatch, capsys):
     from normlab import cli
 

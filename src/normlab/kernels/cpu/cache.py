@@ -17,7 +17,8 @@ discarded with a warning and the kernel compiled again.
 ships kernels compiled ahead of time for the portable x86-64 levels ``x86-64-v3`` (AVX2) and
 ``x86-64-v4`` (AVX-512), the bf16 kernels once more for ``x86-64-v4-bf16`` (v4 with the
 AVX512-BF16 conversions) and the bf16 and fp16 ones for ``x86-64-v3-zen`` (v3 scheduled for
-AMD's CPUs), in ``tiers/<level>/`` (tools/build_tiers.py). Compiling for a level
+AMD's CPUs), and an ARM64 wheel the level ``aarch64`` (LLVM's generic ARMv8-A CPU, NEON, built
+under emulation on x86-64), in ``tiers/<level>/`` (tools/build_tiers.py). Compiling for a level
 rather than the builder's CPU makes the code run on every CPU with that level's features, and
 numba's cache key then names the level instead of the CPU. A kernel with no entry in the user's
 cache is loaded from the best level this CPU supports that holds it; only where none does
@@ -59,7 +60,10 @@ _V2 = ("cx16", "popcnt", "sahf", "sse3", "sse4.1", "sse4.2", "ssse3")
 _V3 = _V2 + ("avx", "avx2", "bmi", "bmi2", "f16c", "fma", "lzcnt", "movbe", "xsave")
 _V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 TIERS = {"x86-64-v4-bf16": _V4 + ("avx512bf16",), "x86-64-v4": _V4, "x86-64-v3-zen": _V3
-         + ("sse4a", "prfchw"), "x86-64-v3": _V3}
+         + ("sse4a", "prfchw"), "x86-64-v3": _V3,
+         # every ARM64 CPU has NEON (ARMv8-A makes it part of the architecture): one level, compiled
+         # for LLVM's generic aarch64 CPU, runs on all of them
+         "aarch64": ()}
 TIERS_DIR = os.path.join(HERE, "tiers")
 
 # A level that is not a psABI level is compiled for an LLVM CPU name and features of its own, and
@@ -80,8 +84,21 @@ EXTENDED = {"x86-64-v4-bf16": ("x86-64-v4", "+avx512bf16", "bf16"),
 
 def llvm_target(level: str) -> tuple[str, str]:
     """(NUMBA_CPU_NAME, NUMBA_CPU_FEATURES) a level's kernels are compiled for: its cache key."""
+    if level == "aarch64":
+        return "generic", ""
     name, features, _ = EXTENDED.get(level, (level, "", None))
     return name, features
+
+
+def level_arch(level: str) -> str:
+    """The machine a level's code runs on: "aarch64" or "x86_64"."""
+    return "aarch64" if level == "aarch64" else "x86_64"
+
+
+def process_arch() -> str:
+    """This process's machine as the levels name it ("x86_64", "aarch64"; anything else as LLVM says)."""
+    arch = llvm.get_process_triple().split("-")[0]
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(arch, arch)
 
 
 def target_features() -> dict[str, bool]:
@@ -98,11 +115,13 @@ def target_features() -> dict[str, bool]:
 @functools.cache
 def host_tiers() -> tuple[tuple[str, str], ...]:
     """(level, folder) of every shipped tier this CPU can run for these sources, best first; none
-    when tiers are off, numba is told to target a CPU, the CPU is not x86-64, or nothing is shipped."""
+    when tiers are off, numba is told to target a CPU, the CPU is neither x86-64 nor ARM64, or
+    nothing is shipped."""
     setting = os.environ.get("NORMLAB_CPU_TIERS", "")
     if setting.lower() in ("off", "0", "false", "no") or numba.config.CPU_NAME is not None:
         return ()
-    if llvm.get_process_triple().split("-")[0] not in ("x86_64", "amd64"):
+    arch = process_arch()
+    if arch not in ("x86_64", "aarch64"):
         return ()
     if setting and not os.path.isdir(setting):
         warnings.warn(f"NORMLAB_CPU_TIERS={setting!r} is neither off nor a folder: no shipped kernels are "
@@ -112,7 +131,7 @@ def host_tiers() -> tuple[tuple[str, str], ...]:
     found = []
     for level, needs in TIERS.items():
         folder = os.path.join(setting or TIERS_DIR, level, "normlab-" + sources_hash())
-        if all(host.get(f, False) for f in needs) and os.path.isdir(folder):
+        if level_arch(level) == arch and all(host.get(f, False) for f in needs) and os.path.isdir(folder):
             found.append((level, folder))
     return tuple(found)
 
