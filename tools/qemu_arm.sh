@@ -4,6 +4,8 @@
 #   bash tools/qemu_arm.sh setup                 # once: qemu, an arm64 Python, aarch64 wheels (~1 GB)
 #   bash tools/qemu_arm.sh python -m pytest -q tests/test_cpu_numerics.py -k every_op
 #   bash tools/qemu_arm.sh python -c "import normlab; ..."
+#   python tools/build_tiers.py --tiers aarch64 # the ARM64 wheel's kernels: build_tiers runs this script
+#   NORMLAB_CPU_TIERS=DIR bash tools/qemu_arm.sh python tools/tier_check.py --as-cpu neoverse-n1
 #
 # For correctness only: emulation runs the kernels (and numba's compiles, minutes each) 10-50x
 # slower than an ARM CPU would, so no speed measured here means anything. LLVM sees the emulated
