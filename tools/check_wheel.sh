@@ -30,8 +30,19 @@ PY
 if PYTHONPATH=src "$py" -c 'import sys; from llvmlite import binding as b; from normlab.kernels.cpu.cache import TIERS
 f = b.get_host_cpu_features(); sys.exit(not all(f.get(x, False) for x in TIERS["x86-64-v3"]))'; then
   cp -r src/normlab/kernels/cpu/tiers "$tmp/kept-tiers" 2>/dev/null || true  # a checkout's full tiers, put back after
+  # another machine's level in the checkout (an ARM64 build's) stays out of this wheel and in place
+  other="src/normlab/kernels/cpu/tiers/aarch64/normlab-$(PYTHONPATH=src "$py" -c 'from normlab.kernels.cpu.cache import sources_hash; print(sources_hash())')"
+  mkdir -p "$other" && touch "$other/kept"
   TIER_ARGS="--tiers x86-64-v3 --ops rms_norm --dtypes fp32" PYTHON="$py" bash tools/build_wheel.sh "$tmp/release" > "$tmp/release.log" 2>&1 \
     || { tail -30 "$tmp/release.log"; exit 1; }
+  [ -f "$other/kept" ] || { echo "build_wheel.sh did not put the aarch64 level back" >&2; exit 1; }
+  "$py" - "$tmp"/release/normlab-*.whl <<'PY'
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+assert not [n for n in names if "/tiers/aarch64/" in n], "the x86-64 release wheel holds the aarch64 level"
+assert [n for n in names if "/tiers/x86-64-v3/" in n], "the x86-64 release wheel lacks its x86-64-v3 level"
+assert sys.argv[1].endswith("manylinux_2_28_x86_64.whl"), sys.argv[1]
+PY
   rm -rf src/normlab/kernels/cpu/tiers
   [ -d "$tmp/kept-tiers" ] && mv "$tmp/kept-tiers" src/normlab/kernels/cpu/tiers
   "$tmp/venv/bin/python" -m pip install -q --force-reinstall --no-deps "$tmp"/release/normlab-*.whl
