@@ -46,6 +46,7 @@ def main() -> int:
     import torch
 
     from normlab import cli, reference
+    from normlab.bench import DTYPES
     from normlab import functional as F
     from normlab.kernels import cpu
     from normlab.testing import assert_close
@@ -62,7 +63,7 @@ def main() -> int:
     torch.manual_seed(0)
     checked = 0
     for name in dtypes:
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+        dtype = DTYPES[name]
         for op in (o for o in ("rms_norm", "layer_norm") if o in ops):
             x = (torch.randn(6, 1000, dtype=torch.float64) * 3 + 1).to(dtype)
             w = torch.randn(1000, dtype=torch.float64).to(dtype)
