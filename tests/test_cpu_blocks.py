@@ -2,6 +2,10 @@
 conversions, row sums, row pairs in the first pass and the backward, streamed spans and the
 partial rows' placement."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -199,6 +203,43 @@ def test_wide_bf16_rows_in_pairs(gen, op):
             alone_leaves = {k: (v[r : r + 1] if v.dim() == 2 else v) for k, v in leaves.items()}
             _, alone = run_op(op, alone_leaves, opts, "cpu", [g[r : r + 1] for g in grads])
             assert torch.equal(together["x"][r : r + 1], alone["x"]), (opts, r)
+
+
+PAIR_RULE = """
+import numpy as np
+from numba import njit
+from normlab.kernels.cpu import rows
+
+@njit
+def fit(round_to, inside):
+    return rows.pair_registers(round_to, inside)
+
+@njit
+def layer():
+    return rows.pair_registers(None, False)
+
+llama, gemma = np.zeros(1, np.uint16), np.zeros(1, np.float32)  # launch._round_to's dtypes for bf16
+print(fit(llama, True), fit(gemma, True), fit(gemma, False), layer())
+"""
+
+
+@pytest.mark.skipif(not simd.X86, reason="compiles for x86-64 levels")
+@pytest.mark.parametrize("level, want", [("x86-64-v3", "False True False False"),
+                                         ("x86-64-v4", "True True True True")])
+def test_rows_go_in_pairs_only_where_both_rows_accumulators_fit_the_registers(tmp_path, level, want):
+    # Compiled for AVX2 (16 registers of 8 lanes), the backward's pass 1 over two rows spilled and
+    # ran 4-44% slower than single rows except RMSNorm's one sum in the gemma order; with AVX-512
+    # (32 of 16) pairs are faster in every case (docs/cpu-kernels.md, "Row pairs in the bf16
+    # backward"). Printed: rms llama, rms gemma, rms gemma with eps outside (two sums), layer_norm.
+    from normlab.kernels.cpu import cache
+
+    cpu_name, features = cache.llvm_target(level)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "NUMBA_CPU_NAME": cpu_name,
+           "NUMBA_CPU_FEATURES": features}
+    run = subprocess.run([sys.executable, "-c", PAIR_RULE], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[-2] == want
 
 
 @pytest.mark.parametrize("hw", [False, True] if simd.HW_BF16 else [False],

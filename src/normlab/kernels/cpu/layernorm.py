@@ -28,8 +28,9 @@ from numba.extending import overload
 from .cache import kernel
 from .codecs import add_at, load_at, pair_order, store_at
 from .rows import (FLUSH, all_finite, chunk_span, flush_into, grad_nan_free, grad_select_optional, nan_free,
-                   pair_types, pairs_fit, reads_pairs, partial_row_pairs, partial_sums, recip, row_of,
-                   row_pairs, block_spans, select_optional, sum_partials, value_at, vector_sums, writes_pairs)
+                   pair_registers, pair_types, pairs_fit, reads_pairs, partial_row_pairs, partial_sums, recip,
+                   row_of, row_pairs, block_spans, select_optional, sum_partials, value_at, vector_sums,
+                   writes_pairs)
 from .simd import (BLOCK, EMIT, fma_ir, fma32, prefetch_pass1, prefetch_pass2, row_moments, store_fence,
                    backward_block, forward_block, grad_sums)
 
@@ -241,7 +242,7 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream, far):
     parts = partial_row_pairs(nchunks, d)
     dw_sum = partial_sums(nchunks, d)
     db_sum = partial_sums(nchunks, d)
-    pairs = row_pairs(x, dy, d)
+    pairs = row_pairs(x, dy, d, pair_registers(None, False))
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         dwc, dbc = parts[2 * c], parts[2 * c + 1]

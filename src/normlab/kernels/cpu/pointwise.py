@@ -38,9 +38,9 @@ from numba.extending import intrinsic
 from .cache import kernel
 from .codecs import LANES, load_at, load_f32, store_at, widen_bits
 from .rows import FLUSH, chunk_span, flush_into, partial_row_pairs, block_spans
-from .simd import (ZERO, EMIT, HW_BF16, add_blocks, f32x16, f64_totals, fma_ir, fma32, load_row,
+from .simd import (AVX512, ZERO, EMIT, HW_BF16, add_blocks, f32x16, f64_totals, fma_ir, fma32, load_row,
                    prefetch_ahead, store_block, store_fence, scalar_totals)
-from .tanh_erf import AVX512, F32, I32, const, erf, erf_grad, tanh, tanh_grad
+from .tanh_erf import F32, I32, const, erf, erf_grad, tanh, tanh_grad
 
 
 # ------------------------------------------------------------------- DyT or Derf, by s's type

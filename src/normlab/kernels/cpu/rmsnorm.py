@@ -30,8 +30,9 @@ from numba.extending import overload
 from .cache import kernel
 from .codecs import load_at, pair_order, round_like, store_at
 from .rows import (FLUSH, all_finite, chunk_span, flush_into, grad_nan_free, grad_select_optional, is_llama,
-                   nan_free, pair_types, pairs_fit, reads_pairs, partial_rows, partial_sums, recip, row_of,
-                   row_pairs, block_spans, select_optional, sum_partials, value_at, vector_sums, writes_pairs)
+                   nan_free, pair_registers, pair_types, pairs_fit, reads_pairs, partial_rows, partial_sums,
+                   recip, row_of, row_pairs, block_spans, select_optional, sum_partials, value_at,
+                   vector_sums, writes_pairs)
 from .simd import (BLOCK, EMIT, fma_ir, fma32, narrow_bits, prefetch_pass1, prefetch_pass2, row_sumsq,
                    store_fence, widen_bits, backward_block, forward_block, grad_sums)
 
@@ -204,7 +205,7 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream
     w_pairs = pair_order(w, span)
     dw_part = partial_rows(nchunks, d)
     dw_sum = partial_sums(nchunks, d)
-    pairs = row_pairs(x, dy, k)
+    pairs = row_pairs(x, dy, k, pair_registers(round_to, inside))
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         dwc = dw_part[c]

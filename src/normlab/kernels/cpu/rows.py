@@ -35,7 +35,7 @@ from numba.extending import overload
 
 from .cache import kernel
 from .codecs import load_at, pair_unorder, round_like, store_at
-from .simd import BLOCK, EMIT, HW_BF16
+from .simd import AVX512, BLOCK, EMIT, HW_BF16
 
 
 @kernel
@@ -212,9 +212,26 @@ PAIR_ROWS_MIN = 4096
 
 
 @njit
-def row_pairs(x, dy, k):
-    """Whether the backward takes its rows in pairs (see PAIR_ROWS_MIN)."""
-    return reads_pairs(x, dy) and k - k % BLOCK >= max(PAIR_ROWS_MIN, BLOCK)
+def row_pairs(x, dy, k, fit):
+    """Whether the backward takes its rows in pairs (see PAIR_ROWS_MIN); ``fit``: pair_registers."""
+    return fit and reads_pairs(x, dy) and k - k % BLOCK >= max(PAIR_ROWS_MIN, BLOCK)
+
+
+def pair_registers(round_to, one_sum):  # pragma: no cover - replaced by the overload below
+    """Whether two rows' pass-1 accumulators fit the vector registers together: always with
+    AVX-512; with a quarter of its register lanes (AVX2, NEON) only for one sum a row
+    (``one_sum``, RMSNorm with eps inside the root) without the llama order's rounding. Pairs
+    that spill ran 4-44% slower than single rows in AVX2 code (docs/cpu-kernels.md)."""
+    raise NotImplementedError
+
+
+@overload(pair_registers)
+def _ov_pair_registers(round_to, one_sum):
+    if AVX512:
+        return lambda round_to, one_sum: True
+    if is_llama(round_to):
+        return lambda round_to, one_sum: False
+    return lambda round_to, one_sum: one_sum
 
 
 # ------------------------------------------------------------------ weight-gradient partials

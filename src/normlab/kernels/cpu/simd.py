@@ -26,6 +26,8 @@ EMIT = 64  # outputs per block of the second pass: small, so stores interleave w
 _ACC = 4  # independent float32 accumulators per sum in a block
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 HW_BF16 = bool(target_features().get("avx512bf16", False))
+# 32 registers of 16 float32 lanes; AVX2 (16 of 8) and NEON (32 of 4) hold a quarter of that
+AVX512 = X86 and bool(target_features().get("avx512f", False))
 
 # A staging row (one per chunk, float32, 64-byte aligned): a line of zeros at ZERO, which
 # narrow_line needs (the launcher zeroes the row, the kernels never write it); [0, EMIT) holds

@@ -10,9 +10,8 @@ import numpy as np
 from llvmlite import ir
 from numba.core import cgutils
 
-from .cache import target_features
 from .codecs import LANES
-from .simd import X86, fma_ir
+from .simd import AVX512, fma_ir
 
 # ------------------------------------------------------------------------------------- tanh
 # With e = exp(-2|z|) and m = e - 1 = expm1(-2|z|):
@@ -45,7 +44,6 @@ _ROUND = 1.5 * 2.0**23  # x + _ROUND - _ROUND rounds x to a whole number (|x| < 
 _LN2_HI, _LN2_LO = 0.693359375 / 2, -2.12194440e-4 / 2  # (ln 2) / 2 = HI + LO, n * HI exact for the n here
 F32 = ir.VectorType(ir.FloatType(), LANES)
 I32 = ir.VectorType(ir.IntType(32), LANES)
-AVX512 = X86 and bool(target_features().get("avx512f", False))
 
 
 def const(value, ty=F32):
