@@ -121,7 +121,7 @@ def host_tiers() -> tuple[tuple[str, str], ...]:
     if setting.lower() in ("off", "0", "false", "no") or numba.config.CPU_NAME is not None:
         return ()
     arch = process_arch()
-    if arch not in ("x86_64", "aarch64"):
+    if arch not in {level_arch(level) for level in TIERS}:
         return ()
     if setting and not os.path.isdir(setting):
         warnings.warn(f"NORMLAB_CPU_TIERS={setting!r} is neither off nor a folder: no shipped kernels are "
