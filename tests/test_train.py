@@ -209,6 +209,18 @@ def test_cli_refuses_to_overwrite_a_run_and_reports_data_errors(corpus, tmp_path
     assert "training text has no" not in capsys.readouterr().err
 
 
+def test_the_cli_says_when_warmup_outlasts_the_run(corpus, tmp_path, capsys):
+    # steps=2 under the default warmup of 100: the rate never reaches lr and never decays
+    base = ["train", f"data={corpus}", "preset=tiny", "steps=2", "batch_size=4", "seq_len=16",
+            "eval_batches=1", "--quiet"]
+    assert main(base + [f"out={tmp_path / 'a'}"]) == 0
+    last = T.lr_at(1, T.TrainConfig(steps=2, warmup=100, lr=1e-3))  # the schedule's own last rate
+    err = capsys.readouterr().err
+    assert "warmup=100 >= steps=2" in err and f"ends at {last:g} (lr=0.001)" in err
+    assert main(base + ["warmup=1", f"out={tmp_path / 'b'}"]) == 0
+    assert "warmup=" not in capsys.readouterr().err
+
+
 def test_bf16_autocast_and_gradient_accumulation_train(corpus, tmp_path):
     tcfg, m = tiny(corpus, tmp_path / "bf16", dtype="bf16", grad_accum=2, steps=20, eval_every=0,
                    ckpt_every=0)

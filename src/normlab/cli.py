@@ -242,6 +242,10 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
                                           changes) if args.resume else train.resolve(args.config, overrides)
     if args.quiet:
         tcfg.quiet = True
+    if tcfg.warmup >= tcfg.steps and int(os.environ.get("RANK", "0")) == 0:  # steps=50 under warmup's default
+        print(f"note: warmup={tcfg.warmup} >= steps={tcfg.steps}: the learning rate rises for the whole run, "
+              f"ends at {tcfg.lr * tcfg.steps / tcfg.warmup:g} (lr={tcfg.lr:g}) and never decays; set "
+              "warmup= below steps for the full schedule", file=sys.stderr)
     if not tcfg.quiet and int(os.environ.get("RANK", "0")) == 0:
         console.print(f"[bold]config[/bold] train: {dataclasses.asdict(tcfg)}")
         console.print(f"[bold]config[/bold] model: preset {tcfg.preset} + {model_overrides}")
