@@ -242,15 +242,16 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
                                           changes) if args.resume else train.resolve(args.config, overrides)
     if args.quiet:
         tcfg.quiet = True
-    if tcfg.warmup >= tcfg.steps and int(os.environ.get("RANK", "0")) == 0:  # steps=50 under warmup's default
+    speaks = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 alone
+    if tcfg.warmup >= tcfg.steps and speaks:  # e.g. steps=50 under warmup's default
         print(f"note: warmup={tcfg.warmup} >= steps={tcfg.steps}: the learning rate rises for the whole run, "
-              f"ends at {tcfg.lr * tcfg.steps / tcfg.warmup:g} (lr={tcfg.lr:g}) and never decays; set "
+              f"ends at {train.lr_at(tcfg.steps - 1, tcfg):g} (lr={tcfg.lr:g}) and never decays; set "
               "warmup= below steps for the full schedule", file=sys.stderr)
-    if not tcfg.quiet and int(os.environ.get("RANK", "0")) == 0:
+    if not tcfg.quiet and speaks:
         console.print(f"[bold]config[/bold] train: {dataclasses.asdict(tcfg)}")
         console.print(f"[bold]config[/bold] model: preset {tcfg.preset} + {model_overrides}")
     summary = train.train(tcfg, model_overrides, resume=bool(args.resume), console=console, changes=changes)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if speaks:
         color = {"completed": "green", "diverged": "red", "interrupted": "yellow",
                  "stopped": "yellow"}.get(summary["status"], "white")
         console.print(f"[{color}]{summary['status']}[/{color}] at step {summary['step']}: loss "
