@@ -215,6 +215,7 @@ def test_the_cli_says_when_warmup_outlasts_the_run(corpus, tmp_path, capsys):
             "eval_batches=1", "--quiet"]
     assert main(base + [f"out={tmp_path / 'a'}"]) == 0
     last = T.lr_at(1, T.TrainConfig(steps=2, warmup=100, lr=1e-3))  # the schedule's own last rate
+    assert last == pytest.approx(1e-3 * 2 / 100)  # a fiftieth of lr: the ramp's second step of 100
     err = capsys.readouterr().err
     assert "warmup=100 >= steps=2" in err and f"ends at {last:g} (lr=0.001)" in err
     assert main(base + ["warmup=1", f"out={tmp_path / 'b'}"]) == 0
