@@ -3,6 +3,7 @@ small archive made here with the same layout (no registry needed)."""
 
 import hashlib
 import io
+import random
 import tarfile
 from pathlib import Path
 
@@ -174,6 +175,25 @@ def test_a_binary_file_as_data_is_refused(tmp_path):
     # text with a few non-ASCII letters is fine
     path.write_text("plain words\n" * 100 + "caf\u00e9 \u2014 na\u00efve\n")
     assert D.load_documents(str(path))[0][0] == "weights.txt"
+
+
+@pytest.mark.parametrize("odd", ["\x00", "\x08", "\x0b", "\x0e", "\x1f", "\ufffd"])
+def test_text_may_hold_up_to_one_percent_of_control_or_undecodable_characters(tmp_path, odd):
+    """The share is counted over exactly the characters the rule names: tab, newline and form feed
+    are text (so is carriage return, which reading turns into newlines); every other control
+    character and U+FFFD are not."""
+    rng = random.Random(ord(odd))
+    letters = [rng.choice("abc de\n\t\f") for _ in range(9_900)]
+    path = tmp_path / "doc.txt"
+    for extra, refused in ((100, False), (101, True)):  # 100 of 10,000 is the 1% limit; 101 of 10,001 above
+        chars = letters + [odd] * extra
+        rng.shuffle(chars)
+        path.write_text("".join(chars), encoding="utf-8")
+        if refused:
+            with pytest.raises(D.DataError, match="does not look like text: 1% of its characters"):
+                D.load_documents(str(path))
+        else:
+            assert D.load_documents(str(path))[0][0] == "doc.txt"
 
 
 def test_the_corpus_hash_is_checked_before_any_setup_py_runs(tmp_path):

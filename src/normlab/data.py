@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -215,13 +216,15 @@ def load_documents(source: str) -> list[tuple[str, str]]:
 
 
 BINARY_SHARE = 0.01  # above this share of undecodable or control characters a "text" file is binary
+# control characters other than tab, newline, form feed and carriage return; U+FFFD marks undecodable bytes
+NOT_TEXT = re.compile("[\x00-\x08\x0b\x0e-\x1f\ufffd]")
 
 
 def _check_text(path: Path, text: str) -> None:
     """Refuse a file that is not text (a binary passed as data= would train on noise)."""
     if not text:
         return
-    bad = sum(1 for c in text if c == "\ufffd" or (ord(c) < 32 and c not in "\n\r\t\f"))
+    bad = len(text) - len(NOT_TEXT.sub("", text))  # in C, not a loop over characters: every run reads it
     if bad / len(text) > BINARY_SHARE:
         raise DataError(f"{path} does not look like text: {bad / len(text):.0%} of its characters are not "
                         f"valid UTF-8 or are control characters (more than {BINARY_SHARE:.0%}); pass .txt "
