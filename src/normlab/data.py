@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -60,6 +61,19 @@ def _manual_hint() -> str:
     )
 
 
+def _setuptools_prepares_metadata() -> bool:
+    """Whether the setuptools here can prepare a source archive's metadata for pip by itself:
+    from 70.1 it carries bdist_wheel, before that it needs the wheel package (a fresh venv of
+    Python 3.10 or 3.11 has setuptools 65 and no wheel). Otherwise pip builds in an isolated
+    environment it fills from the index."""
+    try:
+        version = importlib.metadata.version("setuptools")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    major_minor = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+    return major_minor >= (70, 1) or importlib.util.find_spec("wheel") is not None
+
+
 def pip_download(requirement: str, sha256: str, dest: Path, *, source: bool = True,
                  find_links: Path | None = None) -> Path:
     """pip download one pinned file (``requirement`` NAME==VERSION) into ``dest``: its source
@@ -72,7 +86,7 @@ def pip_download(requirement: str, sha256: str, dest: Path, *, source: bool = Tr
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary" if source else "--only-binary",
            ":all:",
            "--require-hashes", "-r", str(req), "-d", str(dest), "-q"]
-    if source and importlib.util.find_spec("setuptools") is not None:
+    if source and _setuptools_prepares_metadata():
         cmd.append("--no-build-isolation")  # metadata from the setuptools already here: nothing else fetched
     if find_links is not None:
         cmd += ["--no-index", "--find-links", str(find_links)]
