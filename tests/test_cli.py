@@ -28,6 +28,21 @@ def test_info_lists_every_backend_with_a_reason_when_unavailable():
         assert (status == "unavailable") == bool(why), (name, status, why)
 
 
+def test_versions_name_torchs_build_where_its_wheel_metadata_does_not(monkeypatch):
+    """PyPI's CUDA wheels say 2.6.0 in their metadata and 2.6.0+cu124 in torch.__version__: a
+    record must say which build ran."""
+    from importlib import metadata
+
+    import torch
+
+    from normlab import env
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "2.6.0" if name == "torch" else real(name))
+    monkeypatch.setattr(torch, "__version__", "2.6.0+cu124")
+    assert env.versions()["torch"] == "2.6.0+cu124"
+
+
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
     assert "normlab" in capsys.readouterr().out

@@ -195,7 +195,9 @@ def make_peer(name: str, op: str, d: int, dtype: torch.dtype, device: torch.devi
         # of 8 recompiles it silently falls back to eager, which would be measured as "compile".
         import torch._dynamo as dynamo
 
-        dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 512)
+        # cache_size_limit before torch 2.7
+        limit = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"
+        setattr(dynamo.config, limit, max(getattr(dynamo.config, limit), 512))
         call = torch.compile(_reference_call(op, "reference"), dynamic=False)
         return Peer(lambda x, r: call(x, r, *params), params)
     if op == "prms_norm":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import sys
 import time
 from importlib import metadata
 
@@ -22,11 +23,14 @@ PACKAGES = ("torch", "numpy", "numba", "triton", "transformers", "tokenizers", "
 def versions(missing: str | None = None) -> dict[str, str]:
     """normlab's, Python's and each of PACKAGES' version; a package that is not installed is left
     out, or given as ``missing`` when that is set. Read from the installed metadata: nothing is
-    imported (importing transformers or triton takes seconds)."""
+    imported (importing transformers or triton takes seconds). torch's, once imported, is its own
+    ``__version__``, which names the build (+cpu, +cu124) that a wheel's metadata may leave out."""
     out = {"python": platform.python_version()}
     for name in ("normlab", *PACKAGES):
         try:
             out[name] = metadata.version(name)
+            if name == "torch" and "torch" in sys.modules:  # with its build (2.6.0+cu124, metadata: 2.6.0)
+                out[name] = str(sys.modules["torch"].__version__)
         except metadata.PackageNotFoundError:
             if name == "normlab":  # run from a source tree that was never installed, as __init__ says too
                 out[name] = "0.0.0+unknown"
