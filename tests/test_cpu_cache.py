@@ -20,7 +20,10 @@ def test_a_numba_older_than_the_kernels_need_is_named_in_the_reason():
     assert kernels._too_old("numba", "0.68.1") is None and kernels._too_old("numba", "1.0") is None
     reason = kernels._too_old("numba", "0.59.0")
     assert "numba 0.59.0" in reason and ">=0.68" in reason
-    assert kernels._too_old("triton", "2.0") is None  # no floor set
+    assert kernels._too_old("torch", "2.0") is None  # no floor set
+    # Triton 3.8 fails on the kernels' bf16 eps-outside options ("Cannot bitcast data-type of size 64")
+    assert kernels._too_old("triton", "3.9.0") is None
+    assert "triton 3.8.0 is older than the 3.9" in kernels._too_old("triton", "3.8.0")
 
 
 def test_cpu_backend_is_what_auto_picks_for_cpu_tensors():

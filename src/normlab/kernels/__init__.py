@@ -69,8 +69,9 @@ _loaded: dict[str, ModuleType] = {"reference": reference}  # backend name -> its
 
 
 # The oldest versions the fused kernels are tested with (the cpu kernels emit LLVM IR that needs
-# the LLVM of numba 0.68's llvmlite: bfloat vectors, opaque-pointer intrinsic names).
-MIN_VERSIONS = {"numba": (0, 68)}
+# the LLVM of numba 0.68's llvmlite: bfloat vectors, opaque-pointer intrinsic names; Triton
+# before 3.9 rejects some of the triton kernels' options, e.g. "Cannot bitcast data-type of size 64").
+MIN_VERSIONS = {"numba": (0, 68), "triton": (3, 9)}
 
 
 def _too_old(package: str, version: str) -> str | None:
