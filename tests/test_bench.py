@@ -279,6 +279,29 @@ def test_cpu_ab_tool_compares_two_source_trees(mode):
         assert all(float(v) > 0 for v in line.groups())
 
 
+def test_cpu_ab_prefetch_ab_gives_only_a_the_l1_prefetch(monkeypatch):
+    # --prefetch-ab measures what memory.prefetch_far's rule buys: A's calls must get far=False
+    # where B's get the rule's answer, here True for a row of 64 KiB per input.
+    import importlib.util
+    import types
+    from pathlib import Path
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", os.environ.get("NUMBA_CACHE_DIR", ""))  # the tool sets its own
+    path = Path(__file__).resolve().parents[1] / "tools" / "cpu_ab.py"
+    spec = importlib.util.spec_from_file_location("cpu_ab_under_test", path)
+    cpu_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cpu_ab)
+    calls = []
+    kernels = types.SimpleNamespace(far=True, rms_fwd=lambda *args: calls.append(("fwd", args[-1])),
+                                    rms_bwd=lambda *args: calls.append(("bwd", args[-1])))
+    d = 16384
+    assert cpu_ab.memory.prefetch_far(d * 4 * 2)
+    for near, far in ((True, False), (False, True)):
+        calls.clear()
+        cpu_ab.runner(kernels, "rmsb", 2, d, torch.float32, in_cache=True, near=near)()
+        assert calls == [("fwd", far), ("bwd", far)]
+
+
 def test_dyt_ceiling_tool_runs_the_kernels_it_measures():
     # tools/dyt_ceiling.py calls DyT's vector blocks and launchers by their signatures: it must
     # keep up with them. One shape, as large as DYT_TABLE_MIN so that bf16 goes through the

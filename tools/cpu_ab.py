@@ -2,6 +2,7 @@
 
     python tools/cpu_ab.py OLD_SRC NEW_SRC [--ops rms,ln,rmsb,lnb] [--shapes 8192x1024,...]
                            [--dtype bf16|fp32] [--threads 2] [--rounds 10] [--llama] [--in-cache]
+                           [--prefetch-ab]
 
 On a machine whose memory bandwidth drifts (2x within minutes on the 2-core CI machine), two
 bench runs a minute apart differ by more than most kernel changes do. This loads both trees'
@@ -14,6 +15,8 @@ rotate over as many sets as ``normlab bench`` uses, so they do not stay in the c
 Even so, an A/A run moves by about 5%: trust a change when its whole range sits on one side.
 ``--in-cache`` (with ``--threads 1`` and a shape such as 64x1024) keeps one input set and times
 batches of 200 calls: what a change does to the arithmetic, where memory would hide it.
+``--prefetch-ab`` (one tree twice) builds A with the next row always prefetched into L1 and B as
+the launchers choose (into L2 for wide rows): cases the rule leaves in L1 are then an A/A.
 
 Ops: rms / ln / dyt (forward into a preallocated output), rmsb / lnb / dytb (backward; its
 fraction of copy counts the three tensors it moves). Example, the working tree against the last commit::
@@ -84,9 +87,10 @@ def load(src: str, name: str):
     return kernels
 
 
-def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False, in_cache: bool = False):
+def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False, in_cache: bool = False,
+           near: bool = False):
     """A no-argument callable that runs ``op`` of kernel module K on the next input set (with
-    ``in_cache``, always the same one)."""
+    ``in_cache``, always the same one); ``near``: the next row always prefetched into L1."""
     k = 1 if in_cache else rotation((n, d), dtype)
     sets = [(memory.as_numpy(torch.randn(n, d, dtype=dtype)), memory.as_numpy(torch.randn(n, d, dtype=dtype)))
             for _ in range(k)]
@@ -98,7 +102,7 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False, 
     chunks = stages.shape[0]
     da_sum, dw_sum, db_sum = np.zeros(chunks), np.zeros((chunks, d)), np.zeros((chunks, d))
     # the launchers' ``far``: by the bytes of a row over the inputs a pass reads (x; x and dy)
-    far1, far2 = (memory.prefetch_far(d * dtype.itemsize * k) for k in (1, 2))
+    far1, far2 = (memory.prefetch_far(d * dtype.itemsize * k) and not near for k in (1, 2))
     fwd, bwd = ((far1,), (far2,)) if K.far else ((), ())
     if op == "rmsb":  # the statistics the backward reads
         K.rms_fwd(sets[0][0], w, y, rstd, 1e-6, True, d, rnd, stages, nt, *fwd)
@@ -163,6 +167,9 @@ def main() -> None:
     parser.add_argument("--in-cache", action="store_true",
                         help="one input set, batches of 200 calls: the arithmetic without memory in the way "
                              "(with --threads 1 and shapes that fit the core's cache, e.g. 64x1024)")
+    parser.add_argument("--prefetch-ab", action="store_true",
+                        help="A prefetches the next row into L1 always, B where the launchers would into L2 "
+                             "(give one tree twice: what memory.prefetch_far's rule buys on this CPU)")
     args = parser.parse_args()
     ic = args.in_cache
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
@@ -170,14 +177,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     old, new = load(args.old, "normlab_ab_old"), load(args.new, "normlab_ab_new")
+    if args.prefetch_ab and not (old.far and new.far):
+        parser.error("--prefetch-ab: both trees' kernels must take `far` (7beb5e1 on)")
+    near = args.prefetch_ab
     for op in args.ops.split(","):
         for shape in args.shapes.split(","):
             n, d = map(int, shape.split("x"))
             # Two sets of buffers, allocated A's first and B's first: whichever was allocated
             # second ran 5%-10% faster here (an A/A run read 1.1), so rounds alternate the sets.
-            first = runner(old, op, n, d, dtype, args.llama, ic), runner(new, op, n, d, dtype, args.llama, ic)
+            first = (runner(old, op, n, d, dtype, args.llama, ic, near),
+                     runner(new, op, n, d, dtype, args.llama, ic))
             second = tuple(reversed((runner(new, op, n, d, dtype, args.llama, ic),
-                                     runner(old, op, n, d, dtype, args.llama, ic))))
+                                     runner(old, op, n, d, dtype, args.llama, ic, near))))
             cp = copier(n, d, dtype, ic)
             for f in (*first, *second, cp):
                 f()  # compile, first touch
