@@ -172,6 +172,8 @@ def main() -> None:
                              "(give one tree twice: what memory.prefetch_far's rule buys on this CPU)")
     args = parser.parse_args()
     ic = args.in_cache
+    # a tree whose tiers are built would load them: compare the code each tree compiles for this CPU
+    os.environ.setdefault("NORMLAB_CPU_TIERS", "off")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     numba.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
