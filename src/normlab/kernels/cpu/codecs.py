@@ -218,14 +218,30 @@ def narrow_line(builder, lo, hi, kind, hw, zero):
     which LLVM cannot see through) keeps the integer vector."""
     i16x32 = ir.VectorType(ir.IntType(16), 32)
     if hw and kind == types.uint16:
-        f32 = ir.VectorType(ir.FloatType(), LANES)
-        fnty = ir.FunctionType(ir.VectorType(_BFloat(), 32), [f32, f32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512bf16.cvtne2ps2bf16.512")
-        bits = builder.bitcast(builder.call(fn, [hi, lo]), i16x32)  # its low half comes from the 2nd operand
+        bits = bf16_line(builder, lo, hi)
         return builder.add(bits, builder.load(builder.bitcast(zero, i16x32.as_pointer()), align=4))
     pair = ir.Constant(ir.VectorType(ir.IntType(32), 32), list(range(32)))
     return builder.shuffle_vector(narrow_bits(builder, lo, kind, hw), narrow_bits(builder, hi, kind, hw),
                                   pair)
+
+
+def bf16_line(builder, lo, hi):
+    """Two 16-lane float32 vectors -> their bf16 bits in order (<32 x i16>), by one
+    vcvtne2ps2bf16 (AVX512-BF16): the same bits as two vcvtneps2bf16, which cost as much each
+    (docs/cpu-kernels.md, "bf16 conversion")."""
+    f32 = ir.VectorType(ir.FloatType(), LANES)
+    fnty = ir.FunctionType(ir.VectorType(_BFloat(), 32), [f32, f32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512bf16.cvtne2ps2bf16.512")
+    # its low half comes from the second operand
+    return builder.bitcast(builder.call(fn, [hi, lo]), ir.VectorType(ir.IntType(16), 32))
+
+
+def widen_line(builder, bits):
+    """The inverse of bf16_line: (the first 16 values, the last 16) as <16 x float>."""
+    index = ir.VectorType(ir.IntType(32), LANES)
+    halves = (ir.Constant(index, list(range(h, h + LANES))) for h in (0, LANES))
+    return tuple(widen_bits(builder, builder.shuffle_vector(bits, bits, half), types.uint16)
+                 for half in halves)
 
 
 def bf16_pair(builder, base, at):
