@@ -244,6 +244,7 @@ def _store_bf16_lines(builder, base, wbase, values, llama, stream, zero, nontemp
     """store_block for bf16 with the CPU's instruction: each two vectors converted by one
     vcvtne2ps2bf16 (half the conversions of one vector at a time; the same bits), in the llama
     order for the rounding before the weight too, and stored as one 64-byte line."""
+    assert len(values) % 2 == 0, "a block of whole 64-byte lines"
     for c in range(len(values) // 2):
         lo, hi = values[2 * c], values[2 * c + 1]
         if llama:
