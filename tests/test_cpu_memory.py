@@ -70,8 +70,12 @@ def test_cache_sizes_come_from_sysfs(tmp_path, monkeypatch):
                               (3, "Unified", 36 << 20)]
     monkeypatch.setattr(memory, "_caches", lambda: caches)
     assert (memory._l1_data_bytes(), memory._last_level_cache_bytes()) == (48 << 10, 36 << 20)
+    assert memory.stream_min_bytes() == 16 << 20  # half of 36 MiB, capped
     monkeypatch.setattr(memory, "_caches", lambda: [])
     assert (memory._l1_data_bytes(), memory._last_level_cache_bytes()) == (32 << 10, 32 << 20)  # the defaults
+    for llc, streamed_from in ((8 << 20, 4 << 20), (480 << 20, 16 << 20)):  # a small L3; a VM's whole socket
+        monkeypatch.setattr(memory, "_caches", lambda llc=llc: [(3, "Unified", llc)])
+        assert memory.stream_min_bytes() == streamed_from
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -2,9 +2,9 @@
 
 Allocating a fresh large tensor costs more than the kernel on a small machine (every first touch
 of a new page faults), so large outputs come from a pool that keeps its pages (BufferPool).
-Outputs larger than half the last-level cache are written with non-temporal stores, which skip
-the read-for-ownership of each line (STREAM_MIN_BYTES), and rows too wide for L1 are prefetched
-into L2 (PREFETCH_L2_MIN_BYTES; docs/cpu-kernels.md has the measurements).
+Outputs larger than half the last-level cache (at most 16 MiB) are written with non-temporal
+stores, which skip the read-for-ownership of each line (STREAM_MIN_BYTES), and rows too wide for
+L1 are prefetched into L2 (PREFETCH_L2_MIN_BYTES; docs/cpu-kernels.md has the measurements).
 """
 
 from __future__ import annotations
@@ -222,13 +222,23 @@ def _l1_data_bytes(default: int = 32 << 10) -> int:
 
 
 # Outputs of at least this many bytes are written with non-temporal stores (x86 only): half the
-# last-level cache, where input plus output stop fitting in it; below it streaming is slower
-# (docs/cpu-kernels.md, "Streaming stores"). NORMLAB_CPU_STREAM_MB overrides it (0: always
+# last-level cache, where input plus output stop fitting in it, and at most 16 MiB: a VM or a
+# many-core socket reports the whole socket's L3, of which one process holds a share (on a VM
+# reporting 480 MiB, streaming won from 16 MiB outputs, cached or not). Below it streaming is
+# slower (docs/cpu-kernels.md, "Streaming stores"). NORMLAB_CPU_STREAM_MB overrides it (0: always
 # stream, as a test does to compare both paths on small tensors).
+STREAM_CAP_BYTES = 16 << 20
+
+
+def stream_min_bytes() -> int:
+    """The output size from which stores stream, by this CPU's caches (not NORMLAB_CPU_STREAM_MB)."""
+    return min(_last_level_cache_bytes() // 2, STREAM_CAP_BYTES)
+
+
 STREAM_MIN_BYTES = (
     int(env_setting("NORMLAB_CPU_STREAM_MB", "") * (1 << 20))
     if os.environ.get("NORMLAB_CPU_STREAM_MB")
-    else _last_level_cache_bytes() // 2
+    else stream_min_bytes()
 )
 
 
