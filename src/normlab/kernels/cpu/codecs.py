@@ -215,10 +215,12 @@ def narrow_line(builder, lo, hi, kind, hw, zero):
     With the CPU's bf16 instruction the pair converts in one vcvtne2ps2bf16, typed <32 x bfloat>.
     x86 has no non-temporal store of bfloat vectors, and LLVM folds a bitcast to integers into
     the store and then silently emits a normal one: adding ``zero`` (a line of zeros in memory,
-    which LLVM cannot see through) keeps the integer vector."""
+    which LLVM cannot see through) keeps the integer vector; a line stored normally passes None."""
     i16x32 = ir.VectorType(ir.IntType(16), 32)
     if hw and kind == types.uint16:
         bits = bf16_line(builder, lo, hi)
+        if zero is None:
+            return bits
         return builder.add(bits, builder.load(builder.bitcast(zero, i16x32.as_pointer()), align=4))
     pair = ir.Constant(ir.VectorType(ir.IntType(32), 32), list(range(32)))
     return builder.shuffle_vector(narrow_bits(builder, lo, kind, hw), narrow_bits(builder, hi, kind, hw),

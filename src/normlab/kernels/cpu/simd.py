@@ -214,50 +214,40 @@ def store_block(builder, kind, base, wbase, values, llama, stream, hw, zero):
     nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
     if not stream:
         _prefetch_next_block(builder, base, kind)
-    if hw and kind == types.uint16:
-        _store_bf16_lines(builder, base, wbase, values, llama, stream, zero, nontemporal)
+    if kind != types.float32 and (stream or (hw and kind == types.uint16)):
+        _store_lines(builder, kind, base, wbase, values, llama, stream, hw, zero, nontemporal)
         return
-    pending = None
     for v, x in enumerate(values):
-        off = i64(v * LANES)
         if llama:
             x = builder.fmul(widen_bits(builder, narrow_bits(builder, x, kind, hw), kind),
                              load_f32(builder, wbase, v))
-        if stream and kind != types.float32:  # 16-bit outputs: a line holds two vectors
-            if pending is None:
-                pending = x
-                continue
-            y = narrow_line(builder, pending, x, kind, hw, zero)
-            ptr = builder.bitcast(builder.gep(base, [i64((v - 1) * LANES)]), y.type.as_pointer())
-            builder.store(y, ptr, align=64).set_metadata("nontemporal", nontemporal)
-            pending = None
-            continue
         y = narrow_bits(builder, x, kind, hw)
-        ptr = builder.bitcast(builder.gep(base, [off]), y.type.as_pointer())
+        ptr = builder.bitcast(builder.gep(base, [i64(v * LANES)]), y.type.as_pointer())
         if stream:
             builder.store(y, ptr, align=64).set_metadata("nontemporal", nontemporal)
         else:
             builder.store(y, ptr, align=kind.bitwidth // 8)
 
 
-def _store_bf16_lines(builder, base, wbase, values, llama, stream, zero, nontemporal):
-    """store_block for bf16 with the CPU's instruction: each two vectors converted by one
-    vcvtne2ps2bf16 (half the conversions of one vector at a time; the same bits), in the llama
-    order for the rounding before the weight too, and stored as one 64-byte line."""
+def _store_lines(builder, kind, base, wbase, values, llama, stream, hw, zero, nontemporal):
+    """store_block for 16-bit outputs two vectors to a 64-byte line: where streamed (whole lines),
+    and for bf16 with the CPU's instruction, which converts two vectors in one vcvtne2ps2bf16 for
+    the cost of one (the same bits; the llama order's first rounding too)."""
     assert len(values) % 2 == 0, "a block of whole 64-byte lines"
     for c in range(len(values) // 2):
         lo, hi = values[2 * c], values[2 * c + 1]
         if llama:
-            lo, hi = widen_line(builder, bf16_line(builder, lo, hi))
+            if hw and kind == types.uint16:
+                lo, hi = widen_line(builder, bf16_line(builder, lo, hi))
+            else:
+                lo, hi = (widen_bits(builder, narrow_bits(builder, u, kind, hw), kind) for u in (lo, hi))
             lo, hi = (builder.fmul(u, load_f32(builder, wbase, 2 * c + h)) for h, u in enumerate((lo, hi)))
-        ptr = builder.gep(base, [i64(2 * c * LANES)])
+        line = narrow_line(builder, lo, hi, kind, hw, zero if stream else None)
+        ptr = builder.bitcast(builder.gep(base, [i64(2 * c * LANES)]), line.type.as_pointer())
         if stream:
-            line = narrow_line(builder, lo, hi, types.uint16, True, zero)
-            builder.store(line, builder.bitcast(ptr, line.type.as_pointer()), align=64).set_metadata(
-                "nontemporal", nontemporal)
+            builder.store(line, ptr, align=64).set_metadata("nontemporal", nontemporal)
         else:
-            line = bf16_line(builder, lo, hi)
-            builder.store(line, builder.bitcast(ptr, line.type.as_pointer()), align=2)
+            builder.store(line, ptr, align=2)
 
 
 def _store_pairs(builder, base, values, stream, hw, zero, nan=True):
