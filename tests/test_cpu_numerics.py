@@ -126,6 +126,35 @@ def test_non_contiguous_inputs(gen):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strided_tensors_give_the_bits_of_their_contiguous_copies(gen, dtype):
+    # The launchers hand tensors to the kernels by address (launch._at). A strided tensor is
+    # copied first, and the copy must live until the kernel returns: freed early, its memory
+    # would go to the output allocated next, and the kernel would read that. Every tensor
+    # strided here (x, residual, weight, bias, the incoming gradient), forward and backward.
+    def strided(*shape):
+        return (torch.randn(*shape[:-1], 2 * shape[-1], generator=gen) * 2).to(dtype)[..., 1::2]
+
+    x, r, w, b, dy = strided(5, 3, 96), strided(5, 3, 96), strided(96), strided(96), strided(5, 3, 96)
+    calls = [lambda x, r, w, b: F.rms_norm(x, w, backend="cpu"),
+             lambda x, r, w, b: F.rms_norm(x, w, cast="gemma", offset=1.0, backend="cpu"),
+             lambda x, r, w, b: F.layer_norm(x, w, b, backend="cpu"),
+             lambda x, r, w, b: F.add_rms_norm(x, r, w, backend="cpu")[0],
+             lambda x, r, w, b: F.add_layer_norm(x, r, w, b, backend="cpu")[0]]
+    for call in calls:
+        got, want = [], []
+        for tensors, out in (((x, r, w, b), got), ((x.contiguous(), r.contiguous(), w.contiguous(),
+                                                    b.contiguous()), want)):
+            leaves = [t.detach().clone() if t.is_contiguous() else t.detach() for t in tensors]
+            leaves = [t.requires_grad_() for t in leaves]
+            y = call(*leaves)
+            out += [y, *torch.autograd.grad(y, leaves, dy if out is got else dy.contiguous(),
+                                            allow_unused=True)]
+        assert not x.is_contiguous() and not w.is_contiguous()
+        for a, c in zip(got, want):
+            assert (a is None and c is None) or torch.equal(a, c)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rows_of_zeros_give_zeros(dtype):
     x = torch.zeros(3, 50, dtype=dtype, requires_grad=True)
     w = torch.randn(50).to(dtype)

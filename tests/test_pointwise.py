@@ -23,6 +23,12 @@ K = importlib.import_module("normlab.kernels.cpu.pointwise")
 TE = importlib.import_module("normlab.kernels.cpu.tanh_erf")
 STAGE_WIDTH = importlib.import_module("normlab.kernels.cpu.simd").STAGE_WIDTH
 
+
+def _at(a: np.ndarray) -> tuple:
+    """A numpy array as the (address, shape, dtype witness) triple the launchers pass (launch._at),
+    so that calls made here use the launchers' compiled signatures. ``a`` must stay referenced."""
+    return a.ctypes.data, a.shape, np.empty(0, a.dtype)
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # 16-bit inputs from DYT_TABLE_MIN elements gather tanh from a table (K.TABLES): the
 # adversarial tests run each 16-bit dtype both ways, the table forced on at any size
@@ -215,12 +221,12 @@ def _filled_table(x, a, s, grad):
     assert K.TABLES, "no test asks for a table where the kernels would not use one"
     table = np.empty((2 if grad else 1) * K.TABLE_SIZE, np.float32)
     row, stages = x[None, :64].copy(), np.zeros((1, STAGE_WIDTH), np.float32)
-    w = np.ones(64, np.float32)
+    w, zero, out = np.ones(64, np.float32), np.zeros(64, np.float32), row.copy()
     if grad:
-        K.pointwise_bwd(row, row, a, s, w, row.copy(), np.zeros((1, 2)), np.zeros((1, 64)), np.zeros((1, 64)),
-                        stages, False, table, False)
+        K.pointwise_bwd(_at(row), _at(row), a, s, _at(w), _at(out), np.zeros((1, 2)), np.zeros((1, 64)),
+                        np.zeros((1, 64)), stages, False, table, False)
     else:
-        K.pointwise_fwd(row, a, s, w, 0 * w, row.copy(), stages, False, table, False)
+        K.pointwise_fwd(_at(row), a, s, _at(w), _at(zero), _at(out), stages, False, table, False)
     return table
 
 
@@ -250,13 +256,12 @@ def test_tanh_and_its_derivative_against_float64():
     z[1::2] *= -1
     x = z.float().reshape(1, -1).numpy()
     y, dx = x.copy(), x.copy()
-    one = np.ones(x.shape[1], np.float32)
+    one, zero, dy = np.ones(x.shape[1], np.float32), np.zeros(x.shape[1], np.float32), np.ones_like(x)
     stages = np.zeros((1, STAGE_WIDTH), np.float32)
     none = np.empty(0, np.float32)  # (float32: no table)
-    K.pointwise_fwd(x, 1.0, None, one, 0 * one, y, stages, False, none, False)
-    K.pointwise_bwd(np.ones_like(x), x, 1.0, None, one, dx, np.zeros((1, 2)), np.zeros((1, x.shape[1])),
-                    np.zeros((1, x.shape[1])),
-                    stages, False, none, False)
+    K.pointwise_fwd(_at(x), 1.0, None, _at(one), _at(zero), _at(y), stages, False, none, False)
+    K.pointwise_bwd(_at(dy), _at(x), 1.0, None, _at(one), _at(dx), np.zeros((1, 2)),
+                    np.zeros((1, x.shape[1])), np.zeros((1, x.shape[1])), stages, False, none, False)
     z64 = z.float().double()
     exact = torch.tanh(z64)
     ulp = torch.from_numpy(np.spacing(exact.abs().float().numpy())).double()
@@ -282,13 +287,12 @@ def test_erf_and_its_derivative_against_float64():
     z[1::2] *= -1
     x = z.reshape(1, -1)
     y, dx = x.copy(), x.copy()
-    one = np.ones(x.shape[1], np.float32)
+    one, zero, dy = np.ones(x.shape[1], np.float32), np.zeros(x.shape[1], np.float32), np.ones_like(x)
     stages = np.zeros((1, STAGE_WIDTH), np.float32)
     none = np.empty(0, np.float32)
-    K.pointwise_fwd(x, 1.0, np.float32(0.0), one, 0 * one, y, stages, False, none, False)
-    K.pointwise_bwd(np.ones_like(x), x, 1.0, np.float32(0.0), one, dx, np.zeros((1, 2)),
-                    np.zeros((1, x.shape[1])),
-                    np.zeros((1, x.shape[1])), stages, False, none, True)
+    K.pointwise_fwd(_at(x), 1.0, np.float32(0.0), _at(one), _at(zero), _at(y), stages, False, none, False)
+    K.pointwise_bwd(_at(dy), _at(x), 1.0, np.float32(0.0), _at(one), _at(dx), np.zeros((1, 2)),
+                    np.zeros((1, x.shape[1])), np.zeros((1, x.shape[1])), stages, False, none, True)
     z64 = z.astype(np.float64)
     exact = erf(z64)
     ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)

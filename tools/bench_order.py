@@ -65,12 +65,13 @@ def main() -> None:
         else:
             xs[(i + 3) % 8].sum()
 
-    yn, rn = L._rows(out, d), np.empty(n, np.float32)
-    wn, rnd = w.float().numpy(), L._round_to(dt, True)
+    rows = (n, d)
+    yn, rn = L._at(out, rows), np.empty(n, np.float32)
+    wn, rnd = L._at(w, (d,)), L._round_to(dt, True)
     calls = {
-        "kernel": lambda i: rmsnorm.rms_fwd(L._rows(xs[i % 8], d), wn, yn, rn, 1e-6, True, d, rnd,
-                                            *L._stages(yn.nbytes, n),
-                                                memory.prefetch_far(d * xs[0].itemsize)),
+        "kernel": lambda i: rmsnorm.rms_fwd(L._at(xs[i % 8], rows), wn, yn, rn, 1e-6, True, d, rnd,
+                                            *L._stages(out.nbytes, n),
+                                            memory.prefetch_far(d * xs[0].itemsize)),
         "alloc": lambda i: normlab.rms_norm(xs[i % 8], w, 1e-6),
         "out=": lambda i: normlab.rms_norm(xs[i % 8], w, 1e-6, out=out),
         "copy": lambda i: out.copy_(xs[i % 8]),

@@ -91,13 +91,16 @@ def main() -> None:
     w = torch.randn(d, dtype=dtype, requires_grad=True)
     b = torch.randn(d, dtype=dtype, requires_grad=True)
 
-    xn, dyn = memory.as_numpy(x.detach().view(n, d)), memory.as_numpy(dy.view(n, d))
-    out = memory.as_numpy(torch.empty(n, d, dtype=dtype))
+    # the kernels' arguments as the launchers pass them (launch._at triples), made once
+    rows_, keep = (n, d), [x.detach().view(n, d), dy.view(n, d), torch.empty(n, d, dtype=dtype),
+                           w.detach().float(), b.detach().float()]
+    xn, dyn, out, wn, bn = (C._at(t, rows_ if t.dim() == 2 else (d,)) for t in keep)
     stages, nt = C._stages(n * d * dtype.itemsize, n)
     # x; x and dy
     far, far2 = memory.prefetch_far(d * dtype.itemsize), memory.prefetch_far(2 * d * dtype.itemsize)
-    wn, bn = w.detach().float().numpy(), b.detach().float().numpy()
     mean, rstd = np.empty(n), np.empty(n, np.float32)
+    # the backward reads the saved statistics (tensors) as triples, as its launcher does
+    mean_at, rstd_at = C._at(torch.from_numpy(mean), (n,)), C._at(torch.from_numpy(rstd), (n,))
     dw = np.zeros(d, np.float32)
     rnd = C._round_to(dtype, False)
     _, _, rstd_t = C.rms_fwd_launch(x.detach(), w, 1e-6, True, False, 0.0, d)
@@ -107,7 +110,7 @@ def main() -> None:
     rows = {
         "rms_norm": {
             "kernel fwd": lambda: rmsnorm.rms_fwd(xn, wn, out, rstd, 1e-6, True, d, rnd, stages, nt, far),
-            "kernel bwd": lambda: rmsnorm.rms_bwd(dyn, xn, wn, rstd, None, out, dw, 1e-6, True, d, rnd,
+            "kernel bwd": lambda: rmsnorm.rms_bwd(dyn, xn, wn, rstd_at, None, out, dw, 1e-6, True, d, rnd,
                                                   stages, nt, far2),
             "launcher fwd": lambda: C.rms_fwd_launch(x.detach(), w, 1e-6, True, False, 0.0, d, stats=False),
             "launcher bwd": lambda: C.rms_bwd_launch(dy, x.detach(), w, rstd_t, None, 1e-6, True, False, 0.0,
@@ -119,8 +122,8 @@ def main() -> None:
         },
         "layer_norm": {
             "kernel fwd": lambda: layernorm.ln_fwd(xn, wn, bn, out, mean, rstd, 1e-5, stages, nt, far),
-            "kernel bwd": lambda: layernorm.ln_bwd(dyn, xn, wn, mean, rstd, None, out, dw, dw.copy(), stages,
-                                                   nt, far2),
+            "kernel bwd": lambda: layernorm.ln_bwd(dyn, xn, wn, mean_at, rstd_at, None, out, dw, dw.copy(),
+                                                   stages, nt, far2),
             "launcher fwd": lambda: C.ln_fwd_launch(x.detach(), w, b, 1e-5, stats=False),
             "launcher bwd": lambda: C.ln_bwd_launch(dy, x.detach(), w, mean_t, lrstd_t, None),
             "fwd, no grad": lambda: F.layer_norm(x.detach(), w.detach(), b.detach(), backend="cpu"),

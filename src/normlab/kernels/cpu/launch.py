@@ -1,11 +1,12 @@
 """The launchers: from torch tensors to a kernel call, and the outputs back as tensors.
 
-They make inputs contiguous (rows, d), allocate outputs (memory.py), fold the options into a
-float32 weight vector (``offset + w`` for the gemma order; rounded to the output dtype for the
-llama order, which multiplies in that dtype; ones when there is no weight, exact), and pick the
-chunk count: torch's thread count, capped by numba's pool, so normlab never runs more threads
-than torch would. dtypes travel as numpy arrays: float32 as is, bfloat16 as uint16 bits, float16
-as int16 bits.
+They make inputs contiguous (rows, d), allocate outputs (memory.py), fold the options into the
+weight vector (``offset + w`` in float32 for the gemma order; in the output dtype for the llama
+order, which multiplies in that dtype; ones when there is no weight, exact), and pick the chunk
+count: torch's thread count, capped by numba's pool, so normlab never runs more threads than
+torch would. Tensors travel as (address, shape, dtype witness) triples that the kernels read as
+arrays (rows.at): float32 as is, bfloat16 as uint16 bits, float16 as int16 bits; per-row
+statistics and weight gradients, made by numpy, as numpy arrays.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from normlab import reference
 
 from .pointwise import pointwise_bwd, pointwise_fwd, table_for
 from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
-from .memory import (KERNEL_CODE, STREAM_MIN_BYTES, as_numpy, empty, prefetch_far, scratch, serial_max_bytes,
-                     vector, zero_stages)
+from .memory import (KERNEL_CODE, STREAM_MIN_BYTES, empty, prefetch_far, scratch, serial_max_bytes, vector,
+                     zero_stages)
 from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
 from .rows import start_threads
 from .simd import X86
@@ -122,40 +123,61 @@ def _stages(nbytes: int, rows: int) -> tuple[np.ndarray, bool]:
     return zero_stages(nchunks(rows, nbytes)), X86 and nbytes >= STREAM_MIN_BYTES
 
 
-def _rows(t: Tensor, d: int) -> np.ndarray:
-    """``t`` (..., d) as the contiguous (rows, d) array the kernels read."""
-    return as_numpy(t if t.is_contiguous() else t.contiguous()).reshape(-1, d)
+# Tensors reach the kernels as (address, shape, dtype witness) triples (rows.at), not as numpy
+# views: a view costs several torch calls, each a microsecond hot and 10-30 us after a large
+# matmul has evicted the caches, more than a small call's kernel (docs/cpu-kernels.md, "Fixed
+# costs of a call"). The tensor must stay referenced until the kernel returns: the launchers
+# keep it in a local. The witnesses are 0-length arrays of the kernels' encoding of each dtype.
+_WITNESS = {dtype: np.empty(0, code) for dtype, code in KERNEL_CODE.items()}
 
 
-def _f32_vector(t: Tensor | None, d: int, fill: float) -> np.ndarray:
-    """A weight or bias as a float32 vector, ``fill`` everywhere when there is none."""
+def _contiguous(t: Tensor) -> Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _at(t: Tensor, shape: tuple[int, ...]) -> tuple:
+    """Contiguous ``t`` as the triple a kernel reads as an array of ``shape``."""
+    return t.data_ptr(), shape, _WITNESS[t.dtype]
+
+
+@functools.lru_cache(maxsize=64)
+def _filled(d: int, fill: float, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A vector of ``fill``: the weight (1) or bias (0) of a norm that has none. Nothing writes
+    it, so calls share one per width and dtype."""
+    return torch.full((d,), fill, dtype=dtype)
+
+
+def _f32_vector(t: Tensor | None, d: int, fill: float) -> Tensor:
+    """A weight or bias as a contiguous float32 vector, ``fill`` everywhere when there is none."""
     if t is None:
-        return np.full(d, fill, np.float32)
-    t = t.detach()
+        return _filled(d, fill)
     if t.dtype != torch.float32:
-        t = t.float()
-    return (t if t.is_contiguous() else t.contiguous()).numpy()
+        t = t.detach().float()
+    return _contiguous(t)
 
 
 def _rms_weight(weight: Tensor | None, d: int, out_dtype: torch.dtype, llama: bool,
-                offset: float) -> np.ndarray:
-    if weight is None or not (offset or (llama and weight.dtype != out_dtype)):
-        return _f32_vector(weight, d, 1.0)
-    w = weight.detach().float()
+                offset: float) -> Tensor:
+    """RMSNorm's weight in the dtype the kernel multiplies in: the output's in the llama order
+    (rounded to it; the kernel widens it exactly), float32 in the gemma order; plus ``offset``.
+    A bf16 model's weight in the llama order goes as it is, with no torch call."""
+    kind = out_dtype if llama else torch.float32
+    if weight is None:
+        return _filled(d, 1.0, kind)
+    w = weight
     if offset:  # not + 0.0, which would turn a -0.0 weight into +0.0
-        w = w + offset
-    if llama:  # the llama order multiplies in the output dtype: the weight is rounded to it
-        w = w.to(out_dtype).float()
-    return w.numpy()
+        w = w.detach().float() + offset
+    if w.dtype != kind:
+        w = w.detach().to(kind)
+    return _contiguous(w)
 
 
-def _ln_weights(weight: Tensor | None, bias: Tensor | None, d: int) -> tuple[np.ndarray, np.ndarray]:
+def _ln_weights(weight: Tensor | None, bias: Tensor | None, d: int) -> tuple[Tensor, Tensor]:
     return _f32_vector(weight, d, 1.0), _f32_vector(bias, d, 0.0)
 
 
 # -------------------------------------------------------------------------------- launchers
-# Each torch call on the way to a kernel costs about a microsecond, and many more after a cache
-# miss: the launchers take numpy views once and reshape those instead of the tensors.
+# Each launcher names every tensor it passes (x, w, y, ...) in a local until its kernel returns.
 
 
 def _per_row(shape: tuple[int, ...], dtype: torch.dtype, rows: int,
@@ -169,23 +191,24 @@ def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual
                    stats=True):
     """Returns (y, s or None, rstd; rstd is None without ``stats``). With ``residual``: s = x +
     residual is written and normalized."""
-    shape, d = x.shape, x.shape[-1]
-    xn = _rows(x, d)
-    n = xn.shape[0]
-    y, yn = empty(shape, x.dtype, xn.shape) if y is None else (y, _rows(y, d))
-    rstd, rn = _per_row(shape[:-1], torch.float32, n, stats)
+    x, d = _contiguous(x), x.shape[-1]
+    n = x.numel() // d
+    rows = (n, d)
+    y = empty(x) if y is None else y
+    rstd, rn = _per_row(x.shape[:-1], torch.float32, n, stats)
     w = _rms_weight(weight, d, x.dtype, llama, offset)
     s = None
     if residual is not None:
-        s, sn = empty(shape, reference.sum_dtype(x, residual, residual_in_fp32), xn.shape)
+        s = empty(x, reference.sum_dtype(x, residual, residual_in_fp32))
     if n:
-        rnd, stages = _round_to(x.dtype, llama), _stages(yn.nbytes, n)
+        rnd, stages = _round_to(x.dtype, llama), _stages(n * d * y.itemsize, n)
         if s is None:
-            _k(rms_fwd)(xn, w, yn, rn, eps, inside, k, rnd, *stages, prefetch_far(d * xn.itemsize))
+            _k(rms_fwd)(_at(x, rows), _at(w, (d,)), _at(y, rows), rn, eps, inside, k, rnd, *stages,
+                        prefetch_far(d * x.itemsize))
         else:
-            resn = _rows(residual, d)
-            _k(add_rms_fwd)(xn, resn, w, yn, sn, rn, eps, inside, k, rnd, *stages,
-                            prefetch_far(d * (xn.itemsize + resn.itemsize)))
+            residual = _contiguous(residual)
+            _k(add_rms_fwd)(_at(x, rows), _at(residual, rows), _at(w, (d,)), _at(y, rows), _at(s, rows), rn,
+                            eps, inside, k, rnd, *stages, prefetch_far(d * (x.itemsize + residual.itemsize)))
     return y, s, rstd
 
 
@@ -203,89 +226,93 @@ def _weight_grads(grad_dtypes: tuple | None, count: int, d: int,
 def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k, *, grad_dtypes=None):
     """Returns (dx in x's dtype, dw (d,) float32 or in ``grad_dtypes[0]``). ``ds`` (optional) is
     added to dx."""
-    shape, d = x.shape, x.shape[-1]
-    xn, dyn = _rows(x, d), _rows(dy, d)
-    n = xn.shape[0]
-    dx, dxn = empty(shape, x.dtype, xn.shape)
+    x, dy, d = _contiguous(x), _contiguous(dy), x.shape[-1]
+    n = x.numel() // d
+    rows = (n, d)
+    dx = empty(x)
     ((dw, dwn),) = _weight_grads(grad_dtypes, 1, d, n)
     if n:
-        w = _rms_weight(weight, d, dy.dtype, llama, offset)
-        dsn = _rows(ds, d) if ds is not None else None
+        w, rstd = _rms_weight(weight, d, dy.dtype, llama, offset), _contiguous(rstd)
+        ds = None if ds is None else _contiguous(ds)
         _k(rms_bwd)(
-            dyn, xn, w, as_numpy(rstd).reshape(n), dsn, dxn, dwn, eps, inside, k, _round_to(dy.dtype, llama),
-            *_stages(dxn.nbytes, n), prefetch_far(d * (xn.itemsize + dyn.itemsize)),
+            _at(dy, rows), _at(x, rows), _at(w, (d,)), _at(rstd, (n,)), None if ds is None else _at(ds, rows),
+            _at(dx, rows), dwn, eps, inside, k, _round_to(dy.dtype, llama), *_stages(n * d * dx.itemsize, n),
+            prefetch_far(d * (x.itemsize + dy.itemsize)),
         )
     return dx, dw
 
 
 def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp32=False, stats=True):
     """Returns (y, s or None, mean float64, rstd float32; both None without ``stats``)."""
-    shape, d = x.shape, x.shape[-1]
-    xn = _rows(x, d)
-    n = xn.shape[0]
-    y, yn = empty(shape, x.dtype, xn.shape) if y is None else (y, _rows(y, d))
-    mean, mn = _per_row(shape[:-1], torch.float64, n, stats)
-    rstd, rn = _per_row(shape[:-1], torch.float32, n, stats)
+    x, d = _contiguous(x), x.shape[-1]
+    n = x.numel() // d
+    rows = (n, d)
+    y = empty(x) if y is None else y
+    mean, mn = _per_row(x.shape[:-1], torch.float64, n, stats)
+    rstd, rn = _per_row(x.shape[:-1], torch.float32, n, stats)
     w, b = _ln_weights(weight, bias, d)
     s = None
     if residual is not None:
-        s, sn = empty(shape, reference.sum_dtype(x, residual, residual_in_fp32), xn.shape)
+        s = empty(x, reference.sum_dtype(x, residual, residual_in_fp32))
     if n:
-        stages = _stages(yn.nbytes, n)
+        stages = _stages(n * d * y.itemsize, n)
         if s is None:
-            _k(ln_fwd)(xn, w, b, yn, mn, rn, eps, *stages, prefetch_far(d * xn.itemsize))
+            _k(ln_fwd)(_at(x, rows), _at(w, (d,)), _at(b, (d,)), _at(y, rows), mn, rn, eps, *stages,
+                       prefetch_far(d * x.itemsize))
         else:
-            resn = _rows(residual, d)
-            _k(add_ln_fwd)(xn, resn, w, b, yn, sn, mn, rn, eps, *stages,
-                           prefetch_far(d * (xn.itemsize + resn.itemsize)))
+            residual = _contiguous(residual)
+            _k(add_ln_fwd)(_at(x, rows), _at(residual, rows), _at(w, (d,)), _at(b, (d,)), _at(y, rows),
+                           _at(s, rows), mn, rn, eps, *stages,
+                           prefetch_far(d * (x.itemsize + residual.itemsize)))
     return y, s, mean, rstd
 
 
 def ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None):
     """Returns (dx in x's dtype, dw, db), (d,) float32 or in ``grad_dtypes``."""
-    shape, d = x.shape, x.shape[-1]
-    xn, dyn = _rows(x, d), _rows(dy, d)
-    n = xn.shape[0]
-    dx, dxn = empty(shape, x.dtype, xn.shape)
+    x, dy, d = _contiguous(x), _contiguous(dy), x.shape[-1]
+    n = x.numel() // d
+    rows = (n, d)
+    dx = empty(x)
     (dw, dwn), (db, dbn) = _weight_grads(grad_dtypes, 2, d, n)
     if n:
-        w = _f32_vector(weight, d, 1.0)
-        dsn = _rows(ds, d) if ds is not None else None
+        w, mean, rstd = _f32_vector(weight, d, 1.0), _contiguous(mean), _contiguous(rstd)
+        ds = None if ds is None else _contiguous(ds)
         _k(ln_bwd)(
-            dyn, xn, w, as_numpy(mean).reshape(n), as_numpy(rstd).reshape(n), dsn, dxn, dwn, dbn,
-            *_stages(dxn.nbytes, n), prefetch_far(d * (xn.itemsize + dyn.itemsize)),
+            _at(dy, rows), _at(x, rows), _at(w, (d,)), _at(mean, (n,)), _at(rstd, (n,)),
+            None if ds is None else _at(ds, rows), _at(dx, rows), dwn, dbn, *_stages(n * d * dx.itemsize, n),
+            prefetch_far(d * (x.itemsize + dy.itemsize)),
         )
     return dx, dw, db
 
 
 def _pointwise_fwd(x, alpha, shift, weight, bias):
-    shape, d = x.shape, x.shape[-1]
-    xn = _rows(x, d)
-    n = xn.shape[0]
-    y, yn = empty(shape, x.dtype, xn.shape)
+    x, d = _contiguous(x), x.shape[-1]
+    n = x.numel() // d
+    rows = (n, d)
+    y = empty(x)
     w, b = _ln_weights(weight, bias, d)
     if n:
         s = None if shift is None else np.float32(float(shift.float()))
-        _k(pointwise_fwd)(xn, float(alpha.float()), s, w, b, yn, *_stages(yn.nbytes, n),
-                          table_for(xn, grad=False),
-                          prefetch_far(d * xn.itemsize))
+        _k(pointwise_fwd)(_at(x, rows), float(alpha.float()), s, _at(w, (d,)), _at(b, (d,)), _at(y, rows),
+                          *_stages(n * d * y.itemsize, n), table_for(x, grad=False),
+                          prefetch_far(d * x.itemsize))
     return y
 
 
 def _pointwise_bwd(dy, x, alpha, shift, weight):
-    shape, d = x.shape, x.shape[-1]
-    xn, dyn = _rows(x, d), _rows(dy, d)
-    n = xn.shape[0]
-    dx, dxn = empty(shape, x.dtype, xn.shape)
-    stages, stream = _stages(dxn.nbytes, n)
+    x, dy, d = _contiguous(x), _contiguous(dy), x.shape[-1]
+    n = x.numel() // d
+    rows = (n, d)
+    dx = empty(x)
+    stages, stream = _stages(n * d * dx.itemsize, n)
     chunks = stages.shape[0]
     das, dw, db = np.zeros((chunks, 2)), np.zeros((chunks, d)), np.zeros((chunks, d))
     if n:
         w = _f32_vector(weight, d, 1.0)
         s = None if shift is None else np.float32(float(shift.float()))
-        _k(pointwise_bwd)(dyn, xn, float(alpha.float()), s, w, dxn, das, dw, db, stages, stream,
-                          table_for(xn, grad=True),
-                          prefetch_far(d * (xn.itemsize + dyn.itemsize)))
+        _k(pointwise_bwd)(_at(dy, rows), _at(x, rows), float(alpha.float()), s, _at(w, (d,)), _at(dx, rows),
+                          das, dw, db, stages, stream, table_for(x, grad=True),
+                          prefetch_far(d * (x.itemsize + dy.itemsize)))
     # the chunks' float64 sums, added in chunk order (deterministic for a thread count)
     da, ds = das.sum(0)
     return (dx, da, ds, torch.from_numpy(dw.sum(0).astype(np.float32)),

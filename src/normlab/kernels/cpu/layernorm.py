@@ -27,10 +27,10 @@ from numba.extending import overload
 
 from .cache import kernel
 from .codecs import add_at, load_at, pair_order, store_at
-from .rows import (FLUSH, all_finite, chunk_span, flush_into, grad_nan_free, grad_select_optional, nan_free,
-                   pair_registers, pair_types, pairs_fit, reads_pairs, partial_row_pairs, partial_sums, recip,
-                   row_of, row_pairs, block_spans, select_optional, sum_partials, value_at, vector_sums,
-                   writes_pairs)
+from .rows import (FLUSH, all_finite, at, chunk_span, flush_into, grad_nan_free, grad_select_optional,
+                   nan_free, pair_registers, pair_types, pairs_fit, reads_pairs, partial_row_pairs,
+                   partial_sums, recip, row_of, row_pairs, block_spans, select_optional, sum_partials,
+                   value_at, vector_sums, writes_pairs)
 from .simd import (BLOCK, EMIT, fma_ir, fma32, prefetch_pass1, prefetch_pass2, row_moments, store_fence,
                    backward_block, forward_block, grad_sums)
 
@@ -42,6 +42,7 @@ from .simd import (BLOCK, EMIT, fma_ir, fma32, prefetch_pass1, prefetch_pass2, r
 
 @kernel
 def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream, far):
+    x, w, b, y, mean, rstd = at(x), at(w), at(b), at(y), at(mean), at(rstd)
     n, d = x.shape
     nchunks = stages.shape[0]
     span = d - d % EMIT if writes_pairs(x, y) else 0
@@ -64,6 +65,8 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream, far):
 
 @kernel
 def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream, far):
+    x, res, w, b, y, s = at(x), at(res), at(w), at(b), at(y), at(s)
+    mean, rstd = at(mean), at(rstd)
     n, d = x.shape
     nchunks = stages.shape[0]
     span = d - d % EMIT if writes_pairs(s, y) else 0
@@ -235,6 +238,8 @@ def _ov_y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite
 
 @kernel
 def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream, far):
+    dy, x, w, mean, rstd, ds = at(dy), at(x), at(w), at(mean), at(rstd), at(ds)
+    dx, dw, db = at(dx), at(dw), at(db)
     n, d = x.shape
     nchunks = stages.shape[0]
     span = d - d % BLOCK if reads_pairs(x, dy) else 0

@@ -148,28 +148,35 @@ ALLOCATOR = env_setting("NORMLAB_CPU_ALLOC", "pool", choices=("pool", "numpy", "
 POOL = BufferPool(int(env_setting("NORMLAB_CPU_POOL_MB", "1024")) << 20)
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype,
-          array_shape: tuple[int, ...]) -> tuple[Tensor, np.ndarray]:
-    """A new output: the tensor of ``shape`` the caller returns, and the same memory as the numpy
-    array of ``array_shape`` (same size, as_numpy's encoding) the kernel writes. Made together,
-    because every torch call between the two costs a microsecond hot and far more after a cache
-    miss (docs/cpu-kernels.md, "Fixed costs of a call")."""
-    nbytes = math.prod(array_shape) * dtype.itemsize
+def _buffer(nbytes: int) -> np.ndarray:
+    """``nbytes`` of 64-byte-aligned memory: from the pool, or unpooled (NORMLAB_CPU_ALLOC=numpy)."""
+    return POOL.take(nbytes) if ALLOCATOR == "pool" else _aligned(_raw(nbytes), nbytes)
+
+
+def empty(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """A new C-contiguous output of ``like``'s shape in ``dtype`` (like's if None): from the pool
+    from POOL.min_bytes, below it from torch's allocator."""
+    nbytes = like.numel() * (like.itemsize if dtype is None else dtype.itemsize)
     if ALLOCATOR == "torch" or nbytes < POOL.min_bytes:
-        t = torch.empty(shape, dtype=dtype)
-        return t, as_numpy(t).reshape(array_shape)
-    raw = POOL.take(nbytes) if ALLOCATOR == "pool" else _aligned(_raw(nbytes), nbytes)
-    return _with_tensor(raw.view(KERNEL_CODE[dtype]).reshape(array_shape), shape, dtype)
+        # like is contiguous, so empty_like's preserved layout is too; without keywords when it
+        # can, a few microseconds less (docs/cpu-kernels.md, "Fixed costs of a call")
+        return torch.empty_like(like) if dtype is None else torch.empty_like(like, dtype=dtype)
+    dtype = like.dtype if dtype is None else dtype
+    return _with_tensor(_buffer(nbytes).view(KERNEL_CODE[dtype]), like.shape, dtype)[0]
 
 
 def vector(shape: tuple[int, ...], dtype: torch.dtype, length: int) -> tuple[Tensor, np.ndarray]:
     """A result the kernel writes as a vector of ``length`` (a per-row statistic, a weight
-    gradient), made as ``empty`` makes outputs but from numpy's allocator below the pool's size:
-    kernels write these a value at a time, so numpy's alignment serves, and a numpy array becomes
-    a tensor faster than torch.empty's tensor becomes an array."""
-    if ALLOCATOR == "torch" or length * dtype.itemsize >= POOL.min_bytes:
-        return empty(shape, dtype, (length,))
-    return _with_tensor(np.empty(length, KERNEL_CODE[dtype]), shape, dtype)
+    gradient): the tensor of ``shape`` and the same memory as a numpy array. Below the pool's
+    size from numpy's allocator: kernels write these a value at a time, so numpy's alignment
+    serves, and a numpy array becomes a tensor faster than torch.empty's tensor becomes an array."""
+    if ALLOCATOR == "torch":
+        t = torch.empty(shape, dtype=dtype)
+        return t, as_numpy(t).reshape(length)
+    nbytes = length * dtype.itemsize
+    array = (_buffer(nbytes).view(KERNEL_CODE[dtype]) if nbytes >= POOL.min_bytes
+             else np.empty(length, KERNEL_CODE[dtype]))
+    return _with_tensor(array, shape, dtype)
 
 
 _SCRATCH = threading.local()

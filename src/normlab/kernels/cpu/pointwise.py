@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 
 from .cache import kernel
 from .codecs import LANES, load_at, load_f32, store_at, widen_bits
-from .rows import FLUSH, chunk_span, flush_into, partial_row_pairs, block_spans
+from .rows import FLUSH, at, chunk_span, flush_into, partial_row_pairs, block_spans
 from .simd import (AVX512, ZERO, EMIT, HW_BF16, add_blocks, f32x16, f64_totals, fma_ir, fma32, load_row,
                    prefetch_ahead, store_block, store_fence, scalar_totals)
 from .tanh_erf import F32, I32, const, erf, erf_grad, tanh, tanh_grad
@@ -105,8 +105,8 @@ TABLES = AVX512 and gathers_are_fast()
 
 
 def table_for(x, grad: bool) -> np.ndarray:
-    """The table a call on x (a (rows, d) numpy array) fills: empty where the blocks compute."""
-    use = TABLES and x.itemsize == 2 and x.size >= DYT_TABLE_MIN
+    """The table a call on x (a tensor or numpy array) fills: empty where the blocks compute."""
+    use = TABLES and x.itemsize == 2 and x.nbytes // 2 >= DYT_TABLE_MIN
     return np.empty((2 if grad else 1) * TABLE_SIZE if use else 0, np.float32)
 
 
@@ -283,6 +283,7 @@ def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, stream, table, use, fa
 @kernel
 def pointwise_fwd(x, a, s, w, b, y, stages, stream, table, far):
     """y = w * f(a x [+ s]) + b: DyT where s is None, Derf where s is a float32."""
+    x, w, b, y = at(x), at(w), at(b), at(y)
     n, d = x.shape
     a32 = np.float32(a)
     nchunks = stages.shape[0]
@@ -452,6 +453,7 @@ def _grad_edges(dyr, xr, w, dxr, dwc, dbc, a, s, i0, i1, da, ds):
 def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, stream, table, far):
     """The gradients of pointwise_fwd: dx stored, and per chunk da_sum[c] = (da, ds), dw_sum[c],
     db_sum[c]."""
+    dy, x, w, dx = at(dy), at(x), at(w), at(dx)
     n, d = x.shape
     a32 = np.float32(a)
     nchunks = stages.shape[0]

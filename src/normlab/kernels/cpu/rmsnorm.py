@@ -29,10 +29,10 @@ from numba.extending import overload
 
 from .cache import kernel
 from .codecs import load_at, pair_order, round_like, store_at
-from .rows import (FLUSH, all_finite, chunk_span, flush_into, grad_nan_free, grad_select_optional, is_llama,
-                   nan_free, pair_registers, pair_types, pairs_fit, reads_pairs, partial_rows, partial_sums,
-                   recip, row_of, row_pairs, block_spans, select_optional, sum_partials, value_at,
-                   vector_sums, writes_pairs)
+from .rows import (FLUSH, all_finite, at, chunk_span, flush_into, grad_nan_free, grad_select_optional,
+                   is_llama, nan_free, pair_registers, pair_types, pairs_fit, reads_pairs, partial_rows,
+                   partial_sums, recip, row_of, row_pairs, block_spans, select_optional, sum_partials,
+                   value_at, vector_sums, widened, writes_pairs)
 from .simd import (BLOCK, EMIT, fma_ir, fma32, narrow_bits, prefetch_pass1, prefetch_pass2, row_sumsq,
                    store_fence, widen_bits, backward_block, forward_block, grad_sums)
 
@@ -45,6 +45,7 @@ from .simd import (BLOCK, EMIT, fma_ir, fma32, narrow_bits, prefetch_pass1, pref
 
 @kernel
 def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream, far):
+    x, w, y, rstd = at(x), widened(at(w)), at(y), at(rstd)
     n, d = x.shape
     nchunks = stages.shape[0]
     w_pairs = pair_order(w, d - d % EMIT if writes_pairs(x, y) else 0)
@@ -64,6 +65,7 @@ def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream, far):
 
 @kernel
 def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, round_to, stages, stream, far):
+    x, res, w, y, s, rstd = at(x), at(res), widened(at(w)), at(y), at(s), at(rstd)
     n, d = x.shape
     nchunks = stages.shape[0]
     w_pairs = pair_order(w, d - d % EMIT if writes_pairs(s, y) else 0)
@@ -199,6 +201,7 @@ def _ov_y_block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite):
 
 @kernel
 def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream, far):
+    dy, x, w, rstd, ds, dx, dw = at(dy), at(x), widened(at(w)), at(rstd), at(ds), at(dx), at(dw)
     n, d = x.shape
     nchunks = stages.shape[0]
     span = k - k % BLOCK if reads_pairs(x, dy) else 0

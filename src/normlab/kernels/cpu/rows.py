@@ -30,8 +30,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import overload
+from numba import carray, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 from .cache import kernel
 from .codecs import load_at, pair_unorder, round_like, store_at
@@ -99,6 +100,51 @@ def value_at(xr, rr, sr, i):
 def recip(x):
     """1 / x as float32, inf at 0 (eps = 0 on a zero row) where numba would raise ZeroDivisionError."""
     return np.float32(math.inf) if x == 0.0 else np.float32(1.0 / x)
+
+
+@intrinsic
+def _address(typingctx, address):
+    """An integer address as a pointer."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+    return types.voidptr(address), codegen
+
+
+def at(a):  # pragma: no cover - replaced by the overload below
+    raise NotImplementedError
+
+
+@overload(at, inline="always")
+def _ov_at(a):
+    """A kernel argument as the array it reads: an array (or None) as it is, or an (address,
+    shape, dtype witness) triple as the C-contiguous array at that address. The launchers pass
+    tensors' memory as triples: a numpy view of a tensor costs several torch calls, which at
+    small sizes took longer than the kernel (docs/cpu-kernels.md, "Fixed costs of a call")."""
+    if isinstance(a, types.BaseTuple):
+        return lambda a: carray(_address(a[0]), a[1], a[2].dtype)
+    return lambda a: a
+
+
+def widened(w):  # pragma: no cover - replaced by the overload below
+    raise NotImplementedError
+
+
+@overload(widened)
+def _ov_widened(w):
+    """A weight vector as the float32 the kernels compute with: as it is, or widened (exactly)
+    from the 16-bit dtype in which the llama order's launcher passes it: that order multiplies
+    in the output's dtype, so the weight arrives already in it, and a bf16 model's weight needs
+    no conversion before the call."""
+    if w.dtype == types.float32:
+        return lambda w: w
+
+    def impl(w):
+        out = np.empty(w.shape[0], np.float32)
+        for i in range(w.shape[0]):
+            out[i] = load_at(w, i)
+        return out
+
+    return impl
 
 
 def row_of(a, r):  # pragma: no cover - replaced by the overload below
