@@ -57,7 +57,7 @@ def _check_param(t: object, name: str, x: Tensor) -> None:
 
 
 def _check_device(t: Tensor, name: str, x: Tensor) -> None:
-    if t.device != x.device:
+    if not (t.is_cpu and x.is_cpu) and t.device != x.device:  # is_cpu first: makes no torch.device
         raise ValueError(f"{name} is on {t.device} but x is on {x.device}; put them on the same device")
 
 
@@ -123,7 +123,7 @@ def _check_rms_options(eps: object, eps_mode: object, cast: object, offset: obje
 
 
 def _backend(backend: str | None, x: Tensor):
-    return kernels.get(kernels.resolve(backend, x.device))
+    return kernels.for_tensor(backend, x)
 
 
 def _check_out(out: object, x: Tensor, *params: Tensor | None) -> Tensor:

@@ -135,6 +135,15 @@ def resolve(backend: str | None, device: torch.device) -> str:
     return _resolve(backend, device.type, device.index)
 
 
+def for_tensor(backend: str | None, x: torch.Tensor) -> ModuleType:
+    """The backend module that runs an op on ``x``: :func:`resolve` for x's device, without making
+    a torch.device for a CPU tensor (a cost every small call would pay)."""
+    if x.is_cpu:
+        return _loaded[_resolve(backend, "cpu", None)]
+    device = x.device
+    return _loaded[_resolve(backend, device.type, device.index)]
+
+
 def _resolve(backend: str | None, device_type: str, device_index: int | None) -> str:
     name = check_name(backend or _override.get() or os.environ.get("NORMLAB_BACKEND") or "auto")
     # TRITON_INTERPRET changes only what "triton" means (auto picks triton only for a CUDA tensor,

@@ -464,7 +464,10 @@ def _custom_ops(prefix: str, device_types, L, mean_dtype: torch.dtype) -> dict:
 def _under_torch_func(tensors: tuple) -> bool:
     """Whether a torch.func transform (vmap, grad, jacrev, ...) wraps an input. The kernels read
     raw memory, which a transform's wrapper tensors do not expose, so the reference math runs
-    there instead: every transform then works, with the reference's numerics."""
+    there instead: every transform then works, with the reference's numerics. (Outside every
+    transform, one call answers for all the tensors.)"""
+    if not torch._C._are_functorch_transforms_active():
+        return False
     for t in tensors:
         if t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t):
             return True
