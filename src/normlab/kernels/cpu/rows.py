@@ -1,12 +1,12 @@
 """What every kernel does per row and per chunk of rows, whatever the op.
 
-Every kernel takes 2-D C-contiguous (rows, d) arrays and splits the rows into ``nchunks``
-contiguous chunks, one ``prange`` iteration each. A chunk owns its slice of the outputs and its
-own row of the weight-gradient partials, so the same inputs and chunk count give bitwise-
-identical outputs and gradients, whichever thread ran which chunk. Each row is worked in two
-passes: its statistics (streaming it from memory), then its outputs (reading it again from
-cache), by the same loops whatever the rest of the call, so a row's result does not depend on
-the batch it came in.
+Every kernel takes 2-D C-contiguous (rows, d) arrays (from the launchers, as the address triples
+that ``at`` turns into arrays) and splits the rows into ``nchunks`` contiguous chunks, one
+``prange`` iteration each. A chunk owns its slice of the outputs and its own row of the
+weight-gradient partials, so the same inputs and chunk count give bitwise-identical outputs and
+gradients, whichever thread ran which chunk. Each row is worked in two passes: its statistics
+(streaming it from memory), then its outputs (reading it again from cache), by the same loops
+whatever the rest of the call, so a row's result does not depend on the batch it came in.
 
 The chunk loop is the same in all eight kernels, written out in each so that a kernel reads top
 to bottom (each row's work differs in its arguments, pairs of rows and partial rows)::
