@@ -30,37 +30,48 @@ def step(model, ids):
     out.loss.backward()
 
 
-def measure(arch: str, dtype: torch.dtype, args) -> dict:
-    model = hf.tiny_model(arch, hidden=args.hidden, layers=args.layers, heads=args.heads,
-                          ff=args.ff).to(dtype)
-    model.train()
-    ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+def interleaved(model, timed, rounds: int) -> dict[str, float]:
+    """The median of ``timed()`` (milliseconds) for the model unpatched, patched and patched with
+    fuse_residual, the three alternating within each round after one warm-up call each."""
     modes = {"unpatched": lambda: hf.unpatch(model), "patched": lambda: (hf.unpatch(model), hf.patch(model)),
              "patched+fused": lambda: (hf.unpatch(model), hf.patch(model, fuse_residual=True))}
     times = {m: [] for m in modes}
     for setup in modes.values():  # warm-up
         setup()
-        step(model, ids)
-    for _ in range(args.rounds):
+        timed()
+    for _ in range(rounds):
         for mode, setup in modes.items():
             setup()
-            t0 = time.perf_counter()
-            step(model, ids)
-            times[mode].append(time.perf_counter() - t0)
+            times[mode].append(timed())
     hf.unpatch(model)
-    ms = {m: statistics.median(t) * 1e3 for m, t in times.items()}
-    return {"arch": arch, "dtype": str(dtype).replace("torch.", ""),
-            **{f"{m}_ms": round(v, 1) for m, v in ms.items()},
-            "speedup": round(ms["unpatched"] / ms["patched"], 3),
+    return {m: statistics.median(t) for m, t in times.items()}
+
+
+def _speedups(ms: dict[str, float]) -> dict:
+    return {"speedup": round(ms["unpatched"] / ms["patched"], 3),
             "speedup_fused": round(ms["unpatched"] / ms["patched+fused"], 3)}
+
+
+def measure(arch: str, dtype: torch.dtype, args) -> dict:
+    model = hf.tiny_model(arch, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                          ff=args.ff).to(dtype)
+    model.train()
+    ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+
+    def step_ms() -> float:
+        t0 = time.perf_counter()
+        step(model, ids)
+        return (time.perf_counter() - t0) * 1e3
+
+    ms = interleaved(model, step_ms, args.rounds)
+    return {"arch": arch, "dtype": str(dtype).replace("torch.", ""),
+            **{f"{m}_ms": round(v, 1) for m, v in ms.items()}, **_speedups(ms)}
 
 
 def measure_decode(arch: str, dtype: torch.dtype, args) -> dict:
     model = hf.tiny_model(arch, hidden=args.hidden, layers=args.layers, heads=args.heads,
                           ff=args.ff).to(dtype).eval()
     prompt = torch.randint(3, 256, (1, 16), generator=torch.Generator().manual_seed(0))
-    modes = {"unpatched": lambda: hf.unpatch(model), "patched": lambda: (hf.unpatch(model), hf.patch(model)),
-             "patched+fused": lambda: (hf.unpatch(model), hf.patch(model, fuse_residual=True))}
 
     def ms_per_token() -> float:
         t0 = time.perf_counter()
@@ -68,20 +79,9 @@ def measure_decode(arch: str, dtype: torch.dtype, args) -> dict:
             model.generate(prompt, max_new_tokens=args.decode, min_new_tokens=args.decode, do_sample=False)
         return (time.perf_counter() - t0) * 1e3 / args.decode
 
-    times = {m: [] for m in modes}
-    for setup in modes.values():  # warm-up
-        setup()
-        ms_per_token()
-    for _ in range(args.rounds):
-        for mode, setup in modes.items():
-            setup()
-            times[mode].append(ms_per_token())
-    hf.unpatch(model)
-    ms = {m: statistics.median(t) for m, t in times.items()}
+    ms = interleaved(model, ms_per_token, args.rounds)
     return {"arch": arch, "dtype": str(dtype).replace("torch.", ""), "decode_tokens": args.decode,
-            **{f"{m}_ms_per_token": round(v, 2) for m, v in ms.items()},
-            "speedup": round(ms["unpatched"] / ms["patched"], 3),
-            "speedup_fused": round(ms["unpatched"] / ms["patched+fused"], 3)}
+            **{f"{m}_ms_per_token": round(v, 2) for m, v in ms.items()}, **_speedups(ms)}
 
 
 def main() -> None:
