@@ -78,13 +78,15 @@ def test_cache_sizes_come_from_sysfs(tmp_path, monkeypatch):
         assert memory.stream_min_bytes() == streamed_from
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
-def test_a_small_call_on_one_thread_matches_the_chunked_call(gen, op, monkeypatch):
-    # Below SERIAL_MAX_BYTES a call runs as one chunk on the calling thread. Rows do not depend
-    # on each other, so outputs and dx keep their bits; the weight gradients are summed over
-    # one chunk instead of several, so they may move by rounding: checked against float64.
-    leaves = op_leaves(gen, op, (37, 256), torch.bfloat16)
-    grads = [torch.randn(37, 256, generator=gen).bfloat16()] * 2
+def test_a_small_call_on_one_thread_matches_the_chunked_call(gen, op, dtype, monkeypatch):
+    # Below SERIAL_MAX_BYTES a call runs as one chunk on the calling thread, and the kernel calls
+    # its chunk function directly instead of from a parallel loop (cache.chunk). Rows do not
+    # depend on each other, so outputs and dx keep their bits; the weight gradients are summed
+    # over one chunk instead of several, so they may move by rounding: checked against float64.
+    leaves = op_leaves(gen, op, (37, 256), dtype)
+    grads = [torch.randn(37, 256, generator=gen).to(dtype)] * 2
     runs = []
     for limit in (0, 1 << 20):
         monkeypatch.setattr(launch, "SERIAL_MAX_BYTES", limit)
@@ -95,7 +97,7 @@ def test_a_small_call_on_one_thread_matches_the_chunked_call(gen, op, monkeypatc
     for name in ("x", "residual"):
         if name in one_g:
             assert torch.equal(chunked_g[name], one_g[name]), name
-    check(gen, op, (37, 256), torch.bfloat16, leaves=leaves)  # still under the one-thread limit
+    check(gen, op, (37, 256), dtype, leaves=leaves)  # still under the one-thread limit
 
 
 @pytest.mark.parametrize("policy, limit", [("PASSIVE", "2048 KiB"), ("", "128 KiB")])

@@ -496,6 +496,26 @@ def test_each_memory_path_gives_the_same_bits(gen, fn, dtype, d, path, monkeypat
     assert not memory.zero_stages(launch.nchunks(37, 1 << 30)).any()
 
 
+@pytest.mark.parametrize("fn", FNS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_small_call_on_one_thread_matches_the_chunked_call(gen, fn, dtype, monkeypatch):
+    # Below SERIAL_MAX_BYTES a call is one chunk, which the kernels run by calling their chunk
+    # function directly rather than from a parallel loop (cache.chunk): the same code, so y and
+    # dx keep their bits (rows in pairs included: d = 2048); the per-chunk sums of dalpha, dw and
+    # db are added over one chunk instead of several, so those are checked against float64.
+    launch = importlib.import_module("normlab.kernels.cpu.launch")
+    leaves = _leaves(gen, (37, 2048), dtype, fn=fn)
+    dy = torch.randn(37, 2048, generator=gen).to(dtype)
+    runs = []
+    for limit in (0, 1 << 30):
+        monkeypatch.setattr(launch, "SERIAL_MAX_BYTES", limit)
+        runs.append(_run(leaves, "cpu", dy))
+        assert launch.nchunks(37, 37 * 2048 * 4) == (1 if limit else min(37, torch.get_num_threads()))
+    (chunked, chunked_g), (one, one_g) = runs
+    assert torch.equal(chunked, one) and torch.equal(chunked_g["x"], one_g["x"])
+    check(gen, (37, 2048), dtype, leaves=leaves, fn=fn)  # still under the one-thread limit
+
+
 @pytest.mark.skipif(not K.TABLES,
                     reason="no tables here (no AVX-512, or slow gathers): 16-bit inputs compute tanh")
 @pytest.mark.parametrize("fn", FNS)
