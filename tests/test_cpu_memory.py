@@ -372,10 +372,10 @@ def test_a_forward_without_a_graph_makes_no_statistics_and_the_same_outputs(gen,
 
 def test_scratch_statistics_are_per_thread_and_grow():
     first = memory.scratch(10, torch.float32)
-    assert first.shape == (10,) and first.dtype == np.float32
+    assert first.shape[0] >= 10 and first.dtype == np.float32
     assert memory.scratch(3, torch.float64).dtype == np.float64
     grown = memory.scratch(100_000, torch.float32)
-    assert grown.shape == (100_000,)
+    assert grown.shape[0] >= 100_000 and not np.shares_memory(first, grown)
     other = []
     thread = threading.Thread(target=lambda: other.append(memory.scratch(10, torch.float32)))
     thread.start()

@@ -144,8 +144,25 @@ def for_tensor(backend: str | None, x: torch.Tensor) -> ModuleType:
     return _loaded[_resolve(backend, device.type, device.index)]
 
 
+_ENVIRON_TYPE = type(os.environ)
+_ENV_KEY = os.environ.encodekey("NORMLAB_BACKEND")
+
+
+def _env_backend() -> str | None:
+    """NORMLAB_BACKEND, read at every call (a notebook or a test may set it at run time). Where
+    it is unset, ``os.environ.get`` raises and catches a KeyError: 5 us of a 60 us call inside a
+    model (docs/cpu-kernels.md, "Fixed costs of a call"); os.environ's own dict answers without."""
+    env = os.environ
+    if type(env) is _ENVIRON_TYPE:
+        value = env._data.get(_ENV_KEY)
+        return None if value is None else env.decodevalue(value)
+    return env.get("NORMLAB_BACKEND")  # os.environ replaced by a plain mapping (a test's monkeypatch)
+
+
 def _resolve(backend: str | None, device_type: str, device_index: int | None) -> str:
-    name = check_name(backend or _override.get() or os.environ.get("NORMLAB_BACKEND") or "auto")
+    name = backend or _override.get() or _env_backend() or "auto"
+    if name not in CHOICES:
+        check_name(name)  # raises
     # TRITON_INTERPRET changes only what "triton" means (auto picks triton only for a CUDA tensor,
     # where it is moot): read it for that name alone, as each read is a few Python calls
     return _choose(name, device_type, device_index, name == "triton" and _interpret())

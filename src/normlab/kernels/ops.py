@@ -486,13 +486,13 @@ def _has_tangent(tensors: tuple) -> bool:
     return False
 
 
-def _records_nothing(inputs: tuple) -> bool:
-    """Whether autograd has nothing to record for a call on ``inputs``: no input requires grad
-    (or grad mode is off). There the autograd.Function is skipped, a fifth of a small call's
-    time. (Inputs with a forward-mode tangent never get here: they take the reference math.)"""
+def _records_nothing(tensors: tuple) -> bool:
+    """Whether autograd has nothing to record for a call on ``tensors`` (every tensor input): none
+    requires grad, or grad mode is off. There the autograd.Function is skipped, a fifth of a small
+    call's time. (Inputs with a forward-mode tangent never get here: they take the reference math.)"""
     if torch.is_grad_enabled():
-        for t in inputs:
-            if isinstance(t, Tensor) and t.requires_grad:
+        for t in tensors:
+            if t is not None and t.requires_grad:
                 return False
     return True
 
@@ -501,12 +501,13 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
     """The public functions of a backend whose launchers are the attributes of ``L``."""
     traced = _custom_ops(prefix, device_types, L, mean_dtype)
     eager = {op.name: _eager_function(prefix, op, L) for op in OPS}
-    # no graph keeps the statistics
-    untraced = {op.name: functools.partial(op.launch, L, stats=False) for op in OPS}
+    launch = {op.name: op.launch for op in OPS}
     public = {op.name: op.public for op in OPS}
+    is_compiling = torch.compiler.is_compiling
 
-    # A small call's time is mostly this Python (docs/cpu-kernels.md, "Fixed costs of a call"),
-    # so the path below asks each question once and makes no generator.
+    # A small call's time is mostly this Python, more so inside a model, where each line runs
+    # from cold caches (docs/cpu-kernels.md, "Fixed costs of a call"): the path below asks each
+    # question once, makes no generator, and calls the launcher itself where no graph is recorded.
 
     def fused(tensors: tuple, compiling: bool, scalars: tuple = ()) -> bool:
         """Whether the kernels take the call: the dtypes of ``tensors`` (x and the per-feature
@@ -522,15 +523,15 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
 
     def call(name: str, tensors: tuple, inputs: tuple, reference_math: Callable, scalars: tuple = ()):
         """The op's outputs callers see: the reference math where the kernels cannot run; through
-        its custom op while torch.compile traces; straight from the launcher when there is no
-        graph to record; else through its autograd.Function."""
-        compiling = torch.compiler.is_compiling()
+        its custom op while torch.compile traces; straight from the launcher (no statistics kept)
+        when there is no graph to record; else through its autograd.Function."""
+        compiling = is_compiling()
         if not fused(tensors, compiling, scalars):
             return reference_math()
         if compiling:
             return public[name](traced[name](*inputs))
-        if _records_nothing(inputs):
-            return public[name](untraced[name](*inputs))
+        if _records_nothing(tensors + scalars if scalars else tensors):
+            return public[name](launch[name](L, *inputs, stats=False))
         return eager[name].apply(*inputs)
 
     def layer_norm(x, weight=None, bias=None, eps=1e-5):
@@ -538,7 +539,7 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
                     lambda: reference.layer_norm(x, weight, bias, eps))
 
     def rms_norm(x, weight=None, eps=1e-6, *, eps_mode="inside", cast="llama", offset=0.0, partial=None):
-        k = reference.partial_size(x.shape[-1], partial)
+        k = x.shape[-1] if partial is None else reference.partial_size(x.shape[-1], partial)
         return call("rms_norm", (x, weight),
                     (x, weight, eps, eps_mode == "inside", cast == "llama", offset, k),
                     lambda: reference.rms_norm(x, weight, eps, eps_mode=eps_mode, cast=cast, offset=offset,

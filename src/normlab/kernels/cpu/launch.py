@@ -97,7 +97,7 @@ def nchunks(rows: int, nbytes: int) -> int:
         return 1
     if not _threads_started:
         _start_numba_threads()
-    if nbytes < _one_thread_below():
+    if nbytes < (_serial_limit if SERIAL_MAX_BYTES is None else SERIAL_MAX_BYTES):
         threads = 1
     else:
         threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
@@ -106,15 +106,18 @@ def nchunks(rows: int, nbytes: int) -> int:
     if getattr(_numba_threads, "count", None) != threads:
         numba.set_num_threads(threads)
         _numba_threads.count = threads
-    return max(1, min(rows, threads))
+    return threads if threads <= rows else max(1, rows)
 
 
-@functools.cache
+# The kernels' ``round_to``: a 1-element array of the dtype xhat is rounded to before the weight
+# multiply (the output dtype in the llama order; float32, no rounding, in the gemma order). Only
+# its dtype is read, so one array per dtype serves every call.
+_ROUND_TO = {True: {dtype: np.zeros(1, code) for dtype, code in KERNEL_CODE.items()},
+             False: dict.fromkeys(KERNEL_CODE, np.zeros(1, np.float32))}
+
+
 def _round_to(out_dtype: torch.dtype, llama: bool) -> np.ndarray:
-    """The kernels' ``round_to``: a 1-element array of the dtype xhat is rounded to before the weight
-    multiply (the output dtype in the llama order; float32, no rounding, in the gemma order).
-    Only its dtype is read, so one array per key serves every call."""
-    return np.zeros(1, KERNEL_CODE[out_dtype] if llama else np.float32)
+    return _ROUND_TO[llama][out_dtype]
 
 
 def _stages(nbytes: int, rows: int) -> tuple[np.ndarray, bool]:
@@ -180,11 +183,10 @@ def _ln_weights(weight: Tensor | None, bias: Tensor | None, d: int) -> tuple[Ten
 # Each launcher names every tensor it passes (x, w, y, ...) in a local until its kernel returns.
 
 
-def _per_row(shape: tuple[int, ...], dtype: torch.dtype, rows: int,
-             stats: bool) -> tuple[Tensor | None, np.ndarray]:
-    """A per-row statistic (None when the caller does not keep ``stats``) and the array the kernel
-    writes it to."""
-    return vector(shape, dtype, rows) if stats else (None, scratch(rows, dtype))
+def _per_row(x: Tensor, dtype: torch.dtype, rows: int, stats: bool) -> tuple[Tensor | None, np.ndarray]:
+    """A per-row statistic of ``x`` (None when the caller does not keep ``stats``) and the array
+    the kernel writes it to."""
+    return vector(x.shape[:-1], dtype, rows) if stats else (None, scratch(rows, dtype))
 
 
 def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual=None, residual_in_fp32=False,
@@ -195,7 +197,7 @@ def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual
     n = x.numel() // d
     rows = (n, d)
     y = empty(x) if y is None else y
-    rstd, rn = _per_row(x.shape[:-1], torch.float32, n, stats)
+    rstd, rn = _per_row(x, torch.float32, n, stats)
     w = _rms_weight(weight, d, x.dtype, llama, offset)
     s = None
     if residual is not None:
@@ -248,8 +250,8 @@ def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp
     n = x.numel() // d
     rows = (n, d)
     y = empty(x) if y is None else y
-    mean, mn = _per_row(x.shape[:-1], torch.float64, n, stats)
-    rstd, rn = _per_row(x.shape[:-1], torch.float32, n, stats)
+    mean, mn = _per_row(x, torch.float64, n, stats)
+    rstd, rn = _per_row(x, torch.float32, n, stats)
     w, b = _ln_weights(weight, bias, d)
     s = None
     if residual is not None:

@@ -183,15 +183,15 @@ _SCRATCH = threading.local()
 
 
 def scratch(length: int, dtype: torch.dtype) -> np.ndarray:
-    """``length`` values of ``dtype`` that nothing reads: where a forward records no graph, the
-    kernels write its per-row statistics here, so that such a call makes no tensor for them. One
-    array per thread and dtype, grown to the most rows a call has had (a statistic is 1/d of
-    its input's size)."""
-    arrays = _SCRATCH.__dict__  # this thread's
-    array = arrays.get(dtype)
+    """At least ``length`` values of ``dtype`` that nothing reads: where a forward records no
+    graph, the kernels write its per-row statistics here (the first ``length``), so that such a
+    call makes no tensor for them. One array per thread and dtype, grown to the most rows a call
+    has had (a statistic is 1/d of its input's size); not cut to ``length``, as a numpy slice
+    costs a small call more than its kernel's writes."""
+    array = _SCRATCH.__dict__.get(dtype)  # this thread's
     if array is None or array.shape[0] < length:
-        array = arrays[dtype] = np.empty(max(length, 256), KERNEL_CODE[dtype])
-    return array[:length]
+        array = _SCRATCH.__dict__[dtype] = np.empty(max(length, 256), KERNEL_CODE[dtype])
+    return array
 
 
 def _with_tensor(array: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Tensor, np.ndarray]:
