@@ -117,3 +117,33 @@ def test_plain_torch_norms(dtype, eps):
     got = model(x)
     tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
     assert ((got.float() - expected.float()).abs() <= tol * (expected.float().abs() + 1)).all()
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gpt2"])
+def test_a_patched_norm_gives_the_bits_of_normlabs_function_and_follows_use_backend(arch):
+    # A patched forward on CPU goes straight to the backend (the probe validated its options
+    # through normlab.functional once): its outputs and gradients must be functional's, bit for
+    # bit, with the backend use_backend picks; an input off the CPU still meets functional's checks.
+    import normlab
+    from normlab.hf.patching import _apply
+
+    model = hf.tiny_model(arch).to(torch.bfloat16)
+    hf.patch(model)
+    norms = [m for m in model.modules() if hasattr(m, "_normlab_spec")]
+    assert norms
+    gen = torch.Generator().manual_seed(0)
+    for norm in norms:
+        w, b = norm.weight, getattr(norm, "bias", None)
+        x = (torch.randn(3, 5, w.shape[0], generator=gen) * 4 + 1).to(torch.bfloat16)
+        with torch.no_grad():
+            assert torch.equal(norm(x), _apply(norm._normlab_spec, x, w, b))
+            with normlab.use_backend("reference"):
+                assert torch.equal(norm(x), _apply(norm._normlab_spec, x, w, b, "reference"))
+        x.requires_grad_()
+        y = norm(x)
+        (gx,) = torch.autograd.grad(y.float().square().sum(), x)
+        x2 = x.detach().clone().requires_grad_()
+        (gx2,) = torch.autograd.grad(_apply(norm._normlab_spec, x2, w, b).float().square().sum(), x2)
+        assert torch.equal(gx, gx2)
+        with pytest.raises(ValueError, match="weight is on cpu but x is on meta"):
+            norm(torch.empty(2, w.shape[0], dtype=torch.bfloat16, device="meta"))
