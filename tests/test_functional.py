@@ -165,6 +165,18 @@ def test_backend_argument_context_manager_and_environment_in_that_order(monkeypa
             pass
 
 
+def test_the_environment_variable_is_read_from_a_replaced_environ_too(monkeypatch):
+    # kernels._env_backend reads os.environ's own dict (no KeyError per call); a test or tool
+    # that replaces os.environ with a plain mapping must still be heard
+    import os
+
+    monkeypatch.setattr(os, "environ", {**os.environ, "NORMLAB_BACKEND": "reference"})
+    assert kernels.resolve(None, torch.device("cpu")) == "reference"
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "NORMLAB_BACKEND"})
+    assert kernels._env_backend() is None
+    assert kernels.resolve(None, torch.device("cpu")) == kernels.resolve("auto", torch.device("cpu"))
+
+
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "add_rms_norm"])
 def test_the_fused_call_records_a_graph_exactly_when_autograd_needs_one(gen, op):
     # Without a graph to record the call skips its autograd.Function (ops._records_nothing):
