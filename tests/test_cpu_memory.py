@@ -81,10 +81,9 @@ def test_cache_sizes_come_from_sysfs(tmp_path, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
 def test_a_small_call_on_one_thread_matches_the_chunked_call(gen, op, dtype, monkeypatch):
-    # Below SERIAL_MAX_BYTES a call runs as one chunk on the calling thread, and the kernel calls
-    # its chunk function directly instead of from a parallel loop (cache.chunk). Rows do not
-    # depend on each other, so outputs and dx keep their bits; the weight gradients are summed
-    # over one chunk instead of several, so they may move by rounding: checked against float64.
+    # Below SERIAL_MAX_BYTES a call runs as one chunk on the calling thread. Rows do not depend
+    # on each other, so outputs and dx keep their bits, in every dtype; the weight gradients are
+    # summed over one chunk instead of several, so they may move by rounding: against float64.
     leaves = op_leaves(gen, op, (37, 256), dtype)
     grads = [torch.randn(37, 256, generator=gen).to(dtype)] * 2
     runs = []

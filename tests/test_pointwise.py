@@ -499,10 +499,10 @@ def test_each_memory_path_gives_the_same_bits(gen, fn, dtype, d, path, monkeypat
 @pytest.mark.parametrize("fn", FNS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_small_call_on_one_thread_matches_the_chunked_call(gen, fn, dtype, monkeypatch):
-    # Below SERIAL_MAX_BYTES a call is one chunk, which the kernels run by calling their chunk
-    # function directly rather than from a parallel loop (cache.chunk): the same code, so y and
-    # dx keep their bits (rows in pairs included: d = 2048); the per-chunk sums of dalpha, dw and
-    # db are added over one chunk instead of several, so those are checked against float64.
+    # Below SERIAL_MAX_BYTES a call runs as one chunk on the calling thread. Rows do not depend
+    # on each other, so y and dx keep their bits (rows in pairs included: d = 2048); the
+    # per-chunk sums of dalpha, dw and db are added over one chunk instead of several, so those
+    # are checked against float64.
     launch = importlib.import_module("normlab.kernels.cpu.launch")
     leaves = _leaves(gen, (37, 2048), dtype, fn=fn)
     dy = torch.randn(37, 2048, generator=gen).to(dtype)

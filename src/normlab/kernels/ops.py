@@ -505,9 +505,8 @@ def build(prefix: str, device_types, L, fused_dtypes: tuple, mean_dtype: torch.d
     public = {op.name: op.public for op in OPS}
     is_compiling = torch.compiler.is_compiling
 
-    # A small call's time is mostly this Python, more so inside a model, where each line runs
-    # from cold caches (docs/cpu-kernels.md, "Fixed costs of a call"): the path below asks each
-    # question once, makes no generator, and calls the launcher itself where no graph is recorded.
+    # A small call's time is mostly this Python, more so inside a model (docs/cpu-kernels.md, "Fixed
+    # costs of a call"): the path below asks each question once and makes no generator.
 
     def fused(tensors: tuple, compiling: bool, scalars: tuple = ()) -> bool:
         """Whether the kernels take the call: the dtypes of ``tensors`` (x and the per-feature

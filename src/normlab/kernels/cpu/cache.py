@@ -311,14 +311,6 @@ class _SerialCache(_Cache):
     _tiered = False  # only forked workers meet these: not worth a wheel's space
 
 
-def chunk(fn):
-    """A kernel's work on chunk c of nchunks: its own function, which the kernel calls from its
-    parallel loop, or directly where the call is one chunk: a small call then enters no parallel
-    region, 7 of its 20 us inside a model (docs/cpu-kernels.md, "Fixed costs of a call"). Not
-    inlined, so that both calls run the same code (the same bits) and it compiles once."""
-    return njit(fastmath=FASTMATH, nogil=True)(fn)
-
-
 def kernel(fn):
     """A parallel numba kernel, cached under sources_hash(). ``kernel.serial()`` is the same code
     compiled without numba's threading layer (prange as range), for a process forked after its

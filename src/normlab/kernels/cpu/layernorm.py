@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
-from .cache import chunk, kernel
+from .cache import kernel
 from .codecs import add_at, load_at, pair_order, store_at
 from .rows import (FLUSH, all_finite, at, chunk_span, flush_into, grad_nan_free, grad_select_optional,
                    nan_free, pair_registers, pair_types, pairs_fit, reads_pairs, partial_row_pairs,
@@ -43,68 +43,48 @@ from .simd import (BLOCK, EMIT, fma_ir, fma32, prefetch_pass1, prefetch_pass2, r
 @kernel
 def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream, far):
     x, w, b, y, mean, rstd = at(x), at(w), at(b), at(y), at(mean), at(rstd)
-    d = x.shape[1]
+    n, d = x.shape
     nchunks = stages.shape[0]
     span = d - d % EMIT if writes_pairs(x, y) else 0
     w_pairs, b_pairs = pair_order(w, span), pair_order(b, span)
     wb_finite = writes_pairs(x, y) and all_finite(w) and all_finite(b)
-    if nchunks == 1:  # (cache.chunk)
-        _ln_fwd_chunk(0, 1, x, w, b, w_pairs, b_pairs, wb_finite, y, mean, rstd, eps, stages, stream, far)
-    else:
-        for c in prange(nchunks):
-            _ln_fwd_chunk(c, nchunks, x, w, b, w_pairs, b_pairs, wb_finite, y, mean, rstd, eps, stages,
-                          stream, far)
-
-
-@chunk
-def _ln_fwd_chunk(c, nchunks, x, w, b, w_pairs, b_pairs, wb_finite, y, mean, rstd, eps, stages, stream, far):
-    r0, r1 = chunk_span(c, nchunks, x.shape[0])
-    stage = stages[c]
-    for r in range(r0, r1):
-        xr = x[r]
-        mu, var = _moments(xr, None, None, xr, far)
-        row_rstd = recip(math.sqrt(var + eps))
-        mean[r] = mu
-        rstd[r] = row_rstd
-        _ln_write(xr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, far, xr, None,
-                  nan_free(wb_finite, row_rstd, mu))
-    if stream:
-        store_fence()
+    for c in prange(nchunks):
+        r0, r1 = chunk_span(c, nchunks, n)
+        stage = stages[c]
+        for r in range(r0, r1):
+            xr = x[r]
+            mu, var = _moments(xr, None, None, xr, far)
+            row_rstd = recip(math.sqrt(var + eps))
+            mean[r] = mu
+            rstd[r] = row_rstd
+            _ln_write(xr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, far, xr, None,
+                      nan_free(wb_finite, row_rstd, mu))
+        if stream:
+            store_fence()
 
 
 @kernel
 def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream, far):
     x, res, w, b, y, s = at(x), at(res), at(w), at(b), at(y), at(s)
     mean, rstd = at(mean), at(rstd)
-    d = x.shape[1]
+    n, d = x.shape
     nchunks = stages.shape[0]
     span = d - d % EMIT if writes_pairs(s, y) else 0
     w_pairs, b_pairs = pair_order(w, span), pair_order(b, span)
     wb_finite = writes_pairs(s, y) and all_finite(w) and all_finite(b)
-    if nchunks == 1:
-        _add_ln_fwd_chunk(0, 1, x, res, w, b, w_pairs, b_pairs, wb_finite, y, s, mean, rstd, eps, stages,
-                          stream, far)
-    else:
-        for c in prange(nchunks):
-            _add_ln_fwd_chunk(c, nchunks, x, res, w, b, w_pairs, b_pairs, wb_finite, y, s, mean, rstd, eps,
-                              stages, stream, far)
-
-
-@chunk
-def _add_ln_fwd_chunk(c, nchunks, x, res, w, b, w_pairs, b_pairs, wb_finite, y, s, mean, rstd, eps, stages,
-                      stream, far):
-    r0, r1 = chunk_span(c, nchunks, x.shape[0])
-    stage = stages[c]
-    for r in range(r0, r1):
-        xr, rr, sr = x[r], res[r], s[r]
-        mu, var = _moments(xr, rr, sr, sr, far)
-        row_rstd = recip(math.sqrt(var + eps))
-        mean[r] = mu
-        rstd[r] = row_rstd
-        _ln_write(sr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, far, xr, rr,
-                  nan_free(wb_finite, row_rstd, mu))
-    if stream:
-        store_fence()
+    for c in prange(nchunks):
+        r0, r1 = chunk_span(c, nchunks, n)
+        stage = stages[c]
+        for r in range(r0, r1):
+            xr, rr, sr = x[r], res[r], s[r]
+            mu, var = _moments(xr, rr, sr, sr, far)
+            row_rstd = recip(math.sqrt(var + eps))
+            mean[r] = mu
+            rstd[r] = row_rstd
+            _ln_write(sr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, far, xr, rr,
+                      nan_free(wb_finite, row_rstd, mu))
+        if stream:
+            store_fence()
 
 
 @njit(inline="always")
@@ -260,7 +240,7 @@ def _ov_y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite
 def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream, far):
     dy, x, w, mean, rstd, ds = at(dy), at(x), at(w), at(mean), at(rstd), at(ds)
     dx, dw, db = at(dx), at(dw), at(db)
-    d = x.shape[1]
+    n, d = x.shape
     nchunks = stages.shape[0]
     span = d - d % BLOCK if reads_pairs(x, dy) else 0
     w_pairs = pair_order(w, span)
@@ -268,45 +248,34 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream, far):
     dw_sum = partial_sums(nchunks, d)
     db_sum = partial_sums(nchunks, d)
     pairs = row_pairs(x, dy, d, pair_registers(None, False))
-    if nchunks == 1:
-        _ln_bwd_chunk(0, 1, dy, x, w, w_pairs, mean, rstd, ds, dx, parts, dw_sum, db_sum, stages, stream, far,
-                      pairs)
-    else:
-        for c in prange(nchunks):
-            _ln_bwd_chunk(c, nchunks, dy, x, w, w_pairs, mean, rstd, ds, dx, parts, dw_sum, db_sum, stages,
-                          stream, far, pairs)
+    for c in prange(nchunks):
+        r0, r1 = chunk_span(c, nchunks, n)
+        dwc, dbc = parts[2 * c], parts[2 * c + 1]
+        stage = stages[c]
+        paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
+        sg2, sgx2 = 0.0, 0.0
+        for r in range(r0, r1):
+            dyr, xr = dy[r], x[r]
+            mu, row_rstd = mean[r], rstd[r]
+            ahead = 1 if r >= paired_to else 2  # rows ahead that pass 2 prefetches
+            if ahead == 1:
+                sg, sgx = _ln_sums(dyr, w, w_pairs, xr, mu, row_rstd, dwc, dbc, far)
+            elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
+                sg, sgx, sg2, sgx2 = _ln_sums_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, mu, row_rstd,
+                                                   mean[r + 1], rstd[r + 1], dwc, dbc, far)
+            else:
+                sg, sgx = sg2, sgx2
+            _ln_bwd_write(dyr, xr, w, w_pairs, row_of(ds, r), dx[r], mu, row_rstd, sg, sgx, stage, stream,
+                          ahead, far)
+            if (r - r0) % FLUSH == FLUSH - 1:
+                flush_into(dwc, dw_sum[c])
+                flush_into(dbc, db_sum[c])
+        flush_into(dwc, dw_sum[c])
+        flush_into(dbc, db_sum[c])
+        if stream:
+            store_fence()
     sum_partials(dw_sum, span, dw)
     sum_partials(db_sum, span, db)
-
-
-@chunk
-def _ln_bwd_chunk(c, nchunks, dy, x, w, w_pairs, mean, rstd, ds, dx, parts, dw_sum, db_sum, stages, stream,
-                  far, pairs):
-    r0, r1 = chunk_span(c, nchunks, x.shape[0])
-    dwc, dbc = parts[2 * c], parts[2 * c + 1]
-    stage = stages[c]
-    paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
-    sg2, sgx2 = 0.0, 0.0
-    for r in range(r0, r1):
-        dyr, xr = dy[r], x[r]
-        mu, row_rstd = mean[r], rstd[r]
-        ahead = 1 if r >= paired_to else 2  # rows ahead that pass 2 prefetches
-        if ahead == 1:
-            sg, sgx = _ln_sums(dyr, w, w_pairs, xr, mu, row_rstd, dwc, dbc, far)
-        elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
-            sg, sgx, sg2, sgx2 = _ln_sums_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, mu, row_rstd,
-                                               mean[r + 1], rstd[r + 1], dwc, dbc, far)
-        else:
-            sg, sgx = sg2, sgx2
-        _ln_bwd_write(dyr, xr, w, w_pairs, row_of(ds, r), dx[r], mu, row_rstd, sg, sgx, stage, stream,
-                      ahead, far)
-        if (r - r0) % FLUSH == FLUSH - 1:
-            flush_into(dwc, dw_sum[c])
-            flush_into(dbc, db_sum[c])
-    flush_into(dwc, dw_sum[c])
-    flush_into(dbc, db_sum[c])
-    if stream:
-        store_fence()
 
 
 # ------------------------------------------------------------------------- backward, pass 1

@@ -35,7 +35,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .cache import chunk, kernel
+from .cache import kernel
 from .codecs import LANES, load_at, load_f32, store_at, widen_bits
 from .rows import FLUSH, at, chunk_span, flush_into, partial_row_pairs, block_spans
 from .simd import (AVX512, ZERO, EMIT, HW_BF16, add_blocks, f32x16, f64_totals, fma_ir, fma32, load_row,
@@ -284,34 +284,26 @@ def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, stream, table, use, fa
 def pointwise_fwd(x, a, s, w, b, y, stages, stream, table, far):
     """y = w * f(a x [+ s]) + b: DyT where s is None, Derf where s is a float32."""
     x, w, b, y = at(x), at(w), at(b), at(y)
+    n, d = x.shape
     a32 = np.float32(a)
     nchunks = stages.shape[0]
     use = table.shape[0] > 0
     if use:
         for c in prange(nchunks):
             _fill_table(_fill_t, table, x, a32, s, c, nchunks)
-    if nchunks == 1:  # (cache.chunk)
-        _fwd_chunk(0, 1, x, a32, s, w, b, y, stages, stream, table, use, far)
-    else:
-        for c in prange(nchunks):
-            _fwd_chunk(c, nchunks, x, a32, s, w, b, y, stages, stream, table, use, far)
-
-
-@chunk
-def _fwd_chunk(c, nchunks, x, a32, s, w, b, y, stages, stream, table, use, far):
-    r0, r1 = chunk_span(c, nchunks, x.shape[0])
-    d = x.shape[1]
-    stage = stages[c]
-    for r in range(r0, r1):
-        xr, yr = x[r], y[r]
-        head, body = block_spans(yr, 0, d, stream)
-        for i in range(head):
-            store_at(yr, i, _y_scalar(load_at(xr, i), load_at(w, i), load_at(b, i), a32, s))
-        _y_blocks(yr, head, body, xr, w, b, stage, a32, s, stream, table, use, far)
-        for i in range(body, d):
-            store_at(yr, i, _y_scalar(load_at(xr, i), load_at(w, i), load_at(b, i), a32, s))
-    if stream:
-        store_fence()
+    for c in prange(nchunks):
+        r0, r1 = chunk_span(c, nchunks, n)
+        stage = stages[c]
+        for r in range(r0, r1):
+            xr, yr = x[r], y[r]
+            head, body = block_spans(yr, 0, d, stream)
+            for i in range(head):
+                store_at(yr, i, _y_scalar(load_at(xr, i), load_at(w, i), load_at(b, i), a32, s))
+            _y_blocks(yr, head, body, xr, w, b, stage, a32, s, stream, table, use, far)
+            for i in range(body, d):
+                store_at(yr, i, _y_scalar(load_at(xr, i), load_at(w, i), load_at(b, i), a32, s))
+        if stream:
+            store_fence()
 
 
 # --------------------------------------------------------------------------------- backward
@@ -462,7 +454,7 @@ def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, stream, ta
     """The gradients of pointwise_fwd: dx stored, and per chunk da_sum[c] = (da, ds), dw_sum[c],
     db_sum[c]."""
     dy, x, w, dx = at(dy), at(x), at(w), at(dx)
-    d = x.shape[1]
+    n, d = x.shape
     a32 = np.float32(a)
     nchunks = stages.shape[0]
     parts = partial_row_pairs(nchunks, d)
@@ -471,53 +463,41 @@ def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, stream, ta
     if use:
         for c in prange(nchunks):
             _fill_table(_fill_ts, table, x, a32, s, c, nchunks)
-    if nchunks == 1:
-        _bwd_chunk(0, 1, dy, x, a32, s, w, dx, da_sum, dw_sum, db_sum, parts, stages, stream, table, use, far,
-                   pairs)
-    else:
-        for c in prange(nchunks):
-            _bwd_chunk(c, nchunks, dy, x, a32, s, w, dx, da_sum, dw_sum, db_sum, parts, stages, stream, table,
-                       use, far, pairs)
-
-
-@chunk
-def _bwd_chunk(c, nchunks, dy, x, a32, s, w, dx, da_sum, dw_sum, db_sum, parts, stages, stream, table, use,
-               far, pairs):
-    r0, r1 = chunk_span(c, nchunks, x.shape[0])
-    d = x.shape[1]
-    dwc, dbc, stage = parts[2 * c], parts[2 * c + 1], stages[c]
-    paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
-    da, ds = 0.0, 0.0
-    for r in range(r0, r1):
-        dyr, xr, dxr = dy[r], x[r], dx[r]
-        head, body = block_spans(dxr, 0, d, stream)
-        partner = r + 1 if (r - r0) % 2 == 0 else r - 1
-        # (streamed rows: alike)
-        in_pair = r < paired_to and block_spans(dx[partner], 0, d, stream) == (head, body)
-        if not in_pair:
-            da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, 0, head, da, ds)
-            ba, bs = _grad_blocks(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s, stream, table,
-                                  use, far)
-            da, ds = da + ba, ds + bs
-            da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, body, d, da, ds)
-        elif partner > r:  # this row and the next, in the order two single rows go (same bits)
-            dyr2, xr2, dxr2 = dy[partner], x[partner], dx[partner]
-            da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, 0, head, da, ds)
-            da1, da2, ds1, ds2 = _grad_blocks_pair(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s,
-                                                   stream, table, use,
-                                                   dxr2, dyr2, xr2, far)
-            da, ds = da + da1, ds + ds1
-            da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, body, d, da, ds)
-            da, ds = _grad_edges(dyr2, xr2, w, dxr2, dwc, dbc, a32, s, 0, head, da, ds)
-            da, ds = da + da2, ds + ds2
-            da, ds = _grad_edges(dyr2, xr2, w, dxr2, dwc, dbc, a32, s, body, d, da, ds)
-        # (else: the second row of a pair, done with the first)
-        if (r - r0) % FLUSH == FLUSH - 1:
-            flush_into(dwc, dw_sum[c])
-            flush_into(dbc, db_sum[c])
-    flush_into(dwc, dw_sum[c])
-    flush_into(dbc, db_sum[c])
-    if stream:
-        store_fence()
-    da_sum[c, 0] = 4.0 * da  # the terms came as quarters (_grad)
-    da_sum[c, 1] = 4.0 * ds
+    for c in prange(nchunks):
+        r0, r1 = chunk_span(c, nchunks, n)
+        dwc, dbc, stage = parts[2 * c], parts[2 * c + 1], stages[c]
+        paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
+        da, ds = 0.0, 0.0
+        for r in range(r0, r1):
+            dyr, xr, dxr = dy[r], x[r], dx[r]
+            head, body = block_spans(dxr, 0, d, stream)
+            partner = r + 1 if (r - r0) % 2 == 0 else r - 1
+            # (streamed rows: alike)
+            in_pair = r < paired_to and block_spans(dx[partner], 0, d, stream) == (head, body)
+            if not in_pair:
+                da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, 0, head, da, ds)
+                ba, bs = _grad_blocks(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s, stream, table,
+                                      use, far)
+                da, ds = da + ba, ds + bs
+                da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, body, d, da, ds)
+            elif partner > r:  # this row and the next, in the order two single rows go (same bits)
+                dyr2, xr2, dxr2 = dy[partner], x[partner], dx[partner]
+                da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, 0, head, da, ds)
+                da1, da2, ds1, ds2 = _grad_blocks_pair(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s,
+                                                       stream, table, use,
+                                                       dxr2, dyr2, xr2, far)
+                da, ds = da + da1, ds + ds1
+                da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, body, d, da, ds)
+                da, ds = _grad_edges(dyr2, xr2, w, dxr2, dwc, dbc, a32, s, 0, head, da, ds)
+                da, ds = da + da2, ds + ds2
+                da, ds = _grad_edges(dyr2, xr2, w, dxr2, dwc, dbc, a32, s, body, d, da, ds)
+            # (else: the second row of a pair, done with the first)
+            if (r - r0) % FLUSH == FLUSH - 1:
+                flush_into(dwc, dw_sum[c])
+                flush_into(dbc, db_sum[c])
+        flush_into(dwc, dw_sum[c])
+        flush_into(dbc, db_sum[c])
+        if stream:
+            store_fence()
+        da_sum[c, 0] = 4.0 * da  # the terms came as quarters (_grad)
+        da_sum[c, 1] = 4.0 * ds

@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
-from .cache import chunk, kernel
+from .cache import kernel
 from .codecs import load_at, pair_order, round_like, store_at
 from .rows import (FLUSH, all_finite, at, chunk_span, flush_into, grad_nan_free, grad_select_optional,
                    is_llama, nan_free, pair_registers, pair_types, pairs_fit, reads_pairs, partial_rows,
@@ -46,63 +46,42 @@ from .simd import (BLOCK, EMIT, fma_ir, fma32, narrow_bits, prefetch_pass1, pref
 @kernel
 def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream, far):
     x, w, y, rstd = at(x), widened(at(w)), at(y), at(rstd)
+    n, d = x.shape
     nchunks = stages.shape[0]
-    d = x.shape[1]
     w_pairs = pair_order(w, d - d % EMIT if writes_pairs(x, y) else 0)
     w_finite = writes_pairs(x, y) and k == d and all_finite(w)  # partial: values past k are in no statistic
-    if nchunks == 1:  # (cache.chunk)
-        _rms_fwd_chunk(0, 1, x, w, w_pairs, w_finite, y, rstd, eps, inside, k, round_to, stages, stream, far)
-    else:
-        for c in prange(nchunks):
-            _rms_fwd_chunk(c, nchunks, x, w, w_pairs, w_finite, y, rstd, eps, inside, k, round_to, stages,
-                           stream, far)
-
-
-@chunk
-def _rms_fwd_chunk(c, nchunks, x, w, w_pairs, w_finite, y, rstd, eps, inside, k, round_to, stages, stream,
-                   far):
-    r0, r1 = chunk_span(c, nchunks, x.shape[0])
-    stage = stages[c]
-    for r in range(r0, r1):
-        xr = x[r]
-        row_rstd = _rms_scale(_sumsq(xr, None, None, k, far), k, eps, inside)
-        rstd[r] = row_rstd
-        _rms_write(xr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, far, xr, None,
-                   nan_free(w_finite, row_rstd, 0.0))
-    if stream:
-        store_fence()
+    for c in prange(nchunks):
+        r0, r1 = chunk_span(c, nchunks, n)
+        stage = stages[c]
+        for r in range(r0, r1):
+            xr = x[r]
+            row_rstd = _rms_scale(_sumsq(xr, None, None, k, far), k, eps, inside)
+            rstd[r] = row_rstd
+            _rms_write(xr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, far, xr, None,
+                       nan_free(w_finite, row_rstd, 0.0))
+        if stream:
+            store_fence()
 
 
 @kernel
 def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, round_to, stages, stream, far):
     x, res, w, y, s, rstd = at(x), at(res), widened(at(w)), at(y), at(s), at(rstd)
+    n, d = x.shape
     nchunks = stages.shape[0]
-    d = x.shape[1]
     w_pairs = pair_order(w, d - d % EMIT if writes_pairs(s, y) else 0)
     w_finite = writes_pairs(s, y) and k == d and all_finite(w)
-    if nchunks == 1:
-        _add_rms_fwd_chunk(0, 1, x, res, w, w_pairs, w_finite, y, s, rstd, eps, inside, k, round_to, stages,
-                           stream, far)
-    else:
-        for c in prange(nchunks):
-            _add_rms_fwd_chunk(c, nchunks, x, res, w, w_pairs, w_finite, y, s, rstd, eps, inside, k, round_to,
-                               stages, stream, far)
-
-
-@chunk
-def _add_rms_fwd_chunk(c, nchunks, x, res, w, w_pairs, w_finite, y, s, rstd, eps, inside, k, round_to, stages,
-                       stream, far):
-    r0, r1 = chunk_span(c, nchunks, x.shape[0])
-    stage = stages[c]
-    for r in range(r0, r1):
-        xr, rr, sr = x[r], res[r], s[r]
-        # s is an output too, but the second pass reads it back: plain stores keep it cached
-        row_rstd = _rms_scale(_sumsq(xr, rr, sr, k, far), k, eps, inside)
-        rstd[r] = row_rstd
-        _rms_write(sr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, far, xr, rr,
-                   nan_free(w_finite, row_rstd, 0.0))
-    if stream:
-        store_fence()
+    for c in prange(nchunks):
+        r0, r1 = chunk_span(c, nchunks, n)
+        stage = stages[c]
+        for r in range(r0, r1):
+            xr, rr, sr = x[r], res[r], s[r]
+            # s is an output too, but the second pass reads it back: plain stores keep it cached
+            row_rstd = _rms_scale(_sumsq(xr, rr, sr, k, far), k, eps, inside)
+            rstd[r] = row_rstd
+            _rms_write(sr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, far, xr, rr,
+                       nan_free(w_finite, row_rstd, 0.0))
+        if stream:
+            store_fence()
 
 
 @njit(inline="always")
@@ -223,55 +202,44 @@ def _ov_y_block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite):
 @kernel
 def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream, far):
     dy, x, w, rstd, ds, dx, dw = at(dy), at(x), widened(at(w)), at(rstd), at(ds), at(dx), at(dw)
-    d = x.shape[1]
+    n, d = x.shape
     nchunks = stages.shape[0]
     span = k - k % BLOCK if reads_pairs(x, dy) else 0
     w_pairs = pair_order(w, span)
     dw_part = partial_rows(nchunks, d)
     dw_sum = partial_sums(nchunks, d)
     pairs = row_pairs(x, dy, k, pair_registers(round_to, inside))
-    if nchunks == 1:
-        _rms_bwd_chunk(0, 1, dy, x, w, w_pairs, rstd, ds, dx, dw_part, dw_sum, eps, inside, k, round_to,
-                       stages, stream, far, pairs)
-    else:
-        for c in prange(nchunks):
-            _rms_bwd_chunk(c, nchunks, dy, x, w, w_pairs, rstd, ds, dx, dw_part, dw_sum, eps, inside, k,
-                           round_to, stages, stream, far, pairs)
+    for c in prange(nchunks):
+        r0, r1 = chunk_span(c, nchunks, n)
+        dwc = dw_part[c]
+        stage = stages[c]
+        paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
+        gx2, ss2 = 0.0, 0.0
+        for r in range(r0, r1):
+            dyr, xr, dxr, dsr = dy[r], x[r], dx[r], row_of(ds, r)
+            row_rstd = rstd[r]
+            ahead = 1 if r >= paired_to else 2  # rows ahead that pass 2 prefetches
+            if ahead == 1:
+                gx, ss = _dot_gx(dyr, w, w_pairs, xr, k, dwc, row_rstd, round_to, not inside, far)
+            elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
+                gx, ss, gx2, ss2 = _dot_gx_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, k, dwc, row_rstd,
+                                                rstd[r + 1], round_to, not inside,
+                                                     far)
+            else:
+                gx, ss = gx2, ss2
+            coef = _rms_coef(row_rstd, gx, ss, k, inside)
+            finite = grad_select_optional(x, dy, ds) and grad_nan_free(row_rstd, gx, 0.0, coef, 0.0)
+            _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, 0, k, True, stage, stream, ahead,
+                           finite, far)
+            if k < d:  # pRMSNorm: the features past the statistic
+                _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, k, d, False, stage, stream,
+                               ahead, False, far)
+            if (r - r0) % FLUSH == FLUSH - 1:
+                flush_into(dwc, dw_sum[c])
+        flush_into(dwc, dw_sum[c])
+        if stream:
+            store_fence()
     sum_partials(dw_sum, span, dw)
-
-
-@chunk
-def _rms_bwd_chunk(c, nchunks, dy, x, w, w_pairs, rstd, ds, dx, dw_part, dw_sum, eps, inside, k, round_to,
-                   stages, stream, far, pairs):
-    d = x.shape[1]
-    r0, r1 = chunk_span(c, nchunks, x.shape[0])
-    dwc = dw_part[c]
-    stage = stages[c]
-    paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
-    gx2, ss2 = 0.0, 0.0
-    for r in range(r0, r1):
-        dyr, xr, dxr, dsr = dy[r], x[r], dx[r], row_of(ds, r)
-        row_rstd = rstd[r]
-        ahead = 1 if r >= paired_to else 2  # rows ahead that pass 2 prefetches
-        if ahead == 1:
-            gx, ss = _dot_gx(dyr, w, w_pairs, xr, k, dwc, row_rstd, round_to, not inside, far)
-        elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
-            gx, ss, gx2, ss2 = _dot_gx_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, k, dwc, row_rstd,
-                                            rstd[r + 1], round_to, not inside, far)
-        else:
-            gx, ss = gx2, ss2
-        coef = _rms_coef(row_rstd, gx, ss, k, inside)
-        finite = grad_select_optional(x, dy, ds) and grad_nan_free(row_rstd, gx, 0.0, coef, 0.0)
-        _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, 0, k, True, stage, stream, ahead,
-                       finite, far)
-        if k < d:  # pRMSNorm: the features past the statistic
-            _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, k, d, False, stage, stream,
-                           ahead, False, far)
-        if (r - r0) % FLUSH == FLUSH - 1:
-            flush_into(dwc, dw_sum[c])
-    flush_into(dwc, dw_sum[c])
-    if stream:
-        store_fence()
 
 
 # ------------------------------------------------------------------------- backward, pass 1

@@ -2,8 +2,7 @@
 
 Every kernel takes 2-D C-contiguous (rows, d) arrays (from the launchers, as the address triples
 that ``at`` turns into arrays) and splits the rows into ``nchunks`` contiguous chunks, one
-``prange`` iteration each (a call of one chunk calls the chunk's function directly: numba enters
-a parallel region even for a loop of one). A chunk owns its slice of the outputs and its own row of the
+``prange`` iteration each. A chunk owns its slice of the outputs and its own row of the
 weight-gradient partials, so the same inputs and chunk count give bitwise-identical outputs and
 gradients, whichever thread ran which chunk. Each row is worked in two passes: its statistics
 (streaming it from memory), then its outputs (reading it again from cache), by the same loops
@@ -12,14 +11,7 @@ whatever the rest of the call, so a row's result does not depend on the batch it
 The chunk loop is the same in all eight kernels, written out in each so that a kernel reads top
 to bottom (each row's work differs in its arguments, pairs of rows and partial rows)::
 
-    if nchunks == 1:
-        _op_chunk(0, 1, ...)
-    else:
-        for c in prange(nchunks):
-            _op_chunk(c, nchunks, ...)
-
-    @chunk                                        # cache.chunk: its own function, not inlined
-    def _op_chunk(c, nchunks, ...):
+    for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         for r in range(r0, r1):
             ...                                   # the row's two passes
