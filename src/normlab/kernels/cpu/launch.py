@@ -97,7 +97,7 @@ def nchunks(rows: int, nbytes: int) -> int:
         return 1
     if not _threads_started:
         _start_numba_threads()
-    if nbytes < (_serial_limit if SERIAL_MAX_BYTES is None else SERIAL_MAX_BYTES):
+    if nbytes < _one_thread_below():
         threads = 1
     else:
         threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
@@ -106,7 +106,7 @@ def nchunks(rows: int, nbytes: int) -> int:
     if getattr(_numba_threads, "count", None) != threads:
         numba.set_num_threads(threads)
         _numba_threads.count = threads
-    return threads if threads <= rows else max(1, rows)
+    return max(1, min(rows, threads))
 
 
 # The kernels' ``round_to``: a 1-element array of the dtype xhat is rounded to before the weight
