@@ -152,8 +152,14 @@ def test_layer_norm_large_mean_rows_do_not_cancel(gen):
     assert (one_pass.double() - truth).abs().max().item() > 50 * err
 
 
+# the residual sum's dtype: the inputs', or with residual_in_fp32 at least float32 (float64 stays)
+SUM_DTYPES = {(torch.float32, False): torch.float32, (torch.float32, True): torch.float32,
+              (torch.bfloat16, False): torch.bfloat16, (torch.bfloat16, True): torch.float32,
+              (torch.float64, False): torch.float64, (torch.float64, True): torch.float64}
+
+
 @pytest.mark.parametrize("residual_in_fp32", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_add_norms_return_the_norm_of_the_sum_and_the_sum(gen, dtype, residual_in_fp32):
     x = rand(gen, 3, 5, 96, dtype=dtype)
     r = rand(gen, 3, 5, 96, dtype=dtype)
@@ -161,13 +167,45 @@ def test_add_norms_return_the_norm_of_the_sum_and_the_sum(gen, dtype, residual_i
     b = rand(gen, 96, dtype=dtype)
     y, s = R.add_rms_norm(x, r, w, 1e-6, residual_in_fp32=residual_in_fp32)
     ly, ls = R.add_layer_norm(x, r, w, b, 1e-5, residual_in_fp32=residual_in_fp32)
-    sum_dtype = torch.float32 if residual_in_fp32 else dtype
+    sum_dtype = SUM_DTYPES[dtype, residual_in_fp32]
     assert s.dtype == ls.dtype == sum_dtype
     assert y.dtype == ly.dtype == dtype
     expected_sum = x.to(sum_dtype) + r.to(sum_dtype)
     assert torch.equal(s, expected_sum) and torch.equal(ls, expected_sum)
     assert_close(y, rms_truth(expected_sum, w, 1e-6), dtype=dtype)
     assert_close(ly, ln_truth(expected_sum, w, b, 1e-5), dtype=dtype)
+
+
+def half_ulp(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Half the spacing of ``dtype``'s values at float64 ``v``: the most one rounding to it moves v."""
+    info = torch.finfo(dtype)
+    mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}[dtype]
+    _, e = torch.frexp(v)  # |v| = m * 2^e, m in [0.5, 1)
+    e = torch.clamp(e, min=math.frexp(info.smallest_normal)[1])  # subnormals share the smallest spacing
+    return torch.ldexp(torch.full_like(v, 0.5), e - 1 - mantissa_bits)
+
+
+@pytest.mark.parametrize("fn", ["dyt", "derf"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_pointwise_norms_in_16_bit_round_once(gen, fn, dtype):
+    # Computed in float32 and cast last: within half a unit of the dtype (plus float32's own error)
+    # of the exact result. The same math in the 16-bit dtype rounds at every step, up to 2 units
+    # off. The kernels' tests bound their error by this result's, so it must be this good.
+    x = rand(gen, 64, 300, dtype=dtype, scale=2.0)
+    w, b = rand(gen, 300, dtype=dtype), rand(gen, 300, dtype=dtype)
+    alpha = torch.tensor([0.7], dtype=dtype)
+    if fn == "dyt":
+        y = R.dyt(x, alpha, w, b)
+        truth = torch.tanh(alpha.double() * x.double()) * w.double() + b.double()
+    else:
+        shift = torch.tensor([0.3], dtype=dtype)
+        y = R.derf(x, alpha, shift, w, b)
+        truth = torch.erf(alpha.double() * x.double() + shift.double()) * w.double() + b.double()
+    assert y.dtype == dtype
+    # float32's error: a few of its units of the terms (|w| and |b| bound them)
+    slack = 4 * torch.finfo(torch.float32).eps * (w.double().abs() + b.double().abs())
+    err = (y.double() - truth).abs()
+    assert torch.all(err <= half_ulp(truth, dtype) + slack), err.max()
 
 
 def test_upcast_false_computes_in_the_input_dtype(gen):
