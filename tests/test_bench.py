@@ -2,6 +2,9 @@
 
 import json
 import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -118,7 +121,51 @@ def test_a_record_says_whether_the_cache_was_scrubbed(tmp_path):
     for scrub in (True, False):
         bench.write_json(str(tmp_path / "r.json"), records, {}, scrub=scrub)
         method = json.loads((tmp_path / "r.json").read_text())["method"]
-        assert method == {"scrub_bytes": bench.ROTATE_BYTES if scrub else 0, "grad_mode": "untimed"}
+        assert method == {"scrub_bytes": bench.ROTATE_BYTES if scrub else 0, "grad_mode": "untimed",
+                          "freed_memory": "returned"}
+
+
+# Run in a process of its own (the setting is for good): the bench, then a 64 MiB tensor made and
+# freed, with glibc's account of where it came from (mmapped bytes) and what it holds free after.
+_FREED_MEMORY = """
+import ctypes, json, sys, torch
+from normlab.cli import main
+main(["bench", "--ops", "rms_norm", "--backends", "normlab", "--dtypes", "fp32", "--shapes", "4x64",
+      "--passes", "fwd", "--alloc", "alloc", "--repeat", "1", "--quiet", "--json", sys.argv[1], *sys.argv[2:]])
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+x = torch.ones(64 << 20, dtype=torch.uint8)
+mapped = libc.mallinfo2().hblkhd
+del x
+print(json.dumps({"mapped": mapped, "free_after": libc.mallinfo2().fordblks,
+                  "method": json.load(open(sys.argv[1]))["method"]}))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the option sets glibc's malloc options")
+def test_keep_freed_memory_makes_glibc_keep_a_freed_large_block(tmp_path):
+    def run(*flags):
+        out = subprocess.run([sys.executable, "-c", _FREED_MEMORY, str(tmp_path / "r.json"), *flags],
+                             capture_output=True, text=True, check=True, timeout=300)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    block = 64 << 20
+    default, kept = run(), run("--keep-freed-memory")
+    # glibc's default: the block is mapped for itself and returned to the OS on free
+    assert default["mapped"] >= block and default["free_after"] < block
+    assert default["method"]["freed_memory"] == "returned"
+    # kept: it comes from the heap and stays there, free for the next allocation
+    assert kept["mapped"] < block and kept["free_after"] >= block
+    assert kept["method"]["freed_memory"] == "kept"
+
+
+def test_keep_freed_memory_refuses_a_c_library_it_cannot_set(monkeypatch):
+    monkeypatch.setattr(platform, "libc_ver", lambda: ("", ""))
+    with pytest.raises(RuntimeError, match="--keep-freed-memory sets glibc's malloc options"):
+        bench.keep_freed_memory()
 
 
 def test_a_record_cut_short_by_a_full_disk_leaves_the_last_one_whole(tmp_path, monkeypatch):

@@ -28,8 +28,10 @@ it in an environment of its own).
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import math
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -334,6 +336,28 @@ def _fwd_runner(peer: Peer, alloc: str, xs, rs, out):
     return lambda i: peer.fn(xs[i % k], rs[i % k])  # with autograd off (Case.grad_mode)
 
 
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def keep_freed_memory() -> None:
+    """Have glibc keep what this process frees for its next allocations (for good: call it first).
+
+    By default glibc maps each large block afresh and returns it to the OS on free, so a peer's
+    fresh output faults its pages in inside every timed call; normlab's buffer pool keeps its
+    outputs' pages. With this, the peers' times are their kernels' too, not the page faults
+    (jemalloc does not help: above 8 MiB its oversize arena returns pages at once)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        raise RuntimeError("--keep-freed-memory sets glibc's malloc options; this process does not run "
+                           f"on glibc ({platform.system()}, {platform.libc_ver()[0] or 'another C library'})")
+    libc = ctypes.CDLL(None)
+    # blocks up to 1 GiB from the heap, which is trimmed past 2 GiB free and grows 256 MiB at a time
+    for param, value in ((_M_MMAP_THRESHOLD, 1 << 30), (_M_TRIM_THRESHOLD, 2**31 - 1),
+                         (_M_TOP_PAD, 256 << 20)):
+        if libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) != 1:
+            raise RuntimeError(f"glibc refused mallopt({param}, {value})")
+
+
 def scrubber(device: torch.device) -> Callable[[], None]:
     """What runs before each timed call: on CPU, a read of ROTATE_BYTES (it evicts the last
     call's inputs and writes back its dirty lines; a read leaves no dirty lines of its own). On
@@ -490,12 +514,13 @@ def _records(cases: list[Case], device: torch.device) -> list[dict]:
 
 
 def write_json(path: str, records: list[dict], env: dict, scrub: bool = True,
-               notes: list[str] | None = None) -> None:
+               notes: list[str] | None = None, freed_memory: str = "returned") -> None:
     """``method.scrub_bytes``: what was read before each timed call (0: nothing, the method of
     records made before the scrub, which have no ``method``). ``method.grad_mode``: "untimed"
     where autograd's mode is set outside each timed call (Case.grad_mode); records without it
     timed a `torch.no_grad()` block inside each forward. ``notes``: the run's notes (peers left
-    out, an interruption), when there are any."""
-    method = {"scrub_bytes": ROTATE_BYTES if scrub else 0, "grad_mode": "untimed"}
+    out, an interruption), when there are any. ``method.freed_memory``: "kept" when the run
+    called keep_freed_memory, else "returned" (glibc's default)."""
+    method = {"scrub_bytes": ROTATE_BYTES if scrub else 0, "grad_mode": "untimed", "freed_memory": freed_memory}
     runs.write_json(path, {"environment": env, "method": method, "records": records,
                            **({"notes": notes} if notes else {})})

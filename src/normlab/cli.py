@@ -176,6 +176,8 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from normlab.env import environment
 
     backends = _csv(args.backends)
+    if args.keep_freed_memory:
+        bench.keep_freed_memory()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total} groups"),
                   TimeElapsedColumn(), console=console, disable=args.quiet) as progress:
@@ -187,9 +189,10 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         )
     env = environment()
     if args.json:
-        bench.write_json(args.json, records, env, scrub=not args.no_scrub, notes=notes)
+        bench.write_json(args.json, records, env, scrub=not args.no_scrub, notes=notes,
+                         freed_memory="kept" if args.keep_freed_memory else "returned")
     table = Table(title=f"normlab bench: {env['processor']}, {env['torch_threads']} threads, torch "
-                        f"{env['torch']}")
+                        f"{env['torch']}" + (", freed memory kept" if args.keep_freed_memory else ""))
     for col in ("op", "pass", "alloc", "dtype", "shape", "backend", "ms", "GB/s", "x copy", "x normlab"):
         table.add_column(col, justify="right" if col in ("ms", "GB/s", "x copy", "x normlab") else "left")
     for r in bench_tables.summary_rows(records):
@@ -399,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-scrub", action="store_true",
                    help="do not read a cache-sized buffer before each timed call (the method of records "
                         "made before it)")
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="have glibc keep freed memory, so that no peer's call faults in a fresh output "
+                        "(normlab's buffer pool avoids that already): the peers' kernels alone")
     p.add_argument("--json", metavar="PATH", help="write one record per measurement to PATH")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
