@@ -6,6 +6,8 @@
 # libraries: about 7 GB on disk, though nothing here uses a GPU); normlab is installed into it
 # from this checkout.
 #   bash benchmarks/ipex_peer.sh OUT.json [more normlab bench options]
+# With --keep-freed-memory IPEX's times leave out the page faults of its fresh outputs, which
+# normlab's buffer pool avoids (docs/results/ipex-peer-xeon-2core.md: both settings).
 # Environment: IPEX_VENV (default ~/.cache/normlab/ipex-venv), IPEX_VERSION (2.8.0) and
 # IPEX_TORCH (2.8.0).
 set -euo pipefail

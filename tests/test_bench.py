@@ -131,7 +131,8 @@ _FREED_MEMORY = """
 import ctypes, json, sys, torch
 from normlab.cli import main
 main(["bench", "--ops", "rms_norm", "--backends", "normlab", "--dtypes", "fp32", "--shapes", "4x64",
-      "--passes", "fwd", "--alloc", "alloc", "--repeat", "1", "--quiet", "--json", sys.argv[1], *sys.argv[2:]])
+      "--passes", "fwd", "--alloc", "alloc", "--repeat", "1", "--quiet", "--json", sys.argv[1],
+      *sys.argv[2:]])
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -272,6 +273,32 @@ def test_records_name_the_cpus_vector_instructions(monkeypatch, flags, vectors):
     named = bench_tables.readme_summary(run, "x.json", machine=f"2 cores of an AMD EPYC (Zen 4, {vectors})")
     assert named.startswith(f"On 2 cores of an AMD EPYC (Zen 4, {vectors}), 2026-12-03 (torch")
     assert "`OMP_WAIT_POLICY=PASSIVE normlab bench --json x.json`" in summary
+
+
+def test_readme_summary_puts_the_peers_with_freed_memory_kept_beside_the_default(tmp_path):
+    def run(torch_ms, compile_ms):
+        return {"environment": {"date": "2026-12-05 00:00:00 UTC", "cpus": 2, "processor": "Some CPU",
+                                "torch": "2", "numba": "0"},
+                "records": [{"op": op, "backend": b, "dtype": "fp32", "shape": "4096x4096", "pass": p,
+                             "alloc": "alloc", "ms": ms, "frac_of_copy": 1.0}
+                            for op in ("rms_norm", "layer_norm") for p in ("fwd", "bwd")
+                            for b, ms in (("normlab", 2.0), ("torch", torch_ms[p]),
+                                          ("compile", compile_ms[p]))]}
+
+    default = run({"fwd": 40.0, "bwd": 80.0}, {"fwd": 8.0, "bwd": 12.0})
+    kept = run({"fwd": 30.0, "bwd": 70.0}, {"fwd": 3.0, "bwd": 5.0})
+    plain = bench_tables.readme_summary(default, "r.json")
+    assert "keep-freed-memory" not in plain
+    both = bench_tables.readme_summary(default, "r.json", kept=(kept, "r-kept.json"))
+    assert both.startswith(plain)
+    added = both[len(plain):]
+    assert "`normlab bench --keep-freed-memory --json r-kept.json`" in added
+    assert "[r-kept.md](r-kept.md)" in added
+    kept_part, default_part = added.split("by default in the same session")
+    assert ("rms_norm takes 15-35x less time than `F.rms_norm` and 1.5-2.5x less than torch.compile"
+            in kept_part)
+    assert "layer_norm 15.0-35.0x less than `F.layer_norm`" in kept_part
+    assert default_part.startswith(": 20-40x, 4.0-6.0x and 20.0-40.0x)")
 
 
 ZEN4 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\ncpu family\t: 25\nmodel\t\t: 17\n"

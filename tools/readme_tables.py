@@ -34,16 +34,31 @@ def machine(record: Path) -> str | None:
 def blocks() -> dict[tuple[str, str], str]:
     """Each generated block's (start marker, end marker) -> its text, from the records."""
     demo = only("compare-demo-*/results.json")
-    speeds = sorted(RESULTS.glob("cpu-bench-*.json"))  # one record per machine
+    # one record per machine, and beside it, where one was made, its run with freed memory kept
+    speeds = sorted(p for p in RESULTS.glob("cpu-bench-*.json") if not p.name.startswith(KEPT))
     return {
         (report.README_START, report.README_END): report.readme_tables(json.loads(demo.read_text())),
         (bench_tables.README_START, bench_tables.README_END): "\n\n".join(
             bench_tables.readme_summary(
-                json.loads(p.read_text()), p.relative_to(ROOT).as_posix(), machine=machine(p)
+                json.loads(p.read_text()), p.relative_to(ROOT).as_posix(), machine=machine(p), kept=kept(p)
             )
             for p in speeds
         ),
     }
+
+
+KEPT = "cpu-bench-kept-"  # + the machine: a run with --keep-freed-memory
+
+
+def kept(record: Path) -> tuple[dict, str] | None:
+    """The run of ``record``'s machine with --keep-freed-memory, if one was made."""
+    path = record.with_name(KEPT + record.name.removeprefix("cpu-bench-"))
+    if not path.exists():
+        return None
+    run = json.loads(path.read_text())
+    if run.get("method", {}).get("freed_memory") != "kept":
+        raise SystemExit(f"{path} was not run with --keep-freed-memory")
+    return run, path.relative_to(ROOT).as_posix()
 
 
 def main() -> None:

@@ -521,6 +521,7 @@ def write_json(path: str, records: list[dict], env: dict, scrub: bool = True,
     timed a `torch.no_grad()` block inside each forward. ``notes``: the run's notes (peers left
     out, an interruption), when there are any. ``method.freed_memory``: "kept" when the run
     called keep_freed_memory, else "returned" (glibc's default)."""
-    method = {"scrub_bytes": ROTATE_BYTES if scrub else 0, "grad_mode": "untimed", "freed_memory": freed_memory}
+    method = {"scrub_bytes": ROTATE_BYTES if scrub else 0, "grad_mode": "untimed",
+              "freed_memory": freed_memory}
     runs.write_json(path, {"environment": env, "method": method, "records": records,
                            **({"notes": notes} if notes else {})})

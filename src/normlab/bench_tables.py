@@ -94,10 +94,13 @@ def record_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def readme_summary(run: dict, record: str, shape: str = "4096x4096", machine: str | None = None) -> str:
+def readme_summary(run: dict, record: str, shape: str = "4096x4096", machine: str | None = None,
+                   kept: tuple[dict, str] | None = None) -> str:
     """The README's speed summary from one ``normlab bench --json`` run (``record``: its path,
     named in the text; ``machine``: what the record's page calls the CPU, e.g. "2 cores of an AMD
-    EPYC (Zen 4, AVX-512)", where the processor's own name does not tell machines apart)."""
+    EPYC (Zen 4, AVX-512)", where the processor's own name does not tell machines apart;
+    ``kept``: (a run of the same machine with ``--keep-freed-memory``, its path), whose peer
+    ratios follow)."""
     env, records = run["environment"], run["records"]
     ms = {(r["op"], r["backend"], r["dtype"], r["pass"]): r["ms"] for r in records if r["shape"] == shape
           and r["alloc"] == "alloc"}
@@ -133,4 +136,28 @@ def readme_summary(run: dict, record: str, shape: str = "4096x4096", machine: st
               f"and the backward kernels, timed through `torch.autograd.grad`, at {_span(frac['bwd'])}x "
               "(outputs past the cache are written with streaming stores, which skip the read of each line "
               "a copy writes)."]
+    if kept:
+        lines += ["", _kept_sentence(run, *kept)]
     return "\n".join(lines)
+
+
+def _ranges(records: list[dict]) -> tuple[str, str, str]:
+    """peer time / normlab time over a run: F.rms_norm, torch.compile's rms_norm, F.layer_norm."""
+    rms, compiled = speedup_range(records, "rms_norm"), speedup_range(records, "rms_norm", "compile")
+    ln = speedup_range(records, "layer_norm")
+    return (f"{rms[0]:.0f}-{rms[1]:.0f}x", f"{compiled[0]:.1f}-{compiled[1]:.1f}x",
+            f"{ln[0]:.1f}-{ln[1]:.1f}x")
+
+
+def _kept_sentence(run: dict, kept: dict, record: str) -> str:
+    """The peer ratios of a run with freed memory kept (``record``), beside the default run's."""
+    page = record.removesuffix(".json") + ".md"
+    rms, compiled, ln = _ranges(kept["records"])
+    rms0, compiled0, ln0 = _ranges(run["records"])
+    return ("By default glibc returns a large freed block to the OS, so each peer call faults its fresh "
+            "tensors in again, while normlab's buffer pool keeps its outputs' pages: the figures above are "
+            "what a process with glibc's defaults gets. With freed memory kept (`normlab bench "
+            f"--keep-freed-memory --json {record}`, run in the same session; [{page}]({page})) the peers are "
+            f"timed by their kernels alone: normlab's rms_norm takes {rms} less time than `F.rms_norm` and "
+            f"{compiled} less than torch.compile of the reference, its layer_norm {ln} less than "
+            f"`F.layer_norm` (by default in the same session: {rms0}, {compiled0} and {ln0}).")
