@@ -353,7 +353,39 @@ def test_cpu_ab_tool_compares_two_source_trees(mode):
         assert all(float(v) > 0 for v in line.groups())
 
 
-def test_cpu_ab_prefetch_ab_gives_only_a_the_l1_prefetch(monkeypatch):
+def test_cpu_ab_passes_triples_whose_memory_outlives_the_call(monkeypatch):
+    # The tool passes tensors by address, as the launchers do: the arrays behind them (the
+    # forward's rstd among them) must live as long as the callable, or the backward reads freed
+    # memory. Its output after a garbage collection is the array path's, bit for bit.
+    import gc
+    import importlib.util
+    from pathlib import Path
+
+    import numpy as np
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", os.environ.get("NUMBA_CACHE_DIR", ""))  # the tool sets its own
+    path = Path(__file__).resolve().parents[1] / "tools" / "cpu_ab.py"
+    spec = importlib.util.spec_from_file_location("cpu_ab_triples", path)
+    cpu_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cpu_ab)
+    kernels = cpu_ab.load(str(Path(__file__).resolve().parents[1] / "src"), "normlab_ab_triples")
+    assert kernels.triples
+    outputs = {}
+    for triples in (False, True):
+        kernels.triples = triples
+        torch.manual_seed(0)
+        run = cpu_ab.runner(kernels, "rmsb", 8, 256, torch.float32, in_cache=True)
+        gc.collect()
+        litter = [np.full(8, np.nan, np.float32) for _ in range(1000)]  # what freed memory would hold
+        run()
+        del litter
+        outputs[triples] = run.arrays[1].copy()
+    assert np.isfinite(outputs[True]).all()
+    assert np.array_equal(outputs[False], outputs[True])
+
+
+@pytest.mark.parametrize("triples", [False, True])
+def test_cpu_ab_prefetch_ab_gives_only_a_the_l1_prefetch(monkeypatch, triples):
     # --prefetch-ab measures what memory.prefetch_far's rule buys: A's calls must get far=False
     # where B's get the rule's answer, here True for a row of 64 KiB per input.
     import importlib.util
@@ -366,7 +398,8 @@ def test_cpu_ab_prefetch_ab_gives_only_a_the_l1_prefetch(monkeypatch):
     cpu_ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cpu_ab)
     calls = []
-    kernels = types.SimpleNamespace(far=True, rms_fwd=lambda *args: calls.append(("fwd", args[-1])),
+    kernels = types.SimpleNamespace(far=True, triples=triples,
+                                    rms_fwd=lambda *args: calls.append(("fwd", args[-1])),
                                     rms_bwd=lambda *args: calls.append(("bwd", args[-1])))
     d = 16384
     assert cpu_ab.memory.prefetch_far(d * 4 * 2)

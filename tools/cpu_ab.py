@@ -12,7 +12,10 @@ each case alternates batches of calls: a copy of the same bytes, A, B (B, A in e
 round, so neither always follows the copy), and reports each one's speed as a fraction of the
 copy and B's speedup over A as the median of the per-round ratios with their range. Inputs
 rotate over as many sets as ``normlab bench`` uses, so they do not stay in the cache between calls.
-Even so, an A/A run moves by about 5%: trust a change when its whole range sits on one side.
+Each tree's kernels get what its launchers pass: (address, shape, witness) triples and the llama
+order's weight in the output's dtype from ceab71e on, arrays before. Even so, an A/A run moves by
+about 5%: trust a change when its whole range sits on one side, and confirm one near the line with
+alternating `normlab bench` runs of each tree (docs/cpu-kernels.md, "The A/B tool and the launchers").
 ``--in-cache`` (with ``--threads 1`` and a shape such as 64x1024) keeps one input set and times
 batches of 200 calls: what a change does to the arithmetic, where memory would hide it.
 ``--prefetch-ab`` (one tree twice) builds A with the next row always prefetched into L1 and B as
@@ -66,6 +69,10 @@ def load(src: str, name: str):
                                     ln_bwd=ln.ln_bwd)
     # trees from 7beb5e1 on take ``far`` (prefetch into L2) after ``stream``
     kernels.far = "far" in inspect.signature(rms.rms_fwd.py_func).parameters
+    # trees from ceab71e on take tensors as (address, shape, dtype witness) triples, the llama
+    # order's weight in the output's dtype: pass them as their launchers do, since an array
+    # argument compiles a signature of its own, which need not run at the same speed
+    kernels.triples = hasattr(importlib.import_module(f"{name}.rows"), "at")
     if (package / "pointwise.py").is_file():  # DyT and Derf in one kernel: s (the shift) None for DyT
         pw = importlib.import_module(f"{name}.pointwise")
         # (..., table, far) in later trees
@@ -92,10 +99,16 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False, 
     """A no-argument callable that runs ``op`` of kernel module K on the next input set (with
     ``in_cache``, always the same one); ``near``: the next row always prefetched into L1."""
     k = 1 if in_cache else rotation((n, d), dtype)
-    sets = [(memory.as_numpy(torch.randn(n, d, dtype=dtype)), memory.as_numpy(torch.randn(n, d, dtype=dtype)))
-            for _ in range(k)]
-    y = memory.as_numpy(torch.empty(n, d, dtype=dtype))
-    w, b = torch.randn(d).numpy(), torch.randn(d).numpy()
+    as_arg = (lambda a: (a.ctypes.data, a.shape, np.empty(0, a.dtype))) if K.triples else (lambda a: a)
+    # the arrays stay referenced here while their triples are in use
+    # (x, dy) per set
+    arrays = [tuple(memory.as_numpy(torch.randn(n, d, dtype=dtype)) for _ in range(2)) for _ in range(k)]
+    sets = [(as_arg(x), as_arg(dy), x) for x, dy in arrays]  # (x, dy as passed, x's array)
+    y_array = memory.as_numpy(torch.empty(n, d, dtype=dtype))
+    w_array, b_array = torch.randn(d).numpy(), torch.randn(d).numpy()
+    # the llama order's rms weight: in the output's dtype where the tree widens it in the kernel
+    rw_array = memory.as_numpy(torch.randn(d).to(dtype)) if llama and K.triples else w_array
+    y, w, b, rw = as_arg(y_array), as_arg(w_array), as_arg(b_array), as_arg(rw_array)
     stages, nt = C._stages(n * d * dtype.itemsize, n)
     rstd, mean, rnd = np.empty(n, np.float32), np.empty(n, np.float64), C._round_to(dtype, llama)
     dw, db = np.zeros(d, np.float32), np.zeros(d, np.float32)
@@ -104,19 +117,22 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False, 
     # the launchers' ``far``: by the bytes of a row over the inputs a pass reads (x; x and dy)
     far1, far2 = (memory.prefetch_far(d * dtype.itemsize * k) and not near for k in (1, 2))
     fwd, bwd = ((far1,), (far2,)) if K.far else ((), ())
+    # the backward reads rstd and mean as triples (tensors the forward saved); the forward writes
+    # them as arrays
+    rstd_in, mean_in = as_arg(rstd), as_arg(mean)
     if op == "rmsb":  # the statistics the backward reads
-        K.rms_fwd(sets[0][0], w, y, rstd, 1e-6, True, d, rnd, stages, nt, *fwd)
+        K.rms_fwd(sets[0][0], rw, y, rstd, 1e-6, True, d, rnd, stages, nt, *fwd)
     if op == "lnb":
         K.ln_fwd(sets[0][0], w, b, y, mean, rstd, 1e-5, stages, nt, *fwd)
     calls = {
-        "rms": lambda x, dy: K.rms_fwd(x, w, y, rstd, 1e-6, True, d, rnd, stages, nt, *fwd),
-        "ln": lambda x, dy: K.ln_fwd(x, w, b, y, mean, rstd, 1e-5, stages, nt, *fwd),
-        "rmsb": lambda x, dy: K.rms_bwd(dy, x, w, rstd, None, y, dw, 1e-6, True, d, rnd, stages, nt, *bwd),
-        "lnb": lambda x, dy: K.ln_bwd(dy, x, w, mean, rstd, None, y, dw, db, stages, nt, *bwd),
-        "dyt": lambda x, dy: K.dyt_fwd(x, 0.5, w, b, y, stages, nt, *K.dyt_table(x, False), far_=far1),
-        "dytb": lambda x,
-        dy: K.dyt_bwd(dy, x, 0.5, w, y, da_sum, dw_sum, db_sum, stages, nt, *K.dyt_table(x, True),
-                      far_=far2),
+        "rms": lambda x, dy, xa: K.rms_fwd(x, rw, y, rstd, 1e-6, True, d, rnd, stages, nt, *fwd),
+        "ln": lambda x, dy, xa: K.ln_fwd(x, w, b, y, mean, rstd, 1e-5, stages, nt, *fwd),
+        "rmsb": lambda x, dy, xa: K.rms_bwd(dy, x, rw, rstd_in, None, y, dw, 1e-6, True, d, rnd, stages, nt,
+                                            *bwd),
+        "lnb": lambda x, dy, xa: K.ln_bwd(dy, x, w, mean_in, rstd_in, None, y, dw, db, stages, nt, *bwd),
+        "dyt": lambda x, dy, xa: K.dyt_fwd(x, 0.5, w, b, y, stages, nt, *K.dyt_table(xa, False), far_=far1),
+        "dytb": lambda x, dy, xa: K.dyt_bwd(dy, x, 0.5, w, y, da_sum, dw_sum, db_sum, stages, nt,
+                                            *K.dyt_table(xa, True), far_=far2),
     }
     call, turn = calls[op], [0]
 
@@ -124,6 +140,7 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False, 
         turn[0] += 1
         call(*sets[turn[0] % k])
 
+    run.arrays = (arrays, y_array, w_array, b_array, rw_array, rstd, mean)  # what the triples point into
     return run
 
 
