@@ -100,8 +100,7 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False, 
     ``in_cache``, always the same one); ``near``: the next row always prefetched into L1."""
     k = 1 if in_cache else rotation((n, d), dtype)
     as_arg = (lambda a: (a.ctypes.data, a.shape, np.empty(0, a.dtype))) if K.triples else (lambda a: a)
-    # the arrays stay referenced here while their triples are in use
-    # (x, dy) per set
+    # (x, dy) per input set; these arrays, kept with the callable (run.arrays), hold what triples point to
     arrays = [tuple(memory.as_numpy(torch.randn(n, d, dtype=dtype)) for _ in range(2)) for _ in range(k)]
     sets = [(as_arg(x), as_arg(dy), x) for x, dy in arrays]  # (x, dy as passed, x's array)
     y_array = memory.as_numpy(torch.empty(n, d, dtype=dtype))
