@@ -63,7 +63,9 @@ def check(gen, op, shape, dtype, opts=None, backend="cpu", leaves=None, **leaf_k
     if op.startswith("add"):
         truth, truth_g = _add_truth(op, leaves, opts, grads, lowp[1])
     else:
-        truth, truth_g = run_op(op, leaves, opts, "reference", grads, convert=lambda t: t.double())
+        params, opts64 = _truth_params(op, leaves, opts)
+        truth, truth_g = run_op(op, {**leaves, **params}, opts64, "reference", grads,
+                                convert=lambda t: t.double())
     out_mag = _output_terms(op, leaves, lowp)
     for i, (f, t, lp) in enumerate(zip(fast, truth, lowp)):
         assert f.dtype == lp.dtype and f.shape == lp.shape
@@ -72,8 +74,8 @@ def check(gen, op, shape, dtype, opts=None, backend="cpu", leaves=None, **leaf_k
     mag = _grad_terms(op, leaves, opts, grads[0])
     for name in fast_g:
         if name in ("weight", "bias"):
-            assert_close(fast_g[name], truth_g[name], lowp=lowp_g[name], dtype=leaves[name].dtype,
-                         name=f"{op} d{name}",
+            assert_close(fast_g[name], truth_g[name], lowp=lowp_g[name],
+                         dtype=_weight_grad_dtype(op, leaves, opts, name), name=f"{op} d{name}",
                          rule="tensor", magnitude=_param_grad_terms(op, leaves, opts, grads[0], name))
         else:
             assert_close(fast_g[name], truth_g[name], lowp=lowp_g[name], dtype=leaves[name].dtype,
@@ -151,6 +153,35 @@ def _param_grad_terms(op, leaves, opts, dy, name):
     return terms.abs().reshape(-1, terms.shape[-1]).sum(0)
 
 
+def _truth_params(op, leaves, opts):
+    """The weight the float64 truth multiplies by, and its options. The llama order adds the
+    offset in float32 and rounds (w + offset) to the output's dtype (x's): that rounding is part
+    of the op's definition (as is a float32 weight's on 16-bit x), so the truth takes the rounded
+    weight with no offset. Unrounded, it sat up to half a bf16 step from the op where the output
+    gradient is float32 (a bf16 x with a float32 residual), beyond a correct kernel's bound. The
+    gradient of w is that of w + offset."""
+    offset = opts.get("offset", 0.0)
+    if not _llama(op, leaves, opts):
+        return {}, opts
+    weight = (leaves["weight"].float() + offset).to(leaves["x"].dtype)
+    return {"weight": weight}, {**opts, "offset": 0.0}
+
+
+def _llama(op, leaves, opts):
+    """Whether ``op`` is an RMSNorm with a weight in the llama order."""
+    return "rms" in op and "weight" in leaves and opts.get("cast", "llama") == "llama"
+
+
+def _weight_grad_dtype(op, leaves, opts, name):
+    """The dtype whose tolerance a parameter's gradient gets: its own, or, for RMSNorm's llama
+    order, x's where x is the less precise, as that order rounds each xhat to x's dtype before
+    the weight sees it (see _param_grad_terms)."""
+    dtype = leaves[name].dtype
+    if _llama(op, leaves, opts):
+        return max(dtype, leaves["x"].dtype, key=lambda t: torch.finfo(t).eps)
+    return dtype
+
+
 def _add_truth(op, leaves, opts, grads, s_lowp):
     """The float64 truth of a fused add + norm. The sum is part of the op's definition: it is
     rounded to its dtype (it is the residual stream the model carries on), so the truth
@@ -158,7 +189,9 @@ def _add_truth(op, leaves, opts, grads, s_lowp):
     gradient plus the sum's own."""
     norm = op[len("add_"):]
     s64 = s_lowp.detach().double().requires_grad_()
-    params = {k: leaves[k].double().requires_grad_() for k in ("weight", "bias") if k in leaves}
+    rounded, opts = _truth_params(op, leaves, opts)
+    params = {k: rounded.get(k, leaves[k]).double().requires_grad_()
+              for k in ("weight", "bias") if k in leaves}
     kw = {k: v for k, v in opts.items() if k != "residual_in_fp32"}
     args = [s64, params.get("weight")] + ([params.get("bias")] if "layer" in op else [])
     y = getattr(F, norm)(*args, backend="reference", **kw)

@@ -85,6 +85,18 @@ def test_residual_in_fp32_and_mixed_residual_dtype(gen, op, dtype):
     assert fast[1].dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_llama_offset_weight_is_rounded_where_the_sum_is_float32(gen, dtype):
+    """A 16-bit x with the residual stream in float32: the residual's gradient is float32, so a
+    check with float32 tolerance sees whether (w + offset) is rounded to x's dtype as the llama
+    order defines it (opcheck's truth rounds it too; unrounded, about a quarter of these checks
+    failed on correct kernels)."""
+    for _ in range(12):
+        check(gen, "add_rms_norm", (17, 15), dtype, {"offset": 1.0, "eps_mode": "outside"},
+              res_dtype=torch.float32)
+        check(gen, "add_rms_norm", (9, 40), dtype, {"offset": 1.0, "residual_in_fp32": True})
+
+
 def test_fp32_weights_on_bf16_activations(gen):
     x = torch.randn(8, 64, generator=gen).bfloat16().requires_grad_()
     w = torch.randn(64, generator=gen).requires_grad_()  # mixed precision: master weights in fp32
@@ -275,10 +287,20 @@ def test_weight_gradients_stay_accurate_over_many_rows(gen, op):
     partial=st.one_of(st.none(), st.floats(0.01, 1.0)),
     eps_mode=st.sampled_from(["inside", "outside"]),
     cast=st.sampled_from(["llama", "gemma"]),
-    weight=st.booleans(),
+    offset=st.sampled_from([0.0, 1.0]),
+    weight=st.sampled_from([None, "same", torch.float32]),
+    residual=st.sampled_from(["same", torch.float32, "in_fp32"]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_properties(op, dtype, rows, d, partial, eps_mode, cast, weight, seed):
+def test_properties(op, dtype, rows, d, partial, eps_mode, cast, offset, weight, residual, seed):
+    """Random cases, mixed dtypes among them: a float32 weight on 16-bit x, a float32 residual
+    (the sum then float32 by promotion) or residual_in_fp32."""
     gen = torch.Generator().manual_seed(seed)
-    opts = {"eps_mode": eps_mode, "cast": cast, "partial": partial} if "rms" in op else {}
-    check(gen, op, (rows, d), dtype, opts, weight=weight)
+    opts = {"eps_mode": eps_mode, "cast": cast, "partial": partial, "offset": offset} if "rms" in op else {}
+    if op.startswith("add"):
+        opts["residual_in_fp32"] = residual == "in_fp32"
+    leaves = op_leaves(gen, op, (rows, d), dtype, weight=weight is not None,
+                       res_dtype=residual if isinstance(residual, torch.dtype) else None)
+    if weight is torch.float32:
+        leaves.update({k: leaves[k].float() for k in ("weight", "bias") if k in leaves})
+    check(gen, op, (rows, d), dtype, opts, leaves=leaves)
