@@ -110,6 +110,26 @@ def test_readme_speedups_lie_in_the_records():
     assert (float(quoted[1]), float(quoted[2])) == (round(min(decode), 2), round(max(decode), 2)), quoted[0]
 
 
+def test_readme_short_rows_lie_in_their_record():
+    text = " ".join(README.read_text().split())
+    records = json.loads((RESULTS / "short-rows-xeon-2core.json").read_text())["records"]
+    ms = {(r["op"], r["pass"], r["dtype"], r["shape"], r["backend"]): r["ms"] for r in records
+          if r["alloc"] == "alloc"}
+
+    def peer_over_normlab(op, peer, short):  # > 1: normlab is faster
+        return [ms[k] / ms[(*k[:4], "normlab")] for k in ms
+                if k[0] == op and k[4] == peer and (int(k[3].split("x")[1]) < 256) == short]
+
+    slowest = 1 / min(peer_over_normlab("rms_norm", "compile", short=True))
+    assert f"torch.compile of the reference is up to {slowest:.1f}x faster than normlab's rms_norm" in text
+    slowest = 1 / min(peer_over_normlab("layer_norm", "torch", short=True))
+    assert f"`F.layer_norm` up to {slowest:.1f}x faster than normlab's layer_norm" in text
+    for op, peer in [("rms_norm", "compile"), ("layer_norm", "torch"), ("layer_norm", "compile")]:
+        assert min(peer_over_normlab(op, peer, short=False)) > 1, "from 256 features on normlab leads"
+    every_length = [r for short in (True, False) for r in peer_over_normlab("rms_norm", "torch", short)]
+    assert min(every_length) > 1, "F.rms_norm is slower at every length"
+
+
 def test_readme_links_stay_inside_the_repository():
     text = README.read_text()
     assert "../" not in text, "the README refers to a path outside the repository"
