@@ -73,12 +73,17 @@ def test_block_conversions_match_the_scalar_ones(gen, dtype, llama, path, nt):
         assert torch.isnan(widened).all()
 
 
+# Spans of pass 1's vector loops: none, TAIL blocks only (a qk-norm head), a BLOCK, BLOCKs and TAILs
+SPANS = (0, simd.TAIL, 3 * simd.TAIL, simd.BLOCK, 2 * simd.BLOCK + 3 * simd.TAIL)
+
+
 @pytest.mark.parametrize("far", [False, True], ids=["into-L1", "into-L2"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_vector_row_sums_match_float64(gen, dtype, far):
     # Pass 1's sums over whole blocks are explicit vector loops (bf16 read two values to a 32-bit
-    # lane, in another order than the row's); they must be the float64 sums of the row's values
-    # to float32 accuracy, and stop at the given number of values, whichever way they prefetch.
+    # lane, in another order than the row's), of BLOCK values then of TAIL; they must be the
+    # float64 sums of the row's values to float32 accuracy, and stop at the given number of
+    # values, whichever way they prefetch.
     from numba import njit
 
     @njit
@@ -88,15 +93,14 @@ def test_vector_row_sums_match_float64(gen, dtype, far):
     x = (torch.randn(3 * simd.BLOCK + 7, generator=gen) * 2 + 5).to(dtype)
     row = memory.as_numpy(x)
     c = np.float32(4.5)
-    for blocks in (0, 1, 3):
-        n = blocks * simd.BLOCK
+    for n in SPANS:
         (s1, s2), (ss, zero) = sums(row, n, c)
         v = x[:n].double()
         u = v - float(c)
         assert zero == 0.0
         for got, want, scale in ((s1, u.sum(), u.abs().sum()), (s2, (u * u).sum(), (u * u).sum()),
                                  (ss, (v * v).sum(), (v * v).sum())):
-            assert abs(got - want.item()) <= 1e-6 * max(scale.item(), 1e-30), (blocks, got, want)
+            assert abs(got - want.item()) <= 1e-6 * max(scale.item(), 1e-30), (n, got, want)
 
 
 @pytest.mark.parametrize("op", ["ln", "rms", "rms_llama"])
@@ -120,8 +124,7 @@ def test_backward_pair_order_sums_match_float64(gen, op):
     x, dy = ((torch.randn(d, generator=gen) * s + m).to(torch.bfloat16) for s, m in ((2, 5), (1, 0)))
     w = torch.randn(d, generator=gen).numpy()
     mean, rstd = 4.75, np.float32(0.6)
-    for blocks in (0, 1, 3):
-        n = blocks * simd.BLOCK
+    for n in SPANS:
         v, g = x[:n].double(), dy[:n].double()
         wn = torch.from_numpy(w[:n]).double()
         dwc, dbc = np.zeros(d, np.float32), np.zeros(d, np.float32)
@@ -142,7 +145,7 @@ def test_backward_pair_order_sums_match_float64(gen, op):
             want = ((g * wn * v).sum(), (v * v).sum())
         for got_sum, want_sum in zip(got, want):
             assert abs(got_sum - want_sum.item()) <= 1e-5 * max(abs(want_sum.item()),
-                                                                1.0), (op, blocks, got, want)
+                                                                1.0), (op, n, got, want)
         assert np.allclose(codecs.pair_unorder(dwc, n)[:n], (g * xhat).numpy(), rtol=1e-5, atol=1e-6)
         assert not dwc[n:].any()  # and nothing past n
 
@@ -170,20 +173,21 @@ def test_first_pass_over_a_row_pair_is_bitwise_two_single_rows(gen, op):
 
     d = 3 * simd.BLOCK + 7
     rows = [memory.as_numpy((torch.randn(d, generator=gen) * 3 + 2).to(torch.bfloat16)) for _ in range(4)]
-    wp = codecs.pair_order(torch.randn(d, generator=gen).numpy(), 3 * simd.BLOCK)
+    n = SPANS[-1]  # BLOCKs and TAILs
+    wp = codecs.pair_order(torch.randn(d, generator=gen).numpy(), n)
     c, e = (np.array([m, s, lo], np.float32) for m, s, lo in ((2.0, 0.4, -0.01), (1.5, 0.7, 0.02)))
     start = torch.randn(2, d, generator=gen).numpy()  # partial rows that already hold sums
     results = []
     for run in (single, pair):
         part = start.copy()
         aux = part[1] if op == "ln" else launch._round_to(torch.bfloat16, op == "rms_llama")
-        sums = run(*rows, wp, part[0], aux, 3 * simd.BLOCK, c, e)
+        sums = run(*rows, wp, part[0], aux, n, c, e)
         results.append((np.array(sums), part))
     (s1, p1), (s2, p2) = results
     assert s1.tobytes() == s2.tobytes(), (s1, s2)
     assert p1.tobytes() == p2.tobytes()
     assert not np.array_equal(p1, start)  # the terms were added
-    assert np.array_equal(p1[:, 3 * simd.BLOCK :], start[:, 3 * simd.BLOCK :])  # and nothing past n
+    assert np.array_equal(p1[:, n:], start[:, n:])  # and nothing past n
 
 
 @pytest.mark.parametrize("op", OPS)

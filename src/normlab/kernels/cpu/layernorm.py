@@ -31,7 +31,7 @@ from .rows import (FLUSH, all_finite, at, chunk_span, flush_into, grad_nan_free,
                    nan_free, pair_registers, pair_types, pairs_fit, reads_pairs, partial_row_pairs,
                    partial_sums, recip, row_of, row_pairs, block_spans, select_optional, sum_partials,
                    value_at, vector_sums, writes_pairs)
-from .simd import (BLOCK, EMIT, fma_ir, fma32, prefetch_pass1, prefetch_pass2, row_moments, store_fence,
+from .simd import (BLOCK, EMIT, TAIL, fma_ir, fma32, prefetch_pass1, prefetch_pass2, row_moments, store_fence,
                    backward_block, forward_block, grad_sums)
 
 # ---------------------------------------------------------------------------------- forward
@@ -99,10 +99,11 @@ def _moments(xr, rr, sr, row, far):
     for i in range(head):
         c += value_at(xr, rr, sr, i)
     c = np.float32(c / head)
-    full = d - d % BLOCK
     if rr is None and vector_sums(xr):
+        full = d - d % TAIL
         s1, s2 = row_moments(xr, full, c, xr, None, far)
     else:
+        full = d - d % BLOCK
         s1 = 0.0
         s2 = 0.0
         for j in range(0, full, BLOCK):
@@ -242,7 +243,7 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream, far):
     dx, dw, db = at(dx), at(dw), at(db)
     n, d = x.shape
     nchunks = stages.shape[0]
-    span = d - d % BLOCK if reads_pairs(x, dy) else 0
+    span = d - d % TAIL if reads_pairs(x, dy) else 0
     w_pairs = pair_order(w, span)
     parts = partial_row_pairs(nchunks, d)
     dw_sum = partial_sums(nchunks, d)
@@ -286,28 +287,10 @@ def _ln_sums(dyr, w, w_pairs, xr, mean, row_rstd, dwc, dbc, far):
     """(sum of g, sum of g * xhat), adding the row's dw and db terms to dwc and dbc. ``w_pairs``: w
     in pair_order over the row's whole blocks (bf16 rows)."""
     mhi, lo = _ln_consts(mean, row_rstd)
-    full = xr.shape[0] - xr.shape[0] % _sums_block(xr, dyr)
+    full = xr.shape[0] - xr.shape[0] % TAIL
     tg, tgx = _ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far)
     pg, pgx = _ln_tail(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc)
     return tg + pg, tgx + pgx
-
-
-# The element loops' blocks in the backward's pass 1: rows of 64-128 features then take all of it
-# in blocks, at 2x the speed of the loop after them, and long rows lose nothing (docs/cpu-kernels.md,
-# "Short rows").
-LOOP_BLOCK = 64
-
-
-def _sums_block(xr, dyr):  # pragma: no cover - replaced by the overload below
-    """The size of _ln_sums's whole blocks: BLOCK for the vector pass of bf16 rows, LOOP_BLOCK
-    for the element loops."""
-    raise NotImplementedError
-
-
-@overload(_sums_block)
-def _ov_sums_block(xr, dyr):
-    block = BLOCK if pair_types(xr, dyr) else LOOP_BLOCK
-    return lambda xr, dyr: block
 
 
 @njit(inline="always")
@@ -344,14 +327,17 @@ _GRAD_SUMS = {rows: grad_sums(_grad_terms, rows, with_db=True) for rows in (1, 2
 
 @njit(inline="always")
 def _ln_blocks_loop(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc, far):
-    """_ln_sums's whole blocks as element loops (LLVM vectorizes them)."""
+    """_ln_sums's whole blocks as element loops (LLVM vectorizes them), TAIL values a block as
+    the vector pass's last blocks: rows of 64-128 features then take all of pass 1 in blocks, at
+    2x the speed of the loop after them, and long rows lose nothing (docs/cpu-kernels.md, "Short
+    rows")."""
     tg = 0.0
     tgx = 0.0
-    for j in range(0, full, LOOP_BLOCK):
+    for j in range(0, full, TAIL):
         prefetch_pass1(xr, dyr, j, far)
         pg = np.float32(0.0)
         pgx = np.float32(0.0)
-        for i in range(j, j + LOOP_BLOCK):
+        for i in range(j, j + TAIL):
             g = load_at(dyr, i) * load_at(w, i)
             pg += g
             pgx += g * _ln_dw(dyr, xr, dwc, dbc, mhi, row_rstd, lo, i)
@@ -409,7 +395,7 @@ def _ov_ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_
     def pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc, far):
         mhi, lo = _ln_consts(mean, row_rstd)
         mhi2, lo2 = _ln_consts(mean2, row_rstd2)
-        full = xr.shape[0] - xr.shape[0] % BLOCK
+        full = xr.shape[0] - xr.shape[0] % TAIL
         tg, tgx, tg2, tgx2 = sums(dyr, xr, dyr2, xr2, w_pairs, dwc, dbc, full, mhi, row_rstd, lo, mhi2,
                                   row_rstd2, lo2, far)
         pg, pgx = _ln_tail(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc)
@@ -439,7 +425,7 @@ def _ln_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, mean, row_rstd, sg, sgx, stage,
         _ln_dx(dyr, xr, w, dsr, dxr, mhi, p, q, row_rstd, i)
     c = a
     if a == 0 and reads_pairs(xr, dyr, dsr):  # whole blocks of bf16 rows: in pairs
-        c = d - d % BLOCK
+        c = d - d % TAIL
         # a loop each, as in _ln_write
         if grad_select_optional(xr, dyr, dsr) and grad_nan_free(row_rstd, sg, sgx, p, q):
             for j in range(0, c, EMIT):

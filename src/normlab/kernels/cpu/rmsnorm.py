@@ -14,9 +14,10 @@ Backward, with g = dy * w (for the features past k only the first term applies):
                                 coef = rstd^2 / rms * sum(g * x) / k    (eps outside)
     dw = sum over rows of dy * xhat,   xhat = x * rstd (rounded as in the forward)
 
-Sums are float32 over blocks of BLOCK values added in float64. Each output is written by scalar
-element helpers at a row's head and tail and by 16-lane vector blocks in between; the two forms
-of each formula sit side by side below and do the same operations in the same order.
+Sums are float32 over blocks of BLOCK values (then of TAIL, in the vector passes) added in
+float64. Each output is written by scalar element helpers at a row's head and tail and by
+16-lane vector blocks in between; the two forms of each formula sit side by side below and do
+the same operations in the same order.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from .rows import (FLUSH, all_finite, at, chunk_span, flush_into, grad_nan_free,
                    is_llama, nan_free, pair_registers, pair_types, pairs_fit, reads_pairs, partial_rows,
                    partial_sums, recip, row_of, row_pairs, block_spans, select_optional, sum_partials,
                    value_at, vector_sums, widened, writes_pairs)
-from .simd import (BLOCK, EMIT, fma_ir, fma32, narrow_bits, prefetch_pass1, prefetch_pass2, row_sumsq,
+from .simd import (BLOCK, EMIT, TAIL, fma_ir, fma32, narrow_bits, prefetch_pass1, prefetch_pass2, row_sumsq,
                    store_fence, widen_bits, backward_block, forward_block, grad_sums)
 
 # ---------------------------------------------------------------------------------- forward
@@ -87,10 +88,11 @@ def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, round_to, stages, stream,
 @njit(inline="always")
 def _sumsq(xr, rr, sr, k, far):
     """Sum of the row's squares over [:k] (forming the whole residual sum when rr is given)."""
-    full = k - k % BLOCK
     if rr is None and vector_sums(xr):
+        full = k - k % TAIL
         total = row_sumsq(xr, full, np.float32(0.0), xr, None, far)[0]
     else:
+        full = k - k % BLOCK
         total = 0.0
         for j in range(0, full, BLOCK):
             prefetch_pass1(xr, rr, j, far)
@@ -204,7 +206,7 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream
     dy, x, w, rstd, ds, dx, dw = at(dy), at(x), widened(at(w)), at(rstd), at(ds), at(dx), at(dw)
     n, d = x.shape
     nchunks = stages.shape[0]
-    span = k - k % BLOCK if reads_pairs(x, dy) else 0
+    span = k - k % TAIL if reads_pairs(x, dy) else 0
     w_pairs = pair_order(w, span)
     dw_part = partial_rows(nchunks, d)
     dw_sum = partial_sums(nchunks, d)
@@ -249,10 +251,22 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream
 def _dot_gx(dyr, w, w_pairs, xr, k, dwc, row_rstd, round_to, squares, far):
     """(sum over the row of g * x, sum of x^2 over [:k] or, without ``squares``, any value),
     adding the row's dw terms to dwc. ``w_pairs``: w in pair_order over the whole blocks of [:k]."""
-    full = k - k % BLOCK
+    full = k - k % _sums_block(xr, dyr)
     tgx, tss = _rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far)
     pgx, pss = _rms_tail(dyr, w, xr, full, k, dwc, row_rstd, round_to)
     return tgx + pgx, tss + pss
+
+
+def _sums_block(xr, dyr):  # pragma: no cover - replaced by the overload below
+    """What _dot_gx's whole blocks end at a multiple of: TAIL for the vector pass of bf16 rows
+    (simd._for_blocks), BLOCK for the element loops."""
+    raise NotImplementedError
+
+
+@overload(_sums_block)
+def _ov_sums_block(xr, dyr):
+    block = TAIL if pair_types(xr, dyr) else BLOCK
+    return lambda xr, dyr: block
 
 
 @njit
@@ -359,7 +373,7 @@ def _ov_dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2,
     with_squares, without = (_GRAD_SUMS[is_llama(round_to), s, 2] for s in (True, False))
 
     def pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares, far):
-        full = k - k % BLOCK
+        full = k - k % TAIL
         z = np.float32(0.0)
         if squares:
             tgx, tss, tgx2, tss2 = with_squares(dyr, xr, dyr2, xr2, w_pairs, dwc, round_to, full, row_rstd, z,
@@ -399,7 +413,7 @@ def _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, i0, i1, head, 
         _rms_dx(dyr, xr, w, dsr, dxr, row_rstd, coef, i, head)
     c = a
     if head and a == 0 and reads_pairs(xr, dyr, dsr):
-        c = i1 - i1 % BLOCK
+        c = i1 - i1 % TAIL
         if finite:  # a loop each, as in _rms_write
             for j in range(0, c, EMIT):
                 prefetch_pass2(xr, dyr, j, ahead, far)

@@ -23,6 +23,9 @@ from .codecs import (LANES, bf16_line, bf16_pair, i64, load_f32, narrow_bits, na
                      widen_bits, widen_line)
 
 BLOCK = 256  # values per block of a row's first pass (its sums)
+# Values per block of the vector passes' sums past a row's last whole BLOCK: a row shorter than a
+# BLOCK (qk-norm's heads of 64-256 features) takes its first pass in these, not element by element
+TAIL = 64
 EMIT = 64  # outputs per block of the second pass: small, so stores interleave with the arithmetic
 _ACC = 4  # independent float32 accumulators per sum in a block
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -97,16 +100,27 @@ def load_row(builder, base, v, kind):
     return widen_bits(builder, bits, kind)
 
 
-def _block_stream(builder, data, base, kind):
-    """The BLOCK values from element ``base`` of ``data`` as float32 vectors of 16, emitted as
+def _block_stream(builder, data, base, kind, size):
+    """The ``size`` values from element ``base`` of ``data`` as float32 vectors of 16, emitted as
     they are used, in an order fit for sums (bf16 read in pairs: bf16_pair)."""
     start = builder.gep(data, [base])
     if kind == types.uint16:
-        for v in range(BLOCK // 32):
+        for v in range(size // 32):
             yield from bf16_pair(builder, start, 32 * v)
     else:
-        for v in range(BLOCK // LANES):
+        for v in range(size // LANES):
             yield load_row(builder, start, v, kind)
+
+
+def _for_blocks(builder, n, body):
+    """body(base, size) for the whole blocks of [0, n) (n a multiple of TAIL): BLOCK values
+    each, then TAIL values each for the rest."""
+    blocks = builder.udiv(n, i64(BLOCK))
+    with cgutils.for_range(builder, blocks) as loop:
+        body(builder.mul(loop.index, i64(BLOCK)), BLOCK)
+    start = builder.mul(blocks, i64(BLOCK))
+    with cgutils.for_range(builder, builder.udiv(builder.sub(n, start), i64(TAIL))) as loop:
+        body(builder.add(start, builder.mul(loop.index, i64(TAIL))), TAIL)
 
 
 # ------------------------------------------------------------------------------- prefetches
@@ -436,8 +450,9 @@ def scalar_totals(builder, totals):
 
 def _make_row_sums(centred):
     """An intrinsic (xr, n, c, a1, a2, far) -> (float64, float64) over the values [0, n) of row
-    xr (n a multiple of BLOCK): with ``centred`` the sums of u and u^2 for u = x - c, else the
-    sum of x^2 (and 0.0; c is not used). Block j prefetches as prefetch_pass1(a1, a2, j, far) does."""
+    xr (n a multiple of TAIL: _for_blocks): with ``centred`` the sums of u and u^2 for u = x - c,
+    else the sum of x^2 (and 0.0; c is not used). A block at j prefetches the values from j // 2
+    of the rows after a1 and a2, as prefetch_pass1 does."""
 
     def row_sums(typingctx, xr, n, c, a1, a2, far):
         kind = xr.dtype
@@ -448,15 +463,14 @@ def _make_row_sums(centred):
             shift = f32x16(builder, args[2])
             nsums = 2 if centred else 1
             totals = f64_totals(builder, nsums)
-            blocks = builder.udiv(args[1], i64(BLOCK))
-            with cgutils.for_range(builder, blocks) as loop:
-                base = builder.mul(loop.index, i64(BLOCK))
+
+            def block(base, size):
                 half = builder.udiv(base, i64(2))
                 for k in (3, 4):
-                    prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2,
+                    prefetch_ahead(context, builder, signature.args[k], args[k], half, size // 2,
                                    far=args[5])
                 acc = [[ir.Constant(f32, [0.0] * LANES)] * _ACC for _ in range(nsums)]
-                for v, x in enumerate(_block_stream(builder, data, base, kind)):
+                for v, x in enumerate(_block_stream(builder, data, base, kind, size)):
                     a = v % _ACC
                     if centred:
                         x = builder.fsub(x, shift)
@@ -465,6 +479,8 @@ def _make_row_sums(centred):
                     else:
                         acc[0][a] = fma_ir(builder, x, x, acc[0][a])
                 add_blocks(builder, acc, totals)
+
+            _for_blocks(builder, args[1], block)
             out = scalar_totals(builder, totals)
             if not centred:
                 out.append(ir.Constant(ir.DoubleType(), 0.0))
@@ -483,10 +499,10 @@ row_sumsq = _make_row_sums(centred=False)
 def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
     """An intrinsic for the backward's first pass over the whole blocks of bf16 rows: the two
     sums its dx formula needs, and the rows' dw (and db) terms added to the chunk's partial rows
-    on the way. Arguments (dyr, xr, w_pairs, dwc, aux, n, c0, c1, c2, far) -> (float64, float64), over
-    values [0, n) (a multiple of BLOCK); ``aux`` is the db partial row (``with_db``) or any array
-    whose dtype ``terms`` reads. Values arrive in pair order (bf16_pair), so w_pairs, dwc and aux are
-    kept in pair_order.
+    on the way. Arguments (dyr, xr, w_pairs, dwc, aux, n, c0, c1, c2, far) -> (float64, float64),
+    over values [0, n) (a multiple of TAIL: _for_blocks); ``aux`` is the db partial row
+    (``with_db``) or any array whose dtype ``terms`` reads. Values arrive in pair order
+    (bf16_pair), so w_pairs, dwc and aux are kept in pair_order.
 
     ``terms(builder, x, dy, w, (c0, c1, c2), s0, s1, a, aux_kind, hw)`` adds one vector's terms
     to accumulators s0[a] and s1[a] and returns xhat; then dw += dy * xhat (one fma) and, with
@@ -505,19 +521,18 @@ def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
         db_data = context.make_array(aux_type)(context, builder, args[2 * rows + 2]).data if with_db else None
         c = [[f32x16(builder, args[2 * rows + 4 + 3 * r + k]) for k in range(3)] for r in range(rows)]
         totals = f64_totals(builder, 2 * rows)
-        blocks = builder.udiv(args[2 * rows + 3], i64(BLOCK))
-        with cgutils.for_range(builder, blocks) as loop:
-            base = builder.mul(loop.index, i64(BLOCK))
+
+        def block(base, size):
             half = builder.udiv(base, i64(2))
             for r in range(rows):
                 for k in (2 * r + 1, 2 * r):
-                    prefetch_ahead(context, builder, signature.args[k], args[k], half, BLOCK // 2, rows,
+                    prefetch_ahead(context, builder, signature.args[k], args[k], half, size // 2, rows,
                                    args[-1])
             acc = [[ir.Constant(f32, [0.0] * LANES)] * _ACC for _ in range(2 * rows)]
-            streams = [(_block_stream(builder, data[2 * r + 1], base, signature.args[2 * r + 1].dtype),
-                        _block_stream(builder, data[2 * r], base, signature.args[2 * r].dtype))
+            streams = [(_block_stream(builder, data[2 * r + 1], base, signature.args[2 * r + 1].dtype, size),
+                        _block_stream(builder, data[2 * r], base, signature.args[2 * r].dtype, size))
                        for r in range(rows)]
-            for v in range(BLOCK // LANES):
+            for v in range(size // LANES):
                 a = v % _ACC
                 at = builder.add(base, i64(v * LANES))
                 w = load_f32(builder, builder.gep(w_data, [at]), 0)
@@ -536,6 +551,8 @@ def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
                     builder.store(db, dbp, align=4)
                 builder.store(dw, dwp, align=4)
             add_blocks(builder, acc, totals)
+
+        _for_blocks(builder, args[2 * rows + 3], block)
         out = scalar_totals(builder, totals)
         return context.make_tuple(builder, signature.return_type, out)
 
