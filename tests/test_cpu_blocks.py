@@ -363,3 +363,17 @@ def test_a_chunks_dw_and_db_partial_rows_sit_half_a_page_apart():
             for c in range(nchunks):
                 gap = parts[2 * c + 1].ctypes.data - parts[2 * c].ctypes.data
                 assert gap % 4096 == 2048, (nchunks, d, c)
+
+
+def test_chunks_partial_rows_share_no_cache_line():
+    # Each thread adds its rows' dw terms to its own chunk's float32 partial row, for every row:
+    # two chunks' rows in one 64-byte line (numba aligns arrays to 32 bytes) made the threads
+    # pass the line between them, and rms_norm's short-row backward ran at half speed in some
+    # processes. What a chunk uses, [0, d), ends 128 bytes or more before the next chunk's row.
+    for nchunks in (2, 3, 8):
+        for d in (1, 8, 64, 96, 100, 1024, 1025):
+            parts = rows.partial_rows(nchunks, d)
+            assert parts.shape[0] == nchunks and parts.shape[1] >= d and not parts.any()
+            for c in range(nchunks - 1):
+                gap = parts[c + 1].ctypes.data - (parts[c].ctypes.data + 4 * d)
+                assert gap >= 128, (nchunks, d, c, gap)

@@ -285,9 +285,12 @@ def _ov_pair_registers(round_to, one_sum):
 
 @njit
 def partial_rows(nchunks, d):
-    """Zeroed float32 rows, one per chunk. (Its own function: in a parallel kernel's body numba
-    turns np.zeros into a parallel loop, more compile time for every signature.)"""
-    return np.zeros((nchunks, d), np.float32)
+    """Zeroed float32 rows, one per chunk, 128 bytes or more apart. numba aligns an array to 32
+    bytes only, so two chunks' rows could share a cache line, which the threads then took from
+    each other on every row (rms_norm's bf16 backward at 64 features ran 7 or 12 ms by where the
+    array fell; docs/cpu-kernels.md, "Short rows"). (Its own function: in a parallel kernel's
+    body numba turns np.zeros into a parallel loop, more compile time for every signature.)"""
+    return np.zeros((nchunks, (d + 15) // 16 * 16 + 32), np.float32)
 
 
 @njit
