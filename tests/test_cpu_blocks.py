@@ -1,6 +1,6 @@
 """The CPU kernels' vector blocks and row helpers against scalar code and float64: bf16 and fp16
-conversions, row sums, row pairs in the first pass and the backward, streamed spans and the
-partial rows' placement."""
+conversions, row sums, row pairs in the first pass and the backward, row views, streamed spans
+and the partial rows' placement."""
 
 import os
 import subprocess
@@ -13,6 +13,7 @@ import torch
 from opcheck import DTYPES, OPS, op_leaves, call_op, run_op, check
 
 pytest.importorskip("numba", reason="the cpu backend needs numba (pip install normlab[cpu])")
+from numba import njit  # noqa: E402
 from normlab.kernels.cpu import codecs, launch, memory, rows, simd  # noqa: E402
 from normlab.kernels.cpu import layernorm as LN  # noqa: E402
 from normlab.kernels.cpu import rmsnorm as RMS  # noqa: E402
@@ -338,6 +339,30 @@ def test_pair_order_is_undone_by_pair_unorder(gen):
     assert np.array_equal(ordered[:32], np.concatenate([v[0:32:2], v[1:32:2]]))  # evens, then odds
     assert np.array_equal(ordered[96:], v[96:])  # past the span: in place
     assert np.array_equal(codecs.pair_unorder(ordered, 96), v)
+
+
+@njit
+def _rows_plus_index(a, out):
+    """out[r] = a[r] + r, every row read and written through rows.row_of."""
+    for r in range(a.shape[0]):
+        src, dst = rows.row_of(a, r), rows.row_of(out, r)
+        for i in range(src.shape[0]):
+            dst[i] = src[i] + r
+
+
+def test_rows_of_a_matrix_are_its_rows_without_references():
+    # rows.row_of builds the rows of a C-contiguous matrix itself, without a reference to its
+    # memory (no runtime call a row): each must address its own row, for reads and writes, in
+    # every dtype the kernels take; a matrix of another layout gets numba's a[r].
+    for dtype in (np.float32, np.uint16, np.int16, np.float64):
+        a = (np.arange(7 * 13) % 251).astype(dtype).reshape(7, 13)
+        out = np.zeros_like(a)
+        _rows_plus_index(a, out)
+        assert np.array_equal(out, a + np.arange(7, dtype=dtype)[:, None]), dtype
+    strided = np.arange(7 * 26, dtype=np.float32).reshape(7, 26)[:, ::2]
+    out = np.zeros((7, 13), np.float32)
+    _rows_plus_index(strided, out)
+    assert np.array_equal(out, strided + np.arange(7, dtype=np.float32)[:, None])
 
 
 def test_streamed_spans_are_aligned_blocks():

@@ -52,12 +52,12 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream, far):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
         for r in range(r0, r1):
-            xr = x[r]
+            xr = row_of(x, r)
             mu, var = _moments(xr, None, None, xr, far)
             row_rstd = recip(math.sqrt(var + eps))
             mean[r] = mu
             rstd[r] = row_rstd
-            _ln_write(xr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, far, xr, None,
+            _ln_write(xr, w, b, w_pairs, b_pairs, row_of(y, r), mu, row_rstd, stage, stream, far, xr, None,
                       nan_free(wb_finite, row_rstd, mu))
         if stream:
             store_fence()
@@ -76,12 +76,12 @@ def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream, far):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
         for r in range(r0, r1):
-            xr, rr, sr = x[r], res[r], s[r]
+            xr, rr, sr = row_of(x, r), row_of(res, r), row_of(s, r)
             mu, var = _moments(xr, rr, sr, sr, far)
             row_rstd = recip(math.sqrt(var + eps))
             mean[r] = mu
             rstd[r] = row_rstd
-            _ln_write(sr, w, b, w_pairs, b_pairs, y[r], mu, row_rstd, stage, stream, far, xr, rr,
+            _ln_write(sr, w, b, w_pairs, b_pairs, row_of(y, r), mu, row_rstd, stage, stream, far, xr, rr,
                       nan_free(wb_finite, row_rstd, mu))
         if stream:
             store_fence()
@@ -256,18 +256,18 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream, far):
         paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
         sg2, sgx2 = 0.0, 0.0
         for r in range(r0, r1):
-            dyr, xr = dy[r], x[r]
+            dyr, xr = row_of(dy, r), row_of(x, r)
             mu, row_rstd = mean[r], rstd[r]
             ahead = 1 if r >= paired_to else 2  # rows ahead that pass 2 prefetches
             if ahead == 1:
                 sg, sgx = _ln_sums(dyr, w, w_pairs, xr, mu, row_rstd, dwc, dbc, far)
             elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
-                sg, sgx, sg2, sgx2 = _ln_sums_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, mu, row_rstd,
-                                                   mean[r + 1], rstd[r + 1], dwc, dbc, far)
+                sg, sgx, sg2, sgx2 = _ln_sums_pair(dyr, xr, row_of(dy, r + 1), row_of(x, r + 1), w, w_pairs,
+                                                   mu, row_rstd, mean[r + 1], rstd[r + 1], dwc, dbc, far)
             else:
                 sg, sgx = sg2, sgx2
-            _ln_bwd_write(dyr, xr, w, w_pairs, row_of(ds, r), dx[r], mu, row_rstd, sg, sgx, stage, stream,
-                          ahead, far)
+            _ln_bwd_write(dyr, xr, w, w_pairs, row_of(ds, r), row_of(dx, r), mu, row_rstd, sg, sgx, stage,
+                          stream, ahead, far)
             if (r - r0) % FLUSH == FLUSH - 1:
                 flush_into(dwc, dw_sum[c])
                 flush_into(dbc, db_sum[c])

@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 
 from .cache import kernel
 from .codecs import LANES, load_at, load_f32, store_at, widen_bits
-from .rows import FLUSH, at, chunk_span, flush_into, partial_row_pairs, block_spans
+from .rows import FLUSH, at, chunk_span, flush_into, partial_row_pairs, block_spans, row_of
 from .simd import (AVX512, ZERO, EMIT, HW_BF16, add_blocks, f32x16, f64_totals, fma_ir, fma32, load_row,
                    prefetch_ahead, store_block, store_fence, scalar_totals)
 from .tanh_erf import F32, I32, const, erf, erf_grad, tanh, tanh_grad
@@ -295,7 +295,7 @@ def pointwise_fwd(x, a, s, w, b, y, stages, stream, table, far):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
         for r in range(r0, r1):
-            xr, yr = x[r], y[r]
+            xr, yr = row_of(x, r), row_of(y, r)
             head, body = block_spans(yr, 0, d, stream)
             for i in range(head):
                 store_at(yr, i, _y_scalar(load_at(xr, i), load_at(w, i), load_at(b, i), a32, s))
@@ -469,11 +469,11 @@ def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, stream, ta
         paired_to = r0 + (r1 - r0) // 2 * 2 if pairs else r0  # rows [r0, paired_to) go in pairs
         da, ds = 0.0, 0.0
         for r in range(r0, r1):
-            dyr, xr, dxr = dy[r], x[r], dx[r]
+            dyr, xr, dxr = row_of(dy, r), row_of(x, r), row_of(dx, r)
             head, body = block_spans(dxr, 0, d, stream)
             partner = r + 1 if (r - r0) % 2 == 0 else r - 1
             # (streamed rows: alike)
-            in_pair = r < paired_to and block_spans(dx[partner], 0, d, stream) == (head, body)
+            in_pair = r < paired_to and block_spans(row_of(dx, partner), 0, d, stream) == (head, body)
             if not in_pair:
                 da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, 0, head, da, ds)
                 ba, bs = _grad_blocks(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s, stream, table,

@@ -42,6 +42,8 @@ from .simd import (BLOCK, EMIT, TAIL, fma_ir, fma32, narrow_bits, prefetch_pass1
 # ``stream``: stream the outputs past the caches. ``far``: prefetch the next row into L2, not L1
 # (memory.prefetch_far). ``round_to``: a 1-element array whose dtype is where
 # xhat is rounded (the output's in the llama order, float32 in the gemma order).
+# Rows are x[r], not rows.row_of: without its reference counts rms_norm ran slower in bf16
+# (docs/cpu-kernels.md, "Row views without references").
 
 
 @kernel

@@ -151,13 +151,39 @@ def row_of(a, r):  # pragma: no cover - replaced by the overload below
     raise NotImplementedError
 
 
-@overload(row_of)
+@overload(row_of, inline="always")
 def _ov_row(a, r):
     """a[r], or None when a is None (an optional input such as the residual gradient). An
-    overload rather than an ``if a is None`` branch: numba would type that value Optional."""
+    overload rather than an ``if a is None`` branch: numba would type that value Optional.
+
+    A row of a C-contiguous matrix comes without a reference to the matrix's memory: ``a[r]``
+    takes one and drops it, two calls into numba's runtime a row, around which the vector
+    registers are spilled (docs/cpu-kernels.md, "Row views without references"). A kernel's
+    arguments outlive its rows, so nothing is freed under them."""
     if _is_none(a):
         return lambda a, r: None
+    if isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.mutable:
+        return lambda a, r: _row_view(a, r)
     return lambda a, r: a[r]
+
+
+@intrinsic
+def _row_view(typingctx, a, r):
+    """Row r of the C-contiguous matrix a, as an array that holds no reference (no meminfo)."""
+    row = types.Array(a.dtype, 1, "C")
+
+    def codegen(context, builder, signature, args):
+        matrix = context.make_array(a)(context, builder, args[0])
+        out = context.make_array(row)(context, builder)
+        d = builder.extract_value(matrix.shape, 1)
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(a.dtype)))
+        context.populate_array(out, data=builder.gep(matrix.data, [builder.mul(args[1], d)]),
+                               shape=cgutils.pack_array(builder, [d]),
+                               strides=cgutils.pack_array(builder, [itemsize]), itemsize=itemsize,
+                               meminfo=None)
+        return out._getvalue()
+
+    return row(a, types.intp), codegen
 
 
 @njit
