@@ -333,6 +333,55 @@ def test_a_forward_block_in_pairs_gives_the_in_order_blocks_bits(gen, op, stream
     assert torch.isnan(values).any() != finite and torch.isinf(values).any()  # the cases each kind must round
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["stored", "streamed"])
+@pytest.mark.parametrize("dtype", [np.float32, np.uint16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("op", ["rms llama", "layer", "rms dx", "layer dx"])
+def test_a_half_block_writes_the_first_half_of_a_whole_blocks_values(gen, op, dtype, stream):
+    # A row with HALF or more values left after its EMIT blocks writes them in one HALF block
+    # (qk-norm's 96 and 160 features): the values of a whole block's first half, and nothing
+    # past them.
+    llama = op == "rms llama"
+    if op.endswith("dx"):
+        math = LN._dx_vector if op == "layer dx" else RMS._dx_vector(True)
+        blocks = [simd.backward_block(math, stream, size=s) for s in (simd.EMIT, simd.HALF)]
+
+        def runner(block):
+            @njit
+            def run(y, x, w, stage):
+                block(y, np.uint64(0), x, x[::-1].copy(), w, None, stage, np.float32(0.3), np.float32(-0.2),
+                      np.float32(0.01), np.float32(1.7))
+
+            return run
+    else:
+        math = LN._y_vector if op == "layer" else RMS._y_vector(llama)
+        blocks = [simd.forward_block(math, llama, stream, size=s) for s in (simd.EMIT, simd.HALF)]
+
+        def runner(block):
+            @njit
+            def run(y, x, w, stage):
+                block(y, np.uint64(0), x, w, w[::-1].copy(), stage, np.float32(0.25), np.float32(-1e-3),
+                      np.float32(1.7))
+
+            return run
+
+    n = simd.EMIT
+    values = torch.randn(n, generator=gen)
+    x = values.bfloat16().view(torch.int16).numpy().view(np.uint16) if dtype == np.uint16 else values.numpy()
+    w = (1 + 0.1 * torch.randn(n, generator=gen)).bfloat16().float().numpy()
+    stage = memory.zero_stages(1)[0]
+    sentinel = np.array(0x7FC1, np.uint16) if dtype == np.uint16 else np.float32(-7.0)
+    # 64-byte aligned, as streamed stores need
+    nbytes = 2 * n * x.itemsize
+    outs = [memory._aligned(memory._raw(nbytes), nbytes).view(dtype)[:n] for _ in range(2)]
+    for out, block in zip(outs, blocks):
+        out[:] = sentinel
+        runner(block)(out, x, w, stage)
+    want, got = outs
+    assert not np.array_equal(want[: simd.HALF], np.full(simd.HALF, sentinel, dtype))
+    assert np.array_equal(got[: simd.HALF], want[: simd.HALF])
+    assert np.array_equal(got[simd.HALF :], np.full(n - simd.HALF, sentinel, dtype))
+
+
 def test_pair_order_is_undone_by_pair_unorder(gen):
     v = torch.randn(3 * 32 + 5, generator=gen).numpy()
     ordered = codecs.pair_order(v, 96)

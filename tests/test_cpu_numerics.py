@@ -21,7 +21,8 @@ from normlab.kernels.cpu import launch  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("d", [1, 3, 64, 123, 3000])  # 64: a row of one vector block of TAIL, no tail
+# 64: a row of one vector block of TAIL, no tail; 96: one of EMIT, then one of HALF, no tail
+@pytest.mark.parametrize("d", [1, 3, 64, 96, 123, 3000])
 @pytest.mark.parametrize("op", OPS)
 def test_every_op_dtype_and_size(gen, op, dtype, d):
     check(gen, op, (7, d), dtype)

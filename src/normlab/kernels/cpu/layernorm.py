@@ -31,8 +31,8 @@ from .rows import (FLUSH, all_finite, at, chunk_span, flush_into, grad_nan_free,
                    nan_free, pair_registers, pair_types, pairs_fit, reads_pairs, partial_row_pairs,
                    partial_sums, recip, row_of, row_pairs, block_spans, select_optional, sum_partials,
                    value_at, vector_sums, writes_pairs)
-from .simd import (BLOCK, EMIT, TAIL, fma_ir, fma32, prefetch_pass1, prefetch_pass2, row_moments, store_fence,
-                   backward_block, forward_block, grad_sums)
+from .simd import (BLOCK, EMIT, HALF, TAIL, fma_ir, fma32, prefetch_pass1, prefetch_pass2, row_moments,
+                   store_fence, backward_block, forward_block, grad_sums)
 
 # ---------------------------------------------------------------------------------- forward
 # ``stages``: one float32 staging row per chunk (their count is the chunk count; see simd.py).
@@ -100,7 +100,7 @@ def _moments(xr, rr, sr, row, far):
         c += value_at(xr, rr, sr, i)
     c = np.float32(c / head)
     if rr is None and vector_sums(xr):
-        full = d - d % TAIL
+        full = d - d % HALF
         s1, s2 = row_moments(xr, full, c, xr, None, far)
     else:
         full = d - d % BLOCK
@@ -186,6 +186,9 @@ def _ln_write(xr, w, bias, w_pairs, b_pairs, yr, mean, row_rstd, stage, stream, 
     for j in range(c, b, EMIT):
         prefetch_pass2(ahead1, ahead2, j, 1, far)
         _y_block(yr, j, xr, w, bias, stage, mhi, mlo, row_rstd, stream, False, False)
+    if d - b >= HALF:  # in pair_order w and b are in place past the whole blocks: plain order serves
+        _y_half(yr, b, xr, w, bias, stage, mhi, mlo, row_rstd, stream)
+        b += HALF
     for i in range(b, d):
         _ln_y(xr, w, bias, yr, mhi, mlo, row_rstd, i)
 
@@ -203,6 +206,9 @@ def _y_vector(builder, x, w, b, mhi, mlo, row_rstd):
 
 _Y_BLOCK = {(stream, paired, finite): forward_block(_y_vector, False, stream, paired=paired, finite=finite)
             for stream in (False, True) for paired, finite in ((False, False), (True, False), (True, True))}
+
+
+_Y_HALF = {stream: forward_block(_y_vector, False, stream, size=HALF) for stream in (False, True)}
 
 
 # replaced by the overload below
@@ -229,6 +235,24 @@ def _ov_y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite
     return block
 
 
+def _y_half(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream):  # pragma: no cover - the overload below
+    """The output block y[j:j + HALF], in order (simd.forward_block)."""
+    raise NotImplementedError
+
+
+@overload(_y_half)
+def _ov_y_half(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream):
+    plain, streamed = _Y_HALF[False], _Y_HALF[True]
+
+    def block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream):
+        if stream:
+            streamed(y, np.uint64(j), x, w, b, stage, mhi, mlo, row_rstd)
+        else:
+            plain(y, np.uint64(j), x, w, b, stage, mhi, mlo, row_rstd)
+
+    return block
+
+
 # --------------------------------------------------------------------------------- backward
 # Pass 1 forms sum(g) and sum(g * xhat) and adds the row's dw and db terms to its chunk's float32
 # partial rows, flushed to float64 rows every FLUSH rows; pass 2 writes dx. The float64 rows are
@@ -243,7 +267,7 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream, far):
     dx, dw, db = at(dx), at(dw), at(db)
     n, d = x.shape
     nchunks = stages.shape[0]
-    span = d - d % TAIL if reads_pairs(x, dy) else 0
+    span = d - d % HALF if reads_pairs(x, dy) else 0
     w_pairs = pair_order(w, span)
     parts = partial_row_pairs(nchunks, d)
     dw_sum = partial_sums(nchunks, d)
@@ -287,10 +311,22 @@ def _ln_sums(dyr, w, w_pairs, xr, mean, row_rstd, dwc, dbc, far):
     """(sum of g, sum of g * xhat), adding the row's dw and db terms to dwc and dbc. ``w_pairs``: w
     in pair_order over the row's whole blocks (bf16 rows)."""
     mhi, lo = _ln_consts(mean, row_rstd)
-    full = xr.shape[0] - xr.shape[0] % TAIL
+    full = xr.shape[0] - xr.shape[0] % _sums_block(xr, dyr)
     tg, tgx = _ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far)
     pg, pgx = _ln_tail(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc)
     return tg + pg, tgx + pgx
+
+
+def _sums_block(xr, dyr):  # pragma: no cover - replaced by the overload below
+    """What _ln_sums's whole blocks end at a multiple of: HALF for the vector pass of bf16 rows
+    (simd._for_blocks), TAIL for the element loops."""
+    raise NotImplementedError
+
+
+@overload(_sums_block)
+def _ov_sums_block(xr, dyr):
+    block = HALF if pair_types(xr, dyr) else TAIL
+    return lambda xr, dyr: block
 
 
 @njit(inline="always")
@@ -395,7 +431,7 @@ def _ov_ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_
     def pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc, far):
         mhi, lo = _ln_consts(mean, row_rstd)
         mhi2, lo2 = _ln_consts(mean2, row_rstd2)
-        full = xr.shape[0] - xr.shape[0] % TAIL
+        full = xr.shape[0] - xr.shape[0] % HALF
         tg, tgx, tg2, tgx2 = sums(dyr, xr, dyr2, xr2, w_pairs, dwc, dbc, full, mhi, row_rstd, lo, mhi2,
                                   row_rstd2, lo2, far)
         pg, pgx = _ln_tail(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc)
@@ -438,6 +474,9 @@ def _ln_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, mean, row_rstd, sg, sgx, stage,
     for j in range(c, b, EMIT):
         prefetch_pass2(xr, dyr, j, ahead, far)
         _dx_block("plain", dxr, j, dyr, xr, w, dsr, stage, mhi, p, q, row_rstd, stream)
+    if d - b >= HALF:
+        _dx_block("plain/half", dxr, b, dyr, xr, w, dsr, stage, mhi, p, q, row_rstd, stream)
+        b += HALF
     for i in range(b, d):
         _ln_dx(dyr, xr, w, dsr, dxr, mhi, p, q, row_rstd, i)
 
@@ -458,9 +497,10 @@ def _dx_vector(builder, dy, x, w, c, row_rstd):
 
 
 _DX_BLOCK = {
-    (variant, stream): backward_block(_dx_vector, stream, paired=variant != "plain",
-                                      finite=variant == "pairs/finite")
-    for variant in ("plain", "pairs", "pairs/finite")
+    (variant, stream): backward_block(_dx_vector, stream, paired=variant.startswith("pairs"),
+                                      finite=variant == "pairs/finite",
+                                      size=HALF if variant.endswith("/half") else EMIT)
+    for variant in ("plain", "pairs", "pairs/finite", "plain/half")
     for stream in (False, True)
 }
 
@@ -468,15 +508,15 @@ _DX_BLOCK = {
 # replaced by the overload below
 def _dx_block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream):  # pragma: no cover
     """The dx block at j (simd.backward_block). ``variant`` a string literal: "plain", "pairs"
-    (bf16 rows read in pairs, w in pair_order) or "pairs/finite" (the same without the nan
-    select)."""
+    (bf16 rows read in pairs, w in pair_order), "pairs/finite" (the same without the nan
+    select) or "plain/half" (HALF values, not EMIT)."""
     raise NotImplementedError
 
 
 @overload(_dx_block, prefer_literal=True)
 def _ov_dx_block(variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream):
     name = variant.literal_value
-    if (name != "plain" and not (pair_types(x, dy, ds) and dx.dtype == dy.dtype)
+    if (name.startswith("pairs") and not (pair_types(x, dy, ds) and dx.dtype == dy.dtype)
             or name == "pairs/finite" and not select_optional(x, dy, ds)):
         # not called: reads_pairs or grad_select_optional is False
         return lambda variant, dx, j, dy, x, w, ds, stage, mhi, p, q, row_rstd, stream: None

@@ -14,7 +14,7 @@ Backward, with g = dy * w (for the features past k only the first term applies):
                                 coef = rstd^2 / rms * sum(g * x) / k    (eps outside)
     dw = sum over rows of dy * xhat,   xhat = x * rstd (rounded as in the forward)
 
-Sums are float32 over blocks of BLOCK values (then of TAIL, in the vector passes) added in
+Sums are float32 over blocks of BLOCK values (then of TAIL and HALF, in the vector passes) added in
 float64. Each output is written by scalar element helpers at a row's head and tail and by
 16-lane vector blocks in between; the two forms of each formula sit side by side below and do
 the same operations in the same order.
@@ -34,8 +34,8 @@ from .rows import (FLUSH, all_finite, at, chunk_span, flush_into, grad_nan_free,
                    is_llama, nan_free, pair_registers, pair_types, pairs_fit, reads_pairs, partial_rows,
                    partial_sums, recip, row_of, row_pairs, block_spans, select_optional, sum_partials,
                    value_at, vector_sums, widened, writes_pairs)
-from .simd import (BLOCK, EMIT, TAIL, fma_ir, fma32, narrow_bits, prefetch_pass1, prefetch_pass2, row_sumsq,
-                   store_fence, widen_bits, backward_block, forward_block, grad_sums)
+from .simd import (BLOCK, EMIT, HALF, TAIL, fma_ir, fma32, narrow_bits, prefetch_pass1, prefetch_pass2,
+                   row_sumsq, store_fence, widen_bits, backward_block, forward_block, grad_sums)
 
 # ---------------------------------------------------------------------------------- forward
 # ``stages``: one float32 staging row per chunk (their count is the chunk count; see simd.py).
@@ -91,7 +91,7 @@ def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, round_to, stages, stream,
 def _sumsq(xr, rr, sr, k, far):
     """Sum of the row's squares over [:k] (forming the whole residual sum when rr is given)."""
     if rr is None and vector_sums(xr):
-        full = k - k % TAIL
+        full = k - k % HALF
         total = row_sumsq(xr, full, np.float32(0.0), xr, None, far)[0]
     else:
         full = k - k % BLOCK
@@ -145,6 +145,9 @@ def _rms_write(xr, w, w_pairs, yr, row_rstd, round_to, stage, stream, far, ahead
     for j in range(c, b, EMIT):
         prefetch_pass2(ahead1, ahead2, j, 1, far)
         _y_block(yr, j, xr, w, stage, row_rstd, stream, round_to, False, False)
+    if d - b >= HALF:  # in pair_order w is in place past the whole blocks: plain order serves
+        _y_half(yr, b, xr, w, stage, row_rstd, stream, round_to)
+        b += HALF
     for i in range(b, d):
         _rms_y(xr, w, yr, row_rstd, round_to, i)
 
@@ -168,6 +171,10 @@ _Y_BLOCK = {(llama, stream, paired, finite): forward_block(_y_vector(llama), lla
                                                            finite=finite)
             for llama in (False, True) for stream in (False, True)
             for paired, finite in ((False, False), (True, False), (True, True))}
+
+
+_Y_HALF = {(llama, stream): forward_block(_y_vector(llama), llama, stream, size=HALF)
+           for llama in (False, True) for stream in (False, True)}
 
 
 # replaced by the overload below
@@ -195,6 +202,25 @@ def _ov_y_block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite):
     return block
 
 
+def _y_half(y, j, x, w, stage, row_rstd, stream, round_to):  # pragma: no cover - the overload below
+    """The output block y[j:j + HALF], in order (simd.forward_block)."""
+    raise NotImplementedError
+
+
+@overload(_y_half)
+def _ov_y_half(y, j, x, w, stage, row_rstd, stream, round_to):
+    plain, streamed = (_Y_HALF[is_llama(round_to), t] for t in (False, True))
+
+    def block(y, j, x, w, stage, row_rstd, stream, round_to):
+        z = np.float32(0.0)
+        if stream:
+            streamed(y, np.uint64(j), x, w, w, stage, z, z, row_rstd)
+        else:
+            plain(y, np.uint64(j), x, w, w, stage, z, z, row_rstd)
+
+    return block
+
+
 # --------------------------------------------------------------------------------- backward
 # Pass 1 forms sum(g * x) (and sum(x^2) over [:k] when eps is outside the root) and adds the row's
 # dw terms to its chunk's float32 partial row, flushed to a float64 row every FLUSH rows; pass 2
@@ -208,7 +234,7 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream
     dy, x, w, rstd, ds, dx, dw = at(dy), at(x), widened(at(w)), at(rstd), at(ds), at(dx), at(dw)
     n, d = x.shape
     nchunks = stages.shape[0]
-    span = k - k % TAIL if reads_pairs(x, dy) else 0
+    span = k - k % HALF if reads_pairs(x, dy) else 0
     w_pairs = pair_order(w, span)
     dw_part = partial_rows(nchunks, d)
     dw_sum = partial_sums(nchunks, d)
@@ -260,14 +286,14 @@ def _dot_gx(dyr, w, w_pairs, xr, k, dwc, row_rstd, round_to, squares, far):
 
 
 def _sums_block(xr, dyr):  # pragma: no cover - replaced by the overload below
-    """What _dot_gx's whole blocks end at a multiple of: TAIL for the vector pass of bf16 rows
+    """What _dot_gx's whole blocks end at a multiple of: HALF for the vector pass of bf16 rows
     (simd._for_blocks), BLOCK for the element loops."""
     raise NotImplementedError
 
 
 @overload(_sums_block)
 def _ov_sums_block(xr, dyr):
-    block = TAIL if pair_types(xr, dyr) else BLOCK
+    block = HALF if pair_types(xr, dyr) else BLOCK
     return lambda xr, dyr: block
 
 
@@ -375,7 +401,7 @@ def _ov_dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2,
     with_squares, without = (_GRAD_SUMS[is_llama(round_to), s, 2] for s in (True, False))
 
     def pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares, far):
-        full = k - k % TAIL
+        full = k - k % HALF
         z = np.float32(0.0)
         if squares:
             tgx, tss, tgx2, tss2 = with_squares(dyr, xr, dyr2, xr2, w_pairs, dwc, round_to, full, row_rstd, z,
@@ -430,6 +456,12 @@ def _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, i0, i1, head, 
             _dx_block("head", dxr, j, dyr, xr, w, dsr, stage, coef, row_rstd, stream)
         else:
             _dx_block("tail", dxr, j, dyr, xr, w, dsr, stage, coef, row_rstd, stream)
+    if i1 - b >= HALF:
+        if head:
+            _dx_block("head/half", dxr, b, dyr, xr, w, dsr, stage, coef, row_rstd, stream)
+        else:
+            _dx_block("tail/half", dxr, b, dyr, xr, w, dsr, stage, coef, row_rstd, stream)
+        b += HALF
     for i in range(b, i1):
         _rms_dx(dyr, xr, w, dsr, dxr, row_rstd, coef, i, head)
 
@@ -457,10 +489,11 @@ def _dx_vector(head):
 
 
 _DX_BLOCK = {
-    (variant, stream): backward_block(_dx_vector(variant != "tail"), stream, paired="/pairs" in variant,
-                                      reads_x=variant != "tail",
-                                      finite=variant.endswith("/finite"))
-    for variant in ("head", "tail", "head/pairs", "head/pairs/finite")
+    (variant, stream): backward_block(_dx_vector(variant.startswith("head")), stream,
+                                      paired="/pairs" in variant, reads_x=variant.startswith("head"),
+                                      finite=variant.endswith("/finite"),
+                                      size=HALF if variant.endswith("/half") else EMIT)
+    for variant in ("head", "tail", "head/pairs", "head/pairs/finite", "head/half", "tail/half")
     for stream in (False, True)
 }
 
@@ -468,8 +501,9 @@ _DX_BLOCK = {
 # replaced by the overload below
 def _dx_block(variant, dx, j, dy, x, w, ds, stage, coef, row_rstd, stream):  # pragma: no cover
     """The dx block at j (simd.backward_block). ``variant`` a string literal: "head" (inside
-    the first k), "tail" (past it), "head/pairs" (bf16 rows read in pairs, w in pair_order) or
-    "head/pairs/finite" (the same without the nan select)."""
+    the first k), "tail" (past it), "head/pairs" (bf16 rows read in pairs, w in pair_order),
+    "head/pairs/finite" (the same without the nan select), or "head/half" and "tail/half" (HALF
+    values, not EMIT)."""
     raise NotImplementedError
 
 

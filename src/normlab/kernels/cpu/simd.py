@@ -27,6 +27,7 @@ BLOCK = 256  # values per block of a row's first pass (its sums)
 # BLOCK (qk-norm's heads of 64-256 features) takes its first pass in these, not element by element
 TAIL = 64
 EMIT = 64  # outputs per block of the second pass: small, so stores interleave with the arithmetic
+HALF = EMIT // 2  # outputs of the one shorter block where a row has HALF or more left after its EMITs
 _ACC = 4  # independent float32 accumulators per sum in a block
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 HW_BF16 = bool(target_features().get("avx512bf16", False))
@@ -113,14 +114,18 @@ def _block_stream(builder, data, base, kind, size):
 
 
 def _for_blocks(builder, n, body):
-    """body(base, size) for the whole blocks of [0, n) (n a multiple of TAIL): BLOCK values
-    each, then TAIL values each for the rest."""
+    """body(base, size) for the whole blocks of [0, n) (n a multiple of HALF): BLOCK values
+    each, then TAIL values each, then one of HALF values if that is left."""
     blocks = builder.udiv(n, i64(BLOCK))
     with cgutils.for_range(builder, blocks) as loop:
         body(builder.mul(loop.index, i64(BLOCK)), BLOCK)
     start = builder.mul(blocks, i64(BLOCK))
-    with cgutils.for_range(builder, builder.udiv(builder.sub(n, start), i64(TAIL))) as loop:
+    tails = builder.udiv(builder.sub(n, start), i64(TAIL))
+    with cgutils.for_range(builder, tails) as loop:
         body(builder.add(start, builder.mul(loop.index, i64(TAIL))), TAIL)
+    start = builder.add(start, builder.mul(tails, i64(TAIL)))
+    with builder.if_then(builder.icmp_unsigned(">=", builder.sub(n, start), i64(HALF))):
+        body(start, HALF)
 
 
 # ------------------------------------------------------------------------------- prefetches
@@ -221,10 +226,11 @@ def prefetch_pass2(a1, a2, j, ahead, far):
 
 
 def store_block(builder, kind, base, wbase, values, llama, stream, hw, zero):
-    """Store EMIT float32 values (16-lane vectors) at ``base`` in the output's dtype. ``llama``:
-    the values are x * rstd, rounded to the output's dtype, widened, multiplied by the weights at
-    ``wbase`` and rounded again. ``stream``: non-temporal stores (``base`` 64-byte aligned), of whole
-    64-byte lines. ``zero``: a staging row's line of zeros (see narrow_line)."""
+    """Store float32 values (EMIT or HALF of them, in 16-lane vectors) at ``base`` in the
+    output's dtype. ``llama``: the values are x * rstd, rounded to the output's dtype, widened,
+    multiplied by the weights at ``wbase`` and rounded again. ``stream``: non-temporal stores
+    (``base`` 64-byte aligned), of whole 64-byte lines. ``zero``: a staging row's line of zeros
+    (see narrow_line)."""
     nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
     if not stream:
         _prefetch_next_block(builder, base, kind)
@@ -298,17 +304,18 @@ def store_fence(typingctx):
 # ----------------------------------------------------------------------------- output blocks
 
 
-def forward_block(math, llama, stream, hw=HW_BF16, paired=False, finite=False):
+def forward_block(math, llama, stream, hw=HW_BF16, paired=False, finite=False, size=EMIT):
     """An intrinsic (y, j, x, w, b, stage, mhi, mlo, rstd) that computes and stores the output
-    block y[j:j + EMIT]. ``math(builder, x, w, b, mhi, mlo, rstd)`` gives one 16-lane vector of
-    outputs from one of x; ``w`` and ``b`` are functions that load the matching weights, so a
-    form that does not use them loads nothing. ``llama``: the weight multiply happens as the
-    block is stored (see store_block), not in ``math``. ``paired`` (bf16 x and y): x is read two
-    values to a 32-bit lane (bf16_pair), w and b are in pair_order, and each 32 results are put
-    back in place as they are stored (_store_pairs): no shuffles where bf16 is rounded with
-    integer arithmetic (see rows.writes_pairs). ``finite`` (with ``paired``): the caller knows
-    that no output of the block is nan (rows.nan_free), so the rounding skips the nan select: the
-    same bits, 2 fewer instructions per 8 values on AVX2, where these kernels are compute-bound."""
+    block y[j:j + size] (EMIT, or HALF for a row's last values). ``math(builder, x, w, b, mhi,
+    mlo, rstd)`` gives one 16-lane vector of outputs from one of x; ``w`` and ``b`` are functions
+    that load the matching weights, so a form that does not use them loads nothing. ``llama``:
+    the weight multiply happens as the block is stored (see store_block), not in ``math``.
+    ``paired`` (bf16 x and y): x is read two values to a 32-bit lane (bf16_pair), w and b are in
+    pair_order, and each 32 results are put back in place as they are stored (_store_pairs): no
+    shuffles where bf16 is rounded with integer arithmetic (see rows.writes_pairs). ``finite``
+    (with ``paired``): the caller knows that no output of the block is nan (rows.nan_free), so
+    the rounding skips the nan select: the same bits, 2 fewer instructions per 8 values on AVX2,
+    where these kernels are compute-bound."""
 
     def codegen(context, builder, signature, args):
         kind, xkind = signature.args[0].dtype, signature.args[2].dtype
@@ -319,9 +326,9 @@ def forward_block(math, llama, stream, hw=HW_BF16, paired=False, finite=False):
         xbase, wbase, bbase = (builder.gep(data, [at]) for data in (x_data, w_data, b_data))
         mhi, mlo, row_rstd = (f32x16(builder, args[k]) for k in (6, 7, 8))
         if paired:
-            xs = [u for c in range(EMIT // 32) for u in bf16_pair(builder, xbase, 32 * c)]
+            xs = [u for c in range(size // 32) for u in bf16_pair(builder, xbase, 32 * c)]
         else:
-            xs = [load_row(builder, xbase, v, xkind) for v in range(EMIT // LANES)]
+            xs = [load_row(builder, xbase, v, xkind) for v in range(size // LANES)]
         values = []
         for v, t in enumerate(xs):
             values.append(math(builder, t, lambda v=v: load_f32(builder, wbase, v),
@@ -345,15 +352,16 @@ def forward_block(math, llama, stream, hw=HW_BF16, paired=False, finite=False):
     return intrinsic(block)
 
 
-def backward_block(math, stream, paired=False, reads_x=True, hw=HW_BF16, finite=False):
+def backward_block(math, stream, paired=False, reads_x=True, hw=HW_BF16, finite=False, size=EMIT):
     """An intrinsic (dx, j, dy, x, w, ds, stage, p0, p1, p2, rstd) that computes and stores the
-    dx block at j, plus ds (the residual's gradient) when it is not None. ``math(builder, dy, x,
-    w, (p0, p1, p2), rstd)`` gives one 16-lane vector of dx from one of dy and x (x None without
-    ``reads_x``). ``paired`` (bf16 rows, the block's start a multiple of 32 from the row's): the
-    inputs are read two values to a 32-bit lane (bf16_pair), w is in pair_order, and each 32
-    results are interleaved back into place as they are stored (_store_pairs). ``finite`` (with
-    ``paired``): the caller knows no dx of the block is nan (rows.grad_nan_free), so the integer
-    rounding skips the nan select, as forward_block's does."""
+    block dx[j:j + size] (EMIT, or HALF for a row's last values), plus ds (the residual's
+    gradient) when it is not None. ``math(builder, dy, x, w, (p0, p1, p2), rstd)`` gives one
+    16-lane vector of dx from one of dy and x (x None without ``reads_x``). ``paired`` (bf16
+    rows, the block's start a multiple of 32 from the row's): the inputs are read two values to
+    a 32-bit lane (bf16_pair), w is in pair_order, and each 32 results are interleaved back into
+    place as they are stored (_store_pairs). ``finite`` (with ``paired``): the caller knows no dx
+    of the block is nan (rows.grad_nan_free), so the integer rounding skips the nan select, as
+    forward_block's does."""
 
     def block(typingctx, dx, j, dy, x, w, ds, stage, p0, p1, p2, row_rstd):
         has_ds = not isinstance(ds, (types.NoneType, types.Omitted))
@@ -370,14 +378,14 @@ def backward_block(math, stream, paired=False, reads_x=True, hw=HW_BF16, finite=
 
             def row(k, kind):
                 if paired:
-                    return [u for c in range(EMIT // 32) for u in bf16_pair(builder, base[k], 32 * c)]
-                return [load_row(builder, base[k], v, kind) for v in range(EMIT // LANES)]
+                    return [u for c in range(size // 32) for u in bf16_pair(builder, base[k], 32 * c)]
+                return [load_row(builder, base[k], v, kind) for v in range(size // LANES)]
 
             dys = row(2, dy.dtype)
-            xs = row(3, x.dtype) if reads_x else [None] * (EMIT // LANES)
+            xs = row(3, x.dtype) if reads_x else [None] * (size // LANES)
             dss = row(5, ds.dtype) if has_ds else None
             values = []
-            for v in range(EMIT // LANES):
+            for v in range(size // LANES):
                 t = math(builder, dys[v], xs[v], load_f32(builder, base[4], v), p, row_rstd)
                 if has_ds:
                     t = builder.fadd(t, dss[v])
@@ -450,7 +458,7 @@ def scalar_totals(builder, totals):
 
 def _make_row_sums(centred):
     """An intrinsic (xr, n, c, a1, a2, far) -> (float64, float64) over the values [0, n) of row
-    xr (n a multiple of TAIL: _for_blocks): with ``centred`` the sums of u and u^2 for u = x - c,
+    xr (n a multiple of HALF: _for_blocks): with ``centred`` the sums of u and u^2 for u = x - c,
     else the sum of x^2 (and 0.0; c is not used). A block at j prefetches the values from j // 2
     of the rows after a1 and a2, as prefetch_pass1 does."""
 
@@ -500,7 +508,7 @@ def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
     """An intrinsic for the backward's first pass over the whole blocks of bf16 rows: the two
     sums its dx formula needs, and the rows' dw (and db) terms added to the chunk's partial rows
     on the way. Arguments (dyr, xr, w_pairs, dwc, aux, n, c0, c1, c2, far) -> (float64, float64),
-    over values [0, n) (a multiple of TAIL: _for_blocks); ``aux`` is the db partial row
+    over values [0, n) (a multiple of HALF: _for_blocks); ``aux`` is the db partial row
     (``with_db``) or any array whose dtype ``terms`` reads. Values arrive in pair order
     (bf16_pair), so w_pairs, dwc and aux are kept in pair_order.
 
