@@ -123,7 +123,10 @@ def test_readme_short_rows_lie_in_their_record():
     slowest = 1 / min(peer_over_normlab("rms_norm", "compile", short=True))
     assert f"torch.compile of the reference is up to {slowest:.1f}x faster than normlab's rms_norm" in text
     slowest = 1 / min(peer_over_normlab("layer_norm", "torch", short=True))
-    assert f"`F.layer_norm` up to {slowest:.1f}x faster than normlab's layer_norm" in text
+    if slowest > 1:
+        assert f"`F.layer_norm` up to {slowest:.1f}x faster than normlab's layer_norm" in text
+    else:
+        assert "`F.layer_norm` is slower than normlab's layer_norm in every case of the record" in text
     for op, peer in [("rms_norm", "compile"), ("layer_norm", "torch"), ("layer_norm", "compile")]:
         assert min(peer_over_normlab(op, peer, short=False)) > 1, "from 256 features on normlab leads"
     every_length = [r for short in (True, False) for r in peer_over_normlab("rms_norm", "torch", short)]
