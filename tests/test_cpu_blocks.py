@@ -74,8 +74,10 @@ def test_block_conversions_match_the_scalar_ones(gen, dtype, llama, path, nt):
         assert torch.isnan(widened).all()
 
 
-# Spans of pass 1's vector loops: none, TAIL blocks only (a qk-norm head), a BLOCK, BLOCKs and TAILs
-SPANS = (0, simd.TAIL, 3 * simd.TAIL, simd.BLOCK, 2 * simd.BLOCK + 3 * simd.TAIL)
+# Spans of pass 1's vector loops: none, TAIL blocks only (a qk-norm head), a BLOCK, BLOCKs and TAILs,
+# and all three with the one HALF block
+SPANS = (0, simd.TAIL, 3 * simd.TAIL, simd.BLOCK, 2 * simd.BLOCK + 3 * simd.TAIL,
+         simd.BLOCK + simd.TAIL + simd.HALF)
 
 
 @pytest.mark.parametrize("far", [False, True], ids=["into-L1", "into-L2"])
@@ -115,11 +117,11 @@ def test_backward_pair_order_sums_match_float64(gen, op):
 
     @njit
     def ln_pass(dy, x, wp, dwc, dbc, n, mhi, rstd, lo):
-        return ln_sums(dy, x, wp, dwc, dbc, n, mhi, rstd, lo, False)
+        return ln_sums(dy, x, wp, dwc, dbc, n, mhi, rstd, lo, 0, False)
 
     @njit
     def rms_pass(dy, x, wp, dwc, rnd, n, rstd):
-        return RMS._rms_blocks(dy, wp, wp, x, n, dwc, rstd, rnd, True, False)  # the first wp: not read (bf16)
+        return RMS._rms_blocks(dy, wp, wp, x, n, dwc, rstd, rnd, True, False, dy, x, 0)  # first wp: not read
 
     d = 3 * simd.BLOCK + 7
     x, dy = ((torch.randn(d, generator=gen) * s + m).to(torch.bfloat16) for s, m in ((2, 5), (1, 0)))
@@ -165,12 +167,12 @@ def test_first_pass_over_a_row_pair_is_bitwise_two_single_rows(gen, op):
 
     @njit
     def single(dy, x, dy2, x2, wp, dwc, aux, n, c, e):
-        return one(dy, x, wp, dwc, aux, n, c[0], c[1], c[2], False) + one(dy2, x2, wp, dwc, aux, n, e[0],
-                                                                          e[1], e[2], True)
+        return one(dy, x, wp, dwc, aux, n, c[0], c[1], c[2], 0, False) + one(dy2, x2, wp, dwc, aux, n, e[0],
+                                                                             e[1], e[2], 0, True)
 
     @njit
     def pair(dy, x, dy2, x2, wp, dwc, aux, n, c, e):
-        return two(dy, x, dy2, x2, wp, dwc, aux, n, c[0], c[1], c[2], e[0], e[1], e[2], True)
+        return two(dy, x, dy2, x2, wp, dwc, aux, n, c[0], c[1], c[2], e[0], e[1], e[2], 0, True)
 
     d = 3 * simd.BLOCK + 7
     rows = [memory.as_numpy((torch.randn(d, generator=gen) * 3 + 2).to(torch.bfloat16)) for _ in range(4)]
@@ -424,6 +426,16 @@ def test_streamed_spans_are_aligned_blocks():
         assert rows.block_spans(row, 0, 1000, False) == (0, 960)  # blocks from the row's start
         a, b = rows.block_spans(row, 990, 1000, True)  # too short for a block: all plain
         assert a == b and 990 <= a <= 1000
+
+
+def test_short_rows_prefetch_further_ahead():
+    # A row of at most SHORT_ROW_BYTES (qk-norm's heads) prefetches the row AHEAD_SHORT rows on,
+    # wider ones the next row (numba's itemsize: bf16 rows arrive as uint16).
+    skip = njit(lambda a: rows.prefetch_skip(a))
+    for dtype, d in ((np.uint16, 64), (np.uint16, 256), (np.float32, 128), (np.float32, 1), (np.uint16, 257),
+                     (np.float32, 129), (np.float32, 4096)):
+        short = d * np.dtype(dtype).itemsize <= rows.SHORT_ROW_BYTES
+        assert skip(np.zeros((3, d), dtype)) == (rows.AHEAD_SHORT - 1 if short else 0), (dtype, d)
 
 
 def test_a_chunks_dw_and_db_partial_rows_sit_half_a_page_apart():

@@ -29,8 +29,8 @@ from .cache import kernel
 from .codecs import add_at, load_at, pair_order, store_at
 from .rows import (FLUSH, all_finite, at, chunk_span, flush_into, grad_nan_free, grad_select_optional,
                    nan_free, pair_registers, pair_types, pairs_fit, reads_pairs, partial_row_pairs,
-                   partial_sums, recip, row_of, row_pairs, block_spans, select_optional, sum_partials,
-                   value_at, vector_sums, writes_pairs)
+                   partial_sums, prefetch_skip, recip, row_of, row_pairs, block_spans, select_optional,
+                   sum_partials, value_at, vector_sums, writes_pairs)
 from .simd import (BLOCK, EMIT, HALF, TAIL, fma_ir, fma32, prefetch_pass1, prefetch_pass2, row_moments,
                    store_fence, backward_block, forward_block, grad_sums)
 
@@ -48,16 +48,17 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream, far):
     span = d - d % EMIT if writes_pairs(x, y) else 0
     w_pairs, b_pairs = pair_order(w, span), pair_order(b, span)
     wb_finite = writes_pairs(x, y) and all_finite(w) and all_finite(b)
+    skip = prefetch_skip(x)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
         for r in range(r0, r1):
-            xr = row_of(x, r)
-            mu, var = _moments(xr, None, None, xr, far)
+            xr, px = row_of(x, r), row_of(x, r + skip)  # px: the row whose successor is prefetched
+            mu, var = _moments(xr, None, None, xr, px, None, far)
             row_rstd = recip(math.sqrt(var + eps))
             mean[r] = mu
             rstd[r] = row_rstd
-            _ln_write(xr, w, b, w_pairs, b_pairs, row_of(y, r), mu, row_rstd, stage, stream, far, xr, None,
+            _ln_write(xr, w, b, w_pairs, b_pairs, row_of(y, r), mu, row_rstd, stage, stream, far, px, None,
                       nan_free(wb_finite, row_rstd, mu))
         if stream:
             store_fence()
@@ -72,27 +73,30 @@ def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream, far):
     span = d - d % EMIT if writes_pairs(s, y) else 0
     w_pairs, b_pairs = pair_order(w, span), pair_order(b, span)
     wb_finite = writes_pairs(s, y) and all_finite(w) and all_finite(b)
+    skip = prefetch_skip(x)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
         for r in range(r0, r1):
             xr, rr, sr = row_of(x, r), row_of(res, r), row_of(s, r)
-            mu, var = _moments(xr, rr, sr, sr, far)
+            px, pr = row_of(x, r + skip), row_of(res, r + skip)
+            mu, var = _moments(xr, rr, sr, sr, px, pr, far)
             row_rstd = recip(math.sqrt(var + eps))
             mean[r] = mu
             rstd[r] = row_rstd
-            _ln_write(sr, w, b, w_pairs, b_pairs, row_of(y, r), mu, row_rstd, stage, stream, far, xr, rr,
+            _ln_write(sr, w, b, w_pairs, b_pairs, row_of(y, r), mu, row_rstd, stage, stream, far, px, pr,
                       nan_free(wb_finite, row_rstd, mu))
         if stream:
             store_fence()
 
 
 @njit(inline="always")
-def _moments(xr, rr, sr, row, far):
+def _moments(xr, rr, sr, row, px, pr, far):
     """(mean, variance) of the row (``row`` is x, or the residual sum sr) in one pass: sums of
     u = x - c and u^2, with c the mean of the row's first block, then var = E[u^2] - E[u]^2.
     x - c is exact for x near c (Sterbenz). When E[u]^2 is not small against var (a first block
-    unlike the rest of the row) the variance comes from a second pass over the row, in cache."""
+    unlike the rest of the row) the variance comes from a second pass over the row, in cache.
+    Prefetches from the rows after px and pr."""
     d = row.shape[0]
     head = min(d, BLOCK)
     c = np.float32(0.0)
@@ -101,13 +105,13 @@ def _moments(xr, rr, sr, row, far):
     c = np.float32(c / head)
     if rr is None and vector_sums(xr):
         full = d - d % HALF
-        s1, s2 = row_moments(xr, full, c, xr, None, far)
+        s1, s2 = row_moments(xr, full, c, px, None, far)
     else:
         full = d - d % BLOCK
         s1 = 0.0
         s2 = 0.0
         for j in range(0, full, BLOCK):
-            prefetch_pass1(xr, rr, j, far)
+            prefetch_pass1(px, pr, j, far)
             p1 = np.float32(0.0)
             p2 = np.float32(0.0)
             for i in range(j, j + BLOCK):
@@ -273,6 +277,7 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream, far):
     dw_sum = partial_sums(nchunks, d)
     db_sum = partial_sums(nchunks, d)
     pairs = row_pairs(x, dy, d, pair_registers(None, False))
+    skip = prefetch_skip(x)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         dwc, dbc = parts[2 * c], parts[2 * c + 1]
@@ -281,17 +286,19 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream, far):
         sg2, sgx2 = 0.0, 0.0
         for r in range(r0, r1):
             dyr, xr = row_of(dy, r), row_of(x, r)
+            pdy, px = row_of(dy, r + skip), row_of(x, r + skip)  # the rows whose successors are prefetched
             mu, row_rstd = mean[r], rstd[r]
             ahead = 1 if r >= paired_to else 2  # rows ahead that pass 2 prefetches
             if ahead == 1:
-                sg, sgx = _ln_sums(dyr, w, w_pairs, xr, mu, row_rstd, dwc, dbc, far)
+                sg, sgx = _ln_sums(dyr, w, w_pairs, xr, mu, row_rstd, dwc, dbc, far, pdy, px, skip)
             elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
                 sg, sgx, sg2, sgx2 = _ln_sums_pair(dyr, xr, row_of(dy, r + 1), row_of(x, r + 1), w, w_pairs,
-                                                   mu, row_rstd, mean[r + 1], rstd[r + 1], dwc, dbc, far)
+                                                   mu, row_rstd, mean[r + 1], rstd[r + 1], dwc, dbc, far,
+                                                   skip)
             else:
                 sg, sgx = sg2, sgx2
             _ln_bwd_write(dyr, xr, w, w_pairs, row_of(ds, r), row_of(dx, r), mu, row_rstd, sg, sgx, stage,
-                          stream, ahead, far)
+                          stream, ahead, far, pdy, px)
             if (r - r0) % FLUSH == FLUSH - 1:
                 flush_into(dwc, dw_sum[c])
                 flush_into(dbc, db_sum[c])
@@ -307,12 +314,13 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream, far):
 
 
 @njit(inline="always")
-def _ln_sums(dyr, w, w_pairs, xr, mean, row_rstd, dwc, dbc, far):
+def _ln_sums(dyr, w, w_pairs, xr, mean, row_rstd, dwc, dbc, far, pdy, px, skip):
     """(sum of g, sum of g * xhat), adding the row's dw and db terms to dwc and dbc. ``w_pairs``: w
-    in pair_order over the row's whole blocks (bf16 rows)."""
+    in pair_order over the row's whole blocks (bf16 rows). Prefetches from the rows after pdy and
+    px (``skip`` rows past the next: rows.prefetch_skip)."""
     mhi, lo = _ln_consts(mean, row_rstd)
     full = xr.shape[0] - xr.shape[0] % _sums_block(xr, dyr)
-    tg, tgx = _ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far)
+    tg, tgx = _ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far, pdy, px, skip)
     pg, pgx = _ln_tail(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc)
     return tg + pg, tgx + pgx
 
@@ -362,7 +370,7 @@ _GRAD_SUMS = {rows: grad_sums(_grad_terms, rows, with_db=True) for rows in (1, 2
 
 
 @njit(inline="always")
-def _ln_blocks_loop(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc, far):
+def _ln_blocks_loop(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc, far, pdy, px):
     """_ln_sums's whole blocks as element loops (LLVM vectorizes them), TAIL values a block as
     the vector pass's last blocks: rows of 64-128 features then take all of pass 1 in blocks, at
     2x the speed of the loop after them, and long rows lose nothing (docs/cpu-kernels.md, "Short
@@ -370,7 +378,7 @@ def _ln_blocks_loop(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc, far):
     tg = 0.0
     tgx = 0.0
     for j in range(0, full, TAIL):
-        prefetch_pass1(xr, dyr, j, far)
+        prefetch_pass1(px, pdy, j, far)
         pg = np.float32(0.0)
         pgx = np.float32(0.0)
         for i in range(j, j + TAIL):
@@ -383,21 +391,21 @@ def _ln_blocks_loop(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc, far):
 
 
 # replaced by the overload below
-def _ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far):  # pragma: no cover
+def _ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far, pdy, px,
+               skip):  # pragma: no cover
     """_ln_sums over the whole blocks [0, full): the vector pass for bf16 rows, else the element
     loops. Picked when numba types the call, so each kernel compiles one of them."""
     raise NotImplementedError
 
 
 @overload(_ln_blocks, inline="always")
-def _ov_ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far):
+def _ov_ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far, pdy, px, skip):
     if not pair_types(xr, dyr):
-        return lambda dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far: _ln_blocks_loop(
-            dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc, far
-        )
+        return lambda dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far, pdy, px, skip: (
+            _ln_blocks_loop(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc, far, pdy, px))
     sums = _GRAD_SUMS[1]
-    return lambda dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far: sums(
-        dyr, xr, w_pairs, dwc, dbc, full, mhi, row_rstd, lo, far
+    return lambda dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far, pdy, px, skip: sums(
+        dyr, xr, w_pairs, dwc, dbc, full, mhi, row_rstd, lo, skip, far
     )
 
 
@@ -415,25 +423,25 @@ def _ln_tail(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc):
 
 # the overload below
 def _ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc,
-                  far):  # pragma: no cover
+                  far, skip):  # pragma: no cover
     """_ln_sums of two bf16 rows, their whole blocks in one pass (grad_sums, rows=2): the sums of
     the first row, then of the second; the bits of two _ln_sums calls. A stub for other dtypes."""
     raise NotImplementedError
 
 
 @overload(_ln_sums_pair, inline="always")
-def _ov_ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc, far):
+def _ov_ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc, far, skip):
     if not pair_types(xr, dyr):
-        return lambda dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc, far: (
+        return lambda dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc, far, skip: (
             0.0, 0.0, 0.0, 0.0)
     sums = _GRAD_SUMS[2]
 
-    def pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc, far):
+    def pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_rstd2, dwc, dbc, far, skip):
         mhi, lo = _ln_consts(mean, row_rstd)
         mhi2, lo2 = _ln_consts(mean2, row_rstd2)
         full = xr.shape[0] - xr.shape[0] % HALF
         tg, tgx, tg2, tgx2 = sums(dyr, xr, dyr2, xr2, w_pairs, dwc, dbc, full, mhi, row_rstd, lo, mhi2,
-                                  row_rstd2, lo2, far)
+                                  row_rstd2, lo2, skip, far)
         pg, pgx = _ln_tail(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc)
         pg2, pgx2 = _ln_tail(dyr2, w, xr2, full, mhi2, row_rstd2, lo2, dwc, dbc)
         return tg + pg, tgx + pgx, tg2 + pg2, tgx2 + pgx2
@@ -445,7 +453,7 @@ def _ov_ln_sums_pair(dyr, xr, dyr2, xr2, w, w_pairs, mean, row_rstd, mean2, row_
 
 
 @njit(inline="always")
-def _ln_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, mean, row_rstd, sg, sgx, stage, stream, ahead, far):
+def _ln_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, mean, row_rstd, sg, sgx, stage, stream, ahead, far, pdy, px):
     """dx of this row, with the terms that do not depend on g folded into one affine function of
     x - mhi: dx = rstd * g + p * (x - mhi) + q, p = -rstd^2 * mean(g * xhat), q = -rstd * mean(g)
     - p * mlo (from the float64 sums): two fmas per value. x - mhi is exact near the mean, and
@@ -465,14 +473,14 @@ def _ln_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, mean, row_rstd, sg, sgx, stage,
         # a loop each, as in _ln_write
         if grad_select_optional(xr, dyr, dsr) and grad_nan_free(row_rstd, sg, sgx, p, q):
             for j in range(0, c, EMIT):
-                prefetch_pass2(xr, dyr, j, ahead, far)
+                prefetch_pass2(px, pdy, j, ahead, far)
                 _dx_block("pairs/finite", dxr, j, dyr, xr, w_pairs, dsr, stage, mhi, p, q, row_rstd, stream)
         else:
             for j in range(0, c, EMIT):
-                prefetch_pass2(xr, dyr, j, ahead, far)
+                prefetch_pass2(px, pdy, j, ahead, far)
                 _dx_block("pairs", dxr, j, dyr, xr, w_pairs, dsr, stage, mhi, p, q, row_rstd, stream)
     for j in range(c, b, EMIT):
-        prefetch_pass2(xr, dyr, j, ahead, far)
+        prefetch_pass2(px, pdy, j, ahead, far)
         _dx_block("plain", dxr, j, dyr, xr, w, dsr, stage, mhi, p, q, row_rstd, stream)
     if d - b >= HALF:
         _dx_block("plain/half", dxr, b, dyr, xr, w, dsr, stage, mhi, p, q, row_rstd, stream)

@@ -32,8 +32,8 @@ from .cache import kernel
 from .codecs import load_at, pair_order, round_like, store_at
 from .rows import (FLUSH, all_finite, at, chunk_span, flush_into, grad_nan_free, grad_select_optional,
                    is_llama, nan_free, pair_registers, pair_types, pairs_fit, reads_pairs, partial_rows,
-                   partial_sums, recip, row_of, row_pairs, block_spans, select_optional, sum_partials,
-                   value_at, vector_sums, widened, writes_pairs)
+                   partial_sums, prefetch_skip, recip, row_of, row_pairs, block_spans, select_optional,
+                   sum_partials, value_at, vector_sums, widened, writes_pairs)
 from .simd import (BLOCK, EMIT, HALF, TAIL, fma_ir, fma32, narrow_bits, prefetch_pass1, prefetch_pass2,
                    row_sumsq, store_fence, widen_bits, backward_block, forward_block, grad_sums)
 
@@ -53,14 +53,15 @@ def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream, far):
     nchunks = stages.shape[0]
     w_pairs = pair_order(w, d - d % EMIT if writes_pairs(x, y) else 0)
     w_finite = writes_pairs(x, y) and k == d and all_finite(w)  # partial: values past k are in no statistic
+    skip = prefetch_skip(x)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
         for r in range(r0, r1):
-            xr = x[r]
-            row_rstd = _rms_scale(_sumsq(xr, None, None, k, far), k, eps, inside)
+            xr, px = x[r], row_of(x, r + skip)  # px: the row whose successor is prefetched
+            row_rstd = _rms_scale(_sumsq(xr, None, None, px, None, k, far), k, eps, inside)
             rstd[r] = row_rstd
-            _rms_write(xr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, far, xr, None,
+            _rms_write(xr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, far, px, None,
                        nan_free(w_finite, row_rstd, 0.0))
         if stream:
             store_fence()
@@ -73,31 +74,34 @@ def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, round_to, stages, stream,
     nchunks = stages.shape[0]
     w_pairs = pair_order(w, d - d % EMIT if writes_pairs(s, y) else 0)
     w_finite = writes_pairs(s, y) and k == d and all_finite(w)
+    skip = prefetch_skip(x)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
         for r in range(r0, r1):
             xr, rr, sr = x[r], res[r], s[r]
+            px, pr = row_of(x, r + skip), row_of(res, r + skip)
             # s is an output too, but the second pass reads it back: plain stores keep it cached
-            row_rstd = _rms_scale(_sumsq(xr, rr, sr, k, far), k, eps, inside)
+            row_rstd = _rms_scale(_sumsq(xr, rr, sr, px, pr, k, far), k, eps, inside)
             rstd[r] = row_rstd
-            _rms_write(sr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, far, xr, rr,
+            _rms_write(sr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, far, px, pr,
                        nan_free(w_finite, row_rstd, 0.0))
         if stream:
             store_fence()
 
 
 @njit(inline="always")
-def _sumsq(xr, rr, sr, k, far):
-    """Sum of the row's squares over [:k] (forming the whole residual sum when rr is given)."""
+def _sumsq(xr, rr, sr, px, pr, k, far):
+    """Sum of the row's squares over [:k] (forming the whole residual sum when rr is given),
+    prefetching from the rows after px and pr."""
     if rr is None and vector_sums(xr):
         full = k - k % HALF
-        total = row_sumsq(xr, full, np.float32(0.0), xr, None, far)[0]
+        total = row_sumsq(xr, full, np.float32(0.0), px, None, far)[0]
     else:
         full = k - k % BLOCK
         total = 0.0
         for j in range(0, full, BLOCK):
-            prefetch_pass1(xr, rr, j, far)
+            prefetch_pass1(px, pr, j, far)
             part = np.float32(0.0)
             for i in range(j, j + BLOCK):
                 v = value_at(xr, rr, sr, i)
@@ -239,6 +243,7 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream
     dw_part = partial_rows(nchunks, d)
     dw_sum = partial_sums(nchunks, d)
     pairs = row_pairs(x, dy, k, pair_registers(round_to, inside))
+    skip = prefetch_skip(x)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         dwc = dw_part[c]
@@ -247,23 +252,24 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream
         gx2, ss2 = 0.0, 0.0
         for r in range(r0, r1):
             dyr, xr, dxr, dsr = dy[r], x[r], dx[r], row_of(ds, r)
+            pdy, px = row_of(dy, r + skip), row_of(x, r + skip)  # the rows whose successors are prefetched
             row_rstd = rstd[r]
             ahead = 1 if r >= paired_to else 2  # rows ahead that pass 2 prefetches
             if ahead == 1:
-                gx, ss = _dot_gx(dyr, w, w_pairs, xr, k, dwc, row_rstd, round_to, not inside, far)
+                gx, ss = _dot_gx(dyr, w, w_pairs, xr, k, dwc, row_rstd, round_to, not inside, far, pdy, px,
+                                 skip)
             elif (r - r0) % 2 == 0:  # pass 1 of this row and the next
                 gx, ss, gx2, ss2 = _dot_gx_pair(dyr, xr, dy[r + 1], x[r + 1], w, w_pairs, k, dwc, row_rstd,
-                                                rstd[r + 1], round_to, not inside,
-                                                     far)
+                                                rstd[r + 1], round_to, not inside, far, skip)
             else:
                 gx, ss = gx2, ss2
             coef = _rms_coef(row_rstd, gx, ss, k, inside)
             finite = grad_select_optional(x, dy, ds) and grad_nan_free(row_rstd, gx, 0.0, coef, 0.0)
             _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, 0, k, True, stage, stream, ahead,
-                           finite, far)
+                           finite, far, pdy, px)
             if k < d:  # pRMSNorm: the features past the statistic
                 _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, k, d, False, stage, stream,
-                               ahead, False, far)
+                               ahead, False, far, pdy, px)
             if (r - r0) % FLUSH == FLUSH - 1:
                 flush_into(dwc, dw_sum[c])
         flush_into(dwc, dw_sum[c])
@@ -276,11 +282,12 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream
 
 
 @njit(inline="always")
-def _dot_gx(dyr, w, w_pairs, xr, k, dwc, row_rstd, round_to, squares, far):
+def _dot_gx(dyr, w, w_pairs, xr, k, dwc, row_rstd, round_to, squares, far, pdy, px, skip):
     """(sum over the row of g * x, sum of x^2 over [:k] or, without ``squares``, any value),
-    adding the row's dw terms to dwc. ``w_pairs``: w in pair_order over the whole blocks of [:k]."""
+    adding the row's dw terms to dwc. ``w_pairs``: w in pair_order over the whole blocks of [:k].
+    Prefetches from the rows after pdy and px (``skip`` rows past the next: rows.prefetch_skip)."""
     full = k - k % _sums_block(xr, dyr)
-    tgx, tss = _rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far)
+    tgx, tss = _rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far, pdy, px, skip)
     pgx, pss = _rms_tail(dyr, w, xr, full, k, dwc, row_rstd, round_to)
     return tgx + pgx, tss + pss
 
@@ -329,12 +336,12 @@ _GRAD_SUMS = {
 
 
 @njit(inline="always")
-def _rms_blocks_loop(dyr, w, xr, full, dwc, row_rstd, round_to, far):
+def _rms_blocks_loop(dyr, w, xr, full, dwc, row_rstd, round_to, far, pdy, px):
     """_dot_gx's whole blocks as element loops (LLVM vectorizes them)."""
     tgx = 0.0
     tss = 0.0
     for j in range(0, full, BLOCK):
-        prefetch_pass1(xr, dyr, j, far)
+        prefetch_pass1(px, pdy, j, far)
         pgx = np.float32(0.0)
         pss = np.float32(0.0)
         for i in range(j, j + BLOCK):
@@ -347,25 +354,25 @@ def _rms_blocks_loop(dyr, w, xr, full, dwc, row_rstd, round_to, far):
 
 
 # replaced by the overload below
-def _rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far):  # pragma: no cover
+def _rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far, pdy, px,
+                skip):  # pragma: no cover
     """_dot_gx over the whole blocks [0, full): the vector pass for bf16 rows, else the element
     loops. Picked when numba types the call, so each kernel compiles one of them."""
     raise NotImplementedError
 
 
 @overload(_rms_blocks, inline="always")
-def _ov_rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far):
+def _ov_rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far, pdy, px, skip):
     if not pair_types(xr, dyr):
-        return lambda dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far: _rms_blocks_loop(
-            dyr, w, xr, full, dwc, row_rstd, round_to, far
-        )
+        return lambda dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far, pdy, px, skip: (
+            _rms_blocks_loop(dyr, w, xr, full, dwc, row_rstd, round_to, far, pdy, px))
     with_squares, without = (_GRAD_SUMS[is_llama(round_to), s, 1] for s in (True, False))
 
-    def blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far):
+    def blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far, pdy, px, skip):
         z = np.float32(0.0)
         if squares:
-            return with_squares(dyr, xr, w_pairs, dwc, round_to, full, row_rstd, z, z, far)
-        return without(dyr, xr, w_pairs, dwc, round_to, full, row_rstd, z, z, far)
+            return with_squares(dyr, xr, w_pairs, dwc, round_to, full, row_rstd, z, z, skip, far)
+        return without(dyr, xr, w_pairs, dwc, round_to, full, row_rstd, z, z, skip, far)
 
     return blocks
 
@@ -386,7 +393,7 @@ def _rms_tail(dyr, w, xr, full, k, dwc, row_rstd, round_to):
 
 # the overload below
 def _dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares,
-                 far):  # pragma: no cover
+                 far, skip):  # pragma: no cover
     """_dot_gx of two bf16 rows, their whole blocks in one pass (grad_sums, rows=2): (gx, ss) of
     the first row, then of the second; the bits of two _dot_gx calls. Other dtypes compile a
     stub (row_pairs is False for them), which saves compile time."""
@@ -394,21 +401,22 @@ def _dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, ro
 
 
 @overload(_dot_gx_pair, inline="always")
-def _ov_dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares, far):
+def _ov_dot_gx_pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares, far,
+                    skip):
     if not pair_types(xr, dyr):
-        return lambda dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares, far: (
-            0.0, 0.0, 0.0, 0.0)
+        return lambda dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares, far, \
+            skip: (0.0, 0.0, 0.0, 0.0)
     with_squares, without = (_GRAD_SUMS[is_llama(round_to), s, 2] for s in (True, False))
 
-    def pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares, far):
+    def pair(dyr, xr, dyr2, xr2, w, w_pairs, k, dwc, row_rstd, row_rstd2, round_to, squares, far, skip):
         full = k - k % HALF
         z = np.float32(0.0)
         if squares:
             tgx, tss, tgx2, tss2 = with_squares(dyr, xr, dyr2, xr2, w_pairs, dwc, round_to, full, row_rstd, z,
-                                                z, row_rstd2, z, z, far)
+                                                z, row_rstd2, z, z, skip, far)
         else:
             tgx, tss, tgx2, tss2 = without(dyr, xr, dyr2, xr2, w_pairs, dwc, round_to, full, row_rstd, z, z,
-                                           row_rstd2, z, z, far)
+                                           row_rstd2, z, z, skip, far)
         pgx, pss = _rms_tail(dyr, w, xr, full, k, dwc, row_rstd, round_to)
         pgx2, pss2 = _rms_tail(dyr2, w, xr2, full, k, dwc, row_rstd2, round_to)
         return tgx + pgx, tss + pss, tgx2 + pgx2, tss2 + pss2
@@ -432,7 +440,7 @@ def _rms_coef(row_rstd, gx, ss, k, inside):
 
 @njit(inline="always")
 def _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, i0, i1, head, stage, stream, ahead, finite,
-                   far):
+                   far, pdy, px):
     """dx over [i0, i1) (``head``: inside the first k, where the coef term applies; there, with
     i0 = 0, the whole blocks of bf16 rows are read in pairs, rounded without the nan select
     where the row is ``finite``: rows.grad_nan_free)."""
@@ -444,14 +452,14 @@ def _rms_bwd_write(dyr, xr, w, w_pairs, dsr, dxr, row_rstd, coef, i0, i1, head, 
         c = i1 - i1 % TAIL
         if finite:  # a loop each, as in _rms_write
             for j in range(0, c, EMIT):
-                prefetch_pass2(xr, dyr, j, ahead, far)
+                prefetch_pass2(px, pdy, j, ahead, far)
                 _dx_block("head/pairs/finite", dxr, j, dyr, xr, w_pairs, dsr, stage, coef, row_rstd, stream)
         else:
             for j in range(0, c, EMIT):
-                prefetch_pass2(xr, dyr, j, ahead, far)
+                prefetch_pass2(px, pdy, j, ahead, far)
                 _dx_block("head/pairs", dxr, j, dyr, xr, w_pairs, dsr, stage, coef, row_rstd, stream)
     for j in range(c, b, EMIT):
-        prefetch_pass2(xr, dyr, j, ahead, far)
+        prefetch_pass2(px, pdy, j, ahead, far)
         if head:
             _dx_block("head", dxr, j, dyr, xr, w, dsr, stage, coef, row_rstd, stream)
         else:

@@ -152,15 +152,19 @@ def _prefetch_next_block(builder, base, kind):
         _prefetch_ir(builder, builder.gep(first, [i64(64 * line)]), write=True)
 
 
-def prefetch_ahead(context, builder, aryty, ary, j, values, ahead=1, far=None):
+def prefetch_ahead(context, builder, aryty, ary, j, values, ahead=1, far=None, skip=None):
     """Prefetch (for reading) the lines of values [j, j + ``values``) of the row ``ahead`` rows
-    after the row ``ary`` in memory; nothing for a None. ``far``: an i1, true for L2 only."""
+    (and ``skip`` more: an i64, rows.prefetch_skip) after the row ``ary`` in memory; nothing for
+    a None. ``far``: an i1, true for L2 only."""
     if isinstance(aryty, (types.NoneType, types.Omitted)):
         return
     data = context.make_array(aryty)(context, builder, ary)
     row = builder.extract_value(data.shape, 0)
-    if ahead > 1:
-        row = builder.mul(row, ir.Constant(row.type, ahead))
+    rows = ir.Constant(row.type, ahead)
+    if skip is not None:
+        rows = builder.add(rows, skip)
+    if ahead > 1 or skip is not None:
+        row = builder.mul(row, rows)
     first = builder.gep(data.data, [builder.add(row, j)])
     first = builder.bitcast(first, ir.IntType(8).as_pointer())
     lines = range(max(1, values * aryty.dtype.bitwidth // 8 // 64))
@@ -507,7 +511,7 @@ row_sumsq = _make_row_sums(centred=False)
 def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
     """An intrinsic for the backward's first pass over the whole blocks of bf16 rows: the two
     sums its dx formula needs, and the rows' dw (and db) terms added to the chunk's partial rows
-    on the way. Arguments (dyr, xr, w_pairs, dwc, aux, n, c0, c1, c2, far) -> (float64, float64),
+    on the way. Arguments (dyr, xr, w_pairs, dwc, aux, n, c0, c1, c2, skip, far) -> (float64, float64),
     over values [0, n) (a multiple of HALF: _for_blocks); ``aux`` is the db partial row
     (``with_db``) or any array whose dtype ``terms`` reads. Values arrive in pair order
     (bf16_pair), so w_pairs, dwc and aux are kept in pair_order.
@@ -516,7 +520,7 @@ def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
     to accumulators s0[a] and s1[a] and returns xhat; then dw += dy * xhat (one fma) and, with
     ``with_db``, db += dy.
 
-    ``rows=2``: (dyr, xr, dyr2, xr2, w_pairs, dwc, aux, n, c0, c1, c2, e0, e1, e2, far) -> four float64,
+    ``rows=2``: (dyr, xr, dyr2, xr2, w_pairs, dwc, aux, n, c0, c1, c2, e0, e1, e2, skip, far) -> four float64,
     the same work for two rows at once, which loads and stores each partial-row value once for
     both. The terms reach dwc in the order two calls would add them: the bits do not change."""
 
@@ -535,7 +539,7 @@ def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
             for r in range(rows):
                 for k in (2 * r + 1, 2 * r):
                     prefetch_ahead(context, builder, signature.args[k], args[k], half, size // 2, rows,
-                                   args[-1])
+                                   args[-1], args[-2])
             acc = [[ir.Constant(f32, [0.0] * LANES)] * _ACC for _ in range(2 * rows)]
             streams = [(_block_stream(builder, data[2 * r + 1], base, signature.args[2 * r + 1].dtype, size),
                         _block_stream(builder, data[2 * r], base, signature.args[2 * r].dtype, size))
@@ -566,13 +570,12 @@ def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
 
     f = types.float32
     if rows == 1:
-        def sums(typingctx, dyr, xr, w_pairs, dwc, aux, n, c0, c1, c2, far):
+        def sums(typingctx, dyr, xr, w_pairs, dwc, aux, n, c0, c1, c2, skip, far):
             return types.UniTuple(types.float64, 2)(dyr, xr, w_pairs, dwc, aux, types.int64, f, f, f,
-                                                    types.boolean), codegen
+                                                    types.int64, types.boolean), codegen
     else:
-        def sums(typingctx, dyr, xr, dyr2, xr2, w_pairs, dwc, aux, n, c0, c1, c2, e0, e1, e2, far):
+        def sums(typingctx, dyr, xr, dyr2, xr2, w_pairs, dwc, aux, n, c0, c1, c2, e0, e1, e2, skip, far):
             return (types.UniTuple(types.float64, 4)(dyr, xr, dyr2, xr2, w_pairs, dwc, aux, types.int64, f, f,
-                                                     f, f, f, f,
-                                                      types.boolean), codegen)
+                                                     f, f, f, f, types.int64, types.boolean), codegen)
 
     return intrinsic(sums)
