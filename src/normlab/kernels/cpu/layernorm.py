@@ -30,7 +30,7 @@ from .codecs import add_at, load_at, pair_order, store_at
 from .rows import (FLUSH, all_finite, at, chunk_span, flush_into, grad_nan_free, grad_select_optional,
                    nan_free, pair_registers, pair_types, pairs_fit, reads_pairs, partial_row_pairs,
                    partial_sums, prefetch_skip, recip, row_of, row_pairs, block_spans, select_optional,
-                   sum_partials, value_at, vector_sums, writes_pairs)
+                   sum_partials, sums_block, value_at, vector_sums, writes_pairs)
 from .simd import (BLOCK, EMIT, HALF, TAIL, fma_ir, fma32, prefetch_pass1, prefetch_pass2, row_moments,
                    store_fence, backward_block, forward_block, grad_sums)
 
@@ -182,16 +182,16 @@ def _ln_write(xr, w, bias, w_pairs, b_pairs, yr, mean, row_rstd, stage, stream, 
         if finite:  # a loop each: choosing per block made LLVM slow the paired loop (docs/cpu-kernels.md)
             for j in range(0, b, EMIT):
                 prefetch_pass2(ahead1, ahead2, j, 1, far)
-                _y_block(yr, j, xr, w_pairs, b_pairs, stage, mhi, mlo, row_rstd, stream, True, True)
+                _y_block(yr, j, xr, w_pairs, b_pairs, stage, mhi, mlo, row_rstd, stream, True, True, EMIT)
         else:
             for j in range(0, b, EMIT):
                 prefetch_pass2(ahead1, ahead2, j, 1, far)
-                _y_block(yr, j, xr, w_pairs, b_pairs, stage, mhi, mlo, row_rstd, stream, True, False)
+                _y_block(yr, j, xr, w_pairs, b_pairs, stage, mhi, mlo, row_rstd, stream, True, False, EMIT)
     for j in range(c, b, EMIT):
         prefetch_pass2(ahead1, ahead2, j, 1, far)
-        _y_block(yr, j, xr, w, bias, stage, mhi, mlo, row_rstd, stream, False, False)
+        _y_block(yr, j, xr, w, bias, stage, mhi, mlo, row_rstd, stream, False, False, EMIT)
     if d - b >= HALF:  # in pair_order w and b are in place past the whole blocks: plain order serves
-        _y_half(yr, b, xr, w, bias, stage, mhi, mlo, row_rstd, stream)
+        _y_block(yr, b, xr, w, bias, stage, mhi, mlo, row_rstd, stream, False, False, HALF)
         b += HALF
     for i in range(b, d):
         _ln_y(xr, w, bias, yr, mhi, mlo, row_rstd, i)
@@ -208,47 +208,30 @@ def _y_vector(builder, x, w, b, mhi, mlo, row_rstd):
     return builder.fadd(builder.fmul(t, w()), b())
 
 
-_Y_BLOCK = {(stream, paired, finite): forward_block(_y_vector, False, stream, paired=paired, finite=finite)
-            for stream in (False, True) for paired, finite in ((False, False), (True, False), (True, True))}
-
-
-_Y_HALF = {stream: forward_block(_y_vector, False, stream, size=HALF) for stream in (False, True)}
+_Y_BLOCK = {(stream, paired, finite, size): forward_block(_y_vector, False, stream, paired=paired,
+                                                          finite=finite, size=size)
+            for stream in (False, True)
+            for paired, finite, size in ((False, False, EMIT), (True, False, EMIT), (True, True, EMIT),
+                                         (False, False, HALF))}
 
 
 # replaced by the overload below
-def _y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite):  # pragma: no cover
-    """The output block y[j:j + EMIT] (simd.forward_block; ``paired`` and ``finite`` literal
-    bools: x and y in bf16 pairs, w and b in pair_order; no nan select)."""
+def _y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite, size):  # pragma: no cover
+    """The output block y[j:j + size] (simd.forward_block; ``paired`` and ``finite`` literal
+    bools: x and y in bf16 pairs, w and b in pair_order; no nan select; ``size`` EMIT or HALF,
+    the latter in order only)."""
     raise NotImplementedError
 
 
 @overload(_y_block, prefer_literal=True)
-def _ov_y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite):
+def _ov_y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite, size):
     pairs = paired.literal_value
     if pairs and not pairs_fit(x, y):
         # not called: writes_pairs is False
-        return lambda y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite: None
-    plain, streamed = (_Y_BLOCK[t, pairs, finite.literal_value] for t in (False, True))
+        return lambda y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite, size: None
+    plain, streamed = (_Y_BLOCK[t, pairs, finite.literal_value, size.literal_value] for t in (False, True))
 
-    def block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite):
-        if stream:
-            streamed(y, np.uint64(j), x, w, b, stage, mhi, mlo, row_rstd)
-        else:
-            plain(y, np.uint64(j), x, w, b, stage, mhi, mlo, row_rstd)
-
-    return block
-
-
-def _y_half(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream):  # pragma: no cover - the overload below
-    """The output block y[j:j + HALF], in order (simd.forward_block)."""
-    raise NotImplementedError
-
-
-@overload(_y_half)
-def _ov_y_half(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream):
-    plain, streamed = _Y_HALF[False], _Y_HALF[True]
-
-    def block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream):
+    def block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite, size):
         if stream:
             streamed(y, np.uint64(j), x, w, b, stage, mhi, mlo, row_rstd)
         else:
@@ -319,22 +302,10 @@ def _ln_sums(dyr, w, w_pairs, xr, mean, row_rstd, dwc, dbc, far, pdy, px, skip):
     in pair_order over the row's whole blocks (bf16 rows). Prefetches from the rows after pdy and
     px (``skip`` rows past the next: rows.prefetch_skip)."""
     mhi, lo = _ln_consts(mean, row_rstd)
-    full = xr.shape[0] - xr.shape[0] % _sums_block(xr, dyr)
+    full = xr.shape[0] - xr.shape[0] % sums_block(xr, dyr, TAIL)
     tg, tgx = _ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far, pdy, px, skip)
     pg, pgx = _ln_tail(dyr, w, xr, full, mhi, row_rstd, lo, dwc, dbc)
     return tg + pg, tgx + pgx
-
-
-def _sums_block(xr, dyr):  # pragma: no cover - replaced by the overload below
-    """What _ln_sums's whole blocks end at a multiple of: HALF for the vector pass of bf16 rows
-    (simd._for_blocks), TAIL for the element loops."""
-    raise NotImplementedError
-
-
-@overload(_sums_block)
-def _ov_sums_block(xr, dyr):
-    block = HALF if pair_types(xr, dyr) else TAIL
-    return lambda xr, dyr: block
 
 
 @njit(inline="always")

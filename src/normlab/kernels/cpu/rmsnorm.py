@@ -33,7 +33,7 @@ from .codecs import load_at, pair_order, round_like, store_at
 from .rows import (FLUSH, all_finite, at, chunk_span, flush_into, grad_nan_free, grad_select_optional,
                    is_llama, nan_free, pair_registers, pair_types, pairs_fit, reads_pairs, partial_rows,
                    partial_sums, prefetch_skip, recip, row_of, row_pairs, block_spans, select_optional,
-                   sum_partials, value_at, vector_sums, widened, writes_pairs)
+                   sum_partials, sums_block, value_at, vector_sums, widened, writes_pairs)
 from .simd import (BLOCK, EMIT, HALF, TAIL, fma_ir, fma32, narrow_bits, prefetch_pass1, prefetch_pass2,
                    row_sumsq, store_fence, widen_bits, backward_block, forward_block, grad_sums)
 
@@ -141,16 +141,16 @@ def _rms_write(xr, w, w_pairs, yr, row_rstd, round_to, stage, stream, far, ahead
         if finite:  # a loop each: choosing per block made LLVM slow the paired loop (docs/cpu-kernels.md)
             for j in range(0, b, EMIT):
                 prefetch_pass2(ahead1, ahead2, j, 1, far)
-                _y_block(yr, j, xr, w_pairs, stage, row_rstd, stream, round_to, True, True)
+                _y_block(yr, j, xr, w_pairs, stage, row_rstd, stream, round_to, True, True, EMIT)
         else:
             for j in range(0, b, EMIT):
                 prefetch_pass2(ahead1, ahead2, j, 1, far)
-                _y_block(yr, j, xr, w_pairs, stage, row_rstd, stream, round_to, True, False)
+                _y_block(yr, j, xr, w_pairs, stage, row_rstd, stream, round_to, True, False, EMIT)
     for j in range(c, b, EMIT):
         prefetch_pass2(ahead1, ahead2, j, 1, far)
-        _y_block(yr, j, xr, w, stage, row_rstd, stream, round_to, False, False)
+        _y_block(yr, j, xr, w, stage, row_rstd, stream, round_to, False, False, EMIT)
     if d - b >= HALF:  # in pair_order w is in place past the whole blocks: plain order serves
-        _y_half(yr, b, xr, w, stage, row_rstd, stream, round_to)
+        _y_block(yr, b, xr, w, stage, row_rstd, stream, round_to, False, False, HALF)
         b += HALF
     for i in range(b, d):
         _rms_y(xr, w, yr, row_rstd, round_to, i)
@@ -171,51 +171,31 @@ def _y_vector(llama):
     return y
 
 
-_Y_BLOCK = {(llama, stream, paired, finite): forward_block(_y_vector(llama), llama, stream, paired=paired,
-                                                           finite=finite)
+_Y_BLOCK = {(llama, stream, paired, finite, size): forward_block(_y_vector(llama), llama, stream,
+                                                                 paired=paired, finite=finite, size=size)
             for llama in (False, True) for stream in (False, True)
-            for paired, finite in ((False, False), (True, False), (True, True))}
-
-
-_Y_HALF = {(llama, stream): forward_block(_y_vector(llama), llama, stream, size=HALF)
-           for llama in (False, True) for stream in (False, True)}
+            for paired, finite, size in ((False, False, EMIT), (True, False, EMIT), (True, True, EMIT),
+                                         (False, False, HALF))}
 
 
 # replaced by the overload below
-def _y_block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite):  # pragma: no cover
-    """The output block y[j:j + EMIT] (simd.forward_block; ``paired`` and ``finite`` literal
-    bools: x and y in bf16 pairs, w in pair_order; no nan select)."""
+def _y_block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite, size):  # pragma: no cover
+    """The output block y[j:j + size] (simd.forward_block; ``paired`` and ``finite`` literal
+    bools: x and y in bf16 pairs, w in pair_order; no nan select; ``size`` EMIT or HALF, the
+    latter in order only)."""
     raise NotImplementedError
 
 
 @overload(_y_block, prefer_literal=True)
-def _ov_y_block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite):
+def _ov_y_block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite, size):
     pairs = paired.literal_value
     if pairs and not pairs_fit(x, y):
         # not called: writes_pairs is False
-        return lambda y, j, x, w, stage, row_rstd, stream, round_to, paired, finite: None
-    plain, streamed = (_Y_BLOCK[is_llama(round_to), t, pairs, finite.literal_value] for t in (False, True))
+        return lambda y, j, x, w, stage, row_rstd, stream, round_to, paired, finite, size: None
+    plain, streamed = (_Y_BLOCK[is_llama(round_to), t, pairs, finite.literal_value, size.literal_value]
+                       for t in (False, True))
 
-    def block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite):
-        z = np.float32(0.0)
-        if stream:
-            streamed(y, np.uint64(j), x, w, w, stage, z, z, row_rstd)
-        else:
-            plain(y, np.uint64(j), x, w, w, stage, z, z, row_rstd)
-
-    return block
-
-
-def _y_half(y, j, x, w, stage, row_rstd, stream, round_to):  # pragma: no cover - the overload below
-    """The output block y[j:j + HALF], in order (simd.forward_block)."""
-    raise NotImplementedError
-
-
-@overload(_y_half)
-def _ov_y_half(y, j, x, w, stage, row_rstd, stream, round_to):
-    plain, streamed = (_Y_HALF[is_llama(round_to), t] for t in (False, True))
-
-    def block(y, j, x, w, stage, row_rstd, stream, round_to):
+    def block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite, size):
         z = np.float32(0.0)
         if stream:
             streamed(y, np.uint64(j), x, w, w, stage, z, z, row_rstd)
@@ -286,22 +266,10 @@ def _dot_gx(dyr, w, w_pairs, xr, k, dwc, row_rstd, round_to, squares, far, pdy, 
     """(sum over the row of g * x, sum of x^2 over [:k] or, without ``squares``, any value),
     adding the row's dw terms to dwc. ``w_pairs``: w in pair_order over the whole blocks of [:k].
     Prefetches from the rows after pdy and px (``skip`` rows past the next: rows.prefetch_skip)."""
-    full = k - k % _sums_block(xr, dyr)
+    full = k - k % sums_block(xr, dyr, BLOCK)
     tgx, tss = _rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far, pdy, px, skip)
     pgx, pss = _rms_tail(dyr, w, xr, full, k, dwc, row_rstd, round_to)
     return tgx + pgx, tss + pss
-
-
-def _sums_block(xr, dyr):  # pragma: no cover - replaced by the overload below
-    """What _dot_gx's whole blocks end at a multiple of: HALF for the vector pass of bf16 rows
-    (simd._for_blocks), BLOCK for the element loops."""
-    raise NotImplementedError
-
-
-@overload(_sums_block)
-def _ov_sums_block(xr, dyr):
-    block = HALF if pair_types(xr, dyr) else BLOCK
-    return lambda xr, dyr: block
 
 
 @njit

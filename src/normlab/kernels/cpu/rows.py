@@ -36,7 +36,7 @@ from numba.extending import intrinsic, overload
 
 from .cache import kernel
 from .codecs import load_at, pair_unorder, round_like, store_at
-from .simd import AVX512, BLOCK, EMIT, HW_BF16
+from .simd import AVX512, BLOCK, EMIT, HALF, HW_BF16
 
 
 @kernel
@@ -288,6 +288,20 @@ def vector_sums(a):  # pragma: no cover - replaced by the overload below
 def _ov_vector_sums(a):
     vector = a.dtype != types.float32
     return lambda a: vector
+
+
+def sums_block(xr, dyr, loop):  # pragma: no cover - replaced by the overload below
+    """What a backward's pass-1 whole blocks end at a multiple of: HALF for the vector pass of
+    bf16 rows (simd._for_blocks), ``loop`` (the element loops' block) for other dtypes."""
+    raise NotImplementedError
+
+
+@overload(sums_block, prefer_literal=True)
+def _ov_sums_block(xr, dyr, loop):
+    # a constant (``loop`` a literal): returned as a value, it changed layer_norm's float32 dx
+    # bits (the element loops' reassociated sums compiled another way)
+    block = HALF if pair_types(xr, dyr) else loop.literal_value
+    return lambda xr, dyr, loop: block
 
 
 # Row pairs: the bf16 backward's pass 1 takes two rows at once where a row's whole blocks span at
