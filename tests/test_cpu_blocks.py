@@ -85,25 +85,28 @@ SPANS = (0, simd.TAIL, 3 * simd.TAIL, simd.BLOCK, 2 * simd.BLOCK + 3 * simd.TAIL
 def test_vector_row_sums_match_float64(gen, dtype, far):
     # Pass 1's sums over whole blocks are explicit vector loops (bf16 read two values to a 32-bit
     # lane, in another order than the row's), of BLOCK values then of TAIL; they must be the
-    # float64 sums of the row's values to float32 accuracy, and stop at the given number of
-    # values, whichever way they prefetch.
+    # float64 sums of the row's values to float32 accuracy (the wide ones, float64 terms, to
+    # float64's), and stop at the given number of values, whichever way they prefetch.
     from numba import njit
 
     @njit
     def sums(row, n, c):
-        return simd.row_moments(row, n, c, row, None, far), simd.row_sumsq(row, n, c, row, None, far)
+        return (simd.row_moments(row, n, c, row, None, far), simd.row_sumsq(row, n, c, row, None, far),
+                simd.row_moments_wide(row, n, c, row, None, far))
 
     x = (torch.randn(3 * simd.BLOCK + 7, generator=gen) * 2 + 5).to(dtype)
     row = memory.as_numpy(x)
     c = np.float32(4.5)
     for n in SPANS:
-        (s1, s2), (ss, zero) = sums(row, n, c)
+        (s1, s2), (ss, zero), (w1, w2) = sums(row, n, c)
         v = x[:n].double()
         u = v - float(c)
         assert zero == 0.0
-        for got, want, scale in ((s1, u.sum(), u.abs().sum()), (s2, (u * u).sum(), (u * u).sum()),
-                                 (ss, (v * v).sum(), (v * v).sum())):
-            assert abs(got - want.item()) <= 1e-6 * max(scale.item(), 1e-30), (n, got, want)
+        checks = [(s1, u.sum(), u.abs().sum(), 1e-6), (s2, (u * u).sum(), (u * u).sum(), 1e-6),
+                  (ss, (v * v).sum(), (v * v).sum(), 1e-6),
+                  (w1, u.sum(), u.abs().sum(), 1e-13), (w2, (u * u).sum(), (u * u).sum(), 1e-13)]
+        for got, want, scale, tol in checks:
+            assert abs(got - want.item()) <= tol * max(scale.item(), 1e-30), (n, got, want)
 
 
 @pytest.mark.parametrize("op", ["ln", "rms", "rms_llama"])

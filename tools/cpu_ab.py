@@ -95,13 +95,15 @@ def load(src: str, name: str):
 
 
 def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False, in_cache: bool = False,
-           near: bool = False):
+           near: bool = False, mean: float = 0.0):
     """A no-argument callable that runs ``op`` of kernel module K on the next input set (with
-    ``in_cache``, always the same one); ``near``: the next row always prefetched into L1."""
+    ``in_cache``, always the same one); ``near``: the next row always prefetched into L1;
+    ``mean``: x's values centred there (dy's at 0)."""
     k = 1 if in_cache else rotation((n, d), dtype)
     as_arg = (lambda a: (a.ctypes.data, a.shape, np.empty(0, a.dtype))) if K.triples else (lambda a: a)
     # (x, dy) per input set; these arrays, kept with the callable (run.arrays), hold what triples point to
-    arrays = [tuple(memory.as_numpy(torch.randn(n, d, dtype=dtype)) for _ in range(2)) for _ in range(k)]
+    arrays = [tuple(memory.as_numpy(torch.randn(n, d, dtype=dtype) + m) for m in (mean, 0.0))
+              for _ in range(k)]
     sets = [(as_arg(x), as_arg(dy), x) for x, dy in arrays]  # (x, dy as passed, x's array)
     y_array = memory.as_numpy(torch.empty(n, d, dtype=dtype))
     w_array, b_array = torch.randn(d).numpy(), torch.randn(d).numpy()
@@ -186,6 +188,9 @@ def main() -> None:
     parser.add_argument("--prefetch-ab", action="store_true",
                         help="A prefetches the next row into L1 always, B where the launchers would into L2 "
                              "(give one tree twice: what memory.prefetch_far's rule buys on this CPU)")
+    parser.add_argument("--mean", type=float, default=0.0,
+                        help="x's values centred here, not at 0 (LayerNorm's statistics then take "
+                             "the shifted sums)")
     args = parser.parse_args()
     ic = args.in_cache
     # a tree whose tiers are built would load them: compare the code each tree compiles for this CPU
@@ -203,10 +208,11 @@ def main() -> None:
             n, d = map(int, shape.split("x"))
             # Two sets of buffers, allocated A's first and B's first: whichever was allocated
             # second ran 5%-10% faster here (an A/A run read 1.1), so rounds alternate the sets.
-            first = (runner(old, op, n, d, dtype, args.llama, ic, near),
-                     runner(new, op, n, d, dtype, args.llama, ic))
-            second = tuple(reversed((runner(new, op, n, d, dtype, args.llama, ic),
-                                     runner(old, op, n, d, dtype, args.llama, ic, near))))
+            m = args.mean
+            first = (runner(old, op, n, d, dtype, args.llama, ic, near, m),
+                     runner(new, op, n, d, dtype, args.llama, ic, mean=m))
+            second = tuple(reversed((runner(new, op, n, d, dtype, args.llama, ic, mean=m),
+                                     runner(old, op, n, d, dtype, args.llama, ic, near, m))))
             cp = copier(n, d, dtype, ic)
             for f in (*first, *second, cp):
                 f()  # compile, first touch

@@ -32,7 +32,7 @@ from .rows import (FLUSH, all_finite, at, chunk_span, flush_into, grad_nan_free,
                    partial_sums, prefetch_skip, recip, row_of, row_pairs, block_spans, select_optional,
                    sum_partials, sums_block, value_at, vector_sums, writes_pairs)
 from .simd import (BLOCK, EMIT, HALF, TAIL, fma_ir, fma32, prefetch_pass1, prefetch_pass2, row_moments,
-                   store_fence, backward_block, forward_block, grad_sums)
+                   row_moments_wide, store_fence, backward_block, forward_block, grad_sums)
 
 # ---------------------------------------------------------------------------------- forward
 # ``stages``: one float32 staging row per chunk (their count is the chunk count; see simd.py).
@@ -96,8 +96,10 @@ def _moments(xr, rr, sr, row, px, pr, far):
     u = x - c and u^2, with c the mean of the row's first block, then var = E[u^2] - E[u]^2.
     x - c is exact for x near c (Sterbenz). When E[u]^2 is not small against var (a first block
     unlike the rest of the row) the variance comes from a second pass over the row, in cache.
-    Prefetches from the rows after px and pr."""
+    Rows of at most a BLOCK take _short_moments instead. Prefetches from the rows after px and pr."""
     d = row.shape[0]
+    if rr is None and d <= BLOCK:
+        return _short_moments(xr, px, far)
     head = min(d, BLOCK)
     c = np.float32(0.0)
     for i in range(head):
@@ -131,6 +133,30 @@ def _moments(xr, rr, sr, row, px, pr, far):
     var = (s2 + p2) / d - m1 * m1
     if not m1 * m1 <= var * 0.0625:  # also taken for var <= 0 and nan
         var = _variance(row, d, mean)
+    return mean, var
+
+
+# E[x]^2 / var up to which _short_moments's float64 sums stand: their var is then off by at most
+# (1 + 4096) * 2^-43 of itself (BLOCK terms, each exact before its sum's rounding), 2^-31
+SHORT_SETTLED = 4096.0
+
+
+@njit(inline="always")
+def _short_moments(xr, px, far):
+    """_moments of a row of at most a BLOCK: the sums of x and x^2 in float64, no shift (its
+    mean over the whole row was a chain of adds before the sums, which short rows waited on).
+    A row whose mean is far from 0 against its spread takes a second pass about the mean."""
+    d = xr.shape[0]
+    full = d - d % HALF
+    s1, s2 = row_moments_wide(xr, full, np.float32(0.0), px, None, far)
+    for i in range(full, d):
+        v = np.float64(load_at(xr, i))
+        s1 += v
+        s2 += v * v
+    mean = s1 / d
+    var = s2 / d - mean * mean
+    if not mean * mean <= var * SHORT_SETTLED:  # also taken for var <= 0 and nan
+        var = _variance(xr, d, mean)
     return mean, var
 
 

@@ -44,9 +44,11 @@ STAGE_WIDTH = 192
 
 
 def fma_ir(builder, a, b, c):
-    """a * b + c rounded once, for float32 scalars or vectors of 16."""
+    """a * b + c rounded once, for float32 scalars or vectors (of 16 float32 or 8 float64)."""
     ty = a.type
-    name = "llvm.fma.v16f32" if isinstance(ty, ir.VectorType) else "llvm.fma.f32"
+    name = "llvm.fma.f32"
+    if isinstance(ty, ir.VectorType):
+        name = "llvm.fma.v16f32" if ty.count == LANES else "llvm.fma.v8f64"
     return builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]),
                                                        name), [a, b, c])
 
@@ -460,20 +462,25 @@ def scalar_totals(builder, totals):
     return [_lanes_sum(builder, _tree(builder, [builder.load(t) for t in total])) for total in totals]
 
 
-def _make_row_sums(centred):
+def _make_row_sums(terms):
     """An intrinsic (xr, n, c, a1, a2, far) -> (float64, float64) over the values [0, n) of row
-    xr (n a multiple of HALF: _for_blocks): with ``centred`` the sums of u and u^2 for u = x - c,
-    else the sum of x^2 (and 0.0; c is not used). A block at j prefetches the values from j // 2
-    of the rows after a1 and a2, as prefetch_pass1 does."""
+    xr (n a multiple of HALF: _for_blocks). ``terms``: "centred", the sums of u and u^2 for
+    u = x - c; "wide", the same with every term in float64 (u^2 exact: pass 1 of rows of at most
+    a BLOCK, whose E[u^2] - E[u]^2 may cancel); "squares", the sum of x^2 (and 0.0; c not used).
+    A block at j prefetches the values from j // 2 of the rows after a1 and a2, as prefetch_pass1
+    does."""
+    wide = terms == "wide"
 
     def row_sums(typingctx, xr, n, c, a1, a2, far):
         kind = xr.dtype
 
         def codegen(context, builder, signature, args):
-            f32 = ir.VectorType(ir.FloatType(), LANES)
+            ty = ir.VectorType(ir.DoubleType(), LANES // 2) if wide else ir.VectorType(ir.FloatType(), LANES)
             data = context.make_array(signature.args[0])(context, builder, args[0]).data
             shift = f32x16(builder, args[2])
-            nsums = 2 if centred else 1
+            if wide:
+                shift = _half(builder, builder.fpext(shift, ir.VectorType(ir.DoubleType(), LANES)), 0)
+            nsums = 1 if terms == "squares" else 2
             totals = f64_totals(builder, nsums)
 
             def block(base, size):
@@ -481,20 +488,27 @@ def _make_row_sums(centred):
                 for k in (3, 4):
                     prefetch_ahead(context, builder, signature.args[k], args[k], half, size // 2,
                                    far=args[5])
-                acc = [[ir.Constant(f32, [0.0] * LANES)] * _ACC for _ in range(nsums)]
-                for v, x in enumerate(_block_stream(builder, data, base, kind, size)):
+                acc = [[ir.Constant(ty, [0.0] * ty.count)] * _ACC for _ in range(nsums)]
+                terms_ = _block_stream(builder, data, base, kind, size)
+                if wide:
+                    terms_ = (builder.fpext(_half(builder, x, h), ty) for x in terms_ for h in (0, 1))
+                for v, x in enumerate(terms_):
                     a = v % _ACC
-                    if centred:
+                    if nsums == 2:
                         x = builder.fsub(x, shift)
                         acc[1][a] = fma_ir(builder, x, x, acc[1][a])
                         acc[0][a] = builder.fadd(acc[0][a], x)
                     else:
                         acc[0][a] = fma_ir(builder, x, x, acc[0][a])
-                add_blocks(builder, acc, totals)
+                if wide:  # the first of each sum's two float64 totals takes it all
+                    for sums, (total, _) in zip(acc, totals):
+                        builder.store(builder.fadd(builder.load(total), _tree(builder, sums)), total)
+                else:
+                    add_blocks(builder, acc, totals)
 
             _for_blocks(builder, args[1], block)
             out = scalar_totals(builder, totals)
-            if not centred:
+            if nsums == 1:
                 out.append(ir.Constant(ir.DoubleType(), 0.0))
             return context.make_tuple(builder, signature.return_type, out)
 
@@ -504,8 +518,9 @@ def _make_row_sums(centred):
     return intrinsic(row_sums)
 
 
-row_moments = _make_row_sums(centred=True)
-row_sumsq = _make_row_sums(centred=False)
+row_moments = _make_row_sums("centred")
+row_moments_wide = _make_row_sums("wide")
+row_sumsq = _make_row_sums("squares")
 
 
 def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
