@@ -122,6 +122,11 @@ def test_readme_short_rows_lie_in_their_record():
 
     slowest = 1 / min(peer_over_normlab("rms_norm", "compile", short=True))
     assert f"torch.compile of the reference is up to {slowest:.1f}x faster than normlab's rms_norm" in text
+    slowest = 1 / min(peer_over_normlab("layer_norm", "compile", short=True))
+    if slowest > 1:
+        assert f"up to {slowest:.1f}x faster than normlab's layer_norm" in text
+    else:
+        assert "normlab's layer_norm is faster than torch.compile at every length" in text
     slowest = 1 / min(peer_over_normlab("layer_norm", "torch", short=True))
     if slowest > 1:
         assert f"`F.layer_norm` up to {slowest:.1f}x faster than normlab's layer_norm" in text

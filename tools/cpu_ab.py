@@ -2,7 +2,7 @@
 
     python tools/cpu_ab.py OLD_SRC NEW_SRC [--ops rms,ln,rmsb,lnb] [--shapes 8192x1024,...]
                            [--dtype bf16|fp32] [--threads 2] [--rounds 10] [--llama] [--in-cache]
-                           [--prefetch-ab]
+                           [--prefetch-ab] [--mean M]
 
 On a machine whose memory bandwidth drifts (2x within minutes on the 2-core CI machine), two
 bench runs a minute apart differ by more than most kernel changes do. This loads both trees'
@@ -20,6 +20,7 @@ alternating `normlab bench` runs of each tree (docs/cpu-kernels.md, "The A/B too
 batches of 200 calls: what a change does to the arithmetic, where memory would hide it.
 ``--prefetch-ab`` (one tree twice) builds A with the next row always prefetched into L1 and B as
 the launchers choose (into L2 for wide rows): cases the rule leaves in L1 are then an A/A.
+``--mean M`` draws x about M instead of 0 (LayerNorm's statistics take other paths far from 0).
 
 Ops: rms / ln / dyt (forward into a preallocated output), rmsb / lnb / dytb (backward; its
 fraction of copy counts the three tensors it moves). Example, the working tree against the last commit::
