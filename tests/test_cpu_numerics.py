@@ -191,16 +191,20 @@ def test_large_mean_rows(gen, dtype):
         check(gen, "rms_norm", (8, d), dtype, mean=mean)
 
 
+@pytest.mark.parametrize("add", [False, True], ids=["layer_norm", "add_layer_norm"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_short_rows_off_zero_keep_their_variance(gen, dtype):
+def test_short_rows_off_zero_keep_their_variance(gen, dtype, add):
     # LayerNorm's rows of at most 256 features take their statistics from float64 sums of x and
     # x^2, unshifted: one pass up to a mean 64 times the spread (30 and 60 here, where float32
     # sums would be off by hundreds of ulps), about the row's mean past it (1e3). The saved
     # rstd must stay within two ulps of float64's either way, tail values (17, 96) included.
     for d, mean in ((64, 0.0), (64, 30.0), (96, 30.0), (256, 60.0), (200, 1e3), (17, 30.0)):
         x = (torch.randn(6, d, generator=gen, dtype=torch.float64) + mean).to(dtype)
-        _, _, mu, rstd = launch.ln_fwd_launch(x, None, None, 1e-5)
-        row = x.double()
+        res = torch.randn(6, d, generator=gen, dtype=torch.float64).to(dtype) if add else None
+        _, s, mu, rstd = launch.ln_fwd_launch(x, None, None, 1e-5, residual=res)
+        if add:
+            assert torch.equal(s, (x.float() + res.float()).to(dtype))  # the residual sum, stored
+        row = (s if add else x).double()
         true_rstd = torch.rsqrt(row.var(-1, unbiased=False) + 1e-5)
         assert ((rstd.double() - true_rstd).abs() / true_rstd).max() < 2 * 2.0**-23, (d, mean)
         assert torch.allclose(mu, row.mean(-1), rtol=0, atol=1e-6 * row.abs().max().item()), (d, mean)

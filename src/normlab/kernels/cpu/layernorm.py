@@ -98,13 +98,15 @@ def _moments(xr, rr, sr, row, px, pr, far):
     unlike the rest of the row) the variance comes from a second pass over the row, in cache.
     Rows of at most a BLOCK take _short_moments instead. Prefetches from the rows after px and pr."""
     d = row.shape[0]
-    if rr is None and d <= BLOCK:
-        return _short_moments(xr, px, far)
-    head = min(d, BLOCK)
+    if d <= BLOCK:
+        if rr is not None:  # the residual sum formed first, then summed back from cache
+            for i in range(d):
+                value_at(xr, rr, sr, i)
+        return _short_moments(row, px, pr, far)
     c = np.float32(0.0)
-    for i in range(head):
+    for i in range(BLOCK):
         c += value_at(xr, rr, sr, i)
-    c = np.float32(c / head)
+    c = np.float32(c / BLOCK)
     if rr is None and vector_sums(xr):
         full = d - d % HALF
         s1, s2 = row_moments(xr, full, c, px, None, far)
@@ -142,13 +144,13 @@ SHORT_SETTLED = 4096.0
 
 
 @njit(inline="always")
-def _short_moments(xr, px, far):
+def _short_moments(xr, px, pr, far):
     """_moments of a row of at most a BLOCK: the sums of x and x^2 in float64, no shift (its
     mean over the whole row was a chain of adds before the sums, which short rows waited on).
     A row whose mean is far from 0 against its spread takes a second pass about the mean."""
     d = xr.shape[0]
     full = d - d % HALF
-    s1, s2 = row_moments_wide(xr, full, np.float32(0.0), px, None, far)
+    s1, s2 = row_moments_wide(xr, full, np.float32(0.0), px, pr, far)
     for i in range(full, d):
         v = np.float64(load_at(xr, i))
         s1 += v
