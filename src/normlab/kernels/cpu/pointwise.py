@@ -38,7 +38,7 @@ from numba.extending import intrinsic
 from .cache import kernel
 from .codecs import LANES, load_at, load_f32, store_at, widen_bits
 from .rows import FLUSH, at, chunk_span, flush_into, partial_row_pairs, block_spans, row_of
-from .simd import (AVX512, ZERO, EMIT, HW_BF16, add_blocks, f32x16, f64_totals, fma_ir, fma32, load_row,
+from .simd import (AVX512, ZERO, EMIT, HALF, HW_BF16, add_blocks, f32x16, f64_totals, fma_ir, fma32, load_row,
                    prefetch_ahead, store_block, store_fence, scalar_totals)
 from .tanh_erf import F32, I32, const, erf, erf_grad, tanh, tanh_grad
 
@@ -238,13 +238,18 @@ def _y_scalar(typingctx, x, w, b, a, s):
     return f(f, f, f, f, s), codegen
 
 
-@intrinsic
-def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, stream, table, use, far):
-    """The outputs [j0, j1) of a row (j1 - j0 a multiple of EMIT), EMIT at a time: t computed, or
-    gathered from ``table`` where ``use``. ``stream``: streamed (both run-time branches per block).
-    Each block prefetches the same block of the next row, into L2 where ``far`` (simd.prefetch_ahead):
-    with the hardware prefetcher alone the compute waited on memory (docs/cpu-kernels.md, "DyT").
-    The backward's blocks do the same."""
+def _make_y_blocks(size):
+    """An intrinsic (y, j0, j1, x, w, b, stage, a, s, stream, table, use, far): the outputs
+    [j0, j1) of a row (j1 - j0 a multiple of ``size``: EMIT, or HALF for a row's last values),
+    ``size`` at a time: t computed, or gathered from ``table`` where ``use``. ``stream``:
+    streamed (both run-time branches per block). Each block prefetches the same block of the next
+    row, into L2 where ``far`` (simd.prefetch_ahead): with the hardware prefetcher alone the
+    compute waited on memory (docs/cpu-kernels.md, "DyT"). The backward's blocks do the same."""
+
+    def y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, stream, table, use, far):
+        b1 = types.boolean
+        return types.void(y, types.int64, types.int64, x, w, b, stage, types.float32, s, b1, table, b1,
+                          b1), codegen
 
     def codegen(context, builder, signature, args):
         i64 = ir.IntType(64)
@@ -253,12 +258,12 @@ def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, stream, table, use, fa
                                   for k in (0, 3, 4, 5, 6, 10))
         zero = builder.gep(sd, [ir.Constant(i64, ZERO)])
         av, sv = f32x16(builder, args[7]), _shift(builder, signature, args, 8)
-        count = builder.udiv(builder.sub(args[2], args[1]), ir.Constant(i64, EMIT))
+        count = builder.udiv(builder.sub(args[2], args[1]), ir.Constant(i64, size))
         with cgutils.for_range(builder, count) as loop:
-            at = builder.add(args[1], builder.mul(loop.index, ir.Constant(i64, EMIT)))
-            prefetch_ahead(context, builder, signature.args[3], args[3], at, EMIT, far=args[12])
+            at = builder.add(args[1], builder.mul(loop.index, ir.Constant(i64, size)))
+            prefetch_ahead(context, builder, signature.args[3], args[3], at, size, far=args[12])
             xb, wb, bb = (builder.gep(data, [at]) for data in (xd, wd, bd))
-            blocks = range(EMIT // LANES)
+            blocks = range(size // LANES)
             ws, bs = [load_f32(builder, wb, v) for v in blocks], [load_f32(builder, bb, v) for v in blocks]
             if _tabled(xkind):
                 idx = [_patterns(builder, xb, v) for v in blocks]
@@ -275,9 +280,10 @@ def _y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, stream, table, use, fa
                                     zero)
         return context.get_dummy_value()
 
-    return (types.void(y, types.int64, types.int64, x, w, b, stage, types.float32, s, types.boolean, table,
-                       types.boolean,
-                       types.boolean), codegen)
+    return intrinsic(y_blocks)
+
+
+_y_blocks, _y_half = _make_y_blocks(EMIT), _make_y_blocks(HALF)
 
 
 @kernel
@@ -300,6 +306,9 @@ def pointwise_fwd(x, a, s, w, b, y, stages, stream, table, far):
             for i in range(head):
                 store_at(yr, i, _y_scalar(load_at(xr, i), load_at(w, i), load_at(b, i), a32, s))
             _y_blocks(yr, head, body, xr, w, b, stage, a32, s, stream, table, use, far)
+            if d - body >= HALF:  # a row's last 32-63 values: a half block, not 32 one-lane ones
+                _y_half(yr, body, body + HALF, xr, w, b, stage, a32, s, stream, table, use, far)
+                body += HALF
             for i in range(body, d):
                 store_at(yr, i, _y_scalar(load_at(xr, i), load_at(w, i), load_at(b, i), a32, s))
         if stream:
@@ -348,14 +357,14 @@ def _grad_element(dyr, xr, w, dxr, dwc, dbc, a, s, i):
     return np.float64(vx), np.float64(v)
 
 
-def _make_grad_blocks(rows=1, hw=HW_BF16):
+def _make_grad_blocks(rows=1, hw=HW_BF16, size=EMIT):
     """An intrinsic (dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, stream, table, use, far) -> (float64,
-    float64): the elements [j0, j1) of a row (j1 - j0 a multiple of EMIT) as _grad_element does
-    each one, 16 at a time; returns the sums of their da and ds terms (float32 within a block of
-    EMIT, float64 lanes across blocks; ds is 0.0 for DyT, whose blocks do not sum it). ``stream``:
-    dx's blocks are streamed; ``use``: (t, slope) come from ``table`` (both run-time branches per
-    block: the arithmetic is emitted once, which halves the compile time of two specialized
-    copies). ``far``: prefetch into L2 (simd.prefetch_ahead).
+    float64): the elements [j0, j1) of a row (j1 - j0 a multiple of ``size``: EMIT, or HALF for a
+    row's last values) as _grad_element does each one, 16 at a time; returns the sums of their da
+    and ds terms (float32 within a block, float64 lanes across blocks; ds is 0.0 for DyT, whose
+    blocks do not sum it). ``stream``: dx's blocks are streamed; ``use``: (t, slope) come from
+    ``table`` (both run-time branches per block: the arithmetic is emitted once, which halves the
+    compile time of two specialized copies). ``far``: prefetch into L2 (simd.prefetch_ahead).
 
     ``rows=2``: (..., use, dx2, dy2, x2, far) -> four float64 (each row's da, then each row's ds), the
     same for two rows at once, which loads and stores each partial-row value once for both. The
@@ -372,15 +381,15 @@ def _make_grad_blocks(rows=1, hw=HW_BF16):
         av, sv = f32x16(builder, args[9]), _shift(builder, signature, args, 10)
         derf = sv is not None
         totals = f64_totals(builder, 2 * rows if derf else rows)
-        count = builder.udiv(builder.sub(args[2], args[1]), ir.Constant(i64, EMIT))
+        count = builder.udiv(builder.sub(args[2], args[1]), ir.Constant(i64, size))
         xkind = signature.args[4].dtype
-        blocks = range(EMIT // LANES)
+        blocks = range(size // LANES)
         with cgutils.for_range(builder, count) as loop:
-            at = builder.add(args[1], builder.mul(loop.index, ir.Constant(i64, EMIT)))
+            at = builder.add(args[1], builder.mul(loop.index, ir.Constant(i64, size)))
             wb, dwb, dbb = (builder.gep(data[k], [at]) for k in (5, 6, 7))
             for row in rows_in:
                 for k in row[1:]:
-                    prefetch_ahead(context, builder, signature.args[k], args[k], at, EMIT, rows, args[-1])
+                    prefetch_ahead(context, builder, signature.args[k], args[k], at, size, rows, args[-1])
             xs, tabled = {}, {}  # (row, v) -> x, and (t, slope) where the blocks may gather
             if _tabled(xkind):
                 idx = {(r, v): _patterns(builder, builder.gep(data[kx], [at]), v)
@@ -437,6 +446,7 @@ def _make_grad_blocks(rows=1, hw=HW_BF16):
 
 _GRAD_BLOCKS = {rows: _make_grad_blocks(rows) for rows in (1, 2)}
 _grad_blocks, _grad_blocks_pair = _GRAD_BLOCKS[1], _GRAD_BLOCKS[2]
+_grad_half = _make_grad_blocks(size=HALF)
 
 
 @njit(inline="always")
@@ -447,6 +457,16 @@ def _grad_edges(dyr, xr, w, dxr, dwc, dbc, a, s, i0, i1, da, ds):
         da += vx
         ds += v
     return da, ds
+
+
+@njit(inline="always")
+def _grad_tail(dxr, i0, d, dyr, xr, w, dwc, dbc, stage, a, s, stream, table, use, far, da, ds):
+    """The elements [i0, d) of a row: a half block where 32-63 are left, then one at a time."""
+    if d - i0 >= HALF:
+        ha, hs = _grad_half(dxr, i0, i0 + HALF, dyr, xr, w, dwc, dbc, stage, a, s, stream, table, use, far)
+        da, ds = da + ha, ds + hs
+        i0 += HALF
+    return _grad_edges(dyr, xr, w, dxr, dwc, dbc, a, s, i0, d, da, ds)
 
 
 @kernel
@@ -479,7 +499,8 @@ def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, stream, ta
                 ba, bs = _grad_blocks(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s, stream, table,
                                       use, far)
                 da, ds = da + ba, ds + bs
-                da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, body, d, da, ds)
+                da, ds = _grad_tail(dxr, body, d, dyr, xr, w, dwc, dbc, stage, a32, s, stream, table,
+                                    use, far, da, ds)
             elif partner > r:  # this row and the next, in the order two single rows go (same bits)
                 dyr2, xr2, dxr2 = dy[partner], x[partner], dx[partner]
                 da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, 0, head, da, ds)
@@ -487,10 +508,12 @@ def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, stream, ta
                                                        stream, table, use,
                                                        dxr2, dyr2, xr2, far)
                 da, ds = da + da1, ds + ds1
-                da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, body, d, da, ds)
+                da, ds = _grad_tail(dxr, body, d, dyr, xr, w, dwc, dbc, stage, a32, s, stream, table,
+                                    use, far, da, ds)
                 da, ds = _grad_edges(dyr2, xr2, w, dxr2, dwc, dbc, a32, s, 0, head, da, ds)
                 da, ds = da + da2, ds + ds2
-                da, ds = _grad_edges(dyr2, xr2, w, dxr2, dwc, dbc, a32, s, body, d, da, ds)
+                da, ds = _grad_tail(dxr2, body, d, dyr2, xr2, w, dwc, dbc, stage, a32, s, stream, table,
+                                    use, far, da, ds)
             # (else: the second row of a pair, done with the first)
             if (r - r0) % FLUSH == FLUSH - 1:
                 flush_into(dwc, dw_sum[c])
