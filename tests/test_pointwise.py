@@ -188,13 +188,13 @@ def test_a_row_pair_is_bitwise_two_single_rows(gen, fn, dtype, tables):
 
     @njit
     def single(dx, dx2, n, dy, x, dy2, x2, w, dwc, dbc, stage, a, s, table, use):
-        (a1, s1), (a2, s2) = (one(dx, 0, n, dy, x, w, dwc, dbc, stage, a, s, False, table, use, False),
-                              one(dx2, 0, n, dy2, x2, w, dwc, dbc, stage, a, s, False, table, use, True))
+        (a1, s1), (a2, s2) = (one(dx, 0, n, dy, x, w, dwc, dbc, stage, a, s, False, table, use, False, 0),
+                              one(dx2, 0, n, dy2, x2, w, dwc, dbc, stage, a, s, False, table, use, True, 0))
         return a1, a2, s1, s2
 
     @njit
     def pair(dx, dx2, n, dy, x, dy2, x2, w, dwc, dbc, stage, a, s, table, use):
-        return two(dx, 0, n, dy, x, w, dwc, dbc, stage, a, s, False, table, use, dx2, dy2, x2, True)
+        return two(dx, 0, n, dy, x, w, dwc, dbc, stage, a, s, False, table, use, dx2, dy2, x2, True, 0)
 
     memory = importlib.import_module("normlab.kernels.cpu.memory")
     d, n = 5 * 64 + 9, 5 * 64

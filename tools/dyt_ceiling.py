@@ -35,7 +35,7 @@ _FWD_BLOCKS, _BWD_BLOCKS = K._y_blocks, K._GRAD_BLOCKS[1]  # plain stores, as be
 def _forward(y, x, w, b, stage, a, table, reps):
     use = table.shape[0] > 0
     for _ in range(reps):
-        _FWD_BLOCKS(y, 0, x.shape[0], x, w, b, stage, a, None, False, table, use, False)
+        _FWD_BLOCKS(y, 0, x.shape[0], x, w, b, stage, a, None, False, table, use, False, 0)
 
 
 @njit
@@ -44,7 +44,7 @@ def _backward(dx, dy, x, w, dwc, dbc, stage, a, table, reps):
     total = 0.0
     for _ in range(reps):
         total += _BWD_BLOCKS(dx, 0, x.shape[0], dy, x, w, dwc, dbc, stage, a, None, False, table, use,
-                             False)[0]
+                             False, 0)[0]
     return total
 
 

@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 
 from .cache import kernel
 from .codecs import LANES, load_at, load_f32, store_at, widen_bits
-from .rows import FLUSH, at, chunk_span, flush_into, partial_row_pairs, block_spans, row_of
+from .rows import FLUSH, at, chunk_span, flush_into, partial_row_pairs, prefetch_skip, block_spans, row_of
 from .simd import (AVX512, ZERO, EMIT, HALF, HW_BF16, add_blocks, f32x16, f64_totals, fma_ir, fma32, load_row,
                    prefetch_ahead, store_block, store_fence, scalar_totals)
 from .tanh_erf import F32, I32, const, erf, erf_grad, tanh, tanh_grad
@@ -239,17 +239,17 @@ def _y_scalar(typingctx, x, w, b, a, s):
 
 
 def _make_y_blocks(size):
-    """An intrinsic (y, j0, j1, x, w, b, stage, a, s, stream, table, use, far): the outputs
+    """An intrinsic (y, j0, j1, x, w, b, stage, a, s, stream, table, use, far, skip): the outputs
     [j0, j1) of a row (j1 - j0 a multiple of ``size``: EMIT, or HALF for a row's last values),
     ``size`` at a time: t computed, or gathered from ``table`` where ``use``. ``stream``:
     streamed (both run-time branches per block). Each block prefetches the same block of the next
-    row, into L2 where ``far`` (simd.prefetch_ahead): with the hardware prefetcher alone the
-    compute waited on memory (docs/cpu-kernels.md, "DyT"). The backward's blocks do the same."""
+    row (``skip`` rows further: rows.prefetch_skip), into L2 where ``far`` (simd.prefetch_ahead):
+    with the hardware prefetcher alone the compute waited on memory (docs/cpu-kernels.md, "DyT").
+    The backward's blocks do the same."""
 
-    def y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, stream, table, use, far):
-        b1 = types.boolean
-        return types.void(y, types.int64, types.int64, x, w, b, stage, types.float32, s, b1, table, b1,
-                          b1), codegen
+    def y_blocks(typingctx, y, j0, j1, x, w, b, stage, a, s, stream, table, use, far, skip):
+        b1, i = types.boolean, types.int64
+        return types.void(y, i, i, x, w, b, stage, types.float32, s, b1, table, b1, b1, i), codegen
 
     def codegen(context, builder, signature, args):
         i64 = ir.IntType(64)
@@ -261,7 +261,8 @@ def _make_y_blocks(size):
         count = builder.udiv(builder.sub(args[2], args[1]), ir.Constant(i64, size))
         with cgutils.for_range(builder, count) as loop:
             at = builder.add(args[1], builder.mul(loop.index, ir.Constant(i64, size)))
-            prefetch_ahead(context, builder, signature.args[3], args[3], at, size, far=args[12])
+            prefetch_ahead(context, builder, signature.args[3], args[3], at, size, far=args[12],
+                           skip=args[13])
             xb, wb, bb = (builder.gep(data, [at]) for data in (xd, wd, bd))
             blocks = range(size // LANES)
             ws, bs = [load_f32(builder, wb, v) for v in blocks], [load_f32(builder, bb, v) for v in blocks]
@@ -294,6 +295,7 @@ def pointwise_fwd(x, a, s, w, b, y, stages, stream, table, far):
     a32 = np.float32(a)
     nchunks = stages.shape[0]
     use = table.shape[0] > 0
+    skip = prefetch_skip(x)
     if use:
         for c in prange(nchunks):
             _fill_table(_fill_t, table, x, a32, s, c, nchunks)
@@ -305,9 +307,9 @@ def pointwise_fwd(x, a, s, w, b, y, stages, stream, table, far):
             head, body = block_spans(yr, 0, d, stream)
             for i in range(head):
                 store_at(yr, i, _y_scalar(load_at(xr, i), load_at(w, i), load_at(b, i), a32, s))
-            _y_blocks(yr, head, body, xr, w, b, stage, a32, s, stream, table, use, far)
+            _y_blocks(yr, head, body, xr, w, b, stage, a32, s, stream, table, use, far, skip)
             if d - body >= HALF:  # a row's last 32-63 values: a half block, not 32 one-lane ones
-                _y_half(yr, body, body + HALF, xr, w, b, stage, a32, s, stream, table, use, far)
+                _y_half(yr, body, body + HALF, xr, w, b, stage, a32, s, stream, table, use, far, skip)
                 body += HALF
             for i in range(body, d):
                 store_at(yr, i, _y_scalar(load_at(xr, i), load_at(w, i), load_at(b, i), a32, s))
@@ -358,7 +360,7 @@ def _grad_element(dyr, xr, w, dxr, dwc, dbc, a, s, i):
 
 
 def _make_grad_blocks(rows=1, hw=HW_BF16, size=EMIT):
-    """An intrinsic (dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, stream, table, use, far) -> (float64,
+    """An intrinsic (dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, stream, table, use, far, skip) -> (float64,
     float64): the elements [j0, j1) of a row (j1 - j0 a multiple of ``size``: EMIT, or HALF for a
     row's last values) as _grad_element does each one, 16 at a time; returns the sums of their da
     and ds terms (float32 within a block, float64 lanes across blocks; ds is 0.0 for DyT, whose
@@ -366,7 +368,7 @@ def _make_grad_blocks(rows=1, hw=HW_BF16, size=EMIT):
     ``table`` (both run-time branches per block: the arithmetic is emitted once, which halves the
     compile time of two specialized copies). ``far``: prefetch into L2 (simd.prefetch_ahead).
 
-    ``rows=2``: (..., use, dx2, dy2, x2, far) -> four float64 (each row's da, then each row's ds), the
+    ``rows=2``: (..., use, dx2, dy2, x2, far, skip) -> four float64 (each row's da, then each row's ds), the
     same for two rows at once, which loads and stores each partial-row value once for both. The
     second row's terms reach dwc and dbc after the first's, as two calls would add them, and each
     row's sums are its own: the bits do not change."""
@@ -389,7 +391,8 @@ def _make_grad_blocks(rows=1, hw=HW_BF16, size=EMIT):
             wb, dwb, dbb = (builder.gep(data[k], [at]) for k in (5, 6, 7))
             for row in rows_in:
                 for k in row[1:]:
-                    prefetch_ahead(context, builder, signature.args[k], args[k], at, size, rows, args[-1])
+                    prefetch_ahead(context, builder, signature.args[k], args[k], at, size, rows, args[-2],
+                                   args[-1])
             xs, tabled = {}, {}  # (row, v) -> x, and (t, slope) where the blocks may gather
             if _tabled(xkind):
                 idx = {(r, v): _patterns(builder, builder.gep(data[kx], [at]), v)
@@ -429,17 +432,16 @@ def _make_grad_blocks(rows=1, hw=HW_BF16, size=EMIT):
             sums += [ir.Constant(ir.DoubleType(), 0.0)] * rows
         return context.make_tuple(builder, signature.return_type, sums)
 
-    f, b = types.float32, types.boolean
+    f, b, i = types.float32, types.boolean, types.int64
     if rows == 1:
-        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, stream, table, use, far):
-            return types.UniTuple(types.float64, 2)(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage,
-                                                    f, s, b, table, b, b), codegen
+        def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, stream, table, use, far, skip):
+            return types.UniTuple(types.float64, 2)(dx, i, i, dy, x, w, dwc, dbc, stage, f, s, b, table, b, b,
+                                                    i), codegen
     else:
         def blocks(typingctx, dx, j0, j1, dy, x, w, dwc, dbc, stage, a, s, stream, table, use, dx2, dy2, x2,
-                   far):
-            return (types.UniTuple(types.float64, 4)(dx, types.int64, types.int64, dy, x, w, dwc, dbc, stage,
-                                                     f, s, b, table, b, dx2, dy2,
-                                                     x2, b), codegen)
+                   far, skip):
+            return (types.UniTuple(types.float64, 4)(dx, i, i, dy, x, w, dwc, dbc, stage, f, s, b, table, b,
+                                                     dx2, dy2, x2, b, i), codegen)
 
     return intrinsic(blocks)
 
@@ -460,10 +462,11 @@ def _grad_edges(dyr, xr, w, dxr, dwc, dbc, a, s, i0, i1, da, ds):
 
 
 @njit(inline="always")
-def _grad_tail(dxr, i0, d, dyr, xr, w, dwc, dbc, stage, a, s, stream, table, use, far, da, ds):
+def _grad_tail(dxr, i0, d, dyr, xr, w, dwc, dbc, stage, a, s, stream, table, use, far, skip, da, ds):
     """The elements [i0, d) of a row: a half block where 32-63 are left, then one at a time."""
     if d - i0 >= HALF:
-        ha, hs = _grad_half(dxr, i0, i0 + HALF, dyr, xr, w, dwc, dbc, stage, a, s, stream, table, use, far)
+        ha, hs = _grad_half(dxr, i0, i0 + HALF, dyr, xr, w, dwc, dbc, stage, a, s, stream, table, use, far,
+                            skip)
         da, ds = da + ha, ds + hs
         i0 += HALF
     return _grad_edges(dyr, xr, w, dxr, dwc, dbc, a, s, i0, d, da, ds)
@@ -480,6 +483,7 @@ def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, stream, ta
     parts = partial_row_pairs(nchunks, d)
     pairs = d >= (DYT_PAIRS_MIN_16 if x.itemsize == 2 else DYT_PAIRS_MIN_32)
     use = table.shape[0] > 0
+    skip = prefetch_skip(x)
     if use:
         for c in prange(nchunks):
             _fill_table(_fill_ts, table, x, a32, s, c, nchunks)
@@ -497,23 +501,23 @@ def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, stream, ta
             if not in_pair:
                 da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, 0, head, da, ds)
                 ba, bs = _grad_blocks(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s, stream, table,
-                                      use, far)
+                                      use, far, skip)
                 da, ds = da + ba, ds + bs
                 da, ds = _grad_tail(dxr, body, d, dyr, xr, w, dwc, dbc, stage, a32, s, stream, table,
-                                    use, far, da, ds)
+                                    use, far, skip, da, ds)
             elif partner > r:  # this row and the next, in the order two single rows go (same bits)
                 dyr2, xr2, dxr2 = dy[partner], x[partner], dx[partner]
                 da, ds = _grad_edges(dyr, xr, w, dxr, dwc, dbc, a32, s, 0, head, da, ds)
                 da1, da2, ds1, ds2 = _grad_blocks_pair(dxr, head, body, dyr, xr, w, dwc, dbc, stage, a32, s,
                                                        stream, table, use,
-                                                       dxr2, dyr2, xr2, far)
+                                                       dxr2, dyr2, xr2, far, skip)
                 da, ds = da + da1, ds + ds1
                 da, ds = _grad_tail(dxr, body, d, dyr, xr, w, dwc, dbc, stage, a32, s, stream, table,
-                                    use, far, da, ds)
+                                    use, far, skip, da, ds)
                 da, ds = _grad_edges(dyr2, xr2, w, dxr2, dwc, dbc, a32, s, 0, head, da, ds)
                 da, ds = da + da2, ds + ds2
                 da, ds = _grad_tail(dxr2, body, d, dyr2, xr2, w, dwc, dbc, stage, a32, s, stream, table,
-                                    use, far, da, ds)
+                                    use, far, skip, da, ds)
             # (else: the second row of a pair, done with the first)
             if (r - r0) % FLUSH == FLUSH - 1:
                 flush_into(dwc, dw_sum[c])
