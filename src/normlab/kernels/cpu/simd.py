@@ -489,10 +489,10 @@ def _make_row_sums(terms):
                     prefetch_ahead(context, builder, signature.args[k], args[k], half, size // 2,
                                    far=args[5])
                 acc = [[ir.Constant(ty, [0.0] * ty.count)] * _ACC for _ in range(nsums)]
-                terms_ = _block_stream(builder, data, base, kind, size)
+                values = _block_stream(builder, data, base, kind, size)
                 if wide:
-                    terms_ = (builder.fpext(_half(builder, x, h), ty) for x in terms_ for h in (0, 1))
-                for v, x in enumerate(terms_):
+                    values = (builder.fpext(_half(builder, x, h), ty) for x in values for h in (0, 1))
+                for v, x in enumerate(values):
                     a = v % _ACC
                     if nsums == 2:
                         x = builder.fsub(x, shift)
