@@ -398,7 +398,7 @@ def test_cpu_ab_prefetch_ab_gives_only_a_the_l1_prefetch(monkeypatch, triples):
     cpu_ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cpu_ab)
     calls = []
-    kernels = types.SimpleNamespace(far=True, triples=triples,
+    kernels = types.SimpleNamespace(far=True, skip=False, triples=triples,
                                     rms_fwd=lambda *args: calls.append(("fwd", args[-1])),
                                     rms_bwd=lambda *args: calls.append(("bwd", args[-1])))
     d = 16384
@@ -407,6 +407,13 @@ def test_cpu_ab_prefetch_ab_gives_only_a_the_l1_prefetch(monkeypatch, triples):
         calls.clear()
         cpu_ab.runner(kernels, "rmsb", 2, d, torch.float32, in_cache=True, near=near)()
         assert calls == [("fwd", far), ("bwd", far)]
+    # --ahead-ab: trees that take ``skip`` get it after ``far``: the launchers' choice, or ahead - 1
+    kernels.skip = True
+    d = 64
+    for ahead, skip in ((None, cpu_ab.memory.prefetch_skip(d * 4)), (1, 0), (8, 7)):
+        calls.clear()
+        cpu_ab.runner(kernels, "rmsb", 2, d, torch.float32, in_cache=True, ahead=ahead)()
+        assert calls == [("fwd", skip), ("bwd", skip)], ahead
 
 
 def test_dyt_ceiling_tool_runs_the_kernels_it_measures():

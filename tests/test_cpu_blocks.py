@@ -431,16 +431,6 @@ def test_streamed_spans_are_aligned_blocks():
         assert a == b and 990 <= a <= 1000
 
 
-def test_short_rows_prefetch_further_ahead():
-    # A row of at most SHORT_ROW_BYTES (qk-norm's heads) prefetches the row AHEAD_SHORT rows on,
-    # wider ones the next row (numba's itemsize: bf16 rows arrive as uint16).
-    skip = njit(lambda a: rows.prefetch_skip(a))
-    for dtype, d in ((np.uint16, 64), (np.uint16, 256), (np.float32, 128), (np.float32, 1), (np.uint16, 257),
-                     (np.float32, 129), (np.float32, 4096)):
-        short = d * np.dtype(dtype).itemsize <= rows.SHORT_ROW_BYTES
-        assert skip(np.zeros((3, d), dtype)) == (rows.AHEAD_SHORT - 1 if short else 0), (dtype, d)
-
-
 def test_a_chunks_dw_and_db_partial_rows_sit_half_a_page_apart():
     # layer_norm's and DyT's backward load one partial row just after storing the other at the
     # same index: at the same address modulo 4 KiB the CPU stalls the load (4K aliasing), which

@@ -21,28 +21,38 @@ from normlab.kernels.cpu import launch, memory, simd  # noqa: E402
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("path", ["streaming stores", "prefetch into L2"])
+@pytest.mark.parametrize("path", ["streaming stores", "prefetch into L2", "prefetch 8 rows on"])
 def test_each_memory_path_gives_the_same_bits(gen, op, dtype, path, monkeypatch):
     # Large outputs are written with non-temporal stores (16-bit ones two vectors to a line); the
     # values must be those of the plain path, bit for bit, whatever the alignment of the rows
     # (d = 1000: every row of a float32 output starts at a different offset from a 64-byte
     # boundary). Rows too wide for L1 have their successors prefetched into L2 instead, a
     # run-time branch at every prefetch, which must change no value either; each launch asks
-    # with the bytes of one row over the inputs its passes read.
+    # with the bytes of one row over the inputs its passes read. Short rows prefetch rows further
+    # on (here every row counts as short): a run-time skip, no value changed; asked by x's row.
     leaves = op_leaves(gen, op, (37, 1000), dtype)
-    asked = []
+    asked, asked_skip = [], []
 
     def far(row_bytes):
         asked.append(row_bytes)
         return memory.prefetch_far(row_bytes)
 
+    def skip(row_bytes):
+        asked_skip.append(row_bytes)
+        return memory.prefetch_skip(row_bytes)
+
     monkeypatch.setattr(launch, "prefetch_far", far)
+    monkeypatch.setattr(launch, "prefetch_skip", skip)
     runs = []
     for min_bytes in (1 << 62, 0):
         if path == "streaming stores":
             monkeypatch.setattr(launch, "STREAM_MIN_BYTES", min_bytes)
-        else:
+        elif path == "prefetch into L2":
             monkeypatch.setattr(memory, "PREFETCH_L2_MIN_BYTES", min_bytes)
+        else:
+            monkeypatch.setattr(memory, "SHORT_ROW_BYTES", 1 << 62)
+            monkeypatch.setattr(memory, "SHORT_ROWS_AHEAD", 1 if min_bytes else 8)
+            assert memory.prefetch_skip(1000 * dtype.itemsize) == (0 if min_bytes else 7)
         grads = torch.Generator().manual_seed(7)
         runs.append(run_op(op, leaves, {}, "cpu",
                            [torch.randn(leaves["x"].shape, generator=grads).to(dtype)] * 2))
@@ -52,6 +62,25 @@ def test_each_memory_path_gives_the_same_bits(gen, op, dtype, path, monkeypatch)
     row = 1000 * dtype.itemsize
     read = 2 * row if op.startswith("add") else row  # the forward's x (and residual); the backward's x and dy
     assert asked[:2] == [read, 2 * row], asked
+    assert asked_skip[:2] == [row, row], asked_skip
+
+
+def test_short_rows_prefetch_further_ahead_where_that_was_measured_to_gain(monkeypatch):
+    # Rows of x of at most SHORT_ROW_BYTES (qk-norm's heads) prefetch SHORT_ROWS_AHEAD rows on,
+    # wider ones the next row; the distance is 8 but on AMD's CPUs, where a Zen 4 lost up to 30%
+    # with it (LLVM names them znver*), and NORMLAB_CPU_PREFETCH_ROWS sets it.
+    names = ("znver3", "znver4", "znver5", "sapphirerapids", "icelake-server", "generic")
+    assert [memory.short_rows_ahead(name) for name in names] == [1, 1, 1, 8, 8, 8]
+    if not os.environ.get("NORMLAB_CPU_PREFETCH_ROWS"):
+        from llvmlite import binding as llvm
+
+        assert memory.SHORT_ROWS_AHEAD == memory.short_rows_ahead(llvm.get_host_cpu_name())
+    monkeypatch.setattr(memory, "SHORT_ROWS_AHEAD", 8)
+    for itemsize, d in ((2, 64), (2, 256), (4, 128), (4, 1), (2, 257), (4, 129), (4, 4096)):
+        short = d * itemsize <= 512
+        assert memory.prefetch_skip(d * itemsize) == (7 if short else 0), (itemsize, d)
+    monkeypatch.setattr(memory, "SHORT_ROWS_AHEAD", 1)
+    assert memory.prefetch_skip(128) == 0
 
 
 def test_cache_sizes_come_from_sysfs(tmp_path, monkeypatch):
@@ -196,7 +225,8 @@ def test_outputs_from_the_pool_are_not_overwritten_while_alive(gen):
 
 @pytest.mark.parametrize("name, value", [("NORMLAB_CPU_POOL_MB", "lots"), ("NORMLAB_CPU_STREAM_MB", "-4"),
                                          ("NORMLAB_CPU_ALLOC", "malloc"), ("NORMLAB_CPU_SERIAL_MB", "nan"),
-                                         ("NORMLAB_CPU_PREFETCH_L2_KB", "-1")])
+                                         ("NORMLAB_CPU_PREFETCH_L2_KB", "-1"),
+                                         ("NORMLAB_CPU_PREFETCH_ROWS", "two")])
 def test_a_bad_environment_setting_names_its_variable(name, value):
     import subprocess
     import sys
@@ -211,13 +241,15 @@ def test_info_names_the_memory_thresholds_and_their_settings():
     import subprocess
     import sys
 
-    env = {**os.environ, "NORMLAB_CPU_PREFETCH_L2_KB": "12", "NORMLAB_CPU_STREAM_MB": "3"}
+    env = {**os.environ, "NORMLAB_CPU_PREFETCH_L2_KB": "12", "NORMLAB_CPU_STREAM_MB": "3",
+           "NORMLAB_CPU_PREFETCH_ROWS": "3"}
     out = subprocess.run([sys.executable, "-m", "normlab", "info"], env=env, capture_output=True, text=True)
     text = " ".join(out.stdout.split())  # rich wraps long lines
     stream = ("outputs from 3 MiB streamed past the caches (NORMLAB_CPU_STREAM_MB)" if simd.X86 else
               "outputs never streamed past the caches (non-temporal stores: x86 only)")
     assert stream in text, text[-600:]
     assert "into L2, not L1, from rows of 12 KiB (NORMLAB_CPU_PREFETCH_L2_KB)" in text, text[-600:]
+    assert "rows of x up to 512 bytes prefetch the row 3 on (NORMLAB_CPU_PREFETCH_ROWS)" in text, text[-600:]
 
 
 def test_info_says_outputs_are_not_streamed_off_x86(monkeypatch, capsys):

@@ -224,9 +224,9 @@ def _filled_table(x, a, s, grad):
     w, zero, out = np.ones(64, np.float32), np.zeros(64, np.float32), row.copy()
     if grad:
         K.pointwise_bwd(_at(row), _at(row), a, s, _at(w), _at(out), np.zeros((1, 2)), np.zeros((1, 64)),
-                        np.zeros((1, 64)), stages, False, table, False)
+                        np.zeros((1, 64)), stages, False, table, False, 0)
     else:
-        K.pointwise_fwd(_at(row), a, s, _at(w), _at(zero), _at(out), stages, False, table, False)
+        K.pointwise_fwd(_at(row), a, s, _at(w), _at(zero), _at(out), stages, False, table, False, 0)
     return table
 
 
@@ -259,9 +259,9 @@ def test_tanh_and_its_derivative_against_float64():
     one, zero, dy = np.ones(x.shape[1], np.float32), np.zeros(x.shape[1], np.float32), np.ones_like(x)
     stages = np.zeros((1, STAGE_WIDTH), np.float32)
     none = np.empty(0, np.float32)  # (float32: no table)
-    K.pointwise_fwd(_at(x), 1.0, None, _at(one), _at(zero), _at(y), stages, False, none, False)
+    K.pointwise_fwd(_at(x), 1.0, None, _at(one), _at(zero), _at(y), stages, False, none, False, 0)
     K.pointwise_bwd(_at(dy), _at(x), 1.0, None, _at(one), _at(dx), np.zeros((1, 2)),
-                    np.zeros((1, x.shape[1])), np.zeros((1, x.shape[1])), stages, False, none, False)
+                    np.zeros((1, x.shape[1])), np.zeros((1, x.shape[1])), stages, False, none, False, 0)
     z64 = z.float().double()
     exact = torch.tanh(z64)
     ulp = torch.from_numpy(np.spacing(exact.abs().float().numpy())).double()
@@ -290,9 +290,9 @@ def test_erf_and_its_derivative_against_float64():
     one, zero, dy = np.ones(x.shape[1], np.float32), np.zeros(x.shape[1], np.float32), np.ones_like(x)
     stages = np.zeros((1, STAGE_WIDTH), np.float32)
     none = np.empty(0, np.float32)
-    K.pointwise_fwd(_at(x), 1.0, np.float32(0.0), _at(one), _at(zero), _at(y), stages, False, none, False)
+    K.pointwise_fwd(_at(x), 1.0, np.float32(0.0), _at(one), _at(zero), _at(y), stages, False, none, False, 0)
     K.pointwise_bwd(_at(dy), _at(x), 1.0, np.float32(0.0), _at(one), _at(dx), np.zeros((1, 2)),
-                    np.zeros((1, x.shape[1])), np.zeros((1, x.shape[1])), stages, False, none, True)
+                    np.zeros((1, x.shape[1])), np.zeros((1, x.shape[1])), stages, False, none, True, 0)
     z64 = z.astype(np.float64)
     exact = erf(z64)
     ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)

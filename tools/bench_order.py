@@ -71,7 +71,8 @@ def main() -> None:
     calls = {
         "kernel": lambda i: rmsnorm.rms_fwd(L._at(xs[i % 8], rows), wn, yn, rn, 1e-6, True, d, rnd,
                                             *L._stages(out.nbytes, n),
-                                            memory.prefetch_far(d * xs[0].itemsize)),
+                                            memory.prefetch_far(d * xs[0].itemsize),
+                                            memory.prefetch_skip(d * xs[0].itemsize)),
         "alloc": lambda i: normlab.rms_norm(xs[i % 8], w, 1e-6),
         "out=": lambda i: normlab.rms_norm(xs[i % 8], w, 1e-6, out=out),
         "copy": lambda i: out.copy_(xs[i % 8]),

@@ -2,7 +2,7 @@
 
     python tools/cpu_ab.py OLD_SRC NEW_SRC [--ops rms,ln,rmsb,lnb] [--shapes 8192x1024,...]
                            [--dtype bf16|fp32] [--threads 2] [--rounds 10] [--llama] [--in-cache]
-                           [--prefetch-ab] [--mean M]
+                           [--prefetch-ab] [--ahead-ab N] [--mean M]
 
 On a machine whose memory bandwidth drifts (2x within minutes on the 2-core CI machine), two
 bench runs a minute apart differ by more than most kernel changes do. This loads both trees'
@@ -20,6 +20,8 @@ alternating `normlab bench` runs of each tree (docs/cpu-kernels.md, "The A/B too
 batches of 200 calls: what a change does to the arithmetic, where memory would hide it.
 ``--prefetch-ab`` (one tree twice) builds A with the next row always prefetched into L1 and B as
 the launchers choose (into L2 for wide rows): cases the rule leaves in L1 are then an A/A.
+``--ahead-ab N`` (one tree twice) builds A with the next row prefetched and B with the row N on,
+at every shape given: what memory.SHORT_ROWS_AHEAD's choice buys on this CPU.
 ``--mean M`` draws x about M instead of 0 (LayerNorm's statistics take other paths far from 0).
 
 Ops: rms / ln / dyt (forward into a preallocated output), rmsb / lnb / dytb (backward; its
@@ -70,24 +72,25 @@ def load(src: str, name: str):
                                     ln_bwd=ln.ln_bwd)
     # trees from 7beb5e1 on take ``far`` (prefetch into L2) after ``stream``
     kernels.far = "far" in inspect.signature(rms.rms_fwd.py_func).parameters
+    # and from the tree after 17b23e4 on ``skip`` (rows past the next that short rows prefetch) after it
+    kernels.skip = "skip" in inspect.signature(rms.rms_fwd.py_func).parameters
     # trees from ceab71e on take tensors as (address, shape, dtype witness) triples, the llama
     # order's weight in the output's dtype: pass them as their launchers do, since an array
     # argument compiles a signature of its own, which need not run at the same speed
     kernels.triples = hasattr(importlib.import_module(f"{name}.rows"), "at")
     if (package / "pointwise.py").is_file():  # DyT and Derf in one kernel: s (the shift) None for DyT
         pw = importlib.import_module(f"{name}.pointwise")
-        # (..., table, far) in later trees
-        far = "far" in inspect.signature(pw.pointwise_fwd.py_func).parameters
-        tail = (lambda far_: (far_,)) if far else (lambda far_: ())
-        kernels.dyt_fwd = lambda x, a, *rest, far_: pw.pointwise_fwd(x, a, None, *rest, *tail(far_))
-        kernels.dyt_bwd = lambda dy, x, a, w, dx, da, *rest, far_: pw.pointwise_bwd(
-            dy, x, a, None, w, dx, np.zeros((da.shape[0], 2)), *rest, *tail(far_)
+        # (..., table, far) and then (..., table, far, skip) in later trees: ``pf_`` holds both
+        taken = len({"far", "skip"} & set(inspect.signature(pw.pointwise_fwd.py_func).parameters))
+        kernels.dyt_fwd = lambda x, a, *rest, pf_: pw.pointwise_fwd(x, a, None, *rest, *pf_[:taken])
+        kernels.dyt_bwd = lambda dy, x, a, w, dx, da, *rest, pf_: pw.pointwise_bwd(
+            dy, x, a, None, w, dx, np.zeros((da.shape[0], 2)), *rest, *pf_[:taken]
         )
         dyt = pw
     elif (package / "dynamic_tanh.py").is_file():
         dyt = importlib.import_module(f"{name}.dynamic_tanh")
-        kernels.dyt_fwd = lambda *args, far_: dyt.dyt_fwd(*args)
-        kernels.dyt_bwd = lambda *args, far_: dyt.dyt_bwd(*args)
+        kernels.dyt_fwd = lambda *args, pf_: dyt.dyt_fwd(*args)
+        kernels.dyt_bwd = lambda *args, pf_: dyt.dyt_bwd(*args)
     if (package / "pointwise.py").is_file() or (package / "dynamic_tanh.py").is_file():
         # the table argument, made per call as the launcher makes it (trees before tables: none)
         table_for = getattr(dyt, "table_for", None)
@@ -96,10 +99,11 @@ def load(src: str, name: str):
 
 
 def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False, in_cache: bool = False,
-           near: bool = False, mean: float = 0.0):
+           near: bool = False, mean: float = 0.0, ahead: int | None = None):
     """A no-argument callable that runs ``op`` of kernel module K on the next input set (with
     ``in_cache``, always the same one); ``near``: the next row always prefetched into L1;
-    ``mean``: x's values centred there (dy's at 0)."""
+    ``mean``: x's values centred there (dy's at 0); ``ahead``: the rows prefetched ahead (1: the
+    next), at any row length, instead of what the launchers choose."""
     k = 1 if in_cache else rotation((n, d), dtype)
     as_arg = (lambda a: (a.ctypes.data, a.shape, np.empty(0, a.dtype))) if K.triples else (lambda a: a)
     # (x, dy) per input set; these arrays, kept with the callable (run.arrays), hold what triples point to
@@ -116,9 +120,13 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False, 
     dw, db = np.zeros(d, np.float32), np.zeros(d, np.float32)
     chunks = stages.shape[0]
     da_sum, dw_sum, db_sum = np.zeros(chunks), np.zeros((chunks, d)), np.zeros((chunks, d))
-    # the launchers' ``far``: by the bytes of a row over the inputs a pass reads (x; x and dy)
+    # the launchers' ``far``: by the bytes of a row over the inputs a pass reads (x; x and dy);
+    # their ``skip``: by the bytes of a row of x
     far1, far2 = (memory.prefetch_far(d * dtype.itemsize * k) and not near for k in (1, 2))
-    fwd, bwd = ((far1,), (far2,)) if K.far else ((), ())
+    skip = memory.prefetch_skip(d * dtype.itemsize) if ahead is None else ahead - 1
+    pf1, pf2 = (far1, skip), (far2, skip)
+    taken = K.far + K.skip
+    fwd, bwd = pf1[:taken], pf2[:taken]
     # the backward reads rstd and mean as triples (tensors the forward saved); the forward writes
     # them as arrays
     rstd_in, mean_in = as_arg(rstd), as_arg(mean)
@@ -132,9 +140,9 @@ def runner(K, op: str, n: int, d: int, dtype: torch.dtype, llama: bool = False, 
         "rmsb": lambda x, dy, xa: K.rms_bwd(dy, x, rw, rstd_in, None, y, dw, 1e-6, True, d, rnd, stages, nt,
                                             *bwd),
         "lnb": lambda x, dy, xa: K.ln_bwd(dy, x, w, mean_in, rstd_in, None, y, dw, db, stages, nt, *bwd),
-        "dyt": lambda x, dy, xa: K.dyt_fwd(x, 0.5, w, b, y, stages, nt, *K.dyt_table(xa, False), far_=far1),
+        "dyt": lambda x, dy, xa: K.dyt_fwd(x, 0.5, w, b, y, stages, nt, *K.dyt_table(xa, False), pf_=pf1),
         "dytb": lambda x, dy, xa: K.dyt_bwd(dy, x, 0.5, w, y, da_sum, dw_sum, db_sum, stages, nt,
-                                            *K.dyt_table(xa, True), far_=far2),
+                                            *K.dyt_table(xa, True), pf_=pf2),
     }
     call, turn = calls[op], [0]
 
@@ -189,6 +197,10 @@ def main() -> None:
     parser.add_argument("--prefetch-ab", action="store_true",
                         help="A prefetches the next row into L1 always, B where the launchers would into L2 "
                              "(give one tree twice: what memory.prefetch_far's rule buys on this CPU)")
+    parser.add_argument("--ahead-ab", type=int, metavar="N",
+                        help="A prefetches the next row, B the row N on, at every shape given (the "
+                             "launchers do so only for short rows: give one tree twice: what "
+                             "memory.SHORT_ROWS_AHEAD buys on this CPU)")
     parser.add_argument("--mean", type=float, default=0.0,
                         help="x's values centred here, not at 0 (LayerNorm's statistics then take "
                              "the shifted sums)")
@@ -203,17 +215,20 @@ def main() -> None:
     old, new = load(args.old, "normlab_ab_old"), load(args.new, "normlab_ab_new")
     if args.prefetch_ab and not (old.far and new.far):
         parser.error("--prefetch-ab: both trees' kernels must take `far` (7beb5e1 on)")
+    if args.ahead_ab is not None and not (old.skip and new.skip and args.ahead_ab >= 1):
+        parser.error("--ahead-ab N: N >= 1, and both trees' kernels must take `skip` (after 17b23e4)")
     near = args.prefetch_ab
+    a_ahead, b_ahead = (1, args.ahead_ab) if args.ahead_ab is not None else (None, None)
     for op in args.ops.split(","):
         for shape in args.shapes.split(","):
             n, d = map(int, shape.split("x"))
             # Two sets of buffers, allocated A's first and B's first: whichever was allocated
             # second ran 5%-10% faster here (an A/A run read 1.1), so rounds alternate the sets.
             m = args.mean
-            first = (runner(old, op, n, d, dtype, args.llama, ic, near, m),
-                     runner(new, op, n, d, dtype, args.llama, ic, mean=m))
-            second = tuple(reversed((runner(new, op, n, d, dtype, args.llama, ic, mean=m),
-                                     runner(old, op, n, d, dtype, args.llama, ic, near, m))))
+            first = (runner(old, op, n, d, dtype, args.llama, ic, near, m, a_ahead),
+                     runner(new, op, n, d, dtype, args.llama, ic, mean=m, ahead=b_ahead))
+            second = tuple(reversed((runner(new, op, n, d, dtype, args.llama, ic, mean=m, ahead=b_ahead),
+                                     runner(old, op, n, d, dtype, args.llama, ic, near, m, a_ahead))))
             cp = copier(n, d, dtype, ic)
             for f in (*first, *second, cp):
                 f()  # compile, first touch

@@ -96,7 +96,8 @@ def main() -> None:
                            w.detach().float(), b.detach().float()]
     xn, dyn, out, wn, bn = (C._at(t, rows_ if t.dim() == 2 else (d,)) for t in keep)
     stages, nt = C._stages(n * d * dtype.itemsize, n)
-    # x; x and dy
+    # (far, skip) as the launchers pass them: far by a row of x; of x and dy
+    skip = memory.prefetch_skip(d * dtype.itemsize)
     far, far2 = memory.prefetch_far(d * dtype.itemsize), memory.prefetch_far(2 * d * dtype.itemsize)
     mean, rstd = np.empty(n), np.empty(n, np.float32)
     # the backward reads the saved statistics (tensors) as triples, as its launcher does
@@ -105,13 +106,14 @@ def main() -> None:
     rnd = C._round_to(dtype, False)
     _, _, rstd_t = C.rms_fwd_launch(x.detach(), w, 1e-6, True, False, 0.0, d)
     _, _, mean_t, lrstd_t = C.ln_fwd_launch(x.detach(), w, b, 1e-5)
-    layernorm.ln_fwd(xn, wn, bn, out, mean, rstd, 1e-5, stages, nt, far)
+    layernorm.ln_fwd(xn, wn, bn, out, mean, rstd, 1e-5, stages, nt, far, skip)
 
     rows = {
         "rms_norm": {
-            "kernel fwd": lambda: rmsnorm.rms_fwd(xn, wn, out, rstd, 1e-6, True, d, rnd, stages, nt, far),
+            "kernel fwd": lambda: rmsnorm.rms_fwd(xn, wn, out, rstd, 1e-6, True, d, rnd, stages, nt, far,
+                                                  skip),
             "kernel bwd": lambda: rmsnorm.rms_bwd(dyn, xn, wn, rstd_at, None, out, dw, 1e-6, True, d, rnd,
-                                                  stages, nt, far2),
+                                                  stages, nt, far2, skip),
             "launcher fwd": lambda: C.rms_fwd_launch(x.detach(), w, 1e-6, True, False, 0.0, d, stats=False),
             "launcher bwd": lambda: C.rms_bwd_launch(dy, x.detach(), w, rstd_t, None, 1e-6, True, False, 0.0,
                                                      d),
@@ -121,9 +123,9 @@ def main() -> None:
             "torch eager fwd": lambda: TF.rms_norm(x.detach(), (d,), w.detach(), 1e-6),
         },
         "layer_norm": {
-            "kernel fwd": lambda: layernorm.ln_fwd(xn, wn, bn, out, mean, rstd, 1e-5, stages, nt, far),
+            "kernel fwd": lambda: layernorm.ln_fwd(xn, wn, bn, out, mean, rstd, 1e-5, stages, nt, far, skip),
             "kernel bwd": lambda: layernorm.ln_bwd(dyn, xn, wn, mean_at, rstd_at, None, out, dw, dw.copy(),
-                                                   stages, nt, far2),
+                                                   stages, nt, far2, skip),
             "launcher fwd": lambda: C.ln_fwd_launch(x.detach(), w, b, 1e-5, stats=False),
             "launcher bwd": lambda: C.ln_bwd_launch(dy, x.detach(), w, mean_t, lrstd_t, None),
             "fwd, no grad": lambda: F.layer_norm(x.detach(), w.detach(), b.detach(), backend="cpu"),

@@ -65,11 +65,11 @@ def compute_ns(dtype: str, pass_: str, shape: tuple[int, int]) -> float:
         rows = np.stack([x[:64]] * 2)
         if pass_ == "fwd":
             K.pointwise_fwd(rows, a, None, w[:64], w[:64], rows.copy(),
-                            np.zeros((1, STAGE_WIDTH), np.float32), False, table, False)
+                            np.zeros((1, STAGE_WIDTH), np.float32), False, table, False, 0)
         else:
             K.pointwise_bwd(rows, rows, a, None, w[:64], rows.copy(), np.zeros((1, 2)), np.zeros((1, 64)),
                             np.zeros((1, 64)),
-                      np.zeros((1, STAGE_WIDTH), np.float32), False, table, False)
+                      np.zeros((1, STAGE_WIDTH), np.float32), False, table, False, 0)
     if pass_ == "fwd":
         y = x.copy()
         run = lambda reps: _forward(y, x, w, w, stage, a, table, reps)  # noqa: E731

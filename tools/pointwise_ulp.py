@@ -50,7 +50,7 @@ def main() -> None:
                       dtype=np.int32).view(np.float32)[None]
         n, z64 = z.size, z[0].astype(np.float64)
         y, dx = np.empty_like(z), np.empty_like(z)
-        K.pointwise_fwd(z, 1.0, shift, one[:n], zero[:n], y, stages, False, no_table, False)
+        K.pointwise_fwd(z, 1.0, shift, one[:n], zero[:n], y, stages, False, no_table, False, 0)
         exact = f(z64)
         err = np.abs(y[0] - exact) / np.spacing(exact.astype(np.float32)).astype(np.float64)
         if err.max() > worst:
@@ -59,7 +59,7 @@ def main() -> None:
         hist += np.histogram(err, BINS)[0]
         K.pointwise_bwd(one[None, :n], z, 1.0, shift, one[:n], dx, np.zeros((1, 2)), np.zeros((1, n)),
                         np.zeros((1, n)), stages, False,
-                        no_table, False)
+                        no_table, False, 0)
         inside = z64 < cap  # the backward zeroes dx from the cap on
         true = slope(z64[inside])
         rel = np.abs(dx[0, inside] - true) / true

@@ -70,13 +70,7 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
         small = (f"outputs under {serial >> 10} KiB on one thread (NORMLAB_CPU_SERIAL_MB)" if serial else
                  "every call on all of them (NORMLAB_CPU_SERIAL_MB=0)")
         console.print(f"cpu threads: {threads} (torch's count), numba's {layer} layer; {small}")
-        memory = cpu.memory
-        stream = (f"outputs from {memory.STREAM_MIN_BYTES / (1 << 20):g} MiB streamed past the caches "
-                  "(NORMLAB_CPU_STREAM_MB)"
-                  if cpu.simd.X86
-                  else "outputs never streamed past the caches (non-temporal stores: x86 only)")
-        console.print(f"cpu memory: {stream}; the next row prefetched into L2, not L1, from rows of "
-                      f"{memory.PREFETCH_L2_MIN_BYTES / (1 << 10):g} KiB (NORMLAB_CPU_PREFETCH_L2_KB)")
+        console.print(f"cpu memory: {cpu.memory.describe(cpu.simd.X86)}")
     return 0
 
 

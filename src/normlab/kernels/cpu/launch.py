@@ -24,8 +24,8 @@ from normlab import reference
 
 from .pointwise import pointwise_bwd, pointwise_fwd, table_for
 from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
-from .memory import (KERNEL_CODE, STREAM_MIN_BYTES, empty, prefetch_far, scratch, serial_max_bytes, vector,
-                     zero_stages)
+from .memory import (KERNEL_CODE, STREAM_MIN_BYTES, empty, prefetch_far, prefetch_skip, scratch,
+                     serial_max_bytes, vector, zero_stages)
 from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
 from .rows import start_threads
 from .simd import X86
@@ -138,6 +138,12 @@ def _contiguous(t: Tensor) -> Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _prefetch(d: int, x: Tensor, other: Tensor | None = None) -> tuple[bool, int]:
+    """The kernels' (far, skip) for rows of ``d`` values of x and of the ``other`` input a pass reads."""
+    x_bytes = d * x.itemsize
+    return prefetch_far(x_bytes if other is None else x_bytes + d * other.itemsize), prefetch_skip(x_bytes)
+
+
 def _at(t: Tensor, shape: tuple[int, ...]) -> tuple:
     """Contiguous ``t`` as the triple a kernel reads as an array of ``shape``."""
     return t.data_ptr(), shape, _WITNESS[t.dtype]
@@ -206,11 +212,11 @@ def rms_fwd_launch(x, weight, eps, inside, llama, offset, k, *, y=None, residual
         rnd, stages = _round_to(x.dtype, llama), _stages(n * d * y.itemsize, n)
         if s is None:
             _k(rms_fwd)(_at(x, rows), _at(w, (d,)), _at(y, rows), rn, eps, inside, k, rnd, *stages,
-                        prefetch_far(d * x.itemsize))
+                        *_prefetch(d, x))
         else:
             residual = _contiguous(residual)
             _k(add_rms_fwd)(_at(x, rows), _at(residual, rows), _at(w, (d,)), _at(y, rows), _at(s, rows), rn,
-                            eps, inside, k, rnd, *stages, prefetch_far(d * (x.itemsize + residual.itemsize)))
+                            eps, inside, k, rnd, *stages, *_prefetch(d, x, residual))
     return y, s, rstd
 
 
@@ -239,7 +245,7 @@ def rms_bwd_launch(dy, x, weight, rstd, ds, eps, inside, llama, offset, k, *, gr
         _k(rms_bwd)(
             _at(dy, rows), _at(x, rows), _at(w, (d,)), _at(rstd, (n,)), None if ds is None else _at(ds, rows),
             _at(dx, rows), dwn, eps, inside, k, _round_to(dy.dtype, llama), *_stages(n * d * dx.itemsize, n),
-            prefetch_far(d * (x.itemsize + dy.itemsize)),
+            *_prefetch(d, x, dy),
         )
     return dx, dw
 
@@ -260,12 +266,12 @@ def ln_fwd_launch(x, weight, bias, eps, *, y=None, residual=None, residual_in_fp
         stages = _stages(n * d * y.itemsize, n)
         if s is None:
             _k(ln_fwd)(_at(x, rows), _at(w, (d,)), _at(b, (d,)), _at(y, rows), mn, rn, eps, *stages,
-                       prefetch_far(d * x.itemsize))
+                       *_prefetch(d, x))
         else:
             residual = _contiguous(residual)
             _k(add_ln_fwd)(_at(x, rows), _at(residual, rows), _at(w, (d,)), _at(b, (d,)), _at(y, rows),
                            _at(s, rows), mn, rn, eps, *stages,
-                           prefetch_far(d * (x.itemsize + residual.itemsize)))
+                           *_prefetch(d, x, residual))
     return y, s, mean, rstd
 
 
@@ -282,7 +288,7 @@ def ln_bwd_launch(dy, x, weight, mean, rstd, ds, *, grad_dtypes=None):
         _k(ln_bwd)(
             _at(dy, rows), _at(x, rows), _at(w, (d,)), _at(mean, (n,)), _at(rstd, (n,)),
             None if ds is None else _at(ds, rows), _at(dx, rows), dwn, dbn, *_stages(n * d * dx.itemsize, n),
-            prefetch_far(d * (x.itemsize + dy.itemsize)),
+            *_prefetch(d, x, dy),
         )
     return dx, dw, db
 
@@ -297,7 +303,7 @@ def _pointwise_fwd(x, alpha, shift, weight, bias):
         s = None if shift is None else np.float32(float(shift.float()))
         _k(pointwise_fwd)(_at(x, rows), float(alpha.float()), s, _at(w, (d,)), _at(b, (d,)), _at(y, rows),
                           *_stages(n * d * y.itemsize, n), table_for(x, grad=False),
-                          prefetch_far(d * x.itemsize))
+                          *_prefetch(d, x))
     return y
 
 
@@ -314,7 +320,7 @@ def _pointwise_bwd(dy, x, alpha, shift, weight):
         s = None if shift is None else np.float32(float(shift.float()))
         _k(pointwise_bwd)(_at(dy, rows), _at(x, rows), float(alpha.float()), s, _at(w, (d,)), _at(dx, rows),
                           das, dw, db, stages, stream, table_for(x, grad=True),
-                          prefetch_far(d * (x.itemsize + dy.itemsize)))
+                          *_prefetch(d, x, dy))
     # the chunks' float64 sums, added in chunk order (deterministic for a thread count)
     da, ds = das.sum(0)
     return (dx, da, ds, torch.from_numpy(dw.sum(0).astype(np.float32)),

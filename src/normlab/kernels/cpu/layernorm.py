@@ -29,7 +29,7 @@ from .cache import kernel
 from .codecs import add_at, load_at, pair_order, store_at
 from .rows import (FLUSH, all_finite, at, chunk_span, flush_into, grad_nan_free, grad_select_optional,
                    nan_free, pair_registers, pair_types, pairs_fit, reads_pairs, partial_row_pairs,
-                   partial_sums, prefetch_skip, recip, row_of, row_pairs, block_spans, select_optional,
+                   partial_sums, recip, row_of, row_pairs, block_spans, select_optional,
                    sum_partials, sums_block, value_at, vector_sums, writes_pairs)
 from .simd import (BLOCK, EMIT, HALF, TAIL, fma_ir, fma32, prefetch_pass1, prefetch_pass2, row_moments,
                    row_moments_wide, store_fence, backward_block, forward_block, grad_sums)
@@ -37,18 +37,18 @@ from .simd import (BLOCK, EMIT, HALF, TAIL, fma_ir, fma32, prefetch_pass1, prefe
 # ---------------------------------------------------------------------------------- forward
 # ``stages``: one float32 staging row per chunk (their count is the chunk count; see simd.py).
 # ``stream``: stream the outputs past the caches. ``far``: prefetch the next row into L2, not L1
-# (memory.prefetch_far).
+# (memory.prefetch_far). ``skip``: how many rows past the next one the prefetches reach
+# (memory.prefetch_skip).
 
 
 @kernel
-def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream, far):
+def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream, far, skip):
     x, w, b, y, mean, rstd = at(x), at(w), at(b), at(y), at(mean), at(rstd)
     n, d = x.shape
     nchunks = stages.shape[0]
     span = d - d % EMIT if writes_pairs(x, y) else 0
     w_pairs, b_pairs = pair_order(w, span), pair_order(b, span)
     wb_finite = writes_pairs(x, y) and all_finite(w) and all_finite(b)
-    skip = prefetch_skip(x)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
@@ -65,7 +65,7 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream, far):
 
 
 @kernel
-def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream, far):
+def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream, far, skip):
     x, res, w, b, y, s = at(x), at(res), at(w), at(b), at(y), at(s)
     mean, rstd = at(mean), at(rstd)
     n, d = x.shape
@@ -73,7 +73,6 @@ def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream, far):
     span = d - d % EMIT if writes_pairs(s, y) else 0
     w_pairs, b_pairs = pair_order(w, span), pair_order(b, span)
     wb_finite = writes_pairs(s, y) and all_finite(w) and all_finite(b)
-    skip = prefetch_skip(x)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
@@ -277,7 +276,7 @@ def _ov_y_block(y, j, x, w, b, stage, mhi, mlo, row_rstd, stream, paired, finite
 
 
 @kernel
-def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream, far):
+def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream, far, skip):
     dy, x, w, mean, rstd, ds = at(dy), at(x), at(w), at(mean), at(rstd), at(ds)
     dx, dw, db = at(dx), at(dw), at(db)
     n, d = x.shape
@@ -288,7 +287,6 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream, far):
     dw_sum = partial_sums(nchunks, d)
     db_sum = partial_sums(nchunks, d)
     pairs = row_pairs(x, dy, d, pair_registers(None, False))
-    skip = prefetch_skip(x)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         dwc, dbc = parts[2 * c], parts[2 * c + 1]
@@ -328,7 +326,7 @@ def ln_bwd(dy, x, w, mean, rstd, ds, dx, dw, db, stages, stream, far):
 def _ln_sums(dyr, w, w_pairs, xr, mean, row_rstd, dwc, dbc, far, pdy, px, skip):
     """(sum of g, sum of g * xhat), adding the row's dw and db terms to dwc and dbc. ``w_pairs``: w
     in pair_order over the row's whole blocks (bf16 rows). Prefetches from the rows after pdy and
-    px (``skip`` rows past the next: rows.prefetch_skip)."""
+    px (``skip`` rows past the next: memory.prefetch_skip)."""
     mhi, lo = _ln_consts(mean, row_rstd)
     full = xr.shape[0] - xr.shape[0] % sums_block(xr, dyr, TAIL)
     tg, tgx = _ln_blocks(dyr, w, w_pairs, xr, full, mhi, row_rstd, lo, dwc, dbc, far, pdy, px, skip)

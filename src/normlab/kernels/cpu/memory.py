@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from llvmlite import binding as llvm
 from torch import Tensor
 
 from .simd import STAGE_WIDTH
@@ -264,6 +265,44 @@ def prefetch_far(row_bytes: int) -> bool:
     """The kernels' ``far``: whether the next row, ``row_bytes`` over the inputs a pass reads,
     is prefetched into L2 rather than L1."""
     return row_bytes >= PREFETCH_L2_MIN_BYTES
+
+
+# Rows whose x takes at most SHORT_ROW_BYTES (qk-norm's heads) prefetch the row SHORT_ROWS_AHEAD
+# rows on, not the next one, where that was measured to gain: on the Intel Xeon of the records a
+# short row took too little time for the next row's lines to arrive (8 rows on: 1.06-1.35x at
+# 64-128 features). On a Zen 4 it gained nothing and cost up to 30% in float32 backwards, so
+# AMD's CPUs (LLVM names them znver*) keep the next row (docs/cpu-kernels.md, "Short rows").
+# NORMLAB_CPU_PREFETCH_ROWS overrides it (1: the next row).
+SHORT_ROW_BYTES = 512
+
+
+def short_rows_ahead(cpu_name: str) -> int:
+    """How many rows on short rows prefetch on a CPU that LLVM names ``cpu_name``."""
+    return 1 if cpu_name.startswith("znver") else 8
+
+
+SHORT_ROWS_AHEAD = (
+    max(1, int(env_setting("NORMLAB_CPU_PREFETCH_ROWS", "", unit="rows")))
+    if os.environ.get("NORMLAB_CPU_PREFETCH_ROWS")
+    else short_rows_ahead(llvm.get_host_cpu_name())
+)
+
+
+def prefetch_skip(row_bytes: int) -> int:
+    """The kernels' ``skip``: how many rows past the next one the prefetches reach, for rows whose
+    x takes ``row_bytes``."""
+    return SHORT_ROWS_AHEAD - 1 if row_bytes <= SHORT_ROW_BYTES else 0
+
+
+def describe(x86: bool) -> str:
+    """What ``normlab info`` says of streaming and prefetching here, and what sets each."""
+    stream = (f"outputs from {STREAM_MIN_BYTES / (1 << 20):g} MiB streamed past the caches "
+              "(NORMLAB_CPU_STREAM_MB)" if x86 else
+              "outputs never streamed past the caches (non-temporal stores: x86 only)")
+    ahead = "the next row" if SHORT_ROWS_AHEAD == 1 else f"the row {SHORT_ROWS_AHEAD} on"
+    return (f"{stream}; the next row prefetched into L2, not L1, from rows of "
+            f"{PREFETCH_L2_MIN_BYTES / (1 << 10):g} KiB (NORMLAB_CPU_PREFETCH_L2_KB); rows of x up to "
+            f"{SHORT_ROW_BYTES} bytes prefetch {ahead} (NORMLAB_CPU_PREFETCH_ROWS)")
 
 
 _SERIAL_MB = env_setting("NORMLAB_CPU_SERIAL_MB", "") if os.environ.get("NORMLAB_CPU_SERIAL_MB") else None

@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 
 from .cache import kernel
 from .codecs import LANES, load_at, load_f32, store_at, widen_bits
-from .rows import FLUSH, at, chunk_span, flush_into, partial_row_pairs, prefetch_skip, block_spans, row_of
+from .rows import FLUSH, at, chunk_span, flush_into, partial_row_pairs, block_spans, row_of
 from .simd import (AVX512, ZERO, EMIT, HALF, HW_BF16, add_blocks, f32x16, f64_totals, fma_ir, fma32, load_row,
                    prefetch_ahead, store_block, store_fence, scalar_totals)
 from .tanh_erf import F32, I32, const, erf, erf_grad, tanh, tanh_grad
@@ -243,7 +243,7 @@ def _make_y_blocks(size):
     [j0, j1) of a row (j1 - j0 a multiple of ``size``: EMIT, or HALF for a row's last values),
     ``size`` at a time: t computed, or gathered from ``table`` where ``use``. ``stream``:
     streamed (both run-time branches per block). Each block prefetches the same block of the next
-    row (``skip`` rows further: rows.prefetch_skip), into L2 where ``far`` (simd.prefetch_ahead):
+    row (``skip`` rows further: memory.prefetch_skip), into L2 where ``far`` (simd.prefetch_ahead):
     with the hardware prefetcher alone the compute waited on memory (docs/cpu-kernels.md, "DyT").
     The backward's blocks do the same."""
 
@@ -288,14 +288,13 @@ _y_blocks, _y_half = _make_y_blocks(EMIT), _make_y_blocks(HALF)
 
 
 @kernel
-def pointwise_fwd(x, a, s, w, b, y, stages, stream, table, far):
+def pointwise_fwd(x, a, s, w, b, y, stages, stream, table, far, skip):
     """y = w * f(a x [+ s]) + b: DyT where s is None, Derf where s is a float32."""
     x, w, b, y = at(x), at(w), at(b), at(y)
     n, d = x.shape
     a32 = np.float32(a)
     nchunks = stages.shape[0]
     use = table.shape[0] > 0
-    skip = prefetch_skip(x)
     if use:
         for c in prange(nchunks):
             _fill_table(_fill_t, table, x, a32, s, c, nchunks)
@@ -473,7 +472,7 @@ def _grad_tail(dxr, i0, d, dyr, xr, w, dwc, dbc, stage, a, s, stream, table, use
 
 
 @kernel
-def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, stream, table, far):
+def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, stream, table, far, skip):
     """The gradients of pointwise_fwd: dx stored, and per chunk da_sum[c] = (da, ds), dw_sum[c],
     db_sum[c]."""
     dy, x, w, dx = at(dy), at(x), at(w), at(dx)
@@ -483,7 +482,6 @@ def pointwise_bwd(dy, x, a, s, w, dx, da_sum, dw_sum, db_sum, stages, stream, ta
     parts = partial_row_pairs(nchunks, d)
     pairs = d >= (DYT_PAIRS_MIN_16 if x.itemsize == 2 else DYT_PAIRS_MIN_32)
     use = table.shape[0] > 0
-    skip = prefetch_skip(x)
     if use:
         for c in prange(nchunks):
             _fill_table(_fill_ts, table, x, a32, s, c, nchunks)

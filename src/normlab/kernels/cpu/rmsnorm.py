@@ -32,7 +32,7 @@ from .cache import kernel
 from .codecs import load_at, pair_order, round_like, store_at
 from .rows import (FLUSH, all_finite, at, chunk_span, flush_into, grad_nan_free, grad_select_optional,
                    is_llama, nan_free, pair_registers, pair_types, pairs_fit, reads_pairs, partial_rows,
-                   partial_sums, prefetch_skip, recip, row_of, row_pairs, block_spans, select_optional,
+                   partial_sums, recip, row_of, row_pairs, block_spans, select_optional,
                    sum_partials, sums_block, value_at, vector_sums, widened, writes_pairs)
 from .simd import (BLOCK, EMIT, HALF, TAIL, fma_ir, fma32, narrow_bits, prefetch_pass1, prefetch_pass2,
                    row_sumsq, store_fence, widen_bits, backward_block, forward_block, grad_sums)
@@ -40,20 +40,20 @@ from .simd import (BLOCK, EMIT, HALF, TAIL, fma_ir, fma32, narrow_bits, prefetch
 # ---------------------------------------------------------------------------------- forward
 # ``stages``: one float32 staging row per chunk (their count is the chunk count; see simd.py).
 # ``stream``: stream the outputs past the caches. ``far``: prefetch the next row into L2, not L1
-# (memory.prefetch_far). ``round_to``: a 1-element array whose dtype is where
+# (memory.prefetch_far). ``skip``: how many rows past the next one the prefetches reach
+# (memory.prefetch_skip). ``round_to``: a 1-element array whose dtype is where
 # xhat is rounded (the output's in the llama order, float32 in the gemma order).
 # Rows are x[r], not rows.row_of: without its reference counts rms_norm ran slower in bf16
 # (docs/cpu-kernels.md, "Row views without references").
 
 
 @kernel
-def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream, far):
+def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream, far, skip):
     x, w, y, rstd = at(x), widened(at(w)), at(y), at(rstd)
     n, d = x.shape
     nchunks = stages.shape[0]
     w_pairs = pair_order(w, d - d % EMIT if writes_pairs(x, y) else 0)
     w_finite = writes_pairs(x, y) and k == d and all_finite(w)  # partial: values past k are in no statistic
-    skip = prefetch_skip(x)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
@@ -68,13 +68,12 @@ def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream, far):
 
 
 @kernel
-def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, round_to, stages, stream, far):
+def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, round_to, stages, stream, far, skip):
     x, res, w, y, s, rstd = at(x), at(res), widened(at(w)), at(y), at(s), at(rstd)
     n, d = x.shape
     nchunks = stages.shape[0]
     w_pairs = pair_order(w, d - d % EMIT if writes_pairs(s, y) else 0)
     w_finite = writes_pairs(s, y) and k == d and all_finite(w)
-    skip = prefetch_skip(x)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
@@ -214,7 +213,7 @@ def _ov_y_block(y, j, x, w, stage, row_rstd, stream, round_to, paired, finite, s
 
 
 @kernel
-def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream, far):
+def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream, far, skip):
     dy, x, w, rstd, ds, dx, dw = at(dy), at(x), widened(at(w)), at(rstd), at(ds), at(dx), at(dw)
     n, d = x.shape
     nchunks = stages.shape[0]
@@ -223,7 +222,6 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream
     dw_part = partial_rows(nchunks, d)
     dw_sum = partial_sums(nchunks, d)
     pairs = row_pairs(x, dy, k, pair_registers(round_to, inside))
-    skip = prefetch_skip(x)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         dwc = dw_part[c]
@@ -265,7 +263,7 @@ def rms_bwd(dy, x, w, rstd, ds, dx, dw, eps, inside, k, round_to, stages, stream
 def _dot_gx(dyr, w, w_pairs, xr, k, dwc, row_rstd, round_to, squares, far, pdy, px, skip):
     """(sum over the row of g * x, sum of x^2 over [:k] or, without ``squares``, any value),
     adding the row's dw terms to dwc. ``w_pairs``: w in pair_order over the whole blocks of [:k].
-    Prefetches from the rows after pdy and px (``skip`` rows past the next: rows.prefetch_skip)."""
+    Prefetches from the rows after pdy and px (``skip`` rows past the next: memory.prefetch_skip)."""
     full = k - k % sums_block(xr, dyr, BLOCK)
     tgx, tss = _rms_blocks(dyr, w, w_pairs, xr, full, dwc, row_rstd, round_to, squares, far, pdy, px, skip)
     pgx, pss = _rms_tail(dyr, w, xr, full, k, dwc, row_rstd, round_to)

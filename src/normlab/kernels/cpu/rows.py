@@ -186,19 +186,6 @@ def _row_view(typingctx, a, r):
     return row(a, types.intp), codegen
 
 
-# Rows whose inputs take at most SHORT_ROW_BYTES (qk-norm's heads) have the row AHEAD_SHORT rows on
-# prefetched, not the next one: a short row takes too little time for the next row's lines to
-# arrive from memory. From 1 KiB rows on it cost as much as it gained (docs/cpu-kernels.md).
-SHORT_ROW_BYTES = 512
-AHEAD_SHORT = 8
-
-
-@njit(inline="always")
-def prefetch_skip(a):
-    """How many rows past the next one the prefetches of matrix a's rows reach."""
-    return AHEAD_SHORT - 1 if a.shape[1] * a.itemsize <= SHORT_ROW_BYTES else 0
-
-
 @njit
 def block_spans(out, i0, i1, stream):
     """Split [i0, i1) of an output row into a plain head [i0, a), whole blocks [a, b) and a plain

@@ -156,7 +156,7 @@ def _prefetch_next_block(builder, base, kind):
 
 def prefetch_ahead(context, builder, aryty, ary, j, values, ahead=1, far=None, skip=None):
     """Prefetch (for reading) the lines of values [j, j + ``values``) of the row ``ahead`` rows
-    (and ``skip`` more: an i64, rows.prefetch_skip) after the row ``ary`` in memory; nothing for
+    (and ``skip`` more: an i64, memory.prefetch_skip) after the row ``ary`` in memory; nothing for
     a None. ``far``: an i1, true for L2 only."""
     if isinstance(aryty, (types.NoneType, types.Omitted)):
         return
