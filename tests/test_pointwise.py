@@ -528,6 +528,7 @@ def test_tables_give_the_bits_of_computing(gen, fn, dtype, d, stream, monkeypatc
     # and tails (d = 300), and streamed (whose blocks start off the row's start).
     launch = importlib.import_module("normlab.kernels.cpu.launch")
     monkeypatch.setattr(launch, "STREAM_MIN_BYTES", 0 if stream else 1 << 62)
+    monkeypatch.setattr(K, "FORWARD_TABLES", True)  # the forward's table too, where this CPU computes
     sizes = []
 
     def spy(x, grad):
@@ -559,6 +560,19 @@ def test_tables_give_the_bits_of_computing(gen, fn, dtype, d, stream, monkeypatc
                 tg[k].view(torch.int32 if tg[k].dtype == torch.float32 else torch.int16)), k
     # the finite input's sums are compared too
     assert torch.isfinite(g["alpha"]) and torch.isfinite(g["weight"]).all()
+
+
+def test_the_forward_computes_where_its_gathers_cost_more(monkeypatch):
+    # A Zen 4's forward computes tanh (its gathers cost more), its backward still gathers; other
+    # CPUs with tables gather in both.
+    names = ("znver4", "znver5", "sapphirerapids", "icelake-server")
+    assert [K.forward_tables(name) for name in names] == [False, True, True, True]
+    x = np.empty((K.DYT_TABLE_MIN // 64, 128), np.uint16)  # a bf16 input as the kernels see it
+    for tables, forward in ((True, False), (True, True), (False, True)):
+        monkeypatch.setattr(K, "TABLES", tables)
+        monkeypatch.setattr(K, "FORWARD_TABLES", tables and forward)
+        sizes = K.table_for(x, grad=False).size, K.table_for(x, grad=True).size
+        assert sizes == (K.TABLE_SIZE if tables and forward else 0, 2 * K.TABLE_SIZE if tables else 0)
 
 
 def test_tables_only_where_gathers_are_fast(tmp_path):

@@ -30,6 +30,7 @@ start at the first 64-byte boundary: a streamed call rounds da's sum in another 
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -104,9 +105,21 @@ def gathers_are_fast(status: str = GDS_STATUS) -> bool:
 TABLES = AVX512 and gathers_are_fast()
 
 
+# On a Zen 4 (LLVM's znver4) a 16-lane gather costs more than the forward's tanh: the forward
+# computed 1.1-1.3x faster than it gathered there, while the backward's table, which stands in
+# for twice the work, still ran it 1.9-2.1x faster (docs/cpu-kernels.md, "DyT"). The tables stay
+# compiled in; the launcher's table (empty or not) picks the path at run time.
+def forward_tables(cpu_name: str) -> bool:
+    """Whether the forward gathers from a table, where there are tables, on a CPU LLVM names so."""
+    return cpu_name != "znver4"
+
+
+FORWARD_TABLES = TABLES and forward_tables(llvm.get_host_cpu_name())
+
+
 def table_for(x, grad: bool) -> np.ndarray:
     """The table a call on x (a tensor or numpy array) fills: empty where the blocks compute."""
-    use = TABLES and x.itemsize == 2 and x.nbytes // 2 >= DYT_TABLE_MIN
+    use = (TABLES if grad else FORWARD_TABLES) and x.itemsize == 2 and x.nbytes // 2 >= DYT_TABLE_MIN
     return np.empty((2 if grad else 1) * TABLE_SIZE if use else 0, np.float32)
 
 
