@@ -1,5 +1,5 @@
-"""Print a CPU bench record's table (docs/results/cpu-bench-*.md) from its JSON, so the md quotes
-what the run measured.
+"""Print a CPU bench record's table (docs/results/cpu-bench-*.md, short-rows-*.md) from its JSON,
+so the md quotes what the run measured: a row per op the run timed, pass, dtype and shape.
 
     python tools/record_table.py docs/results/cpu-bench-epyc-avx512.json
 """

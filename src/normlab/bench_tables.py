@@ -71,14 +71,15 @@ def _ms(value: float) -> str:
 
 def record_table(records: list[dict]) -> str:
     """A CPU bench record's table (docs/results/cpu-bench-*.md), from its JSON: normlab's
-    allocating calls per dtype, shape, op and pass, with the forward into ``out=`` and the torch
-    and torch.compile peers beside them."""
+    allocating calls per dtype, shape, op (those the record holds, in its order) and pass, with
+    the forward into ``out=`` and the torch and torch.compile peers beside them."""
     by = {(r["op"], r["backend"], r["dtype"], r["shape"], r["pass"], r["alloc"]): r for r in records}
     shapes = list(dict.fromkeys(r["shape"] for r in records))
+    ops = [op for op in dict.fromkeys(r["op"] for r in records) if op != "copy"]
     lines = [RECORD_HEADER, "|" + "---|" * (RECORD_HEADER.count("|") - 1)]
     for dtype in ("fp32", "bf16"):
         for shape in shapes:
-            for op in ("rms_norm", "layer_norm"):
+            for op in ops:
                 for pass_ in ("fwd", "bwd"):
                     ours = by.get((op, "normlab", dtype, shape, pass_, "alloc"))
                     if ours is None:
