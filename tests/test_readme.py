@@ -36,9 +36,10 @@ def test_readme_generated_blocks_match_the_records():
 
 def test_cpu_bench_records_tables_are_their_json():
     # A record's md quotes its run (tools/record_table.py prints the table); records made before
-    # that table's layout (no "into out=" column) are left as they were written.
+    # that table's layout (no "into out=" column) are left as they were written. The short-row
+    # records are bench runs too.
     checked = 0
-    for md in sorted(RESULTS.glob("cpu-bench-*.md")):
+    for md in sorted([*RESULTS.glob("cpu-bench-*.md"), *RESULTS.glob("short-rows-*.md")]):
         text = md.read_text()
         if bench_tables.RECORD_HEADER not in text:
             continue
@@ -136,6 +137,25 @@ def test_readme_short_rows_lie_in_their_record():
         assert min(peer_over_normlab(op, peer, short=False)) > 1, "from 256 features on normlab leads"
     every_length = [r for short in (True, False) for r in peer_over_normlab("rms_norm", "torch", short)]
     assert min(every_length) > 1, "F.rms_norm is slower at every length"
+
+
+def test_readme_zen4_short_rows_lie_in_their_record():
+    text = " ".join(README.read_text().split())
+    records = json.loads((RESULTS / "short-rows-epyc-zen4.json").read_text())["records"]
+    ms = {(r["op"], r["pass"], r["dtype"], r["shape"], r["backend"]): r["ms"] for r in records
+          if r["alloc"] == "alloc"}
+
+    def peer_over_normlab(op, peer):  # > 1: normlab is faster
+        return [ms[k] / ms[(*k[:4], "normlab")] for k in ms if k[0] == op and k[4] == peer]
+
+    rms, ln = peer_over_normlab("rms_norm", "compile"), peer_over_normlab("layer_norm", "torch")
+    assert sum(r < 1 for r in rms) == 1 and ms[("rms_norm", "fwd", "bf16", "262144x64", "compile")] < ms[
+        ("rms_norm", "fwd", "bf16", "262144x64", "normlab")], "torch.compile leads in the one case"
+    assert f"the same case is torch.compile's lead ({1 / min(rms):.1f}x)" in text
+    assert f"`F.layer_norm` is up to {1 / min(ln):.1f}x faster than normlab's layer_norm" in text
+    for op in ("dyt", "derf"):
+        ratios = peer_over_normlab(op, "compile")
+        assert f"{min(ratios):.2f}-{max(ratios):.2f}x" in text, (op, min(ratios), max(ratios))
 
 
 def test_readme_links_stay_inside_the_repository():
