@@ -524,12 +524,13 @@ row_sumsq = _make_row_sums("squares")
 
 
 def grad_sums(terms, rows=1, with_db=False, hw=HW_BF16):
-    """An intrinsic for the backward's first pass over the whole blocks of bf16 rows: the two
-    sums its dx formula needs, and the rows' dw (and db) terms added to the chunk's partial rows
-    on the way. Arguments (dyr, xr, w_pairs, dwc, aux, n, c0, c1, c2, skip, far) -> (float64, float64),
-    over values [0, n) (a multiple of HALF: _for_blocks); ``aux`` is the db partial row
-    (``with_db``) or any array whose dtype ``terms`` reads. Values arrive in pair order
-    (bf16_pair), so w_pairs, dwc and aux are kept in pair_order.
+    """An intrinsic for the backward's first pass over the whole blocks of bf16 rows (and of
+    layer_norm's other rows, their last HALF block): the two sums its dx formula needs, and the
+    rows' dw (and db) terms added to the chunk's partial rows on the way. Arguments (dyr, xr,
+    w_pairs, dwc, aux, n, c0, c1, c2, skip, far) -> (float64, float64), over values [0, n) (a
+    multiple of HALF: _for_blocks); ``aux`` is the db partial row (``with_db``) or any array whose
+    dtype ``terms`` reads. bf16 values arrive in pair order (bf16_pair), so w_pairs, dwc and aux
+    are kept in pair_order; other dtypes' in order.
 
     ``terms(builder, x, dy, w, (c0, c1, c2), s0, s1, a, aux_kind, hw)`` adds one vector's terms
     to accumulators s0[a] and s1[a] and returns xhat; then dw += dy * xhat (one fma) and, with
