@@ -72,7 +72,7 @@ def load(src: str, name: str):
                                     ln_bwd=ln.ln_bwd)
     # trees from 7beb5e1 on take ``far`` (prefetch into L2) after ``stream``
     kernels.far = "far" in inspect.signature(rms.rms_fwd.py_func).parameters
-    # and from the tree after 17b23e4 on ``skip`` (rows past the next that short rows prefetch) after it
+    # and from c03980f on ``skip`` (the rows past the next that short rows prefetch) after it
     kernels.skip = "skip" in inspect.signature(rms.rms_fwd.py_func).parameters
     # trees from ceab71e on take tensors as (address, shape, dtype witness) triples, the llama
     # order's weight in the output's dtype: pass them as their launchers do, since an array
@@ -216,7 +216,7 @@ def main() -> None:
     if args.prefetch_ab and not (old.far and new.far):
         parser.error("--prefetch-ab: both trees' kernels must take `far` (7beb5e1 on)")
     if args.ahead_ab is not None and not (old.skip and new.skip and args.ahead_ab >= 1):
-        parser.error("--ahead-ab N: N >= 1, and both trees' kernels must take `skip` (after 17b23e4)")
+        parser.error("--ahead-ab N: N >= 1, and both trees' kernels must take `skip` (c03980f on)")
     near = args.prefetch_ab
     a_ahead, b_ahead = (1, args.ahead_ab) if args.ahead_ab is not None else (None, None)
     for op in args.ops.split(","):
