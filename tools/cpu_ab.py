@@ -1,7 +1,7 @@
 """Interleaved A/B of two versions of the CPU kernels in one process.
 
     python tools/cpu_ab.py OLD_SRC NEW_SRC [--ops rms,ln,rmsb,lnb] [--shapes 8192x1024,...]
-                           [--dtype bf16|fp32] [--threads 2] [--rounds 10] [--llama] [--in-cache]
+                           [--dtype bf16|fp16|fp32] [--threads 2] [--rounds 10] [--llama] [--in-cache]
                            [--prefetch-ab] [--ahead-ab N] [--mean M]
 
 On a machine whose memory bandwidth drifts (2x within minutes on the 2-core CI machine), two
@@ -186,7 +186,7 @@ def main() -> None:
     parser.add_argument("new")
     parser.add_argument("--ops", default="rms,ln,rmsb,lnb")
     parser.add_argument("--shapes", default="8192x1024,4096x4096,1024x16384")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--llama", action="store_true",
@@ -208,7 +208,7 @@ def main() -> None:
     ic = args.in_cache
     # a tree whose tiers are built would load them: compare the code each tree compiles for this CPU
     os.environ.setdefault("NORMLAB_CPU_TIERS", "off")
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     numba.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
