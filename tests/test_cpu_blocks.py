@@ -19,6 +19,34 @@ from normlab.kernels.cpu import layernorm as LN  # noqa: E402
 from normlab.kernels.cpu import rmsnorm as RMS  # noqa: E402
 
 
+def _make_emit(llama, stream, hw=simd.HW_BF16):
+    """An intrinsic: dst[j:j + EMIT] = src[:EMIT] (a staging row) converted to dst's dtype by
+    simd.store_block, the kernels' conversion, on its own."""
+    from numba import types
+    from numba.extending import intrinsic
+
+    def emit(typingctx, dst, j, src, w):
+        def codegen(context, builder, signature, args):
+            dst_data, src_data, w_data = (
+                context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 2, 3)
+            )
+            values = [codecs.load_f32(builder, src_data, v) for v in range(simd.EMIT // codecs.LANES)]
+            zero = builder.gep(src_data, [codecs.i64(simd.ZERO)])
+            base, wbase = builder.gep(dst_data, [args[1]]), builder.gep(w_data, [args[1]])
+            simd.store_block(builder, dst.dtype, base, wbase, values, llama, stream, hw, zero)
+            return context.get_dummy_value()
+
+        return types.void(dst, types.uint64, src, w), codegen
+
+    return intrinsic(emit)
+
+
+# (llama, stream) -> the conversion with the CPU's bf16 instruction where it has one; and with
+# integer rounding, which the kernels take on CPUs without it, checked on every CPU
+_EMIT = {(llama, stream): _make_emit(llama, stream) for llama in (False, True) for stream in (False, True)}
+_EMIT_INTEGER_BF16 = {key: _make_emit(*key, hw=False) for key in _EMIT}
+
+
 def _special_floats(gen, n):
     """float32 values where conversions go wrong: ties at bf16 and fp16 precision, values that
     round up to the next binade or overflow, signed zeros, infinities, then random ones."""
@@ -37,7 +65,7 @@ def _special_floats(gen, n):
 @pytest.mark.parametrize("llama", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_block_conversions_match_the_scalar_ones(gen, dtype, llama, path, nt):
-    # Output blocks are converted as explicit vectors (_emit: the CPU's bf16 instruction where
+    # Output blocks are converted as explicit vectors (_EMIT: the CPU's bf16 instruction where
     # it has one, else integer rounding, which "integer-bf16" checks on such a CPU too; streamed
     # 16-bit blocks convert two vectors at a time, into whole lines); heads and tails of rows by
     # the scalar store_at. Both must give the same bits on everything a normalized row can hold.
@@ -50,7 +78,7 @@ def test_block_conversions_match_the_scalar_ones(gen, dtype, llama, path, nt):
     nbytes = simd.EMIT * np.dtype(code).itemsize
     vec = memory._aligned(memory._raw(nbytes), nbytes).view(code)  # streamed stores need 64-byte alignment
     scalar = np.zeros(simd.EMIT, code)
-    emit = (simd._EMIT if path == "kernels" else simd._EMIT_INTEGER_BF16)[llama, nt]
+    emit = (_EMIT if path == "kernels" else _EMIT_INTEGER_BF16)[llama, nt]
 
     @njit
     def by_vectors(dst, src, w):

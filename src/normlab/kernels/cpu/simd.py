@@ -36,7 +36,7 @@ AVX512 = X86 and bool(target_features().get("avx512f", False))
 
 # A staging row (one per chunk, float32, 64-byte aligned): a line of zeros at ZERO, which
 # narrow_line needs (the launcher zeroes the row, the kernels never write it); [0, EMIT) holds
-# a block where _EMIT (the tests) converts one.
+# a block where the tests convert one (tests/test_cpu_blocks.py).
 ZERO = 128
 STAGE_WIDTH = 192
 
@@ -408,32 +408,6 @@ def backward_block(math, stream, paired=False, reads_x=True, hw=HW_BF16, finite=
 
     return intrinsic(block)
 
-
-def _make_emit(llama, stream, hw=HW_BF16):
-    """dst[j:j + EMIT] = src[:EMIT] (a staging row) converted to dst's dtype (see store_block)."""
-
-    def emit(typingctx, dst, j, src, w):
-        kind = dst.dtype
-
-        def codegen(context, builder, signature, args):
-            dst_data, src_data, w_data = (
-                context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 2, 3)
-            )
-            values = [load_f32(builder, src_data, v) for v in range(EMIT // LANES)]
-            zero = builder.gep(src_data, [i64(ZERO)])
-            base, wbase = builder.gep(dst_data, [args[1]]), builder.gep(w_data, [args[1]])
-            store_block(builder, kind, base, wbase, values, llama, stream, hw, zero)
-            return context.get_dummy_value()
-
-        return types.void(dst, types.uint64, src, w), codegen
-
-    return intrinsic(emit)
-
-
-# The conversions on their own, from a staging row: tests/test_cpu_blocks.py checks store_block
-# through them against the scalar conversions (the integer bf16 path too, on every CPU).
-_EMIT = {(llama, stream): _make_emit(llama, stream) for llama in (False, True) for stream in (False, True)}
-_EMIT_INTEGER_BF16 = {key: _make_emit(*key, hw=False) for key in _EMIT}
 
 # --------------------------------------------------------------------------------- row sums
 # Pass 1 over a row's whole blocks: per block, 16-lane vectors summed into _ACC float32
