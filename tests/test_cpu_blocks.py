@@ -16,6 +16,7 @@ pytest.importorskip("numba", reason="the cpu backend needs numba (pip install no
 from numba import njit  # noqa: E402
 from normlab.kernels.cpu import codecs, launch, memory, rows, simd  # noqa: E402
 from normlab.kernels.cpu import layernorm as LN  # noqa: E402
+from normlab.kernels.cpu import layernorm_bwd as LNB  # noqa: E402
 from normlab.kernels.cpu import rmsnorm as RMS  # noqa: E402
 
 
@@ -144,7 +145,7 @@ def test_backward_pair_order_sums_match_float64(gen, op):
     # float64 ones, and its partial rows, put back in place, the float64 terms of each element.
     from numba import njit
 
-    ln_sums = LN._GRAD_SUMS[1]
+    ln_sums = LNB._GRAD_SUMS[1]
 
     @njit
     def ln_pass(dy, x, wp, dwc, dbc, n, mhi, rstd, lo):
@@ -192,7 +193,7 @@ def test_first_pass_over_a_row_pair_is_bitwise_two_single_rows(gen, op):
     from numba import njit
 
     if op == "ln":
-        one, two = LN._GRAD_SUMS[1], LN._GRAD_SUMS[2]
+        one, two = LNB._GRAD_SUMS[1], LNB._GRAD_SUMS[2]
     else:
         one, two = (RMS._GRAD_SUMS[op == "rms_llama", op == "rms_squares", rows] for rows in (1, 2))
 
@@ -375,7 +376,7 @@ def test_a_half_block_writes_the_first_half_of_a_whole_blocks_values(gen, op, dt
     # past them.
     llama = op == "rms llama"
     if op.endswith("dx"):
-        math = LN._dx_vector if op == "layer dx" else RMS._dx_vector(True)
+        math = LNB._dx_vector if op == "layer dx" else RMS._dx_vector(True)
         blocks = [simd.backward_block(math, stream, size=s) for s in (simd.EMIT, simd.HALF)]
 
         def runner(block):

@@ -14,6 +14,7 @@ LAYERS = [
     {"reference", "testing", "runs", "intervals", "claims", "plots", "env", "bench_tables",
      "experiments.cost", "experiments.design", "kernels.triton.kernels",
      "kernels.cpu.codecs", "kernels.cpu.pointwise", "kernels.cpu.tanh_erf", "kernels.cpu.layernorm",
+     "kernels.cpu.layernorm_bwd",
      "kernels.cpu.memory", "kernels.cpu.rmsnorm",
      "kernels.cpu.rows", "kernels.cpu.simd"},
     {"kernels.ops", "kernels.cpu.cache", "kernels.cpu.launch", "kernels.triton.launch"},

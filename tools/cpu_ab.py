@@ -68,6 +68,8 @@ def load(src: str, name: str):
     parent.__path__ = [str(package)]
     sys.modules[name] = parent
     rms, ln = (importlib.import_module(f"{name}.{op}") for op in ("rmsnorm", "layernorm"))
+    if (package / "layernorm_bwd.py").is_file():  # trees from the forward's row pairs on
+        ln.ln_bwd = importlib.import_module(f"{name}.layernorm_bwd").ln_bwd
     kernels = types.SimpleNamespace(rms_fwd=rms.rms_fwd, ln_fwd=ln.ln_fwd, rms_bwd=rms.rms_bwd,
                                     ln_bwd=ln.ln_bwd)
     # trees from 7beb5e1 on take ``far`` (prefetch into L2) after ``stream``

@@ -24,7 +24,7 @@ import torch.nn.functional as TF
 import normlab.functional as F
 from normlab.bench import parse_shape, scrubber
 from normlab.kernels.cpu import launch as C
-from normlab.kernels.cpu import layernorm, memory, rmsnorm
+from normlab.kernels.cpu import layernorm, layernorm_bwd, memory, rmsnorm
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -124,8 +124,8 @@ def main() -> None:
         },
         "layer_norm": {
             "kernel fwd": lambda: layernorm.ln_fwd(xn, wn, bn, out, mean, rstd, 1e-5, stages, nt, far, skip),
-            "kernel bwd": lambda: layernorm.ln_bwd(dyn, xn, wn, mean_at, rstd_at, None, out, dw, dw.copy(),
-                                                   stages, nt, far2, skip),
+            "kernel bwd": lambda: layernorm_bwd.ln_bwd(dyn, xn, wn, mean_at, rstd_at, None, out, dw,
+                                                       dw.copy(), stages, nt, far2, skip),
             "launcher fwd": lambda: C.ln_fwd_launch(x.detach(), w, b, 1e-5, stats=False),
             "launcher bwd": lambda: C.ln_bwd_launch(dy, x.detach(), w, mean_t, lrstd_t, None),
             "fwd, no grad": lambda: F.layer_norm(x.detach(), w.detach(), b.detach(), backend="cpu"),

@@ -1,8 +1,9 @@
 """The ``cpu`` backend: fused numba kernels behind torch.library custom ops.
 
-Read in this order: ``rmsnorm.py``, ``layernorm.py`` and ``pointwise.py`` (DyT and Derf): each
-op's formula, forward and backward kernels, top to bottom (``tanh_erf.py``: DyT's tanh and Derf's
-erf as vector IR); ``rows.py`` (what every kernel does per row and chunk), ``simd.py`` and
+Read in this order: ``rmsnorm.py``, ``layernorm.py`` (its backward in ``layernorm_bwd.py``) and
+``pointwise.py`` (DyT and Derf): each op's formula, forward and backward kernels, top to bottom
+(``tanh_erf.py``: DyT's tanh and Derf's erf as vector IR); ``rows.py`` (what every kernel does
+per row and chunk), ``simd.py`` and
 ``codecs.py`` (the vector code and the bf16/fp16 conversions), ``launch.py`` (from tensors to a
 kernel call) and ``memory.py`` (output buffers, streaming). ``cache.py`` keys numba's on-disk
 cache by the hash of all the kernel sources. docs/cpu-kernels.md says what each technique buys,
@@ -28,7 +29,8 @@ from normlab.kernels import ops
 
 from . import launch
 from .cache import sources_hash
-from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
+from .layernorm import add_ln_fwd, ln_fwd
+from .layernorm_bwd import ln_bwd
 from .memory import env_setting
 from .pointwise import pointwise_bwd, pointwise_fwd
 from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd

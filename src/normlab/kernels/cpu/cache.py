@@ -44,8 +44,8 @@ from numba.core import caching
 from normlab import env
 
 # Every file whose code a kernel may compile in (tests/test_cpu_cache.py checks the list).
-SOURCES = ("cache.py", "codecs.py", "simd.py", "rows.py", "rmsnorm.py", "layernorm.py", "tanh_erf.py",
-           "pointwise.py")
+SOURCES = ("cache.py", "codecs.py", "simd.py", "rows.py", "rmsnorm.py", "layernorm.py", "layernorm_bwd.py",
+           "tanh_erf.py", "pointwise.py")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Reassociation lets LLVM vectorize the reductions. No nnan/ninf: inf and nan rows must behave as

@@ -23,7 +23,8 @@ from torch import Tensor
 from normlab import reference
 
 from .pointwise import pointwise_bwd, pointwise_fwd, table_for
-from .layernorm import add_ln_fwd, ln_bwd, ln_fwd
+from .layernorm import add_ln_fwd, ln_fwd
+from .layernorm_bwd import ln_bwd
 from .memory import (KERNEL_CODE, STREAM_MIN_BYTES, empty, prefetch_far, prefetch_skip, scratch,
                      serial_max_bytes, vector, zero_stages)
 from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
