@@ -244,6 +244,59 @@ def test_wide_bf16_rows_in_pairs(gen, op):
             assert torch.equal(together["x"][r : r + 1], alone["x"]), (opts, r)
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain stores", "streamed"])
+@pytest.mark.parametrize("d", [rows.FORWARD_PAIRS_ABOVE + 2 * simd.EMIT + simd.HALF,
+                               rows.FORWARD_PAIRS_ABOVE + 37], ids=["alike", "at other offsets"])
+def test_wide_bf16_layer_norm_rows_in_pairs(gen, d, streamed, monkeypatch):
+    # Above rows.FORWARD_PAIRS_ABOVE values a row, LayerNorm's bf16 forward converted by
+    # AVX512-BF16 writes rows two at a time, each block of weights read once for both (a chunk's
+    # odd row alone; with streamed stores, rows whose blocks start at different offsets, as every
+    # other row of d + 37 does, one at a time). Outputs against float64, and each row's output
+    # bitwise what the row gets alone, through the single-row path.
+    monkeypatch.setattr(launch, "STREAM_MIN_BYTES", 0 if streamed else 1 << 62)
+    check(gen, "layer_norm", (7, d), torch.bfloat16)
+    leaves = op_leaves(gen, "layer_norm", (7, d), torch.bfloat16)
+    (together,) = call_op("layer_norm", leaves, {}, "cpu")
+    for r in range(7):
+        row = {k: (v[r : r + 1] if v.dim() == 2 else v) for k, v in leaves.items()}
+        (alone,) = call_op("layer_norm", row, {}, "cpu")
+        assert torch.equal(together[r : r + 1], alone), r
+
+
+FORWARD_PAIR_RULE = """
+import numpy as np
+from numba import njit
+from normlab.kernels.cpu import rows
+
+@njit
+def pairs(x, d):
+    return rows.forward_pairs(x, d)
+
+bf16, fp16, fp32 = (np.zeros((1, 1), t) for t in (np.uint16, np.int16, np.float32))  # as the kernels see them
+print(pairs(bf16, 4096), pairs(bf16, 4097), pairs(bf16, 16384), pairs(fp16, 16384), pairs(fp32, 16384))
+"""
+
+
+@pytest.mark.skipif(not simd.X86, reason="compiles for x86-64 levels")
+@pytest.mark.parametrize("level, want", [("x86-64-v3", "False False False False False"),
+                                         ("x86-64-v4", "False False False False False"),
+                                         ("x86-64-v4-bf16", "False True True False False")])
+def test_forward_rows_go_in_pairs_only_in_bf16_with_its_conversion_instruction(tmp_path, level, want):
+    # Pairs of rows gained 1.08-1.14x in the bf16 forward on a Zen 4 from 6144 features (1.0 at
+    # 4096, where the float32 weight and bias just fill L1), but spilled and lost 20-60% with
+    # integer rounding (AVX2, AVX-512 without AVX512-BF16), and gained nothing in fp32 or fp16
+    # (docs/cpu-kernels.md, "Row pairs in the bf16 forward").
+    from normlab.kernels.cpu import cache
+
+    cpu_name, features = cache.llvm_target(level)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "NUMBA_CPU_NAME": cpu_name,
+           "NUMBA_CPU_FEATURES": features}
+    run = subprocess.run([sys.executable, "-c", FORWARD_PAIR_RULE], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[-2] == want
+
+
 PAIR_RULE = """
 import numpy as np
 from numba import njit

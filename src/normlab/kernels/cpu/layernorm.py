@@ -23,13 +23,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
 from numba.extending import overload
 
 from .cache import kernel
 from .codecs import load_at, pair_order, store_at
-from .rows import (all_finite, at, block_spans, chunk_span, nan_free, pairs_fit, recip, row_of, value_at,
-                   vector_sums, writes_pairs)
+from .rows import (all_finite, at, block_spans, chunk_span, forward_pairs, forward_pairs_fit, nan_free,
+                   pairs_fit, recip, row_of, value_at, vector_sums, writes_pairs)
 from .simd import (BLOCK, EMIT, HALF, forward_block, prefetch_pass1, prefetch_pass2, row_moments,
                    row_moments_wide, store_fence)
 
@@ -48,17 +48,13 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream, far, skip):
     span = d - d % EMIT if writes_pairs(x, y) else 0
     w_pairs, b_pairs = pair_order(w, span), pair_order(b, span)
     wb_finite = writes_pairs(x, y) and all_finite(w) and all_finite(b)
+    pairs = forward_pairs(x, d)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
         for r in range(r0, r1):
-            xr, px = row_of(x, r), row_of(x, r + skip)  # px: the row whose successor is prefetched
-            mu, var = _moments(xr, None, None, xr, px, None, far)
-            row_rstd = recip(math.sqrt(var + eps))
-            mean[r] = mu
-            rstd[r] = row_rstd
-            _ln_write(xr, w, b, w_pairs, b_pairs, row_of(y, r), mu, row_rstd, stage, stream, far, px, None,
-                      nan_free(wb_finite, row_rstd, mu))
+            _ln_row(x, None, w, b, w_pairs, b_pairs, y, x, mean, rstd, eps, r, r0, r1, pairs, stage, stream,
+                    far, skip, wb_finite)
         if stream:
             store_fence()
 
@@ -75,17 +71,60 @@ def add_ln_fwd(x, res, w, b, y, s, mean, rstd, eps, stages, stream, far, skip):
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
-        for r in range(r0, r1):
-            xr, rr, sr = row_of(x, r), row_of(res, r), row_of(s, r)
-            px, pr = row_of(x, r + skip), row_of(res, r + skip)
-            mu, var = _moments(xr, rr, sr, sr, px, pr, far)
-            row_rstd = recip(math.sqrt(var + eps))
-            mean[r] = mu
-            rstd[r] = row_rstd
-            _ln_write(sr, w, b, w_pairs, b_pairs, row_of(y, r), mu, row_rstd, stage, stream, far, px, pr,
-                      nan_free(wb_finite, row_rstd, mu))
+        for r in range(r0, r1):  # no pairs: they gained nothing here (docs/cpu-kernels.md)
+            _ln_row(x, res, w, b, w_pairs, b_pairs, y, s, mean, rstd, eps, r, r0, r1, False, stage, stream,
+                    far, skip, wb_finite)
         if stream:
             store_fence()
+
+
+@njit(inline="always")
+def _ln_row(x, res, w, b, w_pairs, b_pairs, y, s, mean, rstd, eps, r, r0, r1, pairs, stage, stream, far, skip,
+            wb_finite):
+    """Row r of a chunk's rows [r0, r1): its statistics, then its outputs. The row normalized is
+    s: with ``res``, the residual sum x + res, formed and stored on the way; without, x itself (s
+    is x). Where ``pairs`` (rows.forward_pairs) the rows go two by two from r0, and a pair's
+    outputs are written together (_ln_write_pair) once both rows have their statistics; each
+    pass 1 then prefetches the first half of the row two on."""
+    first = r - (r - r0) % 2
+    paired = _in_pair(s, res, y, first, r1, pairs, stream)
+    ahead = skip + 1 if paired else skip
+    xr, rr, sr = row_of(x, r), row_of(res, r), row_of(s, r)
+    px, pr = row_of(x, r + ahead), row_of(res, r + ahead)  # the rows whose successors are prefetched
+    mu, var = _moments(xr, rr, sr, sr, px, pr, far)
+    row_rstd = recip(math.sqrt(var + eps))
+    mean[r], rstd[r] = mu, row_rstd
+    if not paired:
+        _ln_write(sr, w, b, w_pairs, b_pairs, row_of(y, r), mu, row_rstd, stage, stream, far, px, pr,
+                  nan_free(wb_finite, row_rstd, mu))
+    elif r > first:
+        _ln_write_pair(x, res, w, b, y, mean, rstd, first, stage, stream, far, skip)
+
+
+def _in_pair(s, res, y, first, r1, pairs, stream):  # pragma: no cover - replaced by the overload below
+    """Whether the rows first and first + 1 go as a pair: ``pairs``, both in the chunk (up to r1),
+    and their whole output blocks at the same offsets. False at typing time where rows never
+    pair (rows.forward_pairs_fit; with a residual), and the pair code is then not compiled."""
+    raise NotImplementedError
+
+
+def _pairs_fit(s, res) -> bool:
+    return forward_pairs_fit(s) and isinstance(res, (types.NoneType, types.Omitted))
+
+
+@overload(_in_pair, inline="always")
+def _ov_in_pair(s, res, y, first, r1, pairs, stream):
+    if not _pairs_fit(s, res):
+        return lambda s, res, y, first, r1, pairs, stream: False
+
+    def in_pair(s, res, y, first, r1, pairs, stream):
+        if not pairs or first + 1 >= r1:
+            return False
+        d = y.shape[1]
+        return (block_spans(row_of(y, first), 0, d, stream)[0]
+                == block_spans(row_of(y, first + 1), 0, d, stream)[0])
+
+    return in_pair
 
 
 @njit(inline="always")
@@ -216,11 +255,56 @@ def _ln_write(xr, w, bias, w_pairs, b_pairs, yr, mean, row_rstd, stage, stream, 
     for j in range(c, b, EMIT):
         prefetch_pass2(ahead1, ahead2, j, 1, far)
         _y_block(yr, j, xr, w, bias, stage, mhi, mlo, row_rstd, stream, False, False, EMIT)
+    _ln_write_tail(xr, w, bias, yr, mhi, mlo, row_rstd, b, stage, stream)
+
+
+@njit(inline="always")
+def _ln_write_tail(xr, w, bias, yr, mhi, mlo, row_rstd, b, stage, stream):
+    """The outputs past the row's whole blocks, from b: a HALF block if that many are left."""
+    d = yr.shape[0]
     if d - b >= HALF:  # in pair_order w and b are in place past the whole blocks: plain order serves
         _y_block(yr, b, xr, w, bias, stage, mhi, mlo, row_rstd, stream, False, False, HALF)
         b += HALF
     for i in range(b, d):
         _ln_y(xr, w, bias, yr, mhi, mlo, row_rstd, i)
+
+
+def _ln_write_pair(x, res, w, b, y, mean, rstd, r, stage, stream, far, skip):  # pragma: no cover
+    """_ln_write of rows r and r + 1 (_in_pair), their whole blocks side by side, each weight read
+    once for the two: a row's bits are those it gets alone. Prefetches the second halves of the
+    two rows after them. A function of its own, not inlined: inlined into the rows' loop, a
+    first bf16 call compiled in 25 s instead of 9 (docs/cpu-kernels.md). w and b are in place:
+    where rows pair, bf16 is not written in pairs (rows.writes_pairs)."""
+    raise NotImplementedError
+
+
+@overload(_ln_write_pair)
+def _ov_ln_write_pair(x, res, w, b, y, mean, rstd, r, stage, stream, far, skip):
+    if not _pairs_fit(x, res):
+        return lambda x, res, w, b, y, mean, rstd, r, stage, stream, far, skip: None
+    return _write_pair
+
+
+def _write_pair(x, res, w, b, y, mean, rstd, r, stage, stream, far, skip):
+    xr, xr2, yr, yr2 = row_of(x, r), row_of(x, r + 1), row_of(y, r), row_of(y, r + 1)
+    px, px2 = row_of(x, r + 1 + skip), row_of(x, r + 2 + skip)
+    d = xr.shape[0]
+    a, e = block_spans(yr, 0, d, stream)
+    row_rstd, row_rstd2 = rstd[r], rstd[r + 1]
+    mhi, mlo = split_mean(mean[r])
+    mhi2, mlo2 = split_mean(mean[r + 1])
+    for i in range(a):
+        _ln_y(xr, w, b, yr, mhi, mlo, row_rstd, i)
+        _ln_y(xr2, w, b, yr2, mhi2, mlo2, row_rstd2, i)
+    for j in range(a, e, EMIT):
+        prefetch_pass2(px, px2, j, 1, far)
+        at = np.uint64(j)
+        if stream:
+            _y_pair_streamed(yr, yr2, at, xr, xr2, w, b, stage, mhi, mlo, row_rstd, mhi2, mlo2, row_rstd2)
+        else:
+            _y_pair(yr, yr2, at, xr, xr2, w, b, stage, mhi, mlo, row_rstd, mhi2, mlo2, row_rstd2)
+    _ln_write_tail(xr, w, b, yr, mhi, mlo, row_rstd, e, stage, stream)
+    _ln_write_tail(xr2, w, b, yr2, mhi2, mlo2, row_rstd2, e, stage, stream)
 
 
 @njit
@@ -239,6 +323,7 @@ _Y_BLOCK = {(stream, paired, finite, size): forward_block(_y_vector, False, stre
             for stream in (False, True)
             for paired, finite, size in ((False, False, EMIT), (True, False, EMIT), (True, True, EMIT),
                                          (False, False, HALF))}
+_y_pair, _y_pair_streamed = (forward_block(_y_vector, False, stream, rows=2) for stream in (False, True))
 
 
 # replaced by the overload below

@@ -303,6 +303,31 @@ def row_pairs(x, dy, k, fit):
     return fit and reads_pairs(x, dy) and k - k % BLOCK >= max(PAIR_ROWS_MIN, BLOCK)
 
 
+# LayerNorm's bf16 forward, converted by AVX512-BF16, takes its rows in pairs above
+# FORWARD_PAIRS_ABOVE features, where the float32 weight and bias (8 bytes a value) outgrow a 32 KB
+# L1: pass 2 then reads them from L2 once for two rows. With integer rounding (AVX2, plain
+# AVX-512) two rows' blocks spilled and ran 0.4-0.8x; fp32 and fp16 rows, and the residual-add
+# variant, gained nothing (docs/cpu-kernels.md, "Row pairs in the bf16 forward").
+FORWARD_PAIRS_ABOVE = 4096
+
+
+def forward_pairs(x, d):  # pragma: no cover - replaced by the overload below
+    """Whether a forward over rows of ``d`` values of x takes them in pairs (FORWARD_PAIRS_ABOVE)."""
+    raise NotImplementedError
+
+
+def forward_pairs_fit(x) -> bool:
+    """Whether rows of x can go in pairs at all (forward_pairs), on numba array types at typing
+    time: where not, the kernels leave the pair code out."""
+    return x.dtype == types.uint16 and HW_BF16
+
+
+@overload(forward_pairs)
+def _ov_forward_pairs(x, d):
+    able = forward_pairs_fit(x)
+    return lambda x, d: able and d > FORWARD_PAIRS_ABOVE
+
+
 def pair_registers(round_to, one_sum):  # pragma: no cover - replaced by the overload below
     """Whether two rows' pass-1 accumulators fit the vector registers together: always with
     AVX-512; with a quarter of its register lanes (AVX2, NEON) only for one sum a row

@@ -310,7 +310,7 @@ def store_fence(typingctx):
 # ----------------------------------------------------------------------------- output blocks
 
 
-def forward_block(math, llama, stream, hw=HW_BF16, paired=False, finite=False, size=EMIT):
+def forward_block(math, llama, stream, hw=HW_BF16, paired=False, finite=False, size=EMIT, rows=1):
     """An intrinsic (y, j, x, w, b, stage, mhi, mlo, rstd) that computes and stores the output
     block y[j:j + size] (EMIT, or HALF for a row's last values). ``math(builder, x, w, b, mhi,
     mlo, rstd)`` gives one 16-lane vector of outputs from one of x; ``w`` and ``b`` are functions
@@ -321,39 +321,52 @@ def forward_block(math, llama, stream, hw=HW_BF16, paired=False, finite=False, s
     shuffles where bf16 is rounded with integer arithmetic (see rows.writes_pairs). ``finite``
     (with ``paired``): the caller knows that no output of the block is nan (rows.nan_free), so
     the rounding skips the nan select: the same bits, 2 fewer instructions per 8 values on AVX2,
-    where these kernels are compute-bound."""
+    where these kernels are compute-bound. ``rows=2``: (y, y2, j, x, x2, w, b, stage, mhi, mlo,
+    rstd, mhi2, mlo2, rstd2), the same block of two rows, each weight loaded once for both."""
 
     def codegen(context, builder, signature, args):
-        kind, xkind = signature.args[0].dtype, signature.args[2].dtype
-        y_data, x_data, w_data, b_data, stage_data = (
-            context.make_array(signature.args[k])(context, builder, args[k]).data for k in (0, 2, 3, 4, 5)
-        )
-        at = args[1]
-        xbase, wbase, bbase = (builder.gep(data, [at]) for data in (x_data, w_data, b_data))
-        mhi, mlo, row_rstd = (f32x16(builder, args[k]) for k in (6, 7, 8))
-        if paired:
-            xs = [u for c in range(size // 32) for u in bf16_pair(builder, xbase, 32 * c)]
-        else:
-            xs = [load_row(builder, xbase, v, xkind) for v in range(size // LANES)]
-        values = []
-        for v, t in enumerate(xs):
-            values.append(math(builder, t, lambda v=v: load_f32(builder, wbase, v),
-                               lambda v=v: load_f32(builder, bbase, v), mhi, mlo, row_rstd))
-        zero = builder.gep(stage_data, [i64(ZERO)])
-        ybase = builder.gep(y_data, [at])
-        if paired:
-            if llama:  # as store_block does it: round, widen, times the weight
-                values = [builder.fmul(widen_bits(builder, narrow_bits(builder, u, kind, hw, not finite),
-                                                  kind), load_f32(builder, wbase, v))
-                          for v, u in enumerate(values)]
-            _store_pairs(builder, ybase, values, stream, hw, zero, not finite)
-        else:
-            store_block(builder, kind, ybase, wbase, values, llama, stream, hw, zero)
+        kind, xkind = signature.args[0].dtype, signature.args[rows + 1].dtype
+        data = [context.make_array(ty)(context, builder, a).data if isinstance(ty, types.Array) else None
+                for ty, a in zip(signature.args, args)]
+        at = args[rows]
+        wbase, bbase = (builder.gep(data[k], [at]) for k in (2 * rows + 1, 2 * rows + 2))
+        loaded = {}
+
+        def param(base, v):  # loaded once, for the first row that uses it
+            if (base, v) not in loaded:
+                loaded[base, v] = load_f32(builder, base, v)
+            return loaded[base, v]
+
+        zero = builder.gep(data[2 * rows + 3], [i64(ZERO)])
+        for r in range(rows):
+            xbase = builder.gep(data[rows + 1 + r], [at])
+            mhi, mlo, row_rstd = (f32x16(builder, args[2 * rows + 4 + 3 * r + k]) for k in range(3))
+            if paired:
+                xs = [u for c in range(size // 32) for u in bf16_pair(builder, xbase, 32 * c)]
+            else:
+                xs = [load_row(builder, xbase, v, xkind) for v in range(size // LANES)]
+            values = []
+            for v, t in enumerate(xs):
+                values.append(math(builder, t, lambda v=v: param(wbase, v), lambda v=v: param(bbase, v),
+                                   mhi, mlo, row_rstd))
+            ybase = builder.gep(data[r], [at])
+            if paired:
+                if llama:  # as store_block does it: round, widen, times the weight
+                    values = [builder.fmul(widen_bits(builder, narrow_bits(builder, u, kind, hw, not finite),
+                                                      kind), param(wbase, v))
+                              for v, u in enumerate(values)]
+                _store_pairs(builder, ybase, values, stream, hw, zero, not finite)
+            else:
+                store_block(builder, kind, ybase, wbase, values, llama, stream, hw, zero)
         return context.get_dummy_value()
 
-    def block(typingctx, y, j, x, w, b, stage, mhi, mlo, row_rstd):
-        f = types.float32
-        return types.void(y, types.uint64, x, w, b, stage, f, f, f), codegen
+    f = types.float32
+    if rows == 1:
+        def block(typingctx, y, j, x, w, b, stage, mhi, mlo, row_rstd):
+            return types.void(y, types.uint64, x, w, b, stage, f, f, f), codegen
+    else:
+        def block(typingctx, y, y2, j, x, x2, w, b, stage, mhi, mlo, row_rstd, mhi2, mlo2, row_rstd2):
+            return types.void(y, y2, types.uint64, x, x2, w, b, stage, f, f, f, f, f, f), codegen
 
     return intrinsic(block)
 
