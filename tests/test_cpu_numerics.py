@@ -274,6 +274,22 @@ def test_forward_is_batch_invariant(gen, op, dtype):
         assert all(torch.equal(f[picked], p) for f, p in zip(full, part)), picked
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_short_rows_in_groups(gen, op, dtype):
+    # 16-bit rows of up to rows.GROUP_ROW_BYTES go through the forward in groups of rows.ROW_GROUP:
+    # here many groups, chunks that end inside one, a partial last group and a nan row among them
+    check(gen, op, (3, 37, 96), dtype)
+    leaves = op_leaves(gen, op, (37, 64), dtype)
+    leaves["x"][10, 7] = float("nan")
+    full = call_op(op, leaves, {}, "cpu")
+    assert torch.isnan(full[0][10]).any() and torch.isfinite(full[0][torch.arange(37) != 10]).all()
+    for picked in ([5], [7, 8], list(range(3, 21)), [36], [10, 11]):
+        part = call_op(op, {k: (v[picked] if v.dim() == 2 else v) for k, v in leaves.items()}, {}, "cpu")
+        for f, p in zip(full, part):
+            torch.testing.assert_close(f[picked], p, rtol=0, atol=0, equal_nan=True, msg=str(picked))
+
+
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
 def test_weight_gradients_stay_accurate_over_many_rows(gen, op):
     # A float32 sum over all of a chunk's rows lost accuracy with their count: at 16384 rows dw was

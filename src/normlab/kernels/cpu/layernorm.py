@@ -28,10 +28,13 @@ from numba.extending import overload
 
 from .cache import kernel
 from .codecs import load_at, pair_order, store_at
-from .rows import (all_finite, at, block_spans, chunk_span, forward_pairs, forward_pairs_fit, nan_free,
-                   pairs_fit, recip, row_of, value_at, vector_sums, writes_pairs)
+from .rows import (GROUP_ROW_BYTES, ROW_GROUP, all_finite, at, block_spans, chunk_span, forward_pairs,
+                   forward_pairs_fit, grouped_rows, nan_free, pairs_fit, recip, row_of, value_at,
+                   vector_sums, writes_pairs)
 from .simd import (BLOCK, EMIT, HALF, forward_block, prefetch_pass1, prefetch_pass2, row_moments,
                    row_moments_wide, store_fence)
+
+assert GROUP_ROW_BYTES // 2 <= BLOCK  # grouped rows, 16-bit, take _short_moments
 
 # ---------------------------------------------------------------------------------- forward
 # ``stages``: one float32 staging row per chunk (their count is the chunk count; see simd.py).
@@ -49,12 +52,28 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream, far, skip):
     w_pairs, b_pairs = pair_order(w, span), pair_order(b, span)
     wb_finite = writes_pairs(x, y) and all_finite(w) and all_finite(b)
     pairs = forward_pairs(x, d)
+    grouped = grouped_rows(x, d)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
-        for r in range(r0, r1):
-            _ln_row(x, None, w, b, w_pairs, b_pairs, y, x, mean, rstd, eps, r, r0, r1, pairs, stage, stream,
-                    far, skip, wb_finite)
+        if grouped:  # short rows (rows.ROW_GROUP): _short_moments's rows, no longer than a BLOCK
+            mus, variances = np.empty(ROW_GROUP, np.float64), np.empty(ROW_GROUP, np.float64)
+            ahead = skip + ROW_GROUP - 1  # prefetch the rows the next group reads
+            for g0 in range(r0, r1, ROW_GROUP):
+                g1 = min(g0 + ROW_GROUP, r1)
+                for r in range(g0, g1):
+                    m, v = _short_moments(row_of(x, r), row_of(x, r + ahead), None, far)
+                    mus[r - g0], variances[r - g0] = m, v
+                for r in range(g0, g1):
+                    mean[r], rstd[r] = mus[r - g0], recip(math.sqrt(variances[r - g0] + eps))
+                for r in range(g0, g1):
+                    mu, row_rstd = mus[r - g0], rstd[r]
+                    _ln_write(row_of(x, r), w, b, w_pairs, b_pairs, row_of(y, r), mu, row_rstd, stage, stream,
+                              far, row_of(x, r + ahead), None, nan_free(wb_finite, row_rstd, mu))
+        else:
+            for r in range(r0, r1):
+                _ln_row(x, None, w, b, w_pairs, b_pairs, y, x, mean, rstd, eps, r, r0, r1, pairs, stage,
+                        stream, far, skip, wb_finite)
         if stream:
             store_fence()
 

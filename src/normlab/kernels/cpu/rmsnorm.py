@@ -30,10 +30,10 @@ from numba.extending import overload
 
 from .cache import kernel
 from .codecs import load_at, pair_order, round_like, store_at
-from .rows import (FLUSH, all_finite, at, chunk_span, flush_into, grad_nan_free, grad_select_optional,
-                   is_llama, nan_free, pair_registers, pair_types, pairs_fit, reads_pairs, partial_rows,
-                   partial_sums, recip, row_of, row_pairs, block_spans, select_optional,
-                   sum_partials, sums_block, value_at, vector_sums, widened, writes_pairs)
+from .rows import (FLUSH, ROW_GROUP, all_finite, at, chunk_span, flush_into, grad_nan_free,
+                   grad_select_optional, grouped_rows, is_llama, nan_free, pair_registers, pair_types,
+                   pairs_fit, reads_pairs, partial_rows, partial_sums, recip, row_of, row_pairs, block_spans,
+                   select_optional, sum_partials, sums_block, value_at, vector_sums, widened, writes_pairs)
 from .simd import (BLOCK, EMIT, HALF, TAIL, fma_ir, fma32, narrow_bits, prefetch_pass1, prefetch_pass2,
                    row_sumsq, store_fence, widen_bits, backward_block, forward_block, grad_sums)
 
@@ -43,8 +43,8 @@ from .simd import (BLOCK, EMIT, HALF, TAIL, fma_ir, fma32, narrow_bits, prefetch
 # (memory.prefetch_far). ``skip``: how many rows past the next one the prefetches reach
 # (memory.prefetch_skip). ``round_to``: a 1-element array whose dtype is where
 # xhat is rounded (the output's in the llama order, float32 in the gemma order).
-# Rows are x[r], not rows.row_of: without its reference counts rms_norm ran slower in bf16
-# (docs/cpu-kernels.md, "Row views without references").
+# The forwards' rows are rows.row_of (no reference counts); the backward's are x[r]: without
+# them it ran slower in bf16 (docs/cpu-kernels.md, "Row views without references").
 
 
 @kernel
@@ -54,15 +54,30 @@ def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream, far, skip):
     nchunks = stages.shape[0]
     w_pairs = pair_order(w, d - d % EMIT if writes_pairs(x, y) else 0)
     w_finite = writes_pairs(x, y) and k == d and all_finite(w)  # partial: values past k are in no statistic
+    grouped = grouped_rows(x, d)
     for c in prange(nchunks):
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
-        for r in range(r0, r1):
-            xr, px = x[r], row_of(x, r + skip)  # px: the row whose successor is prefetched
-            row_rstd = _rms_scale(_sumsq(xr, None, None, px, None, k, far), k, eps, inside)
-            rstd[r] = row_rstd
-            _rms_write(xr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, far, px, None,
-                       nan_free(w_finite, row_rstd, 0.0))
+        if grouped:  # short rows (rows.ROW_GROUP); a loop of its own keeps long rows' code as it was
+            sums = np.empty(ROW_GROUP, np.float64)
+            ahead = skip + ROW_GROUP - 1  # prefetch the rows the next group reads
+            for g0 in range(r0, r1, ROW_GROUP):
+                g1 = min(g0 + ROW_GROUP, r1)
+                for r in range(g0, g1):
+                    sums[r - g0] = _sumsq(row_of(x, r), None, None, row_of(x, r + ahead), None, k, far)
+                for r in range(g0, g1):
+                    rstd[r] = _rms_scale(sums[r - g0], k, eps, inside)
+                for r in range(g0, g1):
+                    row_rstd = rstd[r]
+                    _rms_write(row_of(x, r), w, w_pairs, row_of(y, r), row_rstd, round_to, stage, stream, far,
+                               row_of(x, r + ahead), None, nan_free(w_finite, row_rstd, 0.0))
+        else:
+            for r in range(r0, r1):
+                xr, px = row_of(x, r), row_of(x, r + skip)  # px: the row whose successor is prefetched
+                row_rstd = _rms_scale(_sumsq(xr, None, None, px, None, k, far), k, eps, inside)
+                rstd[r] = row_rstd
+                _rms_write(xr, w, w_pairs, row_of(y, r), row_rstd, round_to, stage, stream, far, px, None,
+                           nan_free(w_finite, row_rstd, 0.0))
         if stream:
             store_fence()
 
@@ -78,12 +93,12 @@ def add_rms_fwd(x, res, w, y, s, rstd, eps, inside, k, round_to, stages, stream,
         r0, r1 = chunk_span(c, nchunks, n)
         stage = stages[c]
         for r in range(r0, r1):
-            xr, rr, sr = x[r], res[r], s[r]
+            xr, rr, sr = row_of(x, r), row_of(res, r), row_of(s, r)
             px, pr = row_of(x, r + skip), row_of(res, r + skip)
             # s is an output too, but the second pass reads it back: plain stores keep it cached
             row_rstd = _rms_scale(_sumsq(xr, rr, sr, px, pr, k, far), k, eps, inside)
             rstd[r] = row_rstd
-            _rms_write(sr, w, w_pairs, y[r], row_rstd, round_to, stage, stream, far, px, pr,
+            _rms_write(sr, w, w_pairs, row_of(y, r), row_rstd, round_to, stage, stream, far, px, pr,
                        nan_free(w_finite, row_rstd, 0.0))
         if stream:
             store_fence()

@@ -303,6 +303,27 @@ def row_pairs(x, dy, k, fit):
     return fit and reads_pairs(x, dy) and k - k % BLOCK >= max(PAIR_ROWS_MIN, BLOCK)
 
 
+# Short 16-bit rows go through a forward in groups of ROW_GROUP: pass 1 of every row of the group,
+# then their scales, then pass 2 of each, so that one row's chain of division and square roots
+# overlaps the other rows' work instead of holding up its own writes. Only where x's row takes at
+# most GROUP_ROW_BYTES: from memory, longer rows ran slower grouped, and float32 rows (already at
+# memory speed) slower at every length (docs/cpu-kernels.md, "Short rows in groups").
+ROW_GROUP = 8
+GROUP_ROW_BYTES = 512
+
+
+def grouped_rows(x, d):  # pragma: no cover - replaced by the overload below
+    """Whether a forward takes rows of ``d`` values of x in groups of ROW_GROUP."""
+    raise NotImplementedError
+
+
+@overload(grouped_rows)
+def _ov_grouped_rows(x, d):
+    able = x.dtype != types.float32
+    size = x.dtype.bitwidth // 8
+    return lambda x, d: able and d * size <= GROUP_ROW_BYTES
+
+
 # LayerNorm's bf16 forward, converted by AVX512-BF16, takes its rows in pairs above
 # FORWARD_PAIRS_ABOVE features, where the float32 weight and bias (8 bytes a value) outgrow a 32 KB
 # L1: pass 2 then reads them from L2 once for two rows. With integer rounding (AVX2, plain
