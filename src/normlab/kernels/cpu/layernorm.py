@@ -52,13 +52,14 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream, far, skip):
     w_pairs, b_pairs = pair_order(w, span), pair_order(b, span)
     wb_finite = writes_pairs(x, y) and all_finite(w) and all_finite(b)
     pairs = forward_pairs(x, d)
-    grouped = grouped_rows(x, d)
-    for c in prange(nchunks):
-        r0, r1 = chunk_span(c, nchunks, n)
-        stage = stages[c]
-        if grouped:  # short rows (rows.ROW_GROUP): _short_moments's rows, no longer than a BLOCK
+    # short rows (rows.ROW_GROUP: _short_moments's, no longer than a BLOCK) in a parallel loop of
+    # their own: long rows keep the code they had
+    if grouped_rows(x, d):
+        ahead = skip + ROW_GROUP - 1  # prefetch the rows the next group reads
+        for c in prange(nchunks):
+            r0, r1 = chunk_span(c, nchunks, n)
+            stage = stages[c]
             mus, variances = np.empty(ROW_GROUP, np.float64), np.empty(ROW_GROUP, np.float64)
-            ahead = skip + ROW_GROUP - 1  # prefetch the rows the next group reads
             for g0 in range(r0, r1, ROW_GROUP):
                 g1 = min(g0 + ROW_GROUP, r1)
                 for r in range(g0, g1):
@@ -70,12 +71,17 @@ def ln_fwd(x, w, b, y, mean, rstd, eps, stages, stream, far, skip):
                     mu, row_rstd = mus[r - g0], rstd[r]
                     _ln_write(row_of(x, r), w, b, w_pairs, b_pairs, row_of(y, r), mu, row_rstd, stage, stream,
                               far, row_of(x, r + ahead), None, nan_free(wb_finite, row_rstd, mu))
-        else:
+            if stream:
+                store_fence()
+    else:
+        for c in prange(nchunks):
+            r0, r1 = chunk_span(c, nchunks, n)
+            stage = stages[c]
             for r in range(r0, r1):
                 _ln_row(x, None, w, b, w_pairs, b_pairs, y, x, mean, rstd, eps, r, r0, r1, pairs, stage,
                         stream, far, skip, wb_finite)
-        if stream:
-            store_fence()
+            if stream:
+                store_fence()
 
 
 @kernel

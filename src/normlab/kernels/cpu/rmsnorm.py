@@ -54,13 +54,13 @@ def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream, far, skip):
     nchunks = stages.shape[0]
     w_pairs = pair_order(w, d - d % EMIT if writes_pairs(x, y) else 0)
     w_finite = writes_pairs(x, y) and k == d and all_finite(w)  # partial: values past k are in no statistic
-    grouped = grouped_rows(x, d)
-    for c in prange(nchunks):
-        r0, r1 = chunk_span(c, nchunks, n)
-        stage = stages[c]
-        if grouped:  # short rows (rows.ROW_GROUP); a loop of its own keeps long rows' code as it was
+    # short rows (rows.ROW_GROUP) in a parallel loop of their own: long rows keep the code they had
+    if grouped_rows(x, d):
+        ahead = skip + ROW_GROUP - 1  # prefetch the rows the next group reads
+        for c in prange(nchunks):
+            r0, r1 = chunk_span(c, nchunks, n)
+            stage = stages[c]
             sums = np.empty(ROW_GROUP, np.float64)
-            ahead = skip + ROW_GROUP - 1  # prefetch the rows the next group reads
             for g0 in range(r0, r1, ROW_GROUP):
                 g1 = min(g0 + ROW_GROUP, r1)
                 for r in range(g0, g1):
@@ -71,15 +71,20 @@ def rms_fwd(x, w, y, rstd, eps, inside, k, round_to, stages, stream, far, skip):
                     row_rstd = rstd[r]
                     _rms_write(row_of(x, r), w, w_pairs, row_of(y, r), row_rstd, round_to, stage, stream, far,
                                row_of(x, r + ahead), None, nan_free(w_finite, row_rstd, 0.0))
-        else:
+            if stream:
+                store_fence()
+    else:
+        for c in prange(nchunks):
+            r0, r1 = chunk_span(c, nchunks, n)
+            stage = stages[c]
             for r in range(r0, r1):
                 xr, px = row_of(x, r), row_of(x, r + skip)  # px: the row whose successor is prefetched
                 row_rstd = _rms_scale(_sumsq(xr, None, None, px, None, k, far), k, eps, inside)
                 rstd[r] = row_rstd
                 _rms_write(xr, w, w_pairs, row_of(y, r), row_rstd, round_to, stage, stream, far, px, None,
                            nan_free(w_finite, row_rstd, 0.0))
-        if stream:
-            store_fence()
+            if stream:
+                store_fence()
 
 
 @kernel
