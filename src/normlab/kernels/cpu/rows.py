@@ -307,7 +307,7 @@ def row_pairs(x, dy, k, fit):
 # then their scales, then pass 2 of each, so that one row's chain of division and square roots
 # overlaps the other rows' work instead of holding up its own writes. Only where x's row takes at
 # most GROUP_ROW_BYTES: from memory, longer rows ran slower grouped, and float32 rows (already at
-# memory speed) slower at every length (docs/cpu-kernels.md, "Short rows in groups").
+# memory speed) slower at 64-256 features (docs/cpu-kernels.md, "Short rows in groups").
 ROW_GROUP = 8
 GROUP_ROW_BYTES = 512
 
