@@ -25,9 +25,9 @@ demo: setup
 	$(PY) -m normlab compare demo --out $(DEMO_OUT)
 
 # One pytest worker per core; a test file stays on one worker, so its module fixtures (the
-# lab's every-preset run) are built once.
+# lab's every-preset run) are built once; the longest files start first (tests/conftest.py).
 test: setup
-	$(PY) -m pytest -q -n auto --dist loadfile
+	$(PY) -m pytest -q -n auto --dist loadgroup --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

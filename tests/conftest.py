@@ -35,7 +35,22 @@ def gen() -> torch.Generator:
     return g
 
 
+# `make test` (--dist loadgroup) hands each group of tests to one worker. A file is a group of its
+# own, so its module fixtures are built once; the files that compile the kernels in this process
+# share the group "kernels": on one worker a signature is compiled once and then loaded, where
+# two workers would compile it twice at once. The longest files come first (their
+# pytest.mark.slow(minutes=...); --no-loadscope-reorder keeps this order), so short files fill the
+# end of the run where a long one would leave a core idle.
+@pytest.hookimpl(tryfirst=True)  # xdist reads the groups in its own hook
 def pytest_collection_modifyitems(config, items):
+    def minutes(item):
+        mark = item.getparent(pytest.Module).get_closest_marker("slow")
+        return -mark.kwargs.get("minutes", 1) if mark else 0
+
+    items.sort(key=minutes)  # stable: each file keeps its own order
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

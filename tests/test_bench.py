@@ -13,6 +13,8 @@ from normlab import bench, bench_tables
 from normlab import functional as F
 from normlab.cli import main
 
+pytestmark = pytest.mark.slow(minutes=1.5)  # minutes cold on 2 cores (conftest.py)
+
 
 def test_moved_bytes_counts_what_each_op_must_move():
     n, d, e = 8 * 16, 16, 4

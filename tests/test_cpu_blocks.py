@@ -12,6 +12,7 @@ import torch
 
 from opcheck import DTYPES, OPS, op_leaves, call_op, run_op, check
 
+pytestmark = pytest.mark.xdist_group("kernels")  # in-process compiles, run on one worker (conftest.py)
 pytest.importorskip("numba", reason="the cpu backend needs numba (pip install normlab[cpu])")
 from numba import njit  # noqa: E402
 from normlab.kernels.cpu import codecs, launch, memory, rows, simd  # noqa: E402

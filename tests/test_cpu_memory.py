@@ -15,6 +15,7 @@ from normlab import functional as F
 
 from opcheck import DTYPES, OPS, call_op, check, op_leaves, run_op
 
+pytestmark = pytest.mark.xdist_group("kernels")  # in-process compiles, run on one worker (conftest.py)
 pytest.importorskip("numba", reason="the cpu backend needs numba (pip install normlab[cpu])")
 from normlab.kernels.cpu import launch, memory, simd  # noqa: E402
 

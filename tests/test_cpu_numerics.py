@@ -16,6 +16,8 @@ from opcheck import (DTYPES, FAR_SCALE_OPTIONS, OPS, RMS_OPTIONS, call_op, check
                      check_deterministic_weight_grads,
                      check_far_from_unit_scale, op_leaves)
 
+# minutes cold on 2 cores; in-process compiles, run on one worker (conftest.py)
+pytestmark = [pytest.mark.slow(minutes=6), pytest.mark.xdist_group("kernels")]
 pytest.importorskip("numba", reason="the cpu backend needs numba (pip install normlab[cpu])")
 from normlab.kernels.cpu import launch  # noqa: E402
 

@@ -32,6 +32,8 @@ from normlab.experiments import lab as lab_module
 from normlab.experiments import precision as precision_module
 from normlab.experiments import timing as timing_module
 
+pytestmark = pytest.mark.slow(minutes=2)  # minutes cold on 2 cores (conftest.py)
+
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):

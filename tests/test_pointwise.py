@@ -18,6 +18,8 @@ from normlab.model import Decoder, ModelConfig
 from normlab.nn import Derf, DyT, build_norm
 from normlab.testing import assert_close
 
+# minutes cold on 2 cores; in-process compiles, run on one worker (conftest.py)
+pytestmark = [pytest.mark.slow(minutes=1), pytest.mark.xdist_group("kernels")]
 pytest.importorskip("numba", reason="the cpu backend needs numba")
 K = importlib.import_module("normlab.kernels.cpu.pointwise")
 TE = importlib.import_module("normlab.kernels.cpu.tanh_erf")

@@ -21,6 +21,8 @@ from normlab import train as T
 from normlab.runs import load_checkpoint
 from normlab.cli import main
 
+pytestmark = pytest.mark.slow(minutes=1.5)  # minutes cold on 2 cores (conftest.py)
+
 
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
@@ -246,7 +248,6 @@ def test_resuming_with_an_incompatible_checkpoint_says_so(corpus, tmp_path):
         T.train(tcfg, None, resume=True)
 
 
-@pytest.mark.slow
 def test_step_times_do_not_include_compilation(corpus, tmp_path):
     """A cold numba cache (every kernel compiles in this process) and a warm one give the same
     step times: the run compiles and calls its kernels before the clock starts."""

@@ -214,7 +214,9 @@ def main() -> None:
     numba.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    old, new = load(args.old, "normlab_ab_old"), load(args.new, "normlab_ab_new")
+    old = load(args.old, "normlab_ab_old")
+    # one tree given twice (an A/A run, --prefetch-ab, --ahead-ab) runs the same code: compile it once
+    new = old if Path(args.old).resolve() == Path(args.new).resolve() else load(args.new, "normlab_ab_new")
     if args.prefetch_ab and not (old.far and new.far):
         parser.error("--prefetch-ab: both trees' kernels must take `far` (7beb5e1 on)")
     if args.ahead_ab is not None and not (old.skip and new.skip and args.ahead_ab >= 1):
