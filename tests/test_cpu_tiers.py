@@ -64,12 +64,11 @@ def _probe(tmp_path: Path, tiers: str, name: str, passes: str = "both", dtypes: 
                                                          weights_only=True), out.stderr
 
 
-def _level_compiled_here(tmp_path: Path, level: str, dtypes: str = "fp32") -> dict:
+def _level_compiled_here(tmp_path: Path, level: str) -> dict:
     """The probe's outputs from ``level``'s code compiled in a fresh process (numba told to target
     the level, as build_tiers does), not loaded from a tier."""
     cpu_name, features = cache.llvm_target(level)
-    return _probe(tmp_path, "off", f"{level}-here", dtypes=dtypes, NUMBA_CPU_NAME=cpu_name,
-                  NUMBA_CPU_FEATURES=features)[3]
+    return _probe(tmp_path, "off", f"{level}-here", NUMBA_CPU_NAME=cpu_name, NUMBA_CPU_FEATURES=features)[3]
 
 
 def _host_kernels(backend: str = "cpu", dtype: torch.dtype = torch.float32,
