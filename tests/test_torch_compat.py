@@ -109,6 +109,26 @@ def test_mixed_dtypes_follow_torchs_rules_on_cpu(gen):
             torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
 
 
+def test_layer_norms_weight_and_bias_of_two_dtypes_follow_torchs_rules_on_cpu(gen):
+    # torch refuses a weight and a bias of two dtypes even where each alone would do (a float32
+    # weight and a bfloat16 bias for bfloat16 input), and takes either one alone.
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    for xd, wd, bd in itertools.product(dtypes, (*dtypes, None), (*dtypes, None)):
+        if wd == bd:
+            continue  # the test above
+        x = torch.randn(3, 8, generator=gen).to(xd)
+        w, b = (None if d is None else torch.randn(8, generator=gen).to(d) for d in (wd, bd))
+        try:
+            want = TF.layer_norm(x, (8,), w, b)
+        except RuntimeError:
+            with pytest.raises(TypeError, match="must match"):
+                NC.layer_norm(x, (8,), w, b, backend="reference")
+            continue
+        got = NC.layer_norm(x, (8,), w, b, backend="reference")
+        assert got.dtype == want.dtype == xd, (xd, wd, bd)
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+
+
 def test_bad_normalized_shapes_are_named():
     x = torch.randn(2, 3)
     with pytest.raises(ValueError,

@@ -13,8 +13,8 @@ bias of the normalized shape, an input with no elements giving an empty result, 
 taken as torch takes it (by the reference math: normlab's own API refuses it). rms_norm rounds
 once, after the weight (normlab's ``cast="gemma"``), as torch's does. The dtypes torch refuses
 on CPU, normlab refuses too: layer_norm's weight and bias must have the input's dtype, or
-float32 for a bfloat16 or float16 input; rms_norm takes any float weight and returns the input's
-dtype.
+float32 for a bfloat16 or float16 input, and the same dtype as each other; rms_norm takes any
+float weight and returns the input's dtype.
 
 normlab's own API (:mod:`normlab.functional`) keeps its extra options (cast orders, offsets, eps
 outside the root, partial RMSNorm, fused residual adds, ``out=``); ``backend=`` works here too.
@@ -89,6 +89,9 @@ def layer_norm(input: Tensor, normalized_shape: int | Sequence[int], weight: Ten
             raise TypeError(f"layer_norm: {name} has dtype {p.dtype} and input {input.dtype}; they must "
                             "match, or the parameters be float32 for a bfloat16 or float16 input (as torch "
                             "requires)")
+    if w is not None and b is not None and w.dtype != b.dtype:
+        raise TypeError(f"layer_norm: weight has dtype {w.dtype} and bias {b.dtype}; they must match "
+                        "(as torch requires on CPU)")
     if input.numel() == 0:
         return _empty(input, weight, bias)
     x = input.reshape(*input.shape[:input.dim() - len(shape)], d)
