@@ -119,6 +119,37 @@ def test_plain_torch_norms(dtype, eps):
     assert ((got.float() - expected.float()).abs() <= tol * (expected.float().abs() + 1)).all()
 
 
+class BareRMSNorm(nn.Module):
+    """A weightless norm with no weight attribute at all, as NanoChat's, Llama 4's QK norm and
+    HRM's are in transformers 5."""
+
+    def __init__(self, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_norm_with_no_weight_attribute_is_patched_and_runs(dtype):
+    model = nn.Sequential(nn.Linear(40, 40), BareRMSNorm()).to(dtype)
+    report = hf.patch(model)
+    assert [n for n, _, _ in report.patched] == ["1"]
+    x = (torch.randn(6, 40, dtype=torch.float64) * 3).requires_grad_()
+    h64 = x @ model[0].weight.double().T + model[0].bias.double()
+    y64 = h64 * torch.rsqrt(h64.square().mean(-1, keepdim=True) + 1e-6)
+    g = torch.randn_like(y64)
+    (dx64,) = torch.autograd.grad(y64, x, g)
+    xd = x.detach().to(dtype).requires_grad_()
+    y = model(xd)
+    (dx,) = torch.autograd.grad(y, xd, g.to(dtype))
+    tol = 1e-5 if dtype == torch.float32 else 0.05
+    assert (y.double() - y64).abs().max() <= tol * y64.abs().max()
+    assert (dx.double() - dx64).abs().max() <= tol * dx64.abs().max()
+
+
 @pytest.mark.parametrize("arch", ["gemma2", "gpt2"])
 def test_a_patched_norm_gives_the_bits_of_normlabs_function_and_follows_use_backend(arch):
     # A patched forward on CPU goes straight to the backend (the probe validated its options

@@ -247,7 +247,7 @@ def _make_forward(spec: dict, backend: str | None, d: int | None):
     call = _backend_call(spec)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        w = self.weight
+        w = getattr(self, "weight", None)  # a weightless norm may have no weight attribute at all
         b = getattr(self, "bias", None) if op == "ln" else None
         if args or kwargs or not isinstance(x, torch.Tensor) or (d is not None and x.shape[-1:] != (d,)):
             return self._normlab_original(x, *args, **kwargs)  # a call the probe did not see
