@@ -50,6 +50,34 @@ def test_fused_residual_gives_the_same_results():
     assert hf.check_model(hf.tiny_model("gemma"), fuse_residual=True, repeat=1)["fused"] == 2
 
 
+class OutsideRMSNorm(nn.Module):
+    """An RMSNorm with epsilon added outside the square root, as a research model may hold."""
+
+    def __init__(self, d, eps=0.5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        xf = x.float()
+        rms = xf.pow(2).mean(-1, keepdim=True).sqrt()
+        return self.weight * (xf / (rms + self.variance_epsilon)).to(x.dtype)
+
+
+@pytest.mark.parametrize("norm, fused", [(nn.LayerNorm, 0), (nn.RMSNorm, 2), (OutsideRMSNorm, 2)])
+def test_fused_residual_keeps_the_post_attention_norms_own_numerics(norm, fused):
+    # A Llama layer whose post_attention_layernorm was swapped: a LayerNorm is not fused (the fused
+    # op is an RMSNorm); torch's RMSNorm (eps None) and epsilon outside the root fuse with them.
+    model = hf.tiny_model("llama")
+    for layer in model.model.layers:
+        layer.post_attention_layernorm = norm(64)
+        with torch.no_grad():
+            layer.post_attention_layernorm.weight.normal_(1, 0.3)
+    for dtype in ("fp32", "bf16"):
+        r = hf.check_model(model, dtype=dtype, fuse_residual=True, repeat=1, generate=False)
+        assert r["fused"] == fused and r["ok"], r
+
+
 class OddNorm(nn.Module):
     """A norm normlab does not know."""
 

@@ -29,8 +29,9 @@ with the reason. At call time a call the probe did not cover (extra arguments, a
 dimension, a dtype different from the weight's as under autocast) goes to the original forward.
 
 ``fuse_residual=True`` additionally rewrites Llama-family decoder layers (Llama, Mistral, Qwen2,
-Qwen3, Gemma) so that the attention residual add and post_attention_layernorm run as one fused
-add_rms_norm; the results are the same (the sum is rounded to the residual's dtype either way).
+Qwen3, Gemma) whose post_attention_layernorm was patched as an RMSNorm, so that the attention
+residual add and that norm run as one fused add_rms_norm with the options the probe found; the
+results are the same (the sum is rounded to the residual's dtype either way).
 """
 
 from __future__ import annotations
@@ -314,8 +315,8 @@ def patch(model: nn.Module, *, backend: str = "auto", fuse_residual: bool = Fals
         report.patched.append((name, type(module).__name__, module._normlab_mode))
     if fuse_residual:
         for name, layer in model.named_modules():
-            if type(layer).__name__ in FUSABLE_LAYERS and hasattr(getattr(layer, "post_attention_layernorm",
-                                                                          None), "_normlab_spec"):
+            spec = getattr(getattr(layer, "post_attention_layernorm", None), "_normlab_spec", None)
+            if type(layer).__name__ in FUSABLE_LAYERS and spec is not None and spec["op"] == "rms":
                 if not hasattr(layer, "_normlab_original"):
                     layer._normlab_previous = layer.__dict__.get("forward")
                     layer._normlab_original = layer.forward
@@ -343,12 +344,14 @@ def _fused_layer_forward(backend):
         # the caller's keywords go to attention as the original layer passes them (no defaults added:
         # transformers renames them between releases)
         hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
-        if (hidden_states.dtype == residual.dtype == norm.weight.dtype
+        w = getattr(norm, "weight", None)
+        if (hidden_states.dtype == residual.dtype and (w is None or w.dtype == residual.dtype)
                 and hidden_states.dtype != torch.float64):
             # one pass: s = residual + attn_out (rounded to the residual's dtype, as the unfused add
-            # is), y = norm(s)
-            hidden_states, residual = F.add_rms_norm(hidden_states, residual, norm.weight, spec["eps"],
-                                                     cast=spec["cast"],
+            # is), y = norm(s) with every option the probe found
+            eps = spec["eps"] if spec["eps"] is not None else default_rms_eps(residual.dtype)
+            hidden_states, residual = F.add_rms_norm(hidden_states, residual, w, eps,
+                                                     eps_mode=spec["eps_mode"], cast=spec["cast"],
                                                      offset=spec["offset"], backend=backend)
         else:
             residual = residual + hidden_states
