@@ -50,8 +50,11 @@ def test_census_rows_say_what_patch_does_with_each_norm(tmp_path):
 
 
 def test_cli_census_and_unknown_types(tmp_path, capsys):
-    assert main(["check-model", "--census", "--types", "bert", "--jobs", "1", "--out", str(tmp_path)]) == 0
-    assert "Of 1 model types, 1 build" in capsys.readouterr().out
+    args = ["check-model", "--census", "--run", "--types", "bert", "--jobs", "1", "--out", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Of 1 model types, 1 build" in out
+    assert "Run whole: 1 of the 1 model types with a patched norm, 1 within" in " ".join(out.split())
     assert (tmp_path / "census.md").exists()
     assert main(["check-model", "--census", "--types", "bert,not_a_model", "--out", str(tmp_path)]) == 2
     assert "types: unknown model type(s) not_a_model" in capsys.readouterr().out
@@ -72,3 +75,30 @@ def test_ctrl_c_keeps_the_model_types_surveyed(tmp_path):
     assert "Interrupted (Ctrl-C): 1 of the 2 model types asked for" in paths["md"].read_text()
     assert "interrupted" not in json.loads(C.write(rows, tmp_path, {"transformers": "x"},
                                                    asked=1)["json"].read_text())
+
+
+def test_run_checks_small_whole_models_and_finds_a_wrong_patch(tmp_path, monkeypatch):
+    every = C.model_types()
+    rows = [C.survey(t, every[t], run=True) for t in ("llama", "convnext")]
+    llama, convnext = rows[0]["run"], rows[1]["run"]
+    assert llama["cut"] == "widths and heads" and llama["params"] <= C.MAX_PARAMS
+    for dtype in ("fp32", "bf16"):  # every norm patched, both residual adds fused, within the bound
+        assert llama[dtype]["ok"] and llama[dtype]["patched"] == 5 and llama[dtype]["fused"] == 2, llama
+    assert "no small build runs on token ids" in convnext["none"]  # an image model: not run, and why
+    s = C.summary(rows)["run"]
+    assert s == {"asked": 2, "run": 1, "ok": 1, "failed": [],
+                 "not_run_by_reason": {"no small build runs on token ids": 1}}
+
+    # a patched forward 0.1% off: the whole-model check finds it (fp32's bound is 2 err + 1.2e-7)
+    from normlab.hf import patching
+
+    right = patching._backend_call
+    monkeypatch.setattr(patching, "_backend_call",
+                        lambda spec: lambda *a: right(spec)(*a) * 1.001)
+    wrong = C.survey("llama", every["llama"], run=True)
+    assert not wrong["run"]["fp32"]["ok"] and wrong["run"]["fp32"]["excess"] > 1e-4
+    paths = C.write([wrong, rows[1]], tmp_path, {"transformers": "x"})
+    assert json.loads(paths["json"].read_text())["summary"]["run"]["failed"] == ["llama"]
+    table = paths["md"].read_text()
+    assert "over the bound or raising: llama" in table
+    assert "| llama | widths and heads | **over the bound**" in table

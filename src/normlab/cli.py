@@ -307,11 +307,11 @@ def cmd_check_model(args: argparse.Namespace, console: Console) -> int:
     if args.verbose:
         worst = Table(title=f"the {args.verbose} tensors closest to the bound (err: ||x - float64|| / "
                             "||float64||)")
-        for col in ("tensor", "err patched", "err unpatched", "err patched - bound"):
+        for col in ("tensor", "err patched", "err unpatched", "err jittered", "err patched - bound"):
             worst.add_column(col)
         for t in r["tensors"][:args.verbose]:
-            worst.add_row(t["tensor"], f"{t['err_patched']:.3g}", f"{t['err_unpatched']:.3g}",
-                          f"{t['excess']:+.3g}")
+            errs = (f"{t[k]:.3g}" for k in ("err_patched", "err_unpatched", "err_jittered"))
+            worst.add_row(t["tensor"], *errs, f"{t['excess']:+.3g}")
         console.print(worst)
     if r["excluded"]:
         console.print(f"not judged: {len(r['excluded'])} gradient(s) zero in float64 up to its rounding "
@@ -347,11 +347,12 @@ def census(args: argparse.Namespace, console: Console) -> int:
                TextColumn("{task.description}"))
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("", total=total)
-        rows = C.census(types, jobs=args.jobs,
+        rows = C.census(types, jobs=args.jobs, run=args.run,
                         progress=lambda row: bar.update(task, advance=1, description=row["model_type"]))
     paths = C.write(rows, Path(args.out),
                     {"transformers": transformers.__version__, "torch": torch.__version__}, asked=total)
-    console.print(C.counts_text(C.summary(rows)))
+    summary = C.summary(rows)
+    console.print(C.counts_text(summary) + (f"\n{C.run_line(summary.get('run'))}" if args.run else ""))
     console.print(f"table: {paths['md']} (every row: {paths['json']})")
     if len(rows) < total:
         console.print(f"[yellow]interrupted (Ctrl-C): {len(rows)} of {total} model types surveyed; the table "
@@ -527,6 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--census: the folder for its table (default hf-census)")
     p.add_argument("--types", default="", help="--census: comma-separated model types (default: all)")
     p.add_argument("--jobs", type=int, default=2, help="--census: processes (default 2)")
+    p.add_argument("--run", action="store_true",
+                   help="--census: also build each model type small with random weights and check it whole, "
+                        "patched against unpatched against float64, in fp32 and bf16")
     p.set_defaults(func=cmd_check_model)
 
     p = sub.add_parser("sample", help="generate text from a trained run")

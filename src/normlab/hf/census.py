@@ -8,10 +8,18 @@ so widths, heads and vocabularies keep their published sizes, and each norm is p
 it has in the real model. A norm is then judged as ``patch`` judges it (``norm_spec``: the probe on
 a copy of the module with random weights); the check against a module's own trained weights,
 which ``patch`` adds, needs real weights and is not part of the census.
+
+With ``run`` (``--census --run``) each model type is also built small on the CPU with random
+weights (widths cut too, WIDTHS) and run whole: patched (with ``fuse_residual``) against
+unpatched, both against a float64 copy, in fp32 and bf16 (``checking.check_model``'s bound). The
+probe judges one module on one input; the run also finds what only a whole model shows: a patched
+forward called in a way the probe did not try, or a norm whose attributes differ from the probed
+copy's.
 """
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import signal
 import time
@@ -30,6 +38,19 @@ DEPTH = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_laye
 EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 SMALL = {**{k: 2 for k in DEPTH}, **{k: 4 for k in EXPERTS}, "num_experts_per_tok": 2, "moe_k": 2, "top_k": 2}
 TIMEOUT_S = 120  # one model type's build and probes; a type that takes longer is reported, not waited for
+# --run: widths cut to these where larger. When a config refuses the cut (heads that must divide a
+# width, rotary sizes tied to head sizes), the heads are kept, then every width but the vocabulary.
+WIDTHS = {"hidden_size": 64, "n_embd": 64, "d_model": 64, "dim": 64, "embed_dim": 64,
+          "intermediate_size": 128, "n_inner": 128, "ffn_dim": 128, "d_ff": 128, "moe_intermediate_size": 32,
+          "shared_expert_intermediate_size": 64, "vocab_size": 320, "vocab_size_per_layer_input": 320,
+          "hidden_size_per_layer_input": 16, "max_position_embeddings": 256, "n_positions": 256}
+HEADS = {"num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+         "v_head_dim": 16, "d_kv": 16}
+CUTS = {"widths and heads": {**WIDTHS, **HEADS}, "widths": WIDTHS,
+        "vocabulary": {k: WIDTHS[k] for k in ("vocab_size", "max_position_embeddings", "n_positions")}}
+MAX_PARAMS = 60_000_000  # a config that ignores the cuts stays too large to run in a census
+RUN_TIMEOUT_S = 300
 
 
 def model_types() -> dict[str, str]:
@@ -88,6 +109,104 @@ def shrink(config) -> list[str]:
     return changed
 
 
+def _why(err: Exception, n: int = 100) -> str:
+    """An exception as one short line."""
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:n] if str(err) else ''}"
+
+
+def cut_widths(config, sizes: dict) -> None:
+    """Set the fields of ``sizes`` to their values where larger, in the config and its sub-configs;
+    a pad token id the smaller vocabulary no longer holds becomes 0."""
+    for c in _configs(config):
+        for key, small in sizes.items():
+            old = vars(c).get(key)
+            if isinstance(old, int) and not isinstance(old, bool) and old > small:
+                setattr(c, key, small)
+        pad = vars(c).get("pad_token_id")
+        if isinstance(pad, int) and pad >= vars(c).get("vocab_size", pad + 1):
+            c.pad_token_id = 0
+
+
+def build_small(model_type: str, class_name: str) -> tuple[nn.Module, str]:
+    """The model type on the CPU with random weights (norm weights off 1 and 0), depth, experts and
+    widths cut (CUTS, in order, until one builds and runs on token ids), experts and attention in
+    their eager implementations (the grouped matmul has no float64). Returns it and the cut."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from normlab.hf.checking import output_and_grads, randomize_norms
+
+    cls = getattr(transformers, class_name)
+    errors = []
+    for cut, sizes in CUTS.items():
+        config = CONFIG_MAPPING[model_type]()
+        shrink(config)
+        cut_widths(config, sizes)
+        for c in _configs(config):
+            c._attn_implementation, c._experts_implementation = "eager", "eager"
+        try:
+            with torch.device("meta"):
+                n = sum(p.numel() for p in cls(config).parameters())
+            if n > MAX_PARAMS:
+                errors.append(f"{cut} cut: {n / 1e6:.0f}M parameters")
+                continue
+            torch.manual_seed(0)
+            model = cls(config).eval()
+            randomize_norms(model, torch.Generator().manual_seed(1))
+            output_and_grads(model, torch.randint(0, 8, (1, 6)), torch.float32)
+            return model, cut
+        except TimeoutError:
+            raise
+        except Exception as err:
+            errors.append(f"{cut} cut: {_why(err)}")
+    raise RuntimeError("; ".join(errors))
+
+
+def run_whole(model_type: str, class_name: str) -> dict:
+    """``--run``'s part of a row: the cut the small model was built with and, per dtype, whether the
+    patched model stays within check_model's bound (``ok``, the worst ``tensor`` and its ``excess``,
+    or the ``error`` it raised), or ``{"none": why}`` where the unpatched model itself does not run
+    (no small build, or it fails in that dtype or in float64, the truth both are compared with)."""
+    from normlab.hf.checking import check_model, output_and_grads
+
+    try:
+        model, cut = build_small(model_type, class_name)
+    except TimeoutError:
+        raise
+    except Exception as err:
+        return {"none": f"no small build runs on token ids ({err})"}
+    result = {"cut": cut, "params": sum(p.numel() for p in model.parameters())}
+    ids = torch.randint(0, 8, (1, 6))
+
+    def fails(dtype: torch.dtype) -> str:
+        try:
+            output_and_grads(copy.deepcopy(model).to(dtype), ids, dtype)
+            return ""
+        except TimeoutError:
+            raise
+        except Exception as err:
+            return _why(err)
+
+    truth = fails(torch.float64)
+    for dtype, tdtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        why = f"its float64 copy fails ({truth})" if truth else fails(tdtype)
+        if why:
+            result[dtype] = {"none": why if truth else f"the unpatched model fails in {dtype} ({why})"}
+            continue
+        try:
+            r = check_model(copy.deepcopy(model), dtype=dtype, seq=12, fuse_residual=True, generate=False,
+                            repeat=1)
+        except TimeoutError:
+            raise
+        except Exception as err:  # the patched model raised: a finding
+            result[dtype] = {"ok": False, "error": _why(err, 160)}
+            continue
+        worst = r["tensors"][0]
+        result[dtype] = {"ok": r["ok"], "patched": r["patched"], "fused": r["fused"],
+                         "tensor": worst["tensor"], "excess": worst["excess"]}
+    return result
+
+
 def _build(model_type: str, class_name: str, small: bool) -> nn.Module:
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -104,9 +223,10 @@ def _alarm(signum, frame):
     raise TimeoutError(f"took over {TIMEOUT_S} s")
 
 
-def survey(model_type: str, class_name: str) -> dict:
+def survey(model_type: str, class_name: str, run: bool = False) -> dict:
     """One model type's row: how it was built (or why not) and, per norm class, its count and the
-    flavor ``patch`` finds or the reason it leaves the class alone."""
+    flavor ``patch`` finds or the reason it leaves the class alone; with ``run`` (and a norm
+    patched), also the whole small model's check (``run_whole``) as the row's "run"."""
     row = {"model_type": model_type, "class": class_name, "built": "", "norms": []}
     if not class_name:
         row["built"] = "no model class in any Auto mapping"
@@ -136,9 +256,17 @@ def survey(model_type: str, class_name: str) -> dict:
             entry["count"] += 1
         row["norms"] = sorted(found.values(), key=lambda e: (e["norm"], e["verdict"]))
     except Exception as err:
-        row["built"] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+        row["built"] = f"error: {_why(err, 160)}"
     finally:
         signal.alarm(0)
+    if run and any(n["patched"] for n in row["norms"]):
+        signal.alarm(RUN_TIMEOUT_S)
+        try:
+            row["run"] = run_whole(model_type, class_name)
+        except TimeoutError:
+            row["run"] = {"none": f"took over {RUN_TIMEOUT_S} s"}
+        finally:
+            signal.alarm(0)
     row["seconds"] = round(time.perf_counter() - t0, 2)
     return row
 
@@ -157,16 +285,17 @@ def _survey(item):
         return survey(*item)
 
 
-def census(types: list[str] | None = None, jobs: int = 2, progress=None) -> list[dict]:
+def census(types: list[str] | None = None, jobs: int = 2, progress=None, run: bool = False) -> list[dict]:
     """Rows for ``types`` (default: every model type the installed transformers knows), surveyed in
-    ``jobs`` processes (each model type imports its own modeling code; a crash costs one row).
-    Ctrl-C after the first row returns the rows so far: fewer than the types asked for."""
+    ``jobs`` processes (each model type imports its own modeling code; a crash costs one row), with
+    ``run`` each also run whole (``run_whole``). Ctrl-C after the first row returns the rows so far:
+    fewer than the types asked for."""
     every = model_types()
     unknown = [t for t in types or [] if t not in every]
     if unknown:
         raise ValueError(f"types: unknown model type(s) {', '.join(unknown)} (transformers knows "
                          f"{len(every)})")
-    items = [(t, every[t]) for t in (types or sorted(every))]
+    items = [(t, every[t], run) for t in (types or sorted(every))]
     rows = []
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch threads forked
     with ctx.Pool(jobs, maxtasksperchild=25, initializer=_leave_ctrl_c_to_the_parent) as pool:
@@ -203,7 +332,27 @@ def summary(rows: list[dict]) -> dict:
             "classes_sometimes_patched": sum(1 for v in classes.values() if v == {True, False}),
             "modules": sum(n["count"] for r in built for n in r["norms"]),
             "modules_patched": sum(n["count"] for r in built for n in r["norms"] if n["patched"]),
-            "left_alone_by_reason": dict(reasons.most_common())}
+            "left_alone_by_reason": dict(reasons.most_common()),
+            **({"run": run_summary(rows)} if any("run" in r for r in rows) else {})}
+
+
+def run_summary(rows: list[dict]) -> dict:
+    """``--run``'s counts: model types run (in fp32, bf16 or both), those within the bound in every
+    dtype they ran in, those not (the findings), and those not run, by reason."""
+    ran = [r for r in rows if any("ok" in r.get("run", {}).get(d, {}) for d in ("fp32", "bf16"))]
+    why = Counter(_not_run_kind(r["run"]) for r in rows if "run" in r and r not in ran)
+    failed = [r["model_type"] for r in ran if any(r["run"][d].get("ok") is False for d in ("fp32", "bf16"))]
+    return {"asked": sum("run" in r for r in rows), "run": len(ran), "ok": len(ran) - len(failed),
+            "failed": failed, "not_run_by_reason": dict(why.most_common())}
+
+
+def _not_run_kind(run: dict) -> str:
+    if "none" in run:
+        return "no small build runs on token ids"
+    whys = [run[d].get("none", "") for d in ("fp32", "bf16")]
+    if any(w.startswith("its float64 copy fails") for w in whys):
+        return "its float64 copy fails"
+    return "the unpatched model fails in fp32 and in bf16"
 
 
 def _reason_kind(verdict: str) -> str:
@@ -247,8 +396,46 @@ def write(rows: list[dict], out: Path, versions: dict, asked: int | None = None)
         lines.append(
             f"| {r['model_type']} | {built} | {patched or '-'} | {alone or '-'} |".replace("\n", " ")
         )
+    if "run" in s:
+        lines += ["", run_text(rows, s["run"])]
     (out / "census.md").write_text("\n".join(lines) + "\n")
     return {"json": out / "census.json", "md": out / "census.md"}
+
+
+def run_line(r: dict | None) -> str:
+    """One line of ``--run``'s counts (``summary(rows)["run"]``; None when no model type was run)."""
+    r = r or {"asked": 0, "run": 0, "ok": 0, "failed": []}
+    failed = f"; over the bound or raising: {', '.join(r['failed'])}" if r["failed"] else ""
+    return (f"Run whole: {r['run']} of the {r['asked']} model types with a patched norm, {r['ok']} within "
+            f"check_model's bound in fp32 and bf16 (or the one the unpatched model runs in){failed}.")
+
+
+def run_text(rows: list[dict], r: dict) -> str:
+    """census.md's section on ``--run``: the counts and one line per model type run."""
+    lines = ["## Whole models, patched against unpatched (--run)", "",
+             run_line(r) + " Not run, by reason:", ""]
+    lines += [f"- {kind}: {n}" for kind, n in r["not_run_by_reason"].items()]
+    lines += ["", "| model type | cut | fp32 | bf16 |", "|---|---|---|---|"]
+
+    def cell(d: dict) -> str:
+        if "none" in d:
+            return f"not run: {d['none']}"
+        if "error" in d:
+            return f"**raises** {d['error']}"
+        verdict = "ok" if d["ok"] else "**over the bound**"
+        return (f"{verdict} ({d['patched']} patched, {d['fused']} fused; closest to it: {d['tensor']} "
+                f"{d['excess']:+.2g})")
+
+    for row in rows:
+        run = row.get("run")
+        if run is None:
+            continue
+        if "none" in run:
+            lines.append(f"| {row['model_type']} | - | not run: {run['none']} | |".replace("\n", " "))
+        else:
+            lines.append(f"| {row['model_type']} | {run['cut']} | {cell(run['fp32'])} | {cell(run['bf16'])} |"
+                         .replace("\n", " "))
+    return "\n".join(lines)
 
 
 def counts_text(s: dict) -> str:
