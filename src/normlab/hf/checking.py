@@ -245,9 +245,11 @@ def check_model(model: nn.Module, *, dtype: str = "fp32", batch: int = 2, seq: i
         return result, statistics.median(times) * 1e3
 
     (out0, grads0), ms0 = timed()
+    probed: dict = {}
+    norms = [m for m in model.modules() if norm_spec(m, probed)[0] is not None]  # probed once
     jittered = []
     for draw in range(JITTER_DRAWS):
-        hooks = jitter_norms(model, torch.Generator().manual_seed(seed * JITTER_DRAWS + draw))
+        hooks = jitter_norms(norms, torch.Generator().manual_seed(seed * JITTER_DRAWS + draw))
         try:
             jittered.append(output_and_grads(model, ids, tdtype))
         finally:
@@ -314,12 +316,11 @@ class _JitterGrad(torch.autograd.Function):
         return _jitter(g, ctx.gen), None
 
 
-def jitter_norms(model: nn.Module, gen: torch.Generator) -> list:
-    """Hooks on the norms ``patch`` would swap that move what each one computes, its output and
-    the gradients its backward returns (input and parameters), by about one rounding step at random
-    (``_jitter``): the unpatched model as a norm that rounds differently, within the per-op bound,
-    leaves it. Remove the returned handles when done."""
-    probed: dict = {}
+def jitter_norms(norms: list[nn.Module], gen: torch.Generator) -> list:
+    """Hooks on ``norms`` (those ``patch`` would swap) that move what each one computes, its output
+    and the gradients its backward returns (input and parameters), by about one rounding step at
+    random (``_jitter``): the unpatched model as a norm that rounds differently, within the per-op
+    bound, leaves it. Remove the returned handles when done."""
 
     def before(module, args):
         x = args[0] if args else None
@@ -331,9 +332,7 @@ def jitter_norms(model: nn.Module, gen: torch.Generator) -> list:
         return _jitter(out, gen) if isinstance(out, torch.Tensor) and out.is_floating_point() else None
 
     handles = []
-    for m in model.modules():
-        if norm_spec(m, probed)[0] is None:
-            continue
+    for m in norms:
         handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
         handles += [p.register_hook(lambda g: _jitter(g, gen)) for p in m.parameters(recurse=False)]
     return handles
