@@ -155,8 +155,6 @@ def build_small(model_type: str, class_name: str) -> tuple[nn.Module, str]:
             randomize_norms(model, torch.Generator().manual_seed(1))
             output_and_grads(model, torch.randint(0, 8, (1, 6)), torch.float32)
             return model, cut
-        except TimeoutError:
-            raise
         except Exception as err:
             errors.append(f"{cut} cut: {_why(err)}")
     raise RuntimeError("; ".join(errors))
@@ -171,8 +169,6 @@ def run_whole(model_type: str, class_name: str) -> dict:
 
     try:
         model, cut = build_small(model_type, class_name)
-    except TimeoutError:
-        raise
     except Exception as err:
         return {"none": f"no small build runs on token ids ({err})"}
     result = {"cut": cut, "params": sum(p.numel() for p in model.parameters())}
@@ -182,8 +178,6 @@ def run_whole(model_type: str, class_name: str) -> dict:
         try:
             output_and_grads(copy.deepcopy(model).to(dtype), ids, dtype)
             return ""
-        except TimeoutError:
-            raise
         except Exception as err:
             return _why(err)
 
@@ -196,8 +190,6 @@ def run_whole(model_type: str, class_name: str) -> dict:
         try:
             r = check_model(copy.deepcopy(model), dtype=dtype, seq=12, fuse_residual=True, generate=False,
                             repeat=1)
-        except TimeoutError:
-            raise
         except Exception as err:  # the patched model raised: a finding
             result[dtype] = {"ok": False, "error": _why(err, 160)}
             continue
@@ -221,6 +213,15 @@ def _build(model_type: str, class_name: str, small: bool) -> nn.Module:
 
 def _alarm(signum, frame):
     raise TimeoutError(f"took over {TIMEOUT_S} s")
+
+
+class _RunTimeout(BaseException):
+    """--run's time limit: not an Exception, so that the handlers that record what a model raised
+    let it through."""
+
+
+def _run_alarm(signum, frame):
+    raise _RunTimeout
 
 
 def survey(model_type: str, class_name: str, run: bool = False) -> dict:
@@ -260,10 +261,11 @@ def survey(model_type: str, class_name: str, run: bool = False) -> dict:
     finally:
         signal.alarm(0)
     if run and any(n["patched"] for n in row["norms"]):
+        signal.signal(signal.SIGALRM, _run_alarm)
         signal.alarm(RUN_TIMEOUT_S)
         try:
             row["run"] = run_whole(model_type, class_name)
-        except TimeoutError:
+        except _RunTimeout:
             row["run"] = {"none": f"took over {RUN_TIMEOUT_S} s"}
         finally:
             signal.alarm(0)
