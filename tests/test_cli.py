@@ -4,7 +4,8 @@ import sys
 import pytest
 
 import normlab
-from normlab.cli import info_rows, main
+from normlab.cli import main
+from normlab.commands import info_rows
 
 
 def test_version_and_info_as_a_module():

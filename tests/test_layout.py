@@ -32,6 +32,7 @@ LAYERS = [
     set(),  # the presets (filled below)
     {"experiments", "report"},
     {"compare"},
+    {"commands"},
     {"cli", "", "__main__"},
 ]
 

@@ -75,7 +75,7 @@ def compile_only(ops: str, dtypes: str) -> None:
     """In the level's process: warmup's calls, each kernel compiled for its arguments, not run."""
     import numba
 
-    from normlab import cli
+    from normlab import commands
     from normlab.kernels.cpu import KERNELS, launch
 
     def compiler(dispatcher):
@@ -83,8 +83,8 @@ def compile_only(ops: str, dtypes: str) -> None:
 
     for name in [k.__name__ for k in KERNELS] + ["start_threads"]:
         setattr(launch, name, compiler(getattr(launch, name)))
-    calls = cli.warmup_calls(*[v.split(",") if v else default
-                               for v, default in ((ops, cli.WARMUP_OPS), (dtypes, cli.WARMUP_DTYPES))])
+    defaults = ((ops, commands.WARMUP_OPS), (dtypes, commands.WARMUP_DTYPES))
+    calls = commands.warmup_calls(*[v.split(",") if v else default for v, default in defaults])
     for _, call in calls:
         call()  # outputs are left unwritten: nothing reads them but the next compile-only call
     print(f"{sum(len(k.signatures) for k in KERNELS)} kernel signatures compiled")

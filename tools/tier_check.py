@@ -45,7 +45,7 @@ def main() -> int:
 
     import torch
 
-    from normlab import cli, reference
+    from normlab import commands, reference
     from normlab.bench import DTYPES
     from normlab import functional as F
     from normlab.kernels import cpu
@@ -56,7 +56,7 @@ def main() -> int:
     print(f"normlab from {Path(cpu.__file__).parents[2]}; levels, best first: {levels}; numba's key for "
           f"this CPU: {cpu.cache.llvm.get_host_cpu_name()!r}")
     t0 = time.perf_counter()
-    for _, call in cli.warmup_calls(ops, dtypes):
+    for _, call in commands.warmup_calls(ops, dtypes):
         call()
     seconds = time.perf_counter() - t0
 
