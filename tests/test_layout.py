@@ -18,6 +18,7 @@ LAYERS = [
      "kernels.cpu.memory", "kernels.cpu.rmsnorm",
      "kernels.cpu.rows", "kernels.cpu.simd"},
     {"kernels.ops", "kernels.cpu.cache", "kernels.cpu.launch", "kernels.triton.launch"},
+    {"kernels.dispatch"},
     {"kernels", "kernels.triton", "kernels.cpu"},
     {"functional"},
     {"torch_compat"},

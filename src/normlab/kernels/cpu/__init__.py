@@ -9,7 +9,7 @@ kernel call) and ``memory.py`` (output buffers, streaming). ``cache.py`` keys nu
 cache by the hash of all the kernel sources. docs/cpu-kernels.md says what each technique buys,
 measured.
 
-This file registers the custom ops (``normlab::cpu_*``, through :func:`normlab.kernels.ops.build`),
+This file registers the custom ops (``normlab::cpu_*``, through :func:`normlab.kernels.dispatch.build`),
 which carry fake implementations and ``register_autograd`` so that ``torch.compile(fullgraph=True)`` traces
 models that use them, and exposes the public functions with the signatures of
 :mod:`normlab.reference` (inputs validated by functional.py).
@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from normlab.kernels import ops
+from normlab.kernels import dispatch
 
 from . import launch
 from .cache import sources_hash
@@ -37,7 +37,7 @@ from .rmsnorm import add_rms_fwd, rms_bwd, rms_fwd
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_api = ops.build("cpu", "cpu", launch, FUSED_DTYPES, torch.float64)
+_api = dispatch.build("cpu", "cpu", launch, FUSED_DTYPES, torch.float64)
 layer_norm, rms_norm = _api.layer_norm, _api.rms_norm
 add_layer_norm, add_rms_norm = _api.add_layer_norm, _api.add_rms_norm
 rms_norm_out, layer_norm_out = _api.rms_norm_out, _api.layer_norm_out

@@ -3,7 +3,7 @@
 Read in this order: ``kernels.py`` (the Triton kernels: one forward and one backward for every
 norm, DyT's two), ``launch.py`` (from tensors to a launch: outputs, row views, the kernel's
 specialization). This file registers the custom ops (``normlab::triton_*``, through
-:func:`normlab.kernels.ops.build`, as the cpu backend does) and exposes the public functions with
+:func:`normlab.kernels.dispatch.build`, as the cpu backend does) and exposes the public functions with
 the signatures of :mod:`normlab.reference`. CPU tensors run too under ``TRITON_INTERPRET=1`` (the
 tests), slowly.
 
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from normlab.kernels import ops
+from normlab.kernels import dispatch
 from normlab.kernels.triton import launch
 from normlab.kernels.triton.launch import FUSED_DTYPES
 
-_api = ops.build("triton", ("cuda", "cpu"), launch, FUSED_DTYPES, torch.float64)
+_api = dispatch.build("triton", ("cuda", "cpu"), launch, FUSED_DTYPES, torch.float64)
 layer_norm, rms_norm = _api.layer_norm, _api.rms_norm
 add_layer_norm, add_rms_norm = _api.add_layer_norm, _api.add_rms_norm
 rms_norm_out, layer_norm_out = _api.rms_norm_out, _api.layer_norm_out
