@@ -31,7 +31,7 @@ LAYERS = [
     {"experiments.ladder", "experiments.timing", "experiments.lab", "experiments.sweep"},
     {"experiments.common"},
     set(),  # the presets (filled below)
-    {"experiments", "report"},
+    {"experiments", "report", "ladder_report"},
     {"compare"},
     {"commands"},
     {"cli", "", "__main__"},

@@ -117,7 +117,7 @@ def _ladder(args: argparse.Namespace, names: list[str], settings, command: str, 
     runs shared in one --out, then the trend claims (ladder.json, ladder.md, plots)."""
     import dataclasses
 
-    from normlab import experiments, report
+    from normlab import experiments, ladder_report
     from normlab.experiments import ladder
 
     if args.tune:
@@ -145,8 +145,8 @@ def _ladder(args: argparse.Namespace, names: list[str], settings, command: str, 
         if rc:
             return rc
     suffixes = tuple(dict.fromkeys(_suffix(c) for c in conditions))
-    paths = report.render_ladder(experiments.ladder_results(names, args.out, settings.per_claim, suffixes),
-                                 args.out)
+    paths = ladder_report.render_ladder(
+        experiments.ladder_results(names, args.out, settings.per_claim, suffixes), args.out)
     console.print(f"ladder: {paths['markdown']} (trend claims), ladder.json and plots in {args.out}")
     return 0
 

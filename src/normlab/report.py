@@ -35,9 +35,9 @@ def render(results: dict, out: str | Path) -> dict[str, Path]:
             plt.close(fig)
             images[name].append(filename)
     md = out / "report.md"
-    _save(md, markdown(results, images))
+    save_text(md, markdown(results, images))
     page = out / "report.html"
-    _save(page, html_page(results, images, out))
+    save_text(page, html_page(results, images, out))
     tables = write_tables(results, out)
     return {"markdown": md, "html": page, **tables, **{f: out / f for fs in images.values() for f in fs}}
 
@@ -339,7 +339,7 @@ def write_tables(results: dict, out: Path) -> dict[str, Path]:
                         else i
                     )
                     w.writerow([name, key, over, sample, "" if v is None else repr(float(v))])
-    _save(paths["results_csv"], buf.getvalue())
+    save_text(paths["results_csv"], buf.getvalue())
     buf = io.StringIO()
     w = csv.writer(buf)
     cols = ["preset", "claim", "verdict", "verdict_alone", "family", "family_size", "a", "b", "kind",
@@ -357,12 +357,12 @@ def write_tables(results: dict, out: Path) -> dict[str, Path]:
                             _csv(r["gap"]), _csv(r["ci_lo"]), _csv(r["ci_hi"]), _csv(r["p"]),
                             _csv(r["p_adjusted"]),
                             r["verdict"], r["verdict_plain"]])
-    _save(paths["claims_csv"], buf.getvalue())
-    _save(paths["tex"], latex_table(results))
+    save_text(paths["claims_csv"], buf.getvalue())
+    save_text(paths["tex"], latex_table(results))
     return paths
 
 
-def _save(path: Path, text: str) -> None:
+def save_text(path: Path, text: str) -> None:
     """Crash- and full-disk-safe: the previous file stays until the new one is whole."""
     from normlab.runs import write_atomic
 
@@ -456,97 +456,3 @@ def readme_tables(results: dict) -> str:
             lines.append(f"| {c['claim']} | {c['verdict']} | {c.get('verdict_plain', c['verdict'])} | "
                          f"{'; '.join(ev[:2])}{more} |")
     return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------ the ladder
-
-
-def _trend_line(t: dict) -> str:
-    """A trend claim's question and evidence in one line."""
-    what = {"does not grow": f"the gap does not grow with scale (slope within +-{t['margin_per_decade']:.3g} "
-                             "per decade)",
-            "grows up": "the effect grows with scale (slope above 0)",
-            "grows down": "the effect grows with scale (slope below 0)"}[t["question"]]
-    fit = t["fit"]
-    if fit is None:
-        return (f"{what}: fewer than two rungs where the baseline trains, or fewer than three seed gaps: "
-                f"{t['verdict']}")
-    adjusted = "" if t.get("p_adjusted") in (None, t["p"]) else f", Holm-adjusted {t['p_adjusted']:.3g}"
-    return (f"{what}: slope {fit['slope']:+.4f} ({t['units']}) per decade of parameters, 95% CI "
-            f"{fit['lo']:+.4f} to {fit['hi']:+.4f} ({fit['n']} seed gaps, df {fit['df']}); p "
-            f"{t['p']:.3g}{adjusted}: **{t['verdict']}**")
-
-
-def _rung_cell(r: dict, units: str) -> str:
-    if r.get("precondition") is False:
-        return f"left out: the baseline did not train ({r['verdict']})"
-    if not r["ci"]:
-        return f"- ({r['verdict'] or 'not run'})"
-    if units == "log ratio":
-        return f"{r['ci']['gap']:+.2%} [{r['ci']['gap_lo']:+.2%}, {r['ci']['gap_hi']:+.2%}] ({r['verdict']})"
-    return f"{r['ci']['gap']:+.4g} [{r['ci']['gap_lo']:+.4g}, {r['ci']['gap_hi']:+.4g}] ({r['verdict']})"
-
-
-def _piloted_on(how: str, condition: str) -> str:
-    return how.replace("tuned (the design)", f"tuned in the design pilot on {condition}")
-
-
-def ladder_markdown(ladder: dict, images: list[str]) -> str:
-    fam = ladder["family"]
-    how = (f"Holm over the ladder's {fam['size']} trend tests at {fam['alpha']:.0%}"
-           if fam["method"] == "holm"
-           else "each trend alone, unadjusted")
-    lines = ["# normlab size ladder", "",
-             f"Widths: d_model x {', '.join(f'{w:g}' for w in ladder['widths'])} of each preset's size; "
-             f"tokens per parameter {ladder['tokens_per_parameter']}; learning rates: {ladder['lr_rule']}. "
-             f"Trend verdicts: {how}; each rung's claims are judged as their own invocation's (rung0/, "
-             "rung1/, rung2/: report.md each).", ""]
-    tokenizers = ladder.get("tokenizers") or {}
-    if len(tokenizers) > 1:
-        lines += ["Tokenizer conditions, each claim's rows side by side and judged in one family: "
-                  + ", ".join(f"{k} (vocabulary {v:,})" for k, v in tokenizers.items() if v)
-                  + ". Each arm's rate at the middle rung, by condition: "
-                  + "; ".join(f"{k}: {', '.join(_piloted_on(h, k) for h in v)}"
-                              for k, v in (ladder.get("rates") or {}).items() if v)
-                  + f". rung0-{list(tokenizers)[1]}/ and the like hold the other conditions' rung reports.",
-                  ""]
-    for name, p in ladder["presets"].items():
-        lines += [f"## {name}", "", "Non-embedding parameters: "
-                  + ", ".join(f"{n:,.0f}" for n in p["parameters"]), ""]
-        if not p["trends"]:
-            lines += ["No claim of this preset has a per-seed gap to follow across the rungs.", ""]
-            continue
-        several = len(p.get("conditions", [])) > 1  # tokenizer conditions: each claim's rows side by side
-        lines += ["| claim | " + ("tokens | " if several else "")
-                  + " | ".join(f"rung {i} gap [95% CI] (verdict)" for i in range(len(p["parameters"])))
-                  + " | trend |",
-                  "|---|" + "---|" * (len(p["parameters"]) + several) + "---|"]
-        for t in p["trends"]:
-            cells = " | ".join(_rung_cell(r, t["units"]) for r in t["rungs"])
-            lines.append(f"| {t['id']} | " + (f"{t.get('condition')} | " if several else "")
-                         + f"{cells} | {t['verdict']} |")
-        lines.append("")
-        for t in p["trends"]:
-            tokens = f" ({t.get('condition')} tokens)" if several else ""
-            lines += [f"- **{t['id']}**{tokens} ({t['leaf']['a']} vs {t['leaf']['b']}): {_trend_line(t)}"]
-        lines.append("")
-        lines += [f"![{name}](plots/{f})" for f in images if f == f"ladder-{name}.png"] + [""]
-    return md_safe("\n".join(lines))
-
-
-def render_ladder(ladder: dict, out: str | Path) -> dict[str, Path]:
-    """ladder.md and one plot per preset (plots/ladder-<preset>.png) in ``out``."""
-    from normlab.plots import plot_ladder
-
-    plt = pyplot()
-    out = Path(out)
-    (out / "plots").mkdir(parents=True, exist_ok=True)
-    images = []
-    for filename, fig in plot_ladder(ladder, plt).items():
-        fig.savefig(out / "plots" / filename, dpi=110)
-        plt.close(fig)
-        images.append(filename)
-    md = out / "ladder.md"
-    text = ladder_markdown(ladder, images)
-    _save(md, text)
-    return {"markdown": md, **{f: out / "plots" / f for f in images}}

@@ -1,0 +1,159 @@
+"""The size ladder's report (``normlab compare --ladder``): ladder.md, each trend claim's gap at
+every rung and its verdict, and one plot per preset of those gaps against model size."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from normlab.plots import pyplot
+from normlab.report import md_safe, save_text
+
+
+def _trend_line(t: dict) -> str:
+    """A trend claim's question and evidence in one line."""
+    what = {"does not grow": f"the gap does not grow with scale (slope within +-{t['margin_per_decade']:.3g} "
+                             "per decade)",
+            "grows up": "the effect grows with scale (slope above 0)",
+            "grows down": "the effect grows with scale (slope below 0)"}[t["question"]]
+    fit = t["fit"]
+    if fit is None:
+        return (f"{what}: fewer than two rungs where the baseline trains, or fewer than three seed gaps: "
+                f"{t['verdict']}")
+    adjusted = "" if t.get("p_adjusted") in (None, t["p"]) else f", Holm-adjusted {t['p_adjusted']:.3g}"
+    return (f"{what}: slope {fit['slope']:+.4f} ({t['units']}) per decade of parameters, 95% CI "
+            f"{fit['lo']:+.4f} to {fit['hi']:+.4f} ({fit['n']} seed gaps, df {fit['df']}); p "
+            f"{t['p']:.3g}{adjusted}: **{t['verdict']}**")
+
+
+def _rung_cell(r: dict, units: str) -> str:
+    if r.get("precondition") is False:
+        return f"left out: the baseline did not train ({r['verdict']})"
+    if not r["ci"]:
+        return f"- ({r['verdict'] or 'not run'})"
+    if units == "log ratio":
+        return f"{r['ci']['gap']:+.2%} [{r['ci']['gap_lo']:+.2%}, {r['ci']['gap_hi']:+.2%}] ({r['verdict']})"
+    return f"{r['ci']['gap']:+.4g} [{r['ci']['gap_lo']:+.4g}, {r['ci']['gap_hi']:+.4g}] ({r['verdict']})"
+
+
+def _piloted_on(how: str, condition: str) -> str:
+    return how.replace("tuned (the design)", f"tuned in the design pilot on {condition}")
+
+
+def ladder_markdown(ladder: dict, images: list[str]) -> str:
+    fam = ladder["family"]
+    how = (f"Holm over the ladder's {fam['size']} trend tests at {fam['alpha']:.0%}"
+           if fam["method"] == "holm"
+           else "each trend alone, unadjusted")
+    lines = ["# normlab size ladder", "",
+             f"Widths: d_model x {', '.join(f'{w:g}' for w in ladder['widths'])} of each preset's size; "
+             f"tokens per parameter {ladder['tokens_per_parameter']}; learning rates: {ladder['lr_rule']}. "
+             f"Trend verdicts: {how}; each rung's claims are judged as their own invocation's (rung0/, "
+             "rung1/, rung2/: report.md each).", ""]
+    tokenizers = ladder.get("tokenizers") or {}
+    if len(tokenizers) > 1:
+        lines += ["Tokenizer conditions, each claim's rows side by side and judged in one family: "
+                  + ", ".join(f"{k} (vocabulary {v:,})" for k, v in tokenizers.items() if v)
+                  + ". Each arm's rate at the middle rung, by condition: "
+                  + "; ".join(f"{k}: {', '.join(_piloted_on(h, k) for h in v)}"
+                              for k, v in (ladder.get("rates") or {}).items() if v)
+                  + f". rung0-{list(tokenizers)[1]}/ and the like hold the other conditions' rung reports.",
+                  ""]
+    for name, p in ladder["presets"].items():
+        lines += [f"## {name}", "", "Non-embedding parameters: "
+                  + ", ".join(f"{n:,.0f}" for n in p["parameters"]), ""]
+        if not p["trends"]:
+            lines += ["No claim of this preset has a per-seed gap to follow across the rungs.", ""]
+            continue
+        several = len(p.get("conditions", [])) > 1  # tokenizer conditions: each claim's rows side by side
+        lines += ["| claim | " + ("tokens | " if several else "")
+                  + " | ".join(f"rung {i} gap [95% CI] (verdict)" for i in range(len(p["parameters"])))
+                  + " | trend |",
+                  "|---|" + "---|" * (len(p["parameters"]) + several) + "---|"]
+        for t in p["trends"]:
+            cells = " | ".join(_rung_cell(r, t["units"]) for r in t["rungs"])
+            lines.append(f"| {t['id']} | " + (f"{t.get('condition')} | " if several else "")
+                         + f"{cells} | {t['verdict']} |")
+        lines.append("")
+        for t in p["trends"]:
+            tokens = f" ({t.get('condition')} tokens)" if several else ""
+            lines += [f"- **{t['id']}**{tokens} ({t['leaf']['a']} vs {t['leaf']['b']}): {_trend_line(t)}"]
+        lines.append("")
+        lines += [f"![{name}](plots/{f})" for f in images if f == f"ladder-{name}.png"] + [""]
+    return md_safe("\n".join(lines))
+
+
+def render_ladder(ladder: dict, out: str | Path) -> dict[str, Path]:
+    """ladder.md and one plot per preset (plots/ladder-<preset>.png) in ``out``."""
+    plt = pyplot()
+    out = Path(out)
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    images = []
+    for filename, fig in plot_ladder(ladder, plt).items():
+        fig.savefig(out / "plots" / filename, dpi=110)
+        plt.close(fig)
+        images.append(filename)
+    md = out / "ladder.md"
+    text = ladder_markdown(ladder, images)
+    save_text(md, text)
+    return {"markdown": md, **{f: out / "plots" / f for f in images}}
+
+
+def plot_ladder(ladder: dict, plt) -> dict:
+    """One figure per preset of the size ladder: each trend claim's gap at every rung (the mean
+    over seeds and its 95% interval) against non-embedding parameters on a log axis, with the
+    fitted slope; a claim's tokenizer conditions share its panel, one colour each."""
+    figures = {}
+    for name, p in ladder["presets"].items():
+        panels: dict[str, list[dict]] = {}
+        for t in p["trends"]:
+            panels.setdefault(t["id"], []).append(t)
+        if not panels:
+            continue
+        cols = min(3, len(panels))
+        rows = math.ceil(len(panels) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+        for ax, (claim, trends) in zip(axes.flat, panels.items()):
+            for i, t in enumerate(trends):
+                _ladder_series(ax, t, f"C{2 * i}", t.get("condition") if len(trends) > 1 else None,
+                               1.0 + 0.06 * (i - (len(trends) - 1) / 2))
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=6)
+            ax.axhline(0, color="k", lw=0.5)
+            if any(r["ci"] or r["gaps"] for t in trends for r in t["rungs"]):
+                ax.set_xscale("log")
+            else:
+                ax.text(0.5, 0.5, "no rung gives a gap to plot", ha="center", transform=ax.transAxes,
+                        fontsize=8)
+            ax.set_title(f"{claim}: "
+                         + ", ".join(f"{t['verdict']}" + (f" ({t['condition']})" if len(trends) > 1 else "")
+                                      for t in trends), fontsize=8)
+            ax.set_xlabel("non-embedding parameters")
+            ax.set_ylabel(f"gap ({trends[0]['units']}; {trends[0]['leaf']['a']} vs {trends[0]['leaf']['b']})",
+                          fontsize=7)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        fig.suptitle(f"{name}: each effect across the ladder (95% t intervals over seeds)", fontsize=10)
+        fig.tight_layout()
+        figures[f"ladder-{name}.png"] = fig
+    return figures
+
+
+def _ladder_series(ax, t: dict, colour: str, condition: str | None, nudge: float) -> None:
+    """One trend's rungs (the interval, each seed's gap) and its fitted line; ``nudge`` shifts the
+    points along x so that two conditions at one rung do not cover each other."""
+    tag = f"{condition}: " if condition else ""
+    xs = [r["parameters"] for r in t["rungs"] if r.get("precondition") is not False]
+    for r in t["rungs"]:
+        out = r.get("precondition") is False  # left out of the fit: its baseline did not train
+        x = r["parameters"] * nudge
+        if r["ci"]:
+            ax.errorbar([x], [r["ci"]["est"]],
+                        yerr=[[r["ci"]["est"] - r["ci"]["lo"]], [r["ci"]["hi"] - r["ci"]["est"]]],
+                        fmt="o", color="C7" if out else colour, mfc="none" if out else colour, capsize=3,
+                        label=f"{tag}left out: baseline did not train" if out else None)
+        ax.plot([x] * len(r["gaps"]), r["gaps"], ".", color="C7" if out else colour, alpha=0.4)
+    if t["fit"]:
+        f = t["fit"]
+        ax.plot(xs, [f["intercept"] + f["slope"] * math.log10(x) for x in xs], "-", color=colour,
+                label=f"{tag}slope {f['slope']:+.3f}/decade (95% CI {f['lo']:+.3f} to {f['hi']:+.3f})")
