@@ -145,3 +145,32 @@ def test_a_cancelling_gradient_is_judged_against_jittered_rounding():
         output = next(t for t in r["tensors"] if t["tensor"] == "output")
         assert output["err_jittered"] < 4 * output["err_unpatched"] + eps  # no wider than needed elsewhere
     assert widened >= 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "t5", "gpt2"])
+def test_the_float64_truth_computes_nothing_in_a_narrower_float(arch):
+    """transformers' norms cast to float32 inside and its losses take logits.float(): in a float64
+    copy those left the truth float32-accurate. Every aten op of its forward and backward must
+    give float64 (or non-float) results."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from normlab.hf.checking import float64_truth
+
+    narrow = (torch.float32, torch.float16, torch.bfloat16)
+
+    class NarrowOps(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            self.seen += [str(func) for o in outs if isinstance(o, torch.Tensor) and o.dtype in narrow]
+            return out
+
+    model = hf.tiny_model(arch).eval().double()  # float64 already: the copy's clones are not counted
+    ids = torch.randint(0, model.get_input_embeddings().num_embeddings, (2, 12))
+    with NarrowOps() as recorder:
+        output, grads = float64_truth(model, ids)
+    assert recorder.seen == [], sorted(set(recorder.seen))
+    assert output.dtype == torch.float64 and all(g.dtype == torch.float64 for g in grads.values())
+    assert torch.get_default_dtype() == torch.float32  # restored

@@ -165,7 +165,7 @@ def run_whole(model_type: str, class_name: str) -> dict:
     patched model stays within check_model's bound (``ok``, the worst ``tensor`` and its ``excess``,
     or the ``error`` it raised), or ``{"none": why}`` where the unpatched model itself does not run
     (no small build, or it fails in that dtype or in float64, the truth both are compared with)."""
-    from normlab.hf.checking import check_model, output_and_grads
+    from normlab.hf.checking import check_model, float64_truth, output_and_grads
 
     try:
         model, cut = build_small(model_type, class_name)
@@ -176,7 +176,10 @@ def run_whole(model_type: str, class_name: str) -> dict:
 
     def fails(dtype: torch.dtype) -> str:
         try:
-            output_and_grads(copy.deepcopy(model).to(dtype), ids, dtype)
+            if dtype == torch.float64:
+                float64_truth(model, ids)  # as check_model makes it
+            else:
+                output_and_grads(copy.deepcopy(model).to(dtype), ids, dtype)
             return ""
         except Exception as err:
             return _why(err)

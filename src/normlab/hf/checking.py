@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from normlab import functional as F
 from normlab.hf.patching import norm_spec, patch, unpatch
@@ -195,6 +196,50 @@ def output_and_grads(model: nn.Module, ids: torch.Tensor,
     return y.detach(), grads
 
 
+class _Float64Throughout(TorchFunctionMode):
+    """Every cast to a narrower float (``.float()``, ``.to(torch.float32)``, ``type_as``, a
+    ``dtype=`` argument such as softmax's) made float64 instead."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _NARROWING_METHODS:
+            return args[0].to(torch.float64)
+        if func in _CASTS:
+            args = args[:1] + tuple(_widened(a) for a in args[1:])
+            kwargs = {k: _widened(v) for k, v in kwargs.items()}
+        elif kwargs.get("dtype") in _NARROW:
+            kwargs = {**kwargs, "dtype": torch.float64}
+        return func(*args, **kwargs)
+
+
+_NARROW = (torch.float32, torch.float16, torch.bfloat16)
+_NARROWING_METHODS = (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16)
+_CASTS = (torch.Tensor.to, torch.Tensor.type, torch.Tensor.type_as)
+
+
+def _widened(a):
+    if isinstance(a, torch.dtype) and a in _NARROW:
+        return torch.float64
+    if isinstance(a, torch.Tensor) and a.dtype in _NARROW:  # .to(other) or .type_as(other)
+        return a.new_empty((), dtype=torch.float64)
+    return a
+
+
+def float64_truth(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """output_and_grads of a float64 copy of ``model``, in float64 throughout: transformers' norms
+    cast to float32 inside (``hidden_states.to(torch.float32)``) and its losses take ``logits.float()``,
+    which in a float64 model would leave the truth float32-accurate (7e-8 off in a tiny Llama's
+    logits, about what the fp32 check measures); here every such cast, and every tensor made with
+    the default dtype, stays float64."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with _Float64Throughout():
+            return output_and_grads(copy.deepcopy(model).double(), ids, torch.float64)
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| (Frobenius): a whole tensor's relative error. Through a model the two runs'
     rounding errors propagate differently, so a per-element ratio of them is a ratio of two noisy
@@ -231,7 +276,7 @@ def check_model(model: nn.Module, *, dtype: str = "fp32", batch: int = 2, seq: i
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed)).to(device)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    truth = output_and_grads(copy.deepcopy(model).double(), ids, torch.float64)
+    exact = float64_truth(model, ids)
 
     def timed():
         output_and_grads(model, ids, tdtype)  # warm-up: first calls, kernel loading
@@ -269,10 +314,10 @@ def check_model(model: nn.Module, *, dtype: str = "fp32", batch: int = 2, seq: i
     finally:
         unpatch(model)
     eps = torch.finfo(tdtype).eps
-    largest = max(g.abs().max().item() for g in truth[1].values())
-    excluded = sorted(k for k in grads0 if truth[1][k].abs().max().item() <= ZERO_GRAD * largest)
-    tensors = {"output": (out0, [j[0] for j in jittered], out1, truth[0])} | {
-        k: (grads0[k], [j[1][k] for j in jittered], grads1[k], truth[1][k])
+    largest = max(g.abs().max().item() for g in exact[1].values())
+    excluded = sorted(k for k in grads0 if exact[1][k].abs().max().item() <= ZERO_GRAD * largest)
+    tensors = {"output": (out0, [j[0] for j in jittered], out1, exact[0])} | {
+        k: (grads0[k], [j[1][k] for j in jittered], grads1[k], exact[1][k])
         for k in grads0 if k not in excluded}
     judged = []
     for name, (u, js, p, t) in tensors.items():
