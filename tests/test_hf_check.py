@@ -159,7 +159,9 @@ def test_the_float64_truth_computes_nothing_in_a_narrower_float(arch):
     narrow = (torch.float32, torch.float16, torch.bfloat16)
 
     class NarrowOps(TorchDispatchMode):
-        seen: list = []
+        def __init__(self):
+            super().__init__()
+            self.seen = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
