@@ -1234,7 +1234,7 @@ def test_settings_are_a_readable_table_not_raw_json():
     )
     md = report.markdown(results, {})
     assert '{"train"' not in md and "| setting | value |" in md
-    rows = dict(report.settings_rows(results["presets"]["norms"]["settings"]))
+    rows = dict(report.settings_rows(results["presets"]["norms"]))
     seeds = len(results["presets"]["norms"]["settings"]["seeds"])
     assert rows["seeds"] == f"0 to {seeds - 1} ({seeds})"
     assert rows["arm_lrs"].startswith("layernorm: lr ") and "; rmsnorm: lr " in rows["arm_lrs"]

@@ -188,10 +188,19 @@ def test_compare_ladder_end_to_end(corpus, tmp_path, capsys):
             at = results["presets"]["shallow"]["trained_at"]
             assert {a["d_model"]
                     for a in at} == {LD.width(16, 2, rung)} and len({a["steps"] for a in at}) == 1
-            assert (out / (f"rung{rung}" + (f"-{suffix}" if suffix else "")) / "report.md").exists()
+            md = (out / (f"rung{rung}" + (f"-{suffix}" if suffix else "")) / "report.md").read_text()
+            # the report says the width the rung trained at, not only the preset's own fields
+            assert f"Trained at ladder rung {rung} (d_model x{LD.WIDTHS[rung]:g}" in md
+            assert f"d_model {LD.width(16, 2, rung)}, n_layers" in md
     rows = [line for line in (out / "ladder.md").read_text().splitlines() if line.startswith("| shallow.")]
     assert [r.split(" | ")[1] for r in rows] == ["char", "bpe", "char", "bpe"]
     assert (out / "plots" / "ladder-shallow.png").stat().st_size > 1000
+    # `normlab report` redraws a ladder folder: every rung's report and ladder.md
+    for f in [out / "ladder.md", out / "rung0-bpe" / "report.md"]:
+        f.unlink()
+    assert main(["report", str(out)]) == 0
+    assert "shallow.post_better" in (out / "ladder.md").read_text()
+    assert "Trained at ladder rung 0" in (out / "rung0-bpe" / "report.md").read_text()
     lrs = [
         json.loads((out / E.rung_file(r)).read_text())["presets"]["shallow"]["settings"]["arm_lrs"]["pre-L1"][
             "lr"

@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("report",
-                       help="redraw the plots and report of a compare directory from its results.json")
+                       help="redraw the plots and report of a compare directory from its results.json (a "
+                            "--ladder directory: every rung's report and ladder.md)")
     p.add_argument("dir", help="the --out directory of normlab compare")
     p.set_defaults(func=cmd_report)
 

@@ -9,6 +9,7 @@ import dataclasses
 import os
 import platform
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -276,10 +277,21 @@ def cmd_sample(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_report(args: argparse.Namespace, console: Console) -> int:
-    from normlab import report
+    from normlab import ladder_report, report
+    from normlab.runs import read_json
 
-    paths = report.render(report.load(args.dir), args.dir)
-    console.print(f"report: {paths['html']}")
+    folder = Path(args.dir)
+    rungs = sorted(folder.glob("results-rung*.json"))
+    if (folder / "results.json").exists() or not rungs:
+        paths = report.render(report.load(folder), folder)
+        console.print(f"report: {paths['html']}")
+    # a --ladder folder: each rung's report in rung<i>[-condition]/, then ladder.md from ladder.json
+    for path in rungs:
+        paths = report.render(report.load(folder, path.name), folder / path.stem.removeprefix("results-"))
+        console.print(f"report: {paths['html']}")
+    if (folder / "ladder.json").exists():
+        paths = ladder_report.render_ladder(read_json(folder / "ladder.json"), folder)
+        console.print(f"ladder: {paths['markdown']}")
     return 0
 
 
@@ -335,8 +347,6 @@ def cmd_check_model(args: argparse.Namespace, console: Console) -> int:
 
 
 def census(args: argparse.Namespace, console: Console) -> int:
-    from pathlib import Path
-
     import torch
     import transformers
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

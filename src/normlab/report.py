@@ -69,9 +69,24 @@ def _setting(v) -> str:
     return _fmt(v)
 
 
-def settings_rows(settings: dict) -> list[tuple[str, str]]:
-    """(setting, value) rows of a section's settings, one per top-level key."""
-    return [(str(k), _setting(v)) for k, v in settings.items()]
+def settings_rows(section: dict) -> list[tuple[str, str]]:
+    """(setting, value) rows of a section's settings, one per top-level key; first, where its runs
+    were resized (a ladder rung, the gpu size), the sizes they trained at, which the preset's own
+    fields below do not show."""
+    rows = [(str(k), _setting(v)) for k, v in section["settings"].items()]
+    sized = sized_text(section)
+    return ([("trained at", sized + "; the rows below are the preset's own size")] if sized else []) + rows
+
+
+def sized_text(section: dict) -> str | None:
+    """Where a section's runs were resized: its ladder rung and the sizes they trained at."""
+    at = section.get("trained_at")
+    if not at:
+        return None
+    sizes = "; ".join(", ".join(f"{k} {_fmt(v)}" for k, v in a.items()) for a in at)
+    rung = section.get("rung")
+    return (f"ladder rung {rung['index']} (d_model x{rung['width']:g} of the preset's): {sizes}" if rung
+            else sizes)
 
 
 def clock_text(clock: dict) -> str:
@@ -203,6 +218,8 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
             lines += [f"Measured by `{section['meta'].get('command')}` on {section['meta'].get('date')} "
                       f"(git {section['meta'].get('git')}, "
                       f"data sha256 {section['meta'].get('data_sha256')}).", ""]
+        if sized_text(section):
+            lines += [f"Trained at {sized_text(section)}.", ""]
         cols = section["columns"]
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for row in section["rows"]:
@@ -227,7 +244,7 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
         for img in images.get(name, []):
             lines += [f"![{name}]({img})", ""]
         lines += ["| setting | value |", "|---|---|",
-                  *(f"| {k} | {v} |" for k, v in settings_rows(section["settings"])),
+                  *(f"| {k} | {v} |" for k, v in settings_rows(section)),
                   "", f"Compute time {section.get('seconds', 0):.0f} s.", ""]
     return md_safe("\n".join(lines))
 
@@ -277,6 +294,8 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
             parts.append(f"<p class='rule'>Measured by <code>{e(str(m.get('command')))}</code> on "
                          f"{e(str(m.get('date')))} (git {e(str(m.get('git')))}, data sha256 "
                          f"{e(str(m.get('data_sha256')))}).</p>")
+        if sized_text(section):
+            parts.append(f"<p class='rule'>Trained at {e(sized_text(section))}.</p>")
         cols = section["columns"]
         parts.append("<table><tr>" + "".join(f"<th>{e(c)}</th>" for c in cols) + "</tr>")
         for row in section["rows"]:
@@ -296,7 +315,7 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
             data = base64.b64encode((folder / img).read_bytes()).decode()
             parts.append(f"<p><img alt='{e(img)}' src='data:image/png;base64,{data}'></p>")
         rows = "".join(f"<tr><td>{e(k)}</td><td>{e(v)}</td></tr>"
-                       for k, v in settings_rows(section["settings"]))
+                       for k, v in settings_rows(section))
         parts.append(f"<table class='settings'><tr><th>setting</th><th>value</th></tr>{rows}</table>"
                      f"<p class='rule'>Compute time {section.get('seconds', 0):.0f} s.</p>")
     parts.append("</body></html>")
@@ -406,10 +425,11 @@ def latex_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def load(folder: str | Path) -> dict:
-    path = Path(folder) / "results.json"
+def load(folder: str | Path, name: str = "results.json") -> dict:
+    """A compare's results file (``name``: a ladder rung's is results-rung<i>.json) in ``folder``."""
+    path = Path(folder) / name
     if not path.exists():
-        raise FileNotFoundError(f"no results.json in {folder}; run `normlab compare PRESET --out {folder}` "
+        raise FileNotFoundError(f"no {name} in {folder}; run `normlab compare PRESET --out {folder}` "
                                 "first")
     from normlab.runs import read_json
 
