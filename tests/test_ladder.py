@@ -248,3 +248,22 @@ def test_plan_costs_are_6ND_plus_attention(corpus, tmp_path, capsys):
                  "--plan"]) == 0
     err = " ".join(capsys.readouterr().err.split())
     assert f"total of {len(pending)} runs" in err and "6ND" in err
+
+
+def test_the_ladder_plot_names_each_rung_on_its_axis():
+    # within a decade or two a log axis labels its minor ticks, and their labels ran into each other
+    from normlab import ladder_report
+    from normlab.plots import pyplot
+
+    sections, params = _rungs(lambda x: 0.001, C.within("a", "b", 0.02, paired=True, origin=C.ours("test")))
+    trends = LD.trends(sections, params)
+    LD.judge_trends(trends)
+    plt = pyplot()
+    (fig,) = ladder_report.plot_ladder({"presets": {"p": {"trends": trends}}}, plt).values()
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["20k", "80k", "320k"]
+    assert not [t.get_text() for t in ax.get_xticklabels(minor=True) if t.get_text()]
+    lo, hi = ax.get_xlim()
+    assert lo < params[0] and hi > params[-1]
+    plt.close(fig)

@@ -122,6 +122,12 @@ def plot_ladder(ladder: dict, plt) -> dict:
             ax.axhline(0, color="k", lw=0.5)
             if any(r["ci"] or r["gaps"] for t in trends for r in t["rungs"]):
                 ax.set_xscale("log")
+                # a tick at each rung, named by its size: within a decade or two matplotlib labels
+                # its minor ticks and their labels overlap
+                sizes = sorted({r["parameters"] for t in trends for r in t["rungs"]})
+                ax.minorticks_off()
+                ax.set_xticks(sizes, [_count(n) for n in sizes])
+                ax.set_xlim(sizes[0] / 1.5, sizes[-1] * 1.5)
             else:
                 ax.text(0.5, 0.5, "no rung gives a gap to plot", ha="center", transform=ax.transAxes,
                         fontsize=8)
@@ -129,7 +135,7 @@ def plot_ladder(ladder: dict, plt) -> dict:
                          + ", ".join(f"{t['verdict']}" + (f" ({t['condition']})" if len(trends) > 1 else "")
                                       for t in trends), fontsize=8)
             ax.set_xlabel("non-embedding parameters")
-            ax.set_ylabel(f"gap ({trends[0]['units']}; {trends[0]['leaf']['a']} vs {trends[0]['leaf']['b']})",
+            ax.set_ylabel(f"gap ({trends[0]['units']})\n{trends[0]['leaf']['a']} vs {trends[0]['leaf']['b']}",
                           fontsize=7)
         for ax in list(axes.flat)[len(panels):]:
             ax.axis("off")
@@ -137,6 +143,11 @@ def plot_ladder(ladder: dict, plt) -> dict:
         fig.tight_layout()
         figures[f"ladder-{name}.png"] = fig
     return figures
+
+
+def _count(n: float) -> str:
+    """A parameter count as a tick label: 161k, 2.41M."""
+    return f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n / 1e3:.3g}k"
 
 
 def _ladder_series(ax, t: dict, colour: str, condition: str | None, nudge: float) -> None:
