@@ -218,8 +218,9 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
             lines += [f"Measured by `{section['meta'].get('command')}` on {section['meta'].get('date')} "
                       f"(git {section['meta'].get('git')}, "
                       f"data sha256 {section['meta'].get('data_sha256')}).", ""]
-        if sized_text(section):
-            lines += [f"Trained at {sized_text(section)}.", ""]
+        sized = sized_text(section)
+        if sized:
+            lines += [f"Trained at {sized}.", ""]
         cols = section["columns"]
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for row in section["rows"]:
@@ -294,8 +295,9 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
             parts.append(f"<p class='rule'>Measured by <code>{e(str(m.get('command')))}</code> on "
                          f"{e(str(m.get('date')))} (git {e(str(m.get('git')))}, data sha256 "
                          f"{e(str(m.get('data_sha256')))}).</p>")
-        if sized_text(section):
-            parts.append(f"<p class='rule'>Trained at {e(sized_text(section))}.</p>")
+        sized = sized_text(section)
+        if sized:
+            parts.append(f"<p class='rule'>Trained at {e(sized)}.</p>")
         cols = section["columns"]
         parts.append("<table><tr>" + "".join(f"<th>{e(c)}</th>" for c in cols) + "</tr>")
         for row in section["rows"]:
