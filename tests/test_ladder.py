@@ -267,3 +267,57 @@ def test_the_ladder_plot_names_each_rung_on_its_axis():
     lo, hi = ax.get_xlim()
     assert lo < params[0] and hi > params[-1]
     plt.close(fig)
+
+
+def test_time_here_counts_each_runs_steps_and_evaluations(corpus, tmp_path, monkeypatch):
+    from normlab import train as T
+    from normlab.experiments import timing
+    from normlab.runs import RunDir
+
+    # the evaluations the estimate counts are those the training loop makes
+    out = tmp_path / "run"
+    T.train(*T.resolve(None, {"preset": "tiny", "data": str(corpus), "steps": "7", "eval_every": "3",
+                              "batch_size": "2", "seq_len": "16", "out": str(out), "quiet": "true"}))
+    evaluations = [m for m in RunDir(out).metrics() if "val_loss" in m]
+    calls = []
+
+    def fake(cfg, batch_size, seq_len, bf16=False):
+        calls.append((cfg.d_model, cfg.norm, batch_size, seq_len))
+        return {"train": 1e-3 * batch_size * cfg.d_model, "eval": 1e-5 * seq_len}
+
+    monkeypatch.setattr(timing, "step_seconds", fake)
+    (seconds,) = timing.run_seconds_here([["normlab", "train", "preset=tiny", f"data={corpus}", "steps=7",
+                                           "eval_every=3", "batch_size=2", "seq_len=16", "eval_batches=5"]])
+    d = T.ModelConfig.preset("tiny").d_model
+    assert seconds == pytest.approx(7 * 1e-3 * 2 * d + len(evaluations) * 5 * 1e-5 * 16)
+    # a plan's runs: each model and batch shape timed once, micro-batches counted, a resumed run unknown
+    calls.clear()
+    pending = E.plan_presets(["batchnorm"], Settings(out=str(tmp_path / "plan"), size="tiny",
+                                                     data=str(corpus)))
+    argvs = [run.argv for run in pending] + [["normlab", "train", "--quiet", "--resume", str(out)]]
+    estimates = timing.run_seconds_here(argvs)
+    assert estimates[-1] is None
+    shapes = set()
+    for run, s in zip(pending, estimates):
+        tcfg, fields = T.resolve(None, dict(a.split("=", 1) for a in run.argv if "=" in a))
+        cfg = T.ModelConfig.preset(tcfg.preset, **fields)
+        shapes.add((cfg.d_model, cfg.norm, tcfg.batch_size, tcfg.seq_len))
+        evals = 1 + tcfg.steps // tcfg.eval_every + (tcfg.steps % tcfg.eval_every > 0)
+        assert s == pytest.approx(tcfg.steps * tcfg.grad_accum * 1e-3 * tcfg.batch_size * cfg.d_model
+                                  + evals * tcfg.eval_batches * 1e-5 * tcfg.seq_len)
+    assert sorted(calls) == sorted(shapes) and any("grad_accum=8" in run.argv for run in pending)
+
+
+def test_plan_time_here_times_real_steps_and_is_refused_without_a_plan(corpus, tmp_path, capsys):
+    from normlab.experiments import timing
+    from normlab.model_config import ModelConfig
+
+    times = timing.step_seconds(ModelConfig.preset("tiny", vocab_size=50), 2, 16)
+    assert 0 < times["eval"] < times["train"] < 10
+    assert main(["compare", "norms", "--size", "tiny", "--data", str(corpus), "--out", str(tmp_path),
+                 "--plan", "--time-here"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "one run at a time" in err and "here" in err
+    assert main(["compare", "norms", "--size", "tiny", "--data", str(corpus), "--out", str(tmp_path),
+                 "--time-here"]) == 2
+    assert "add --plan" in " ".join(capsys.readouterr().out.split())

@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", action="store_true",
                    help="train nothing: print one `normlab train` line per unfinished run (for Slurm or GNU "
                         "parallel), then the line that collects")
+    p.add_argument("--time-here", action="store_true",
+                   help="with --plan: also time a few training steps of each distinct model on this machine "
+                        "and estimate each run's training time here (one run at a time)")
     p.add_argument("--collect", action="store_true",
                    help="train nothing: measure and report once every run has finished, else list the "
                         "missing runs")

@@ -41,6 +41,8 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
                          "train them here N at a time")
     if args.jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
+    if getattr(args, "time_here", False) and not args.plan:
+        raise ValueError("--time-here estimates the runs of a plan: add --plan")
     settings = experiments.Settings(out=args.out, size="quick" if args.quick else args.size, seeds=args.seeds,
                                     data=args.data, steps=args.steps,
                                     overrides=overrides, quiet=args.quiet,
@@ -133,7 +135,7 @@ def _ladder(args: argparse.Namespace, names: list[str], settings, command: str, 
         for run in pending:
             print(run.command)
         print(f"{command} --collect")
-        _costs(pending, Console(stderr=True))
+        _costs(pending, Console(stderr=True), args)
         return 0
     for rung, c, rung_settings in runs:
         suffix = _suffix(c)
@@ -243,16 +245,31 @@ def _plan(args: argparse.Namespace, settings, command: str) -> int:
     for run in pending:
         print(run.command)
     print(f"{command} --collect")
-    _costs(pending, notes)
+    _costs(pending, notes, args)
     notes.print(f"{len(pending)} training run(s) to train (one `normlab train` line each), then the line "
                 f"that collects the results into {args.out}: measurements, verdicts and the report.")
     return 0
 
 
-def _costs(pending: list, console: Console) -> None:
+def _costs(pending: list, console: Console, args: argparse.Namespace) -> None:
+    """The plan's cost table; with --time-here, each run's training time measured here."""
     from normlab.experiments import cost
 
-    cost.print_costs(pending, console)
+    if not getattr(args, "time_here", False):
+        cost.print_costs(pending, console)
+        return
+    import torch
+    from rich.progress import Progress
+
+    from normlab.experiments import timing
+
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("timing each model's steps here", total=None)
+        seconds = timing.run_seconds_here([run.argv for run in pending],
+                                          lambda done, total: bar.update(task, completed=done, total=total))
+    for run, s in zip(pending, seconds):
+        run.cost["here_s"] = s
+    cost.print_costs(pending, console, here_threads=torch.get_num_threads())
 
 
 def _print_verdicts(results: dict, done: list[str], paths: dict, out: str, console: Console) -> None:

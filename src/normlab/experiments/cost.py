@@ -9,7 +9,8 @@ embedding-sized multiply are left out, as in that count.
 The time assumes an H100/H200-class GPU's dense bf16 peak of 989 TFLOP/s (NVIDIA's H100 SXM
 datasheet, without sparsity) at a model-FLOPs utilization of 35%: what well-tuned PyTorch
 training of ~100M-parameter models reaches (small models reach less; the estimate is a budget,
-not a measurement).
+not a measurement). ``--plan --time-here`` adds the time the runs' training would take on this
+machine, from steps of each model timed here (experiments.timing.run_seconds_here).
 """
 
 from __future__ import annotations
@@ -34,32 +35,37 @@ def run_cost(parameters: int, n_layers: int, d_model: int, seq_len: int, steps: 
     return {"parameters": parameters, "tokens": tokens, "flops": flops, "gpu_s": gpu_seconds(flops)}
 
 
-def print_costs(pending: list, console) -> None:
+def print_costs(pending: list, console, here_threads: int | None = None) -> None:
     """Each planned run's parameters, tokens, training FLOPs and estimated GPU time, and each
-    preset's totals (normlab.experiments.cost says how they are counted)."""
+    preset's totals (normlab.experiments.cost says how they are counted). With ``here_threads``,
+    also the time measured here (``run.cost["here_s"]``, experiments.timing.run_seconds_here)."""
     from rich.table import Table
 
+    here = here_threads is not None
     table = Table(title=f"cost (FLOPs: 6ND + 6LTdD; GPU time at {MFU:.0%} MFU of {PEAK_FLOPS / 1e12:.0f} "
-                        "TFLOP/s, an H100/H200-class GPU)")
-    for col in ("preset", "run", "parameters", "tokens", "FLOPs", "GPU time"):
+                        "TFLOP/s, an H100/H200-class GPU"
+                        + (f"; here: training only, one run at a time on {here_threads} threads, from "
+                           "steps timed on this machine" if here else "") + ")")
+    for col in ("preset", "run", "parameters", "tokens", "FLOPs", "GPU time") + (("here",) if here else ()):
         table.add_column(col)
     totals: dict[str, list[float]] = {}
     for run in pending:
         c = run.cost
         if not c:
             continue
+        here_s = c.get("here_s")
         table.add_row(run.preset, run.label, f"{c['parameters']:,}", f"{c['tokens']:,}", f"{c['flops']:.3g}",
-                      _duration(c["gpu_s"]))
-        t = totals.setdefault(run.preset, [0, 0.0, 0.0])
-        t[0], t[1], t[2] = t[0] + 1, t[1] + c["flops"], t[2] + c["gpu_s"]
-    for preset, (n, flops, seconds) in totals.items():
-        table.add_row(f"[bold]{preset}[/bold]", f"[bold]total of {n} runs[/bold]", "", "",
-                      f"[bold]{flops:.3g}[/bold]",
-                      f"[bold]{_duration(seconds)}[/bold]")
+                      _duration(c["gpu_s"]), *((_duration(here_s) if here_s is not None else "resumed",)
+                                               if here else ()))
+        t = totals.setdefault(run.preset, [0, 0.0, 0.0, 0.0])
+        t[0], t[1], t[2], t[3] = t[0] + 1, t[1] + c["flops"], t[2] + c["gpu_s"], t[3] + (here_s or 0.0)
+    rows = list(totals.items())
     if len(totals) > 1:
-        table.add_row("[bold]all[/bold]", "", "", "",
-                      f"[bold]{sum(t[1] for t in totals.values()):.3g}[/bold]",
-                      f"[bold]{_duration(sum(t[2] for t in totals.values()))}[/bold]")
+        rows.append(("all", [sum(t[i] for t in totals.values()) for i in range(4)]))
+    for preset, (n, flops, seconds, here_total) in rows:
+        table.add_row(f"[bold]{preset}[/bold]", f"[bold]total of {n} runs[/bold]", "", "",
+                      f"[bold]{flops:.3g}[/bold]", f"[bold]{_duration(seconds)}[/bold]",
+                      *((f"[bold]{_duration(here_total)}[/bold]",) if here else ()))
     console.print(table)
 
 

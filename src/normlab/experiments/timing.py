@@ -119,3 +119,80 @@ def time_norm_calls(d: int, rows: int, rounds: int = 20) -> dict:
             times.append((time.perf_counter() - t0) * 1e3)
         out[name] = statistics.median(times)
     return out
+
+
+def step_seconds(cfg, batch_size: int, seq_len: int, bf16: bool = False, steps: int = 3) -> dict:
+    """Seconds of one training micro-step (forward, backward, AdamW) and of one evaluation forward
+    of a decoder built from ``cfg``, on random tokens in this process at torch's thread count: the
+    median of ``steps`` after an untimed one, or of fewer where they pass 2 s (a plan is a budget)."""
+    torch.manual_seed(0)
+    model = Decoder(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+
+    def train_step() -> None:
+        with autocast:
+            _, loss = model(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def eval_step() -> None:
+        with torch.no_grad(), autocast:
+            model(x, x)
+
+    out = {}
+    for name, call in (("train", train_step), ("eval", eval_step)):
+        call()  # compiles and first calls: once per process, not per step
+        times = []
+        while len(times) < steps and sum(times) < 2.0:
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times)
+    return out
+
+
+def run_seconds_here(argvs: list[list[str]], progress=None) -> list[float | None]:
+    """The estimated wall time of each `normlab train` command line in ``argvs`` on this machine,
+    trained one at a time at torch's thread count: its steps (times its micro-batches) at the
+    measured step time plus its evaluations (the first, every ``eval_every`` and the last, of
+    ``eval_batches`` forwards each). Each distinct model and batch shape is timed once
+    (:func:`step_seconds`); a resumed run (``--resume``) is None. ``progress(done, total)`` is
+    called as shapes are timed. What runs after training (a preset's measurements) is not counted."""
+    import dataclasses
+
+    from normlab import data as D
+    from normlab.model_config import ModelConfig
+    from normlab.train_config import resolve
+
+    parsed, vocabs = [], {}
+    for argv in argvs:
+        if "--resume" in argv:
+            parsed.append(None)
+            continue
+        tcfg, model_fields = resolve(None, dict(a.split("=", 1) for a in argv if "=" in a))
+        corpus = (tcfg.data, tcfg.tokenizer, tcfg.bpe_vocab, tcfg.val_fraction)
+        if corpus not in vocabs:
+            vocabs[corpus] = D.prepare(*corpus).tokenizer.vocab_size
+        cfg = ModelConfig.preset(tcfg.preset, **{**model_fields, "vocab_size": vocabs[corpus]})
+        parsed.append((tcfg, cfg, (tuple(sorted(dataclasses.asdict(cfg).items())), tcfg.batch_size,
+                                   tcfg.seq_len or cfg.max_seq_len, tcfg.dtype == "bf16")))
+    shapes = list(dict.fromkeys(p[2] for p in parsed if p))
+    timed = {}
+    for i, key in enumerate(shapes):
+        cfg = next(p[1] for p in parsed if p and p[2] == key)
+        timed[key] = step_seconds(cfg, key[1], key[2], bf16=key[3])
+        if progress:
+            progress(i + 1, len(shapes))
+    out = []
+    for p in parsed:
+        if p is None:
+            out.append(None)
+            continue
+        tcfg, _, key = p
+        evals = 2 + (tcfg.steps - 1) // tcfg.eval_every if tcfg.eval_every else 2
+        out.append(tcfg.steps * tcfg.grad_accum * timed[key]["train"]
+                   + evals * tcfg.eval_batches * timed[key]["eval"])
+    return out
