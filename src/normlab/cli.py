@@ -101,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("items", nargs="+", metavar="PRESET|key=value",
                    help="presets to run, then training/model fields for every run (e.g. d_model=128 "
                         "dtype=bf16)")
-    p.add_argument("--quick", action="store_true", help="sizes for 2 CPU cores (every preset: about 25 "
-                                                        "minutes with --jobs 2); demo implies it")
+    p.add_argument("--quick", action="store_true", help="sizes for 2 CPU cores (every preset: about an "
+                                                        "hour with --jobs 2; --plan --time-here estimates "
+                                                        "it here); demo implies it")
     p.add_argument("--size", choices=experiments.SIZES, default="full",
                    help="full (default), quick (= --quick), tiny (seconds: a smoke test, numbers mean "
                         "little) or gpu (full widened to d_model 768 for one GPU; see --plan for its cost)")

@@ -32,8 +32,8 @@ runs on seeds no test run uses (--tune; normlab.experiments.design).
 ``demo`` runs norms, gradients, batchnorm (without its batch-size trend) and precision at quick
 size; ``all`` runs every preset.
 Sizes: ``full`` (the default: minutes to hours on a CPU, meant for a GPU or a patient machine),
-``quick`` (2 CPU cores: every preset together in about 25 minutes with --jobs 2), ``tiny`` (seconds: the
-tests) and ``gpu`` (the full size's runs widened to d_model 768, tokens per parameter held: meant for
+``quick`` (2 CPU cores: every preset together in about an hour with --jobs 2, 57 min on a Zen 3 in
+docs/results/compare-all-quick-epyc-avx2), ``tiny`` (seconds: the tests) and ``gpu`` (the full size's runs widened to d_model 768, tokens per parameter held: meant for
 one GPU each; normlab.experiments.ladder states the rule, ``--plan`` prints the cost).
 
 Everything lives in the output directory: ``runs/<label>-<hash>/`` holds one training run (the
