@@ -435,6 +435,25 @@ def test_batchnorm_trend_trains_on_padded_batches_of_each_size(finished):
     assert _claim(finished[1], "batchnorm.position_unseen_refused")["verdict"] == "holds"
 
 
+def test_batchnorm_trend_validates_every_batch_size_on_the_same_paragraphs(corpus, tmp_path):
+    # the excess losses the trend compares across batch sizes must come from the same text: at
+    # eval_batches batches of the run's own size, batch 2 was validated on 1/16 of batch 32's paragraphs
+    from normlab import data as D
+    from normlab import train as T
+
+    pending = E.plan_presets(["batchnorm"], E.Settings(out=str(tmp_path), size="tiny", data=str(corpus)))
+    texts = {}
+    for run in pending:
+        if run.label.startswith("pad-") and run.label.endswith("-s0"):
+            tcfg, _ = T.resolve(None, dict(a.split("=", 1) for a in run.argv if "=" in a))
+            dataset = D.prepare(tcfg.data, tcfg.tokenizer, tcfg.bpe_vocab, tcfg.val_fraction)
+            batches = T._fixed_batches(dataset.val, tcfg, tcfg.seq_len, dataset.tokenizer)
+            texts[run.label] = [tuple(x[i][m[i]].tolist()) for x, _, m in batches for i in range(len(x))]
+    assert {label.split("-")[2] for label in texts} == {"b2", "b8", "b32", "b4x8"}
+    first = next(iter(texts.values()))
+    assert len(first) >= E.BATCH_SIZES[-1] and all(t == first for t in texts.values())
+
+
 def test_per_position_statistics_count_the_real_tokens_of_padded_paragraphs():
     from normlab.experiments.batchnorm import position_statistics
 

@@ -33,8 +33,9 @@ runs on seeds no test run uses (--tune; normlab.experiments.design).
 size; ``all`` runs every preset.
 Sizes: ``full`` (the default: minutes to hours on a CPU, meant for a GPU or a patient machine),
 ``quick`` (2 CPU cores: every preset together in about an hour with --jobs 2, 57 min on a Zen 3 in
-docs/results/compare-all-quick-epyc-avx2), ``tiny`` (seconds: the tests) and ``gpu`` (the full size's runs widened to d_model 768, tokens per parameter held: meant for
-one GPU each; normlab.experiments.ladder states the rule, ``--plan`` prints the cost).
+docs/results/compare-all-quick-epyc-avx2), ``tiny`` (seconds: the tests) and ``gpu`` (the full
+size's runs widened to d_model 768, tokens per parameter held: meant for one GPU each;
+normlab.experiments.ladder states the rule, ``--plan`` prints the cost).
 
 Everything lives in the output directory: ``runs/<label>-<hash>/`` holds one training run (the
 hash covers its whole config, so a run is reused by any preset, or any later command, that asks

@@ -73,6 +73,14 @@ def accumulation_change(kind: str, d: int, seq_len: int, seed: int, micro: int =
 BATCH_SIZES = (2, 8, 32)
 ACCUM = (8, 4)  # (micro-batches, sequences each): the batch of 32 by gradient accumulation
 ACCUM_KEY = f"{ACCUM[1]}x{ACCUM[0]}"
+
+
+def same_text(batches: int, batch_size: int) -> int:
+    """How many batches of ``batch_size`` hold the sequences of ``batches`` batches of the largest
+    size: ParagraphBatches draws its paragraphs from one seeded stream, so these are the very same
+    ones, and every batch size is validated on the same text (not 16 paragraphs at batch 2 against
+    256 at batch 32)."""
+    return batches * BATCH_SIZES[-1] // batch_size
 BATCHNORM_CONDITIONS = [
     "matches (Shen et al.): variable-length sequences padded per batch, BatchNorm's statistics over the "
     "real tokens only, small and large batches, LayerNorm as the control at every batch size",
@@ -164,7 +172,8 @@ def preset_batchnorm(lab: Lab) -> dict:
     for norm in ("batchnorm", "layernorm") if not lab.s.brief else ():
         for bs in BATCH_SIZES:
             fields = {**trend_train, "batch_size": bs, "steps": steps, "warmup": max(1, steps // 10),
-                      "eval_every": max(1, steps // 4)}
+                      "eval_every": max(1, steps // 4),
+                      "eval_batches": same_text(trend_train["eval_batches"], bs)}
             trend_runs[norm, bs] = fields, [lab.run(f"pad-{norm}-b{bs}-s{seed}", fields, trend_model,
                                                     {"norm": norm, "seed": seed},
                                                     tune=True) for seed in trend_seeds]
@@ -172,10 +181,10 @@ def preset_batchnorm(lab: Lab) -> dict:
         # accumulated, at the true batch's rate (the recipe unchanged: for LayerNorm the same gradients)
         fields, _ = trend_runs[norm, ACCUM[0] * ACCUM[1]]
         lr = lab.arm_lr(f"pad-{norm}-b{ACCUM[0] * ACCUM[1]}")
-        trend_runs[norm, ACCUM_KEY] = ({**fields, "batch_size": ACCUM[1], "grad_accum": ACCUM[0]},
-                                   [lab.run(f"pad-{norm}-b{ACCUM_KEY}-s{seed}",
-                                            {**fields, "batch_size": ACCUM[1], "grad_accum": ACCUM[0]},
-                                            trend_model,
+        accumulated = {**fields, "batch_size": ACCUM[1], "grad_accum": ACCUM[0],
+                       "eval_batches": same_text(trend_train["eval_batches"], ACCUM[1])}
+        trend_runs[norm, ACCUM_KEY] = (accumulated,
+                                   [lab.run(f"pad-{norm}-b{ACCUM_KEY}-s{seed}", accumulated, trend_model,
                                             {"norm": norm, "seed": seed, "lr": lr, "min_lr": lr / 10})
                                     for seed in trend_seeds])
     effects = {}  # the measurements, once every run is asked for (--plan lists runs up to the first one)
@@ -222,7 +231,7 @@ def preset_batchnorm(lab: Lab) -> dict:
         losses = [lab.job(f"trainmode-{r['run']}", {"run": r["run"]},
                           lambda r=r, fields=fields: train_eval_losses(
                               lab.out / "runs" / r["run"], {**fields, **lab.train_over}, lab.dataset,
-                              lab.pick(8, 20, tiny=2)))
+                              same_text(lab.pick(8, 20, tiny=2), fields["batch_size"])))
                   for r in rs]
         gaps = [abs(x["train_mode_loss"] - x["eval_loss"]) / x["eval_loss"] for x in losses]
         trend[norm, bs] = {"val": [r["val_loss"] for r in rs], "gap": gaps}
@@ -384,8 +393,9 @@ def preset_batchnorm(lab: Lab) -> dict:
                      "train_eval_gap: "
                      "|training-mode loss - eval-mode loss| / eval-mode loss on fixed padded validation "
                      "batches of the "
-                     "run's own batch size. The accumulated rows: the batch of 32 as 8 micro-batches of 4 "
-                     "with their gradients "
+                     "run's own batch size. Every batch size is validated on the same paragraphs (as many "
+                     "batches of its size as hold the largest batch's). The accumulated rows: the batch "
+                     "of 32 as 8 micro-batches of 4 with their gradients "
                      "summed, so BatchNorm's statistics come from 4 sequences; each norm at its batch-32 "
                      "rate."] if trend else brief),
     }
