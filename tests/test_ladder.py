@@ -321,3 +321,17 @@ def test_plan_time_here_times_real_steps_and_is_refused_without_a_plan(corpus, t
     assert main(["compare", "norms", "--size", "tiny", "--data", str(corpus), "--out", str(tmp_path),
                  "--time-here"]) == 2
     assert "add --plan" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_rung_reports_the_rates_its_runs_trained_at(corpus, tmp_path):
+    # final-norm's high-rate rows printed the preset's 10x rate at every rung, where the runs
+    # trained at the size rule's (times d_middle / d)
+    settings = Settings(out=str(tmp_path), size="tiny", data=str(corpus), quiet=True, rung=0)
+    section = E.run_presets(["final-norm"], settings)["presets"]["final-norm"]
+    arms = [f"pre-{final}-{which}" for final in ("final", "nofinal") for which in ("base", "high")]
+    assert len(section["rows"]) == len(arms)
+    for arm, row in zip(arms, section["rows"]):
+        trained = {json.loads((folder / "config.json").read_text())["train"]["lr"]
+                   for folder in (tmp_path / "runs").glob(f"{arm}-s*")}
+        assert trained == {row["lr"]}, (arm, trained, row["lr"])
+    assert section["rows"][1]["lr"] != section["settings"]["lrs"]["high"]  # the rung's, not the preset's

@@ -55,7 +55,8 @@ def preset_final_norm(lab: Lab) -> dict:
         measured[f"{name}_head_growth"] = growth
         val = stats(measured[f"{name}_val"])
         arm = f"pre-{'final' if final else 'nofinal'}-{which}"
-        rows.append({"final_norm": final, "lr": lab.arm_lr(arm) if which == "base" else lrs[which],
+        trained_lr = next((r["lr"] for r in rs if r.get("lr")), lrs[which])  # the size rule's on a ladder
+        rows.append({"final_norm": final, "lr": lab.arm_lr(arm) if which == "base" else trained_lr,
                      "seeds": len(rs), "diverged": measured[f"{name}_diverged"],
                      "val_loss": round_sig(val["mean"]), "val_std": round_sig(val["std"], 2),
                      "head_rms_start": round_sig(stats([c["rms"][0] for c in curves[final, which]

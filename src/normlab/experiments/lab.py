@@ -509,6 +509,8 @@ def _run_result(run: RunDir, summary: dict) -> dict:
         "init_val_loss": summary.get("init_val_loss"),
         "train_loss": summary.get("loss"), "wall_s": summary.get("wall_s"),
         "tokens_per_s": summary.get("tokens_per_s"), "parameters": summary.get("parameters_no_embedding"),
+        # the rate it trained at: on a ladder rung or the gpu size, the size rule's, not the preset's
+        "lr": run.config()["train"].get("lr") if run.config_file.is_file() else None,
         # what its times depend on (machine, threads); None before normlab recorded it
         "clock": summary.get("clock"),
         **run.curves(200),  # step_ms: the median past the first fifth of the steps
