@@ -81,6 +81,8 @@ def same_text(batches: int, batch_size: int) -> int:
     ones, and every batch size is validated on the same text (not 16 paragraphs at batch 2 against
     256 at batch 32)."""
     return batches * BATCH_SIZES[-1] // batch_size
+
+
 BATCHNORM_CONDITIONS = [
     "matches (Shen et al.): variable-length sequences padded per batch, BatchNorm's statistics over the "
     "real tokens only, small and large batches, LayerNorm as the control at every batch size",
