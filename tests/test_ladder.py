@@ -306,6 +306,24 @@ def test_time_here_counts_each_runs_steps_and_evaluations(corpus, tmp_path, monk
         assert s == pytest.approx(tcfg.steps * tcfg.grad_accum * 1e-3 * tcfg.batch_size * cfg.d_model
                                   + evals * tcfg.eval_batches * 1e-5 * tcfg.seq_len)
     assert sorted(calls) == sorted(shapes) and any("grad_accum=8" in run.argv for run in pending)
+    # a model this machine cannot hold is not timed (a plan for a bigger machine), the rest still are
+    from normlab import footprint
+
+    big = max(shape[2] for shape in shapes)  # the largest batch
+    real_check = footprint.check_fits
+
+    def fits_unless_largest(cfg, batch, *args, **kwargs):
+        if batch == big:
+            raise footprint.TooLarge("too large for this test")
+        return real_check(cfg, batch, *args, **kwargs)
+
+    monkeypatch.setattr(footprint, "check_fits", fits_unless_largest)
+    calls.clear()
+    estimates = timing.run_seconds_here([run.argv for run in pending])
+    for run, s in zip(pending, estimates):
+        tcfg, _ = T.resolve(None, dict(a.split("=", 1) for a in run.argv if "=" in a))
+        assert (s is None) == (tcfg.batch_size == big)
+    assert calls and all(call[2] != big for call in calls)
 
 
 def test_plan_time_here_times_real_steps_and_is_refused_without_a_plan(corpus, tmp_path, capsys):

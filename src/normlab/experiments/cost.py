@@ -38,7 +38,8 @@ def run_cost(parameters: int, n_layers: int, d_model: int, seq_len: int, steps: 
 def print_costs(pending: list, console, here_threads: int | None = None) -> None:
     """Each planned run's parameters, tokens, training FLOPs and estimated GPU time, and each
     preset's totals (normlab.experiments.cost says how they are counted). With ``here_threads``,
-    also the time measured here (``run.cost["here_s"]``, experiments.timing.run_seconds_here)."""
+    also the time measured here (``run.cost["here_s"]``, experiments.timing.run_seconds_here; "not
+    timed": a resumed run, or a model too large for this machine, left out of the totals)."""
     from rich.table import Table
 
     here = here_threads is not None
@@ -55,7 +56,7 @@ def print_costs(pending: list, console, here_threads: int | None = None) -> None
             continue
         here_s = c.get("here_s")
         table.add_row(run.preset, run.label, f"{c['parameters']:,}", f"{c['tokens']:,}", f"{c['flops']:.3g}",
-                      _duration(c["gpu_s"]), *((_duration(here_s) if here_s is not None else "resumed",)
+                      _duration(c["gpu_s"]), *((_duration(here_s) if here_s is not None else "not timed",)
                                                if here else ()))
         t = totals.setdefault(run.preset, [0, 0.0, 0.0, 0.0])
         t[0], t[1], t[2], t[3] = t[0] + 1, t[1] + c["flops"], t[2] + c["gpu_s"], t[3] + (here_s or 0.0)

@@ -159,11 +159,13 @@ def run_seconds_here(argvs: list[list[str]], progress=None) -> list[float | None
     trained one at a time at torch's thread count: its steps (times its micro-batches) at the
     measured step time plus its evaluations (the first, every ``eval_every`` and the last, of
     ``eval_batches`` forwards each). Each distinct model and batch shape is timed once
-    (:func:`step_seconds`); a resumed run (``--resume``) is None. ``progress(done, total)`` is
-    called as shapes are timed. What runs after training (a preset's measurements) is not counted."""
+    (:func:`step_seconds`); a resumed run (``--resume``) and one whose model does not fit this
+    machine's memory are None. ``progress(done, total)`` is called as shapes are timed. What runs
+    after training (a preset's measurements) is not counted."""
     import dataclasses
 
     from normlab import data as D
+    from normlab.footprint import TooLarge, check_fits
     from normlab.model_config import ModelConfig
     from normlab.train_config import resolve
 
@@ -183,12 +185,16 @@ def run_seconds_here(argvs: list[list[str]], progress=None) -> list[float | None
     timed = {}
     for i, key in enumerate(shapes):
         cfg = next(p[1] for p in parsed if p and p[2] == key)
-        timed[key] = step_seconds(cfg, key[1], key[2], bf16=key[3])
+        try:
+            check_fits(cfg, key[1], key[2], torch.device("cpu"))
+            timed[key] = step_seconds(cfg, key[1], key[2], bf16=key[3])
+        except TooLarge:  # a plan for a bigger machine: its other runs are still priced
+            timed[key] = None
         if progress:
             progress(i + 1, len(shapes))
     out = []
     for p in parsed:
-        if p is None:
+        if p is None or timed[p[2]] is None:
             out.append(None)
             continue
         tcfg, _, key = p
