@@ -369,7 +369,7 @@ class Lab:
                 self.cost += summary.get("wall_s") or 0.0
                 if not run.cache_file.exists():  # trained by a planned `normlab train`
                     write_json(run.cache_file, {"config_key": config_key, "key": key})
-                return self._clocked(_run_result(run, summary))
+                return self._clocked(_run_result(run, summary, tf.get("lr")))
             resume = run.has_checkpoint()
         elif run.has_checkpoint() and run.config_file.exists():
             resume = True  # killed without a summary: its last checkpoint stands
@@ -390,7 +390,7 @@ class Lab:
         if summary["status"] in ("interrupted", "stopped"):
             raise Interrupted(f"{label} stopped at step {summary['step']}; its checkpoint is in {folder}")
         self.cost += summary.get("wall_s") or 0.0
-        return self._clocked(_run_result(run, summary))
+        return self._clocked(_run_result(run, summary, tf.get("lr")))
 
     def _clocked(self, result: dict) -> dict:
         if result.get("clock"):
@@ -499,9 +499,10 @@ def _pending_result(folder: Path) -> dict:
             "val_curve": {"step": [], "loss": [], "time_s": []}, "train_curve": {"step": [], "loss": []}}
 
 
-def _run_result(run: RunDir, summary: dict) -> dict:
+def _run_result(run: RunDir, summary: dict, lr: float | None) -> dict:
     """A run's summary plus its curves from metrics.jsonl (validation loss against step and
-    against training time, the training loss thinned to at most 200 points)."""
+    against training time, the training loss thinned to at most 200 points), and ``lr``, the rate
+    it trained at (on a ladder rung or the gpu size the size rule's, not the preset's)."""
     diverged = summary["status"] == "diverged"
     return {
         "run": run.path.name, "status": summary["status"], "steps": summary["step"],
@@ -509,8 +510,7 @@ def _run_result(run: RunDir, summary: dict) -> dict:
         "init_val_loss": summary.get("init_val_loss"),
         "train_loss": summary.get("loss"), "wall_s": summary.get("wall_s"),
         "tokens_per_s": summary.get("tokens_per_s"), "parameters": summary.get("parameters_no_embedding"),
-        # the rate it trained at: on a ladder rung or the gpu size, the size rule's, not the preset's
-        "lr": run.config()["train"].get("lr") if run.config_file.is_file() else None,
+        "lr": lr,
         # what its times depend on (machine, threads); None before normlab recorded it
         "clock": summary.get("clock"),
         **run.curves(200),  # step_ms: the median past the first fifth of the steps
