@@ -353,3 +353,23 @@ def test_a_rung_reports_the_rates_its_runs_trained_at(corpus, tmp_path):
                    for folder in (tmp_path / "runs").glob(f"{arm}-s*")}
         assert trained == {row["lr"]}, (arm, trained, row["lr"])
     assert section["rows"][1]["lr"] != section["settings"]["lrs"]["high"]  # the rung's, not the preset's
+
+
+def test_the_warmup_sweep_on_a_rung_is_labelled_with_the_rates_it_trained_at(corpus, tmp_path):
+    # the sweep's rows, curves and claim texts named the preset's rates, where a rung's runs train
+    # at the size rule's
+    settings = Settings(out=str(tmp_path), size="tiny", data=str(corpus), quiet=True, rung=0)
+    section = E.run_presets(["warmup"], settings)["presets"]["warmup"]
+    trained = sorted({json.loads((folder / "config.json").read_text())["train"]["lr"]
+                      for folder in (tmp_path / "runs").glob("pre-warm-lr*")})
+    nominal = sorted({float(folder.name.split("-lr")[1].split("-")[0])
+                      for folder in (tmp_path / "runs").glob("pre-warm-lr*")})
+    assert trained != nominal  # the rung rescales the sweep
+    assert sorted({row["lr"] for row in section["rows"]}) == trained
+    assert section["settings"]["lrs"] == trained
+    assert all(curve["lr"] == trained for curve in section["series"]["curves"].values())
+    assert {float(k.rsplit("|", 1)[1]) for k in section["series"]["logits"]} == set(trained)
+    claims = {c["id"]: c for c in section["claims"]}
+    best = [v for v in claims["warmup.post_lower_lr"]["measured"]["pre_warm_best_log10_lr"] if v is not None]
+    assert best and all(min(trained) * 0.999 <= 10 ** v <= max(trained) * 1.001 for v in best)
+    assert f"({max(trained):g})" in claims["warmup.qk_norm_logits"]["claim"]

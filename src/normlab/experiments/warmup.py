@@ -127,6 +127,8 @@ def preset_warmup(lab: Lab) -> dict:
                                                                        lab.dataset.val,
                                                                        tf["batch_size"], tf["seq_len"]))
                                for r in runs[key, lr]]
+    # the rate each sweep point trained at: the sweep's own, or on a ladder rung the size rule's
+    at = {lr: runs["pre|warm", lr][0].get("lr") or lr for lr in lrs}
     rows, measured, curves = [], {}, {}
     for key in SWEEP:
         sens, best, best_val = [], [], []
@@ -136,19 +138,20 @@ def preset_warmup(lab: Lab) -> dict:
             sens.append(lr_sensitivity(losses, init))
             done = [j for j in range(len(lrs)) if losses[j] is not None]
             # None: all diverged
-            best.append(math.log10(lrs[min(done, key=lambda j: losses[j])]) if done else None)
+            best.append(math.log10(at[lrs[min(done, key=lambda j: losses[j])]]) if done else None)
             best_val.append(min(losses[j] for j in done) if done else None)
         measured[f"{key.replace('|', '_')}_sensitivity"] = sens
         measured[f"{key.replace('|', '_')}_best_log10_lr"] = best
         measured[f"{key.replace('|', '_')}_best_val"] = best_val
-        curves[key] = {"lr": list(lrs), "loss": [[r["val_loss"] for r in runs[key, lr]] for lr in lrs],
+        curves[key] = {"lr": [at[lr] for lr in lrs],
+                       "loss": [[r["val_loss"] for r in runs[key, lr]] for lr in lrs],
                        "init": stats([r["init_val_loss"] for r in runs[key, lrs[0]]])["mean"]}
         mean_best = stats(best)["mean"]  # one value per setting, shown on each of its rows
         per_setting = {"sensitivity": round_sig(stats(sens)["mean"], 3),
                        "best_lr": round_sig(10**mean_best, 3) if mean_best is not None else None}
         for lr in lrs:
             val = stats([r["val_loss"] for r in runs[key, lr]])
-            rows.append({"setting": key, "lr": lr,
+            rows.append({"setting": key, "lr": at[lr],
                          "diverged": sum(r["status"] == "diverged" for r in runs[key, lr]),
                          "val_loss": round_sig(val["mean"]), "val_std": round_sig(val["std"], 2),
                          "max_logit": round_sig(statistics.fmean(logits[key, lr]), 4) if (key, lr) in logits
@@ -193,7 +196,7 @@ def preset_warmup(lab: Lab) -> dict:
                 + ["measured: log10 of the best learning rate on the grid per seed, a discrete outcome: "
                    "judged by the exact sign test over seeds (3 seeds cannot reach p < 0.05: 6 can)"]),
         C.claim("warmup.qk_norm_logits",
-                f"qk-norm keeps the attention logits bounded: at the highest learning rate ({top:g}) "
+                f"qk-norm keeps the attention logits bounded: at the highest learning rate ({at[top]:g}) "
                 "the largest logit is at least 2x lower with it", WORTSMAN23,
                 claim_values(measured, "pre_warm_qknorm_max_logit_top_lr", "pre_warm_max_logit_top_lr"),
                 C.below("pre_warm_qknorm_max_logit_top_lr", "pre_warm_max_logit_top_lr", 0.5, paired=True,
@@ -211,7 +214,7 @@ def preset_warmup(lab: Lab) -> dict:
                 + ["differs: qk-norm is RMSNorm over head_dim (Wortsman et al.: LayerNorm)", TRAINS_ON_GRID]),
         C.claim("warmup.embed_norm_stable",
                 "a LayerNorm after the embedding (Bloom's) makes fewer runs diverge at the high "
-                f"learning rates ({', '.join(f'{v:g}' for v in high)}; Pre-LN with warmup)", BLOOM22,
+                f"learning rates ({', '.join(f'{at[v]:g}' for v in high)}; Pre-LN with warmup)", BLOOM22,
                 claim_values(measured, "pre_warm_embednorm_diverged_high", "pre_warm_diverged_high"),
                 C.below("pre_warm_embednorm_diverged_high", "pre_warm_diverged_high", paired=True,
                         absolute=True, test="sign"),
@@ -246,14 +249,14 @@ def preset_warmup(lab: Lab) -> dict:
                  "Xiong et al.'s model)",
         "question": "Does Post-LN need warmup where Pre-LN does not, do qk-norm and a norm after the "
                     "embedding keep high learning rates stable, and does Sandwich-LN?",
-        "settings": {"train": tf, "model": {**model, **lab.model_over}, "lrs": list(lrs),
+        "settings": {"train": tf, "model": {**model, **lab.model_over}, "lrs": [at[lr] for lr in lrs],
                      "warmup_steps": warm,
                      "seeds": seeds, "beta2": tf["beta2"], "grad_clip": tf["grad_clip"],
                      "sweep": {k: list(v) for k, v in SWEEP.items()}},
         "columns": ["setting", "lr", "diverged", "val_loss", "val_std", "max_logit", "sensitivity",
                     "best_lr"],
         "rows": rows, "claims": claims,
-        "series": {"curves": curves, "logits": {f"{k}|{lr:g}": v for (k, lr), v in logits.items()}},
+        "series": {"curves": curves, "logits": {f"{k}|{at[lr]:g}": v for (k, lr), v in logits.items()}},
         "notes": [f"Each point: {len(seeds)} seeds; Adam beta2 = {tf['beta2']}, gradient clipping off "
                   f"({tf['grad_clip']}). 'diverged': the loss left 3x its first value or became non-finite; "
                   "it counts as the loss at init in the sensitivity. sensitivity and best_lr: per setting, "
