@@ -1,9 +1,11 @@
 """The size ladder: rungs whose parameters grow ~4x at equal tokens per parameter, the trend
 claim's slope interval, the tokenizer as a field of every preset, and `compare --ladder` end to end."""
 
+import base64
 import json
 import math
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +17,8 @@ from normlab.cli import main
 from normlab.experiments import ladder as LD
 from normlab.experiments.lab import Lab, Settings
 from normlab.experiments.common import lm_sizes
+
+RECORDS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
 @pytest.fixture(autouse=True)
@@ -195,11 +199,12 @@ def test_compare_ladder_end_to_end(corpus, tmp_path, capsys):
     rows = [line for line in (out / "ladder.md").read_text().splitlines() if line.startswith("| shallow.")]
     assert [r.split(" | ")[1] for r in rows] == ["char", "bpe", "char", "bpe"]
     assert (out / "plots" / "ladder-shallow.png").stat().st_size > 1000
-    # `normlab report` redraws a ladder folder: every rung's report and ladder.md
-    for f in [out / "ladder.md", out / "rung0-bpe" / "report.md"]:
+    # `normlab report` redraws a ladder folder: every rung's report, ladder.md and ladder.html
+    for f in [out / "ladder.md", out / "ladder.html", out / "rung0-bpe" / "report.md"]:
         f.unlink()
     assert main(["report", str(out)]) == 0
     assert "shallow.post_better" in (out / "ladder.md").read_text()
+    assert "<a href='rung0-bpe/report.html'>rung0-bpe</a>" in (out / "ladder.html").read_text()
     assert "Trained at ladder rung 0" in (out / "rung0-bpe" / "report.md").read_text()
     lrs = [
         json.loads((out / E.rung_file(r)).read_text())["presets"]["shallow"]["settings"]["arm_lrs"]["pre-L1"][
@@ -373,3 +378,25 @@ def test_the_warmup_sweep_on_a_rung_is_labelled_with_the_rates_it_trained_at(cor
     best = [v for v in claims["warmup.post_lower_lr"]["measured"]["pre_warm_best_log10_lr"] if v is not None]
     assert best and all(min(trained) * 0.999 <= 10 ** v <= max(trained) * 1.001 for v in best)
     assert f"({max(trained):g})" in claims["warmup.qk_norm_logits"]["claim"]
+
+
+def test_the_ladder_page_shows_every_trend_with_its_plot_and_the_rung_reports(tmp_path):
+    from normlab import ladder_report
+
+    ladder = json.loads((RECORDS / "ladder-final-norm-quick-epyc-zen4" / "ladder.json").read_text())
+    trends = ladder["presets"]["final-norm"]["trends"]
+    trends[0]["text"] = "a <script> & friends"  # a claim text cannot inject markup
+    (tmp_path / "rung1").mkdir()
+    (tmp_path / "rung1" / "report.html").write_text("<html></html>")
+    paths = ladder_report.render_ladder(ladder, tmp_path)
+    page = paths["html"].read_text()
+    assert paths["html"] == tmp_path / "ladder.html"
+    assert "<script>" not in page and "a &lt;script&gt; &amp; friends" in page
+    rows = [line for line in page.splitlines() if line.startswith("<tr><td>final_norm.")]
+    assert [r.split("<br>")[0].removeprefix("<tr><td>") for r in rows] == [t["id"] for t in trends]
+    for row, t in zip(rows, trends):
+        assert row.endswith(f">{t['verdict']}</span></td></tr>")
+        assert f"{t['rungs'][2]['ci']['gap']:+.2%}" in row
+    png = (tmp_path / "plots" / "ladder-final-norm.png").read_bytes()
+    assert base64.b64encode(png).decode() in page
+    assert "<a href='rung1/report.html'>rung1</a>" in page and "rung0/report.html" not in page

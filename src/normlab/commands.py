@@ -291,7 +291,7 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
         console.print(f"report: {paths['html']}")
     if (folder / "ladder.json").exists():
         paths = ladder_report.render_ladder(read_json(folder / "ladder.json"), folder)
-        console.print(f"ladder: {paths['markdown']}")
+        console.print(f"ladder: {paths['html']} and {paths['markdown'].name}")
     return 0
 
 

@@ -149,7 +149,8 @@ def _ladder(args: argparse.Namespace, names: list[str], settings, command: str, 
     suffixes = tuple(dict.fromkeys(_suffix(c) for c in conditions))
     paths = ladder_report.render_ladder(
         experiments.ladder_results(names, args.out, settings.per_claim, suffixes), args.out)
-    console.print(f"ladder: {paths['markdown']} (trend claims), ladder.json and plots in {args.out}")
+    console.print(f"ladder: {paths['html']} and {paths['markdown'].name} (trend claims), ladder.json "
+                  f"and plots in {args.out}")
     return 0
 
 

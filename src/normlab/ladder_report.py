@@ -1,13 +1,15 @@
-"""The size ladder's report (``normlab compare --ladder``): ladder.md, each trend claim's gap at
-every rung and its verdict, and one plot per preset of those gaps against model size."""
+"""The size ladder's report (``normlab compare --ladder``): ladder.md and ladder.html, each trend
+claim's gap at every rung and its verdict, and one plot per preset of those gaps against model size."""
 
 from __future__ import annotations
 
+import base64
+import html
 import math
 from pathlib import Path
 
 from normlab.plots import pyplot
-from normlab.report import md_safe, save_text
+from normlab.report import CSS, md_safe, meta_lines, save_text, verdict_badge
 
 
 def _trend_line(t: dict) -> str:
@@ -40,16 +42,19 @@ def _piloted_on(how: str, condition: str) -> str:
     return how.replace("tuned (the design)", f"tuned in the design pilot on {condition}")
 
 
-def ladder_markdown(ladder: dict, images: list[str]) -> str:
+def _intro(ladder: dict) -> str:
     fam = ladder["family"]
     how = (f"Holm over the ladder's {fam['size']} trend tests at {fam['alpha']:.0%}"
            if fam["method"] == "holm"
            else "each trend alone, unadjusted")
-    lines = ["# normlab size ladder", "",
-             f"Widths: d_model x {', '.join(f'{w:g}' for w in ladder['widths'])} of each preset's size; "
-             f"tokens per parameter {ladder['tokens_per_parameter']}; learning rates: {ladder['lr_rule']}. "
-             f"Trend verdicts: {how}; each rung's claims are judged as their own invocation's (rung0/, "
-             "rung1/, rung2/: report.md each).", ""]
+    return (f"Widths: d_model x {', '.join(f'{w:g}' for w in ladder['widths'])} of each preset's size; "
+            f"tokens per parameter {ladder['tokens_per_parameter']}; learning rates: {ladder['lr_rule']}. "
+            f"Trend verdicts: {how}; each rung's claims are judged as their own invocation's (rung0/, "
+            "rung1/, rung2/: report.md and report.html each).")
+
+
+def ladder_markdown(ladder: dict, images: list[str]) -> str:
+    lines = ["# normlab size ladder", "", _intro(ladder), ""]
     tokenizers = ladder.get("tokenizers") or {}
     if len(tokenizers) > 1:
         lines += ["Tokenizer conditions, each claim's rows side by side and judged in one family: "
@@ -94,9 +99,50 @@ def render_ladder(ladder: dict, out: str | Path) -> dict[str, Path]:
         plt.close(fig)
         images.append(filename)
     md = out / "ladder.md"
-    text = ladder_markdown(ladder, images)
-    save_text(md, text)
-    return {"markdown": md, **{f: out / "plots" / f for f in images}}
+    save_text(md, ladder_markdown(ladder, images))
+    page = out / "ladder.html"
+    save_text(page, ladder_html(ladder, images, out))
+    return {"markdown": md, "html": page, **{f: out / "plots" / f for f in images}}
+
+
+def ladder_html(ladder: dict, images: list[str], out: Path) -> str:
+    """ladder.md's content as one self-contained page (plots inlined), each trend's verdict as a
+    badge, with links to the rung reports found beside it."""
+    e = html.escape
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>normlab size ladder</title>"
+             f"<style>{CSS}</style></head><body>", "<h1>normlab size ladder</h1>",
+             f"<p>{e(_intro(ladder))}</p>"]
+    if ladder.get("meta"):
+        parts += [f"<p class='rule'>{e(line)}</p>" for line in meta_lines(ladder["meta"])]
+    rungs = sorted(p.parent.name for p in out.glob("rung*/report.html"))
+    if rungs:
+        parts.append("<p>Each rung's report: " + ", ".join(f"<a href='{e(r)}/report.html'>{e(r)}</a>"
+                                                          for r in rungs) + ".</p>")
+    for name, p in ladder["presets"].items():
+        parts += [f"<h2 id='{e(name)}'>{e(name)}</h2>", "<p>Non-embedding parameters: "
+                  + ", ".join(f"{n:,.0f}" for n in p["parameters"]) + "</p>"]
+        if not p["trends"]:
+            parts.append("<p>No claim of this preset has a per-seed gap to follow across the rungs.</p>")
+            continue
+        parts.append("<table><tr><th>claim</th><th>tokens</th>"
+                     + "".join(f"<th>rung {i} gap [95% CI] (verdict)</th>"
+                               for i in range(len(p["parameters"])))
+                     + "<th>trend</th></tr>")
+        for t in p["trends"]:
+            parts.append(f"<tr><td>{e(t['id'])}<br><small>{e(t.get('text') or '')}</small></td>"
+                         f"<td>{e(str(t.get('condition') or ''))}</td>"
+                         + "".join(f"<td>{e(_rung_cell(r, t['units']))}</td>" for r in t["rungs"])
+                         + f"<td>{verdict_badge(t['verdict'])}</td></tr>")
+        parts.append("</table><ul>")
+        parts += [f"<li><b>{e(t['id'])}</b> ({e(str(t['leaf']['a']))} vs {e(str(t['leaf']['b']))}): "
+                  f"{e(_trend_line(t).replace('**', ''))}</li>" for t in p["trends"]]
+        parts.append("</ul>")
+        for f in images:
+            if f == f"ladder-{name}.png":
+                data = base64.b64encode((out / "plots" / f).read_bytes()).decode()
+                parts.append(f"<p><img alt='{e(f)}' src='data:image/png;base64,{data}'></p>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
 
 
 def plot_ladder(ladder: dict, plt) -> dict:

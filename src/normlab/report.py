@@ -119,7 +119,7 @@ def clock_lines(results: dict) -> list[str]:
     return lines
 
 
-def _meta_lines(meta: dict) -> list[str]:
+def meta_lines(meta: dict) -> list[str]:
     keys = ("date", "processor", "cpus", "torch_threads", "gpu", "python", "torch", "numba", "triton",
             "normlab", "git")
     meta = (
@@ -201,7 +201,7 @@ def md_safe(text: str) -> str:
 
 def markdown(results: dict, images: dict[str, list[str]]) -> str:
     meta = results.get("meta", {})
-    lines = ["# normlab compare: report", ""] + [f"{line}  " for line in _meta_lines(meta)] + [""]
+    lines = ["# normlab compare: report", ""] + [f"{line}  " for line in meta_lines(meta)] + [""]
     counts = verdict_counts(results)
     lines += [f"Claims: {_counts_text(counts)} "
               "at this scale. Verdicts are computed from the measured numbers by the stated rule.", ""]
@@ -263,7 +263,7 @@ td:first-child,th:first-child{text-align:left}.settings td{text-align:left}img{m
 code{font-size:.85em;background:#f6f8fa;padding:.1em .3em}"""
 
 
-def _badge(verdict: str) -> str:
+def verdict_badge(verdict: str) -> str:
     colour = VERDICT_COLOURS[verdict]
     return f'<span class="verdict" style="background:{colour}">{html.escape(verdict)}</span>'
 
@@ -274,7 +274,7 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>normlab compare "
              f"report</title><style>{CSS}</style></head><body>",
              "<h1>normlab compare: report</h1>"]
-    parts += [f"<p>{e(line)}</p>" for line in _meta_lines(meta)]
+    parts += [f"<p>{e(line)}</p>" for line in meta_lines(meta)]
     counts = verdict_counts(results)
     parts.append(f"<p>Claims: {_counts_text(counts)} at this scale. Every verdict is computed from the "
                  "measured numbers by the rule shown with it.</p>")
@@ -284,7 +284,7 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
     for name, section in results["presets"].items():
         for c in section["claims"]:
             parts.append(f"<tr><td>{e(name)}</td><td "
-                         f"style='text-align:left'>{e(c['claim'])}</td><td>{_badge(c['verdict'])}</td>"
+                         f"style='text-align:left'>{e(c['claim'])}</td><td>{verdict_badge(c['verdict'])}</td>"
                          f"<td>{e(c.get('verdict_plain', c['verdict']))}</td></tr>")
     parts.append("</table>")
     for name, section in results["presets"].items():
@@ -307,8 +307,8 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
             body = "".join(f"<div class='rule'>{e(label)}:<ul>" + "".join(f"<li>{e(x)}</li>" for x in items)
                            + "</ul></div>"
                            for label, items in _claim_lines(c))
-            parts.append(f"<div class='claim'>{_badge(c['verdict'])}{e(_alone(c))} {e(c['claim'])} <span "
-                         f"class='rule'>({e(c['source'])})</span>{body}</div>")
+            parts.append(f"<div class='claim'>{verdict_badge(c['verdict'])}{e(_alone(c))} {e(c['claim'])} "
+                         f"<span class='rule'>({e(c['source'])})</span>{body}</div>")
         if any(c["verdict"] != "holds" for c in section["claims"]):
             parts.append(f"<p class='note'>{e(NOT_REPRODUCED)}</p>")
         for note in section.get("notes", []):
