@@ -1258,3 +1258,28 @@ def test_settings_are_a_readable_table_not_raw_json():
     assert rows["seeds"] == f"0 to {seeds - 1} ({seeds})"
     assert rows["arm_lrs"].startswith("layernorm: lr ") and "; rmsnorm: lr " in rows["arm_lrs"]
     assert "steps 200" in rows["train"]
+
+
+def test_seed_start_trains_fresh_seeds_and_says_so(corpus, tmp_path, capsys):
+    # a confirmatory run: the same preset on seeds no earlier verdict has seen
+    out = tmp_path / "fresh"
+    assert main(["compare", "final-norm", "--size", "tiny", "--seed-start", "7", "--seeds", "2", "--data",
+                 str(corpus), "--out", str(out), "--quiet"]) == 0
+    seeds = {json.loads((f / "config.json").read_text())["train"]["seed"] for f in (out / "runs").iterdir()}
+    assert seeds == {7, 8}
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["seed_start"] == 7 and "--seed-start 7" in results["meta"]["command"]
+    assert results["presets"]["final-norm"]["settings"]["seeds"] == [7, 8]
+    assert "from seed 7 (fresh seeds)" in (out / "report.md").read_text()
+    lab = lab_module.Lab(E.Settings(out=str(tmp_path / "lab"), size="tiny", data=str(corpus), seed_start=5,
+                                    rung=0))
+    assert lab.seeds(3, 3) == [5]  # a ladder rung at tiny size: one seed, from the start
+    with pytest.raises(ValueError, match="reaches the pilot's seeds 100, 101, 102"):
+        lab_module.Lab(E.Settings(out=str(tmp_path / "lab"), size="tiny", data=str(corpus), seed_start=98,
+                                  seeds=3)).seeds(3, 3)
+    capsys.readouterr()
+    assert main(["compare", "final-norm", "--size", "tiny", "--seed-start", "-1", "--out", str(out)]) == 2
+    assert "--seed-start must be 0 or more, got -1" in " ".join(capsys.readouterr().out.split())
+    assert main(["compare", "final-norm", "--size", "tiny", "--seed-start", "5", "--tune",
+                 "--out", str(out)]) == 2
+    assert "the pilot (--tune) trains at its own seeds" in " ".join(capsys.readouterr().out.split())

@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="full (default), quick (= --quick), tiny (seconds: a smoke test, numbers mean "
                         "little) or gpu (full widened to d_model 768 for one GPU; see --plan for its cost)")
     p.add_argument("--seeds", type=int, help="seeds per setting (default: the preset's)")
+    p.add_argument("--seed-start", type=int, default=0, metavar="N",
+                   help="the first test seed (default 0): N, N+1, ... for a confirmatory run on seeds no "
+                        "earlier verdict has seen (e.g. 5 after a ladder's 0-4)")
     p.add_argument("--data", help="corpus: shakespeare (default), or a .txt file or folder")
     p.add_argument("--steps", type=int, help="training steps of every run (default: the preset's)")
     p.add_argument("--lrs", help="the warmup preset's learning-rate sweep, comma-separated (default: 1e-4 "

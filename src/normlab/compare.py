@@ -43,8 +43,15 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
         raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
     if getattr(args, "time_here", False) and not args.plan:
         raise ValueError("--time-here estimates the runs of a plan: add --plan")
+    from normlab.experiments.design import PILOT_SEEDS
+
+    if args.seed_start < 0:
+        raise ValueError(f"--seed-start must be 0 or more, got {args.seed_start}")
+    if args.seed_start and args.tune:
+        raise ValueError("--seed-start picks the test seeds; the pilot (--tune) trains at its own seeds "
+                         f"{', '.join(map(str, PILOT_SEEDS))}")
     settings = experiments.Settings(out=args.out, size="quick" if args.quick else args.size, seeds=args.seeds,
-                                    data=args.data, steps=args.steps,
+                                    seed_start=args.seed_start, data=args.data, steps=args.steps,
                                     overrides=overrides, quiet=args.quiet,
                                     lrs=experiments.parse_lrs(args.lrs),
                                     per_claim=args.per_claim, design=args.design,
@@ -182,6 +189,7 @@ def _compare_argv(args: argparse.Namespace) -> str:
     flags = [x for k, v in (("seeds", args.seeds), ("data", args.data), ("steps", args.steps),
                             ("lrs", args.lrs), ("out", args.out))
              if v is not None for x in (f"--{k}", str(v))]
+    flags += ["--seed-start", str(args.seed_start)] if getattr(args, "seed_start", 0) else []
     flags += (["--quick"] if args.quick else []) + (["--size", args.size] if args.size != "full" else [])
     flags += ["--per-claim"] if args.per_claim else []
     flags += ["--design", args.design] if args.design else []

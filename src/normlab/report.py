@@ -128,10 +128,12 @@ def meta_lines(meta: dict) -> list[str]:
         else meta
     )
     env = ", ".join(f"{k} {meta[k]}" for k in keys if meta.get(k) is not None)
-    seeds = meta.get("seeds")
+    seeds = f"{meta['seeds']}" if meta.get("seeds") else "each preset default"
+    if meta.get("seed_start"):
+        seeds += f", from seed {meta['seed_start']} (fresh seeds)"
     return [f"Machine and versions: {env}.",
             f"Command: `{meta.get('command') or 'normlab compare'}` ({meta.get('size', 'full')} sizes; "
-            f"seeds: {seeds if seeds else 'each preset default'}; data: {meta.get('data')}; overrides: "
+            f"seeds: {seeds}; data: {meta.get('data')}; overrides: "
             f"{meta.get('overrides') or 'none'})."]
 
 

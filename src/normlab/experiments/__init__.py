@@ -262,6 +262,7 @@ def run_presets(names: list[str], settings: Settings, console=None, command: str
         results["presets"][name] = section
         results["presets"] = {k: results["presets"][k] for k in PRESETS if k in results["presets"]}
         results["meta"] = {**environment(), "command": command, "size": lab.size, "seeds": settings.seeds,
+                           "seed_start": settings.seed_start,
                            "data": settings.data or "shakespeare", "data_sha256": lab.data_hash,
                            "overrides": settings.overrides,
                            "tokenizer": lab.dataset.tokenizer.kind,

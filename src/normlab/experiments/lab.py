@@ -67,6 +67,8 @@ class Settings:
     # full, quick, tiny or gpu (the full size widened for one GPU: normlab.experiments.ladder)
     size: str = "full"
     seeds: int | None = None  # None: the preset's default number of seeds
+    # the first test seed: a confirmatory run on seeds that no earlier verdict has seen
+    seed_start: int = 0
     data: str | None = None  # None: the default corpus
     steps: int | None = None  # None: the preset's default
     overrides: dict = field(default_factory=dict)  # key=value training and model fields for every run
@@ -149,12 +151,19 @@ class Lab:
         return quick if self.quick else full
 
     def seeds(self, quick: int, full: int, preset: str | None = None) -> list[int]:
-        """The test seeds: --seeds, else the design's count for ``preset`` (the current one) at this
-        size, else the preset's default (tiny: 1)."""
+        """The test seeds from --seed-start on: --seeds of them, else the design's count for
+        ``preset`` (the current one) at this size, else the preset's default (tiny: 1)."""
         if self.s.rung is not None and not self.s.seeds:  # the ladder's own count, every arm alike
-            return list(range(self.pick(LD.SEEDS, LD.SEEDS, tiny=1)))
-        planned = DS.planned_seeds(self.design, self.size, preset or self.preset)
-        return list(range(self.s.seeds or planned or self.pick(quick, full, tiny=1)))
+            n = self.pick(LD.SEEDS, LD.SEEDS, tiny=1)
+        else:
+            n = self.s.seeds or DS.planned_seeds(self.design, self.size,
+                                                 preset or self.preset) or self.pick(quick, full, tiny=1)
+        seeds = list(range(self.s.seed_start, self.s.seed_start + n))
+        if set(seeds) & set(DS.PILOT_SEEDS):  # a verdict on the seeds the rates were tuned on
+            raise ValueError(f"--seed-start {self.s.seed_start} with {n} seeds reaches the pilot's seeds "
+                             f"{', '.join(map(str, DS.PILOT_SEEDS))}: start below {DS.PILOT_SEEDS[0] - n} "
+                             f"or above {DS.PILOT_SEEDS[-1]}")
+        return seeds
 
     def arm_seeds(self, arm: str, seeds: list[int], default: int, preset: str | None = None) -> list[int]:
         """The seeds of one arm: all of the preset's where the design sized them for an equivalence
