@@ -165,6 +165,8 @@ def _seeds(mean, spread=0.005):
       "layernorm_val_accum": _seeds(2.0), "layernorm_val_b32": _seeds(2.0), "unigram_loss": 3.4},
      {"batchnorm_excess_accum": _seeds(0.01, 0.001), "batchnorm_excess_b32": _seeds(0.03, 0.001),
       "layernorm_val_accum": _seeds(2.0), "layernorm_val_b32": _seeds(2.0), "unigram_loss": 3.4}),
+    ("batchnorm.worse_than_layernorm", {"batchnorm_val": _seeds(2.1), "layernorm_val": _seeds(2.0)},
+     {"batchnorm_val": _seeds(2.02), "layernorm_val": _seeds(2.0)}),
     ("batchnorm.late_positions_noisier", {"late_position_tokens": 400.0, "early_position_tokens": 800.0,
                                           "late_position_spread": [0.09, 0.093, 0.088, 0.095],
                                           "early_position_spread": [0.07, 0.071, 0.0695, 0.072]},
