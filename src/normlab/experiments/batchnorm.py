@@ -315,9 +315,9 @@ def preset_batchnorm(lab: Lab) -> dict:
                         C.above("batchnorm_val", "layernorm_val", 0.02, origin=WORSE, paired=True)),
                 ["matches: BatchNorm in place of every LayerNorm of a Transformer trained on text, each at "
                  "its own tuned learning rate, paired by seed",
-                 f"differs: a {lab.model_config(lm_sizes(lab)[1]).n_layers}-layer Pre-LN decoder on "
-                 "Shakespeare characters, fixed windows of one length (no padding) at batch "
-                 f"{tf['batch_size']}; the article: translation and language models at larger scale"])]
+                 f"differs: a {lab.model_config(lm_sizes(lab)[1]).n_layers}-layer Pre-LN decoder, fixed "
+                 f"windows of one length (no padding) at batch {tf['batch_size']}; the article: translation "
+                 "and language models at larger scale"])]
     article = "the BatchNorm article (its figure normalizes each position over the batch)"
     pos_cond = [f"matches: statistics per position over the real tokens of padded paragraph batches of "
                 f"{BATCH_SIZES[1]} (SequenceBatchNorm(per_position=True)), as the article's figure draws "
