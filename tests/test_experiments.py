@@ -1276,9 +1276,11 @@ def test_seed_start_trains_fresh_seeds_and_says_so(corpus, tmp_path, capsys):
     lab = lab_module.Lab(E.Settings(out=str(tmp_path / "lab"), size="tiny", data=str(corpus), seed_start=5,
                                     rung=0))
     assert lab.seeds(3, 3) == [5]  # a ladder rung at tiny size: one seed, from the start
-    with pytest.raises(ValueError, match="reaches the pilot's seeds 100, 101, 102"):
+    with pytest.raises(ValueError, match="reaches the pilot's seeds 100, 101, 102: start at most 97"):
         lab_module.Lab(E.Settings(out=str(tmp_path / "lab"), size="tiny", data=str(corpus), seed_start=98,
                                   seeds=3)).seeds(3, 3)
+    assert lab_module.Lab(E.Settings(out=str(tmp_path / "lab"), size="tiny", data=str(corpus), seed_start=97,
+                                     seeds=3)).seeds(3, 3) == [97, 98, 99]
     capsys.readouterr()
     assert main(["compare", "final-norm", "--size", "tiny", "--seed-start", "-1", "--out", str(out)]) == 2
     assert "--seed-start must be 0 or more, got -1" in " ".join(capsys.readouterr().out.split())

@@ -161,7 +161,7 @@ class Lab:
         seeds = list(range(self.s.seed_start, self.s.seed_start + n))
         if set(seeds) & set(DS.PILOT_SEEDS):  # a verdict on the seeds the rates were tuned on
             raise ValueError(f"--seed-start {self.s.seed_start} with {n} seeds reaches the pilot's seeds "
-                             f"{', '.join(map(str, DS.PILOT_SEEDS))}: start below {DS.PILOT_SEEDS[0] - n} "
+                             f"{', '.join(map(str, DS.PILOT_SEEDS))}: start at most {DS.PILOT_SEEDS[0] - n} "
                              f"or above {DS.PILOT_SEEDS[-1]}")
         return seeds
 
