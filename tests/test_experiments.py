@@ -437,6 +437,27 @@ def test_batchnorm_trend_trains_on_padded_batches_of_each_size(finished):
     assert _claim(finished[1], "batchnorm.position_unseen_refused")["verdict"] == "holds"
 
 
+def test_claims_of_presets_with_two_model_kinds_name_their_own_runs_size(finished):
+    # a ladder's trend places such a claim at its runs' size (the preset's median is the other kind's)
+    out, results = finished
+
+    def size(pattern):
+        sizes = [json.loads((r / "summary.json").read_text())["parameters_no_embedding"]
+                 for r in (out / "runs").glob(pattern)]
+        assert sizes, pattern
+        return statistics.median(sizes)
+
+    claims = {c["id"]: c for s in results["presets"].values() for c in s["claims"]}
+    depths = results["presets"]["shallow"]["settings"]["depths"]
+    norms, padded = size("[blr]*norm-s*"), size("pad-*")
+    want = {"batchnorm.worse_than_layernorm": norms, "batchnorm.mates": norms,
+            "batchnorm.small_batch_worse": padded, "batchnorm.gap_grows": padded,
+            "shallow.post_better": size(f"p*-L{depths[0]}-s*"),
+            "shallow.pre_deep": size(f"p*-L{depths[1]}-s*")}
+    assert want["shallow.post_better"] != want["shallow.pre_deep"]  # (at tiny size batchnorm's kinds are one)
+    assert {k: claims[k].get("parameters") for k in want} == want
+
+
 def test_batchnorm_trend_validates_every_batch_size_on_the_same_paragraphs(corpus, tmp_path):
     # the excess losses the trend compares across batch sizes must come from the same text: at
     # eval_batches batches of the run's own size, batch 2 was validated on 1/16 of batch 32's paragraphs

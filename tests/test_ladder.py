@@ -146,6 +146,25 @@ def test_trend_claims_decide_both_ways():
     assert found[1]["fit"]["slope"] == pytest.approx(stats.linregress(xs, ys).slope)
 
 
+def test_a_claim_that_names_its_runs_size_is_placed_there_not_at_the_presets_median():
+    # a preset of two model kinds: the claim's runs grow 10x a rung while the preset's median grows 4x
+    directional = C.above("a", "b", paired=True)
+    sections, params = _rungs(lambda x: 0.0, directional)
+    own = [1e4, 1e5, 1e6]
+    rng = random.Random(1)
+    for section, n in zip(sections, own):
+        (c,) = section["claims"]
+        b = c["measured"]["b"]
+        a = [v * math.exp(0.03 * math.log10(n) + rng.gauss(0, 0.002)) for v in b]
+        section["claims"] = [C.claim("p.c", "a claim", "src", {"a": a, "b": b}, directional, parameters=n)]
+    (t,) = LD.trends(sections, params)
+    assert [r["parameters"] for r in t["rungs"]] == own
+    assert t["fit"]["slope"] == pytest.approx(0.03, abs=0.003)  # at the median's sizes: 0.05
+    # a claim without one stays at the preset's median
+    (t,) = LD.trends(_rungs(lambda x: 0.0, directional)[0], params)
+    assert [r["parameters"] for r in t["rungs"]] == params
+
+
 def test_a_rung_whose_baseline_did_not_train_is_left_out_of_the_trend():
     trains = C.below("b", 5.0, 0.1, origin=C.ours("test"))  # the baseline ends 10% below 5
     rule = C.given(trains, C.within("a", "b", 0.02, paired=True, origin=C.ours("test")))

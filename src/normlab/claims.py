@@ -453,15 +453,20 @@ def origins(rule: dict) -> list[str]:
 
 
 def claim(cid: str, text: str, source: str, measured: dict, rule: dict,
-          conditions: list[str] | None = None) -> dict:
+          conditions: list[str] | None = None, parameters: float | None = None) -> dict:
     """A claim record with its verdict and evidence computed from ``measured`` by ``rule``: the
-    plain per-claim ones, until :func:`familywise` judges the invocation's claims together."""
+    plain per-claim ones, until :func:`familywise` judges the invocation's claims together.
+    ``parameters``: the non-embedding size of the runs its measurements come from, where a preset
+    trains models of more than one size (a ladder's trend places the claim there, not at the
+    preset's median run)."""
     verdict, evidence = evaluate(rule, measured)
     record = {"id": cid, "claim": text, "source": source, "measured": measured, "rule": rule,
               "rule_text": describe(rule), "origins": origins(rule), "evidence": evidence, "verdict": verdict,
               "evidence_plain": evidence, "verdict_plain": verdict}
     if conditions:
         record["conditions"] = conditions
+    if parameters:
+        record["parameters"] = parameters
     return record
 
 

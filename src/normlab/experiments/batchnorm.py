@@ -9,8 +9,8 @@ import torch
 
 from normlab import claims as C
 from normlab import data as D
-from normlab.experiments.common import (LM_SEEDS, SHEN20, WORSE, claim_values, round_sig, lm_sizes, stats,
-                                        train_norms, trains, unigram_loss)
+from normlab.experiments.common import (LM_SEEDS, SHEN20, WORSE, claim_values, lm_sizes, parameters_of,
+                                        round_sig, stats, train_norms, trains, unigram_loss)
 from normlab.experiments.lab import Lab
 from normlab.nn import SequenceBatchNorm
 from normlab.train import load_run
@@ -269,6 +269,9 @@ def preset_batchnorm(lab: Lab) -> dict:
                    "more")
     trend_cond = BATCHNORM_CONDITIONS + [f"batch sizes {small} and {large} compared, paired by seed "
                                          f"({len(trend_seeds)} seeds)"]
+    # the two kinds of model this preset trains: a ladder places each claim at its own runs' size
+    norms_size = parameters_of([r for rs in runs.values() for r in rs])
+    trend_size = parameters_of([r for _, rs in trend_runs.values() for r in rs])
     claims = [
         C.claim("batchnorm.mates",
                 "under BatchNorm a sequence's output changes with its batch-mates and their padding "
@@ -282,7 +285,8 @@ def preset_batchnorm(lab: Lab) -> dict:
                            for n in ("layernorm", "rmsnorm") for k in ("mates_change", "padding_change")]),
                 ["matches: the same sequence run with other batch-mates, and with half-padded batch-mates, "
                  "in training mode",
-                 "differs: measured on models trained on fixed windows (the norms preset's runs)"]),
+                 "differs: measured on models trained on fixed windows (the norms preset's runs)"],
+                parameters=norms_size),
     ]
     claims.append(C.claim(
         "batchnorm.accumulation",
@@ -317,7 +321,7 @@ def preset_batchnorm(lab: Lab) -> dict:
                  "its own tuned learning rate, paired by seed",
                  f"differs: a {lab.model_config(lm_sizes(lab)[1]).n_layers}-layer Pre-LN decoder, fixed "
                  f"windows of one length (no padding) at batch {tf['batch_size']}; the article: translation "
-                 "and language models at larger scale"])]
+                 "and language models at larger scale"], parameters=norms_size)]
     article = "the BatchNorm article (its figure normalizes each position over the batch)"
     pos_cond = [f"matches: statistics per position over the real tokens of padded paragraph batches of "
                 f"{BATCH_SIZES[1]} (SequenceBatchNorm(per_position=True)), as the article's figure draws "
@@ -349,7 +353,8 @@ def preset_batchnorm(lab: Lab) -> dict:
                 f"BatchNorm's train/eval mismatch grows as the batch shrinks: its loss in training "
                 f"mode differs more from eval mode at batch {small} than at {large}", SHEN20,
                 claim_values(measured, f"batchnorm_gap_b{small}", f"batchnorm_gap_b{large}"),
-                C.above(f"batchnorm_gap_b{small}", f"batchnorm_gap_b{large}", paired=True), trend_cond),
+                C.above(f"batchnorm_gap_b{small}", f"batchnorm_gap_b{large}", paired=True), trend_cond,
+                parameters=trend_size),
         C.claim("batchnorm.small_batch_worse",
                 f"BatchNorm falls further behind LayerNorm as the batch shrinks: its excess "
                 f"loss over LayerNorm is larger at batch {small} than at {large}, where LayerNorm trains at "
@@ -360,7 +365,7 @@ def preset_batchnorm(lab: Lab) -> dict:
                 C.given(C.all_of(trains(f"layernorm_val_b{small}"), trains(f"layernorm_val_b{large}")),
                         C.above(f"batchnorm_excess_b{small}", f"batchnorm_excess_b{large}", paired=True,
                                 absolute=True)),
-                trend_cond),
+                trend_cond, parameters=trend_size),
         C.claim("batchnorm.accumulation_worse",
                 f"BatchNorm falls further behind LayerNorm when the batch of {large} is "
                 f"reached by accumulating {ACCUM[0]} micro-batches of {ACCUM[1]} than with the true batch: "
@@ -377,7 +382,8 @@ def preset_batchnorm(lab: Lab) -> dict:
                 trend_cond
                 + ["matches: the accumulated runs train at the true batch's rate, each norm at its own (the "
                    "recipe unchanged, as when accumulation stands in for a batch that does not fit; for "
-                   "LayerNorm the very same gradients up to summation order): not tuned again"]),
+                   "LayerNorm the very same gradients up to summation order): not tuned again"],
+                parameters=trend_size),
     ]
     brief = [] if trend else ["The demo leaves out the batch-size trend on padded sequences (1.5 minutes on "
                               "2 cores): `normlab compare batchnorm --quick` runs it, reusing the demo's "

@@ -136,6 +136,12 @@ def claim_values(measured: dict, *keys) -> dict:
     return {k: measured.get(k) for k in keys}
 
 
+def parameters_of(runs) -> float | None:
+    """The median non-embedding size of ``runs`` (run results); None while any has not trained."""
+    sizes = [r.get("parameters") for r in runs]
+    return statistics.median(sizes) if sizes and all(sizes) else None
+
+
 def curves_of(run: dict) -> dict:
     return {"status": run["status"], "val_curve": run["val_curve"], "train_curve": run["train_curve"]}
 

@@ -195,6 +195,7 @@ def trends(rungs: list[dict], params: list[float]) -> list[dict]:
         xs, ys, per_rung = [], [], []
         for section, n in zip(rungs, params):
             match = next((c for c in section["claims"] if c["id"] == claim["id"]), None)
+            n = (match or {}).get("parameters") or n  # the size of the claim's own runs, where it says
             trained = match is not None and _precondition_holds(match)
             gaps = seed_gaps(leaf, match["measured"]) if trained else []
             xs += [math.log10(n)] * len(gaps)

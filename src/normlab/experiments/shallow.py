@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from normlab import claims as C
 from normlab.experiments.common import (DIVERGED, XIONG20, XIONG_MODEL, curves_of, claim_values, round_sig,
-                                        deep_sizes, stats, trains, unigram_loss)
+                                        deep_sizes, parameters_of, stats, trains, unigram_loss)
 from normlab.experiments.lab import Lab
 
 LIU20 = ("Liu et al. (2020), Understanding the Difficulty of Training Transformers, EMNLP (Post-LN, when it "
@@ -44,6 +44,9 @@ def preset_shallow(lab: Lab) -> dict:
         "differs: a decoder-only character LM on Shakespeare for a few hundred steps (the studies: 6-layer "
         "to 18-layer encoder-decoders for translation, trained to convergence)",
     ]
+    # each claim's runs are of one depth: a ladder places it at their size, not at both depths' median
+    size = {depth: parameters_of([r for (_, d), rs in runs.items() if d == depth for r in rs])
+            for depth in depths}
     claims = [
         C.claim("shallow.post_better",
                 f"at {depths[0]} layers, Post-LN ends at a lower validation loss than Pre-LN, where "
@@ -51,7 +54,7 @@ def preset_shallow(lab: Lab) -> dict:
                 claim_values(measured, "post_shallow_val", "pre_shallow_val", "unigram_loss"),
                 C.given(trains("post_shallow_val"),
                         C.below("post_shallow_val", "pre_shallow_val", paired=True)),
-                conditions),
+                conditions, parameters=size[depths[0]]),
         C.claim("shallow.pre_deep",
                 f"at {depths[1]} layers, Pre-LN is the better placement: Post-LN diverges or ends at a "
                 "higher validation loss, where Pre-LN trains", LIU20,
@@ -60,7 +63,7 @@ def preset_shallow(lab: Lab) -> dict:
                         C.any_of(C.at_least("post_deep_diverged", 1, point="a count of diverged seeds",
                                             origin=DIVERGED),
                                  C.above("post_deep_val", "pre_deep_val", paired=True))),
-                conditions),
+                conditions, parameters=size[depths[1]]),
     ]
     return {
         "title": f"Post-LN vs Pre-LN at {depths[0]} and {depths[1]} layers",
