@@ -177,6 +177,36 @@ def test_a_rung_whose_baseline_did_not_train_is_left_out_of_the_trend():
     assert t["fit"]["n"] == 12 and abs(t["fit"]["slope"]) < 0.01
 
 
+def test_a_preset_that_trains_no_run_measures_at_each_rungs_width(corpus, tmp_path):
+    # gradients at initialization: no run to resize, so the measurement's own model follows the rung
+    from normlab.experiments.common import XIONG_MODEL
+    from normlab.model import Decoder, ModelConfig
+
+    out = tmp_path / "ladder"
+    assert main(["compare", "gradients", "--size", "tiny", "--ladder", "--data", str(corpus),
+                 "--out", str(out), "--quiet"]) == 0
+    growth = []
+    for rung in range(3):
+        results = json.loads((out / E.rung_file(rung)).read_text())
+        section = results["presets"]["gradients"]
+        width = LD.width(16, 2, rung)
+        assert section["settings"]["model"]["d_model"] == width
+        claims = {c["id"]: c for c in section["claims"]}
+        model = Decoder(ModelConfig.preset("small", d_model=width, n_heads=2, max_seq_len=16, n_layers=2,
+                                           vocab_size=results["meta"]["vocab_size"], **XIONG_MODEL))
+        assert claims["gradients.post_grows"]["parameters"] == model.num_parameters(False)
+        growth.append(claims["gradients.post_grows"]["measured"]["xiong_post_growth"])
+        md = (out / f"rung{rung}" / "report.md").read_text()
+        assert f"Measured at ladder rung {rung} (d_model x{LD.WIDTHS[rung]:g}" in md
+    assert growth[0] != growth[2]  # measured at another width, not the middle rung's numbers again
+    trends = json.loads((out / "ladder.json").read_text())["presets"]["gradients"]["trends"]
+    assert len(trends) == 8
+    for t in trends:
+        sizes = [r["parameters"] for r in t["rungs"]]
+        assert sizes[0] < sizes[1] < sizes[2], t["id"]
+    assert "the models each claim measures" in (out / "ladder.md").read_text()
+
+
 def test_tokenizer_bpe_reaches_every_presets_runs_and_keys_the_cache(corpus, tmp_path):
     char = {r.folder.name
             for r in E.plan_presets(["all"], Settings(out=str(tmp_path), size="tiny", data=str(corpus)))}

@@ -28,6 +28,22 @@ def _trend_line(t: dict) -> str:
             f"{t['p']:.3g}{adjusted}: **{t['verdict']}**")
 
 
+def _sizes_line(p: dict) -> str:
+    """A preset's sizes: its median run's at each rung, or, where it trains no run, the models its
+    claims measure (each trend's line then names its own)."""
+    if all(p["parameters"]):
+        return "Non-embedding parameters (the preset's median run): " + ", ".join(f"{n:,.0f}"
+                                                                                for n in p["parameters"])
+    return "Non-embedding parameters: the models each claim measures (named with its trend)"
+
+
+def _own_sizes(t: dict, p: dict) -> str:
+    """A trend's sizes where they are not the preset's median run's (a claim on another model)."""
+    sizes = [r["parameters"] for r in t["rungs"]]
+    return "" if sizes == p["parameters"] else (". At " + ", ".join(f"{n:,.0f}" for n in sizes)
+                                                + " non-embedding parameters (its own runs or model).")
+
+
 def _rung_cell(r: dict, units: str) -> str:
     if r.get("precondition") is False:
         return f"left out: the baseline did not train ({r['verdict']})"
@@ -65,8 +81,7 @@ def ladder_markdown(ladder: dict, images: list[str]) -> str:
                   + f". rung0-{list(tokenizers)[1]}/ and the like hold the other conditions' rung reports.",
                   ""]
     for name, p in ladder["presets"].items():
-        lines += [f"## {name}", "", "Non-embedding parameters: "
-                  + ", ".join(f"{n:,.0f}" for n in p["parameters"]), ""]
+        lines += [f"## {name}", "", _sizes_line(p), ""]
         if not p["trends"]:
             lines += ["No claim of this preset has a per-seed gap to follow across the rungs.", ""]
             continue
@@ -82,7 +97,8 @@ def ladder_markdown(ladder: dict, images: list[str]) -> str:
         lines.append("")
         for t in p["trends"]:
             tokens = f" ({t.get('condition')} tokens)" if several else ""
-            lines += [f"- **{t['id']}**{tokens} ({t['leaf']['a']} vs {t['leaf']['b']}): {_trend_line(t)}"]
+            lines += [f"- **{t['id']}**{tokens} ({t['leaf']['a']} vs {t['leaf']['b']}): {_trend_line(t)}"
+                      + _own_sizes(t, p)]
         lines.append("")
         lines += [f"![{name}](plots/{f})" for f in images if f == f"ladder-{name}.png"] + [""]
     return md_safe("\n".join(lines))
@@ -119,8 +135,7 @@ def ladder_html(ladder: dict, images: list[str], out: Path) -> str:
         parts.append("<p>Each rung's report: " + ", ".join(f"<a href='{e(r)}/report.html'>{e(r)}</a>"
                                                           for r in rungs) + ".</p>")
     for name, p in ladder["presets"].items():
-        parts += [f"<h2 id='{e(name)}'>{e(name)}</h2>", "<p>Non-embedding parameters: "
-                  + ", ".join(f"{n:,.0f}" for n in p["parameters"]) + "</p>"]
+        parts += [f"<h2 id='{e(name)}'>{e(name)}</h2>", f"<p>{e(_sizes_line(p))}</p>"]
         if not p["trends"]:
             parts.append("<p>No claim of this preset has a per-seed gap to follow across the rungs.</p>")
             continue
@@ -135,7 +150,7 @@ def ladder_html(ladder: dict, images: list[str], out: Path) -> str:
                          + f"<td>{verdict_badge(t['verdict'])}</td></tr>")
         parts.append("</table><ul>")
         parts += [f"<li><b>{e(t['id'])}</b> ({e(str(t['leaf']['a']))} vs {e(str(t['leaf']['b']))}): "
-                  f"{e(_trend_line(t).replace('**', ''))}</li>" for t in p["trends"]]
+                  f"{e(_trend_line(t).replace('**', '') + _own_sizes(t, p))}</li>" for t in p["trends"]]
         parts.append("</ul>")
         for f in images:
             if f == f"ladder-{name}.png":

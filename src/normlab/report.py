@@ -75,16 +75,21 @@ def settings_rows(section: dict) -> list[tuple[str, str]]:
     fields below do not show."""
     rows = [(str(k), _setting(v)) for k, v in section["settings"].items()]
     sized = sized_text(section)
-    return ([("trained at", sized + "; the rows below are the preset's own size")] if sized else []) + rows
+    if not sized:
+        return rows
+    return [("trained at", sized + "; the rows below are the preset's own size") if section.get("trained_at")
+            else ("measured at", sized)] + rows
 
 
 def sized_text(section: dict) -> str | None:
-    """Where a section's runs were resized: its ladder rung and the sizes they trained at."""
+    """Where a section's runs were resized: its ladder rung and the sizes they trained at (a preset
+    that trains no run measures at the rung's width: its settings show that model)."""
     at = section.get("trained_at")
-    if not at:
-        return None
-    sizes = "; ".join(", ".join(f"{k} {_fmt(v)}" for k, v in a.items()) for a in at)
     rung = section.get("rung")
+    if not at:
+        return (f"ladder rung {rung['index']} (d_model x{rung['width']:g} of the preset's): the model in the "
+                "settings is the rung's") if rung else None
+    sizes = "; ".join(", ".join(f"{k} {_fmt(v)}" for k, v in a.items()) for a in at)
     return (f"ladder rung {rung['index']} (d_model x{rung['width']:g} of the preset's): {sizes}" if rung
             else sizes)
 
@@ -222,7 +227,7 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
                       f"data sha256 {section['meta'].get('data_sha256')}).", ""]
         sized = sized_text(section)
         if sized:
-            lines += [f"Trained at {sized}.", ""]
+            lines += [f"{'Trained' if section.get('trained_at') else 'Measured'} at {sized}.", ""]
         cols = section["columns"]
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for row in section["rows"]:
@@ -299,7 +304,8 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
                          f"{e(str(m.get('data_sha256')))}).</p>")
         sized = sized_text(section)
         if sized:
-            parts.append(f"<p class='rule'>Trained at {e(sized)}.</p>")
+            parts.append(f"<p class='rule'>{'Trained' if section.get('trained_at') else 'Measured'} at "
+                         f"{e(sized)}.</p>")
         cols = section["columns"]
         parts.append("<table><tr>" + "".join(f"<th>{e(c)}</th>" for c in cols) + "</tr>")
         for row in section["rows"]:

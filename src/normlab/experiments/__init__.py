@@ -311,7 +311,7 @@ def ladder_results(names: list[str], out: str | Path, per_claim: bool = False,
             if any(s is None for s in sections):
                 continue
             params = [s.get("parameters") for s in sections]
-            trends = LD.trends(sections, params) if all(params) else []
+            trends = LD.trends(sections, params)
             for t in trends:
                 t["condition"] = tokenizer
             p = presets.setdefault(name, {"parameters": params, "trends": [],

@@ -63,9 +63,9 @@ def preset_gradients(lab: Lab) -> dict:
     fig3_depth = depths[0]  # Fig. 3 is drawn for 6 layers
     seeds = lab.seeds(5, 5)
     n_batches = lab.pick(4, 16, tiny=2)
-    width = lab.pick(dict(d_model=64, n_heads=4, max_seq_len=64),
-                     dict(d_model=256, n_heads=4, max_seq_len=128),
-                     tiny=dict(d_model=16, n_heads=2, max_seq_len=16))
+    width = lab.at_rung(lab.pick(dict(d_model=64, n_heads=4, max_seq_len=64),
+                                 dict(d_model=256, n_heads=4, max_seq_len=128),
+                                 tiny=dict(d_model=16, n_heads=2, max_seq_len=16)))
     B, T = lab.pick((8, 64), (16, 128), tiny=(4, 16))
     gen = D.Batches(lab.dataset.train, B, T, seed=2020)
     batches = [gen.next() for _ in range(n_batches)]
@@ -107,31 +107,34 @@ def preset_gradients(lab: Lab) -> dict:
     for name, where, conditions in (("xiong", "Xiong et al.'s model", XIONG_CONDITIONS),
                                     ("llama", "this decoder (LLaMA-style)", LLAMA_CONDITIONS)):
         tag = "" if name == "xiong" else ".llama"
+        # where a ladder places each claim: the model it measures (the depth-slope ones: the middle depth)
+        at_fig3, at_middle = (lab.size_of({**width, **GRAD_SETTINGS[name], "n_layers": d})
+                              for d in (fig3_depth, depths[len(depths) // 2]))
         claims += [
             C.claim(f"gradients.post_grows{tag}",
                     f"at initialization, Post-LN's gradient norm grows toward the last layers "
                     f"({where}, {fig3_depth} layers: fitted last/first ratio of W2's gradient norm >= 1.5)",
                     XIONG20 + ", Fig. 3",
                     claim_values(measured, f"{name}_post_growth"),
-                    C.above(f"{name}_post_growth", 1.0, 0.5, origin=band), conditions),
+                    C.above(f"{name}_post_growth", 1.0, 0.5, origin=band), conditions, parameters=at_fig3),
             C.claim(f"gradients.pre_flat{tag}",
                     f"at initialization, Pre-LN's gradient norm is flat across layers ({where}, "
                     f"{fig3_depth} layers: fitted last/first ratio within 0.5-1.5)", XIONG20 + ", Fig. 3",
                     claim_values(measured, f"{name}_pre_growth"),
-                    C.within(f"{name}_pre_growth", 1.0, 0.5, origin=band), conditions),
+                    C.within(f"{name}_pre_growth", 1.0, 0.5, origin=band), conditions, parameters=at_fig3),
             C.claim(f"gradients.post_last_constant{tag}",
                     f"the last layer's W2 gradient of Post-LN stays about constant as depth grows ({where}, "
                     f"L = {', '.join(map(str, depths))}: log-log slope within 0 +- 0.25)",
                     XIONG20 + ", Theorem 1", claim_values(measured, f"{name}_post_last_slope"),
                     C.within(f"{name}_post_last_slope", 0, 0.25, origin=slope_band, absolute=True),
-                    conditions),
+                    conditions, parameters=at_middle),
             C.claim(f"gradients.pre_last_scaling{tag}",
                     f"the last layer's W2 gradient of Pre-LN scales like L^-1/2 ({where}, "
                     f"L = {', '.join(map(str, depths))}: log-log slope within -0.5 +- 0.25)",
                     XIONG20 + ", Theorem 1",
                     claim_values(measured, f"{name}_pre_last_slope"),
                     C.within(f"{name}_pre_last_slope", -0.5, 0.25, origin=slope_band, absolute=True),
-                    conditions),
+                    conditions, parameters=at_middle),
         ]
     return {
         "title": "Gradient norms by layer at initialization: Xiong et al.'s model and this decoder",

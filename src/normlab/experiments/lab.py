@@ -284,6 +284,19 @@ class Lab:
             return lr, f"tuned on characters (the design has no pilot under {tokens} tokens)"
         return None, "the preset's (no design at this size)"
 
+    def at_rung(self, model: dict) -> dict:
+        """A measurement's model fields (one that trains no run: gradients at initialization) at
+        this lab's ladder rung: d_model scaled as a run's would be, so the ladder can say how the
+        measurement moves with width. Unchanged off a ladder and on its middle rung."""
+        if self.s.rung is None or self.s.rung == LD.MIDDLE:
+            return model
+        cfg = self.model_config(model)
+        return {**model, "d_model": LD.width(cfg.d_model, cfg.n_heads, self.s.rung)}
+
+    def size_of(self, model: dict) -> int:
+        """A measurement's model's non-embedding parameter count (see :meth:`_non_embedding`)."""
+        return self._non_embedding({}, model)
+
     def _non_embedding(self, tf: dict, mf: dict) -> int:
         """The run's non-embedding parameter count, from a model on the meta device: no memory,
         no initialization, and the global random state untouched (measurements may rely on it)."""

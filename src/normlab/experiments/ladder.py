@@ -4,6 +4,8 @@ effect moves with parameters.
 **Rungs.** Width d_model times 0.5, 1 and 2 at the preset's depth and head count, so that the
 non-embedding parameters (about 12 L d^2) grow about 4x a rung. The middle rung is the size the
 lab already judges at (``--quick``: the verdicts in docs/results), so its runs are the same runs.
+A preset that trains no run (gradients: gradient norms at initialization) measures its model at
+the rung's width (``Lab.at_rung``), and each claim names the size of the model it measures.
 
 **Tokens per parameter** are held at the middle rung's ratio: each rung trains for the preset's
 steps times its parameters over the middle rung's (batch and sequence length fixed; warmup and
@@ -184,18 +186,20 @@ def _p_trend(question: str, fit: dict, margin: float) -> tuple[float, float]:
 
 def trends(rungs: list[dict], params: list[float]) -> list[dict]:
     """Trend claims of one preset from its sections at each rung (``rungs``, results.json
-    sections, in rung order) and the rungs' non-embedding parameter counts. Verdicts are plain;
-    :func:`judge_trends` adjusts them family-wise."""
+    sections, in rung order) and the rungs' non-embedding parameter counts (None: a preset that
+    trains no run), which a claim's own ``parameters`` overrides; a claim with no size at some rung
+    has no trend. Verdicts are plain; :func:`judge_trends` adjusts them family-wise."""
     out = []
     first = rungs[0]
     for claim in first["claims"]:
         leaf = _effect_leaf(claim["rule"])
-        if leaf is None:
+        matches = [next((c for c in section["claims"] if c["id"] == claim["id"]), None) for section in rungs]
+        # the size of the claim's own runs or model where it says, else the preset's median run
+        sizes = [(match or {}).get("parameters") or n for match, n in zip(matches, params)]
+        if leaf is None or not all(sizes):
             continue
         xs, ys, per_rung = [], [], []
-        for section, n in zip(rungs, params):
-            match = next((c for c in section["claims"] if c["id"] == claim["id"]), None)
-            n = (match or {}).get("parameters") or n  # the size of the claim's own runs, where it says
+        for match, n in zip(matches, sizes):
             trained = match is not None and _precondition_holds(match)
             gaps = seed_gaps(leaf, match["measured"]) if trained else []
             xs += [math.log10(n)] * len(gaps)
