@@ -302,6 +302,13 @@ def test_plan_costs_are_6ND_plus_attention(corpus, tmp_path, capsys):
                  "--plan"]) == 0
     err = " ".join(capsys.readouterr().err.split())
     assert f"total of {len(pending)} runs" in err and "6ND" in err
+    assert f"{len(pending)} training run(s) to train" in err
+    # a ladder of a preset that trains nothing says so, and still gives the line that measures it
+    assert main(["compare", "gradients", "--size", "tiny", "--ladder", "--data", str(corpus),
+                 "--out", str(tmp_path), "--plan"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip().endswith("--ladder --collect") and "normlab train" not in out
+    assert "Nothing to train" in " ".join(err.split())
 
 
 def test_the_ladder_plot_names_each_rung_on_its_axis():

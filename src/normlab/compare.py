@@ -143,6 +143,7 @@ def _ladder(args: argparse.Namespace, names: list[str], settings, command: str, 
             print(run.command)
         print(f"{command} --collect")
         _costs(pending, Console(stderr=True), args)
+        _plan_note(pending, Console(stderr=True), args.out)
         return 0
     for rung, c, rung_settings in runs:
         suffix = _suffix(c)
@@ -255,9 +256,17 @@ def _plan(args: argparse.Namespace, settings, command: str) -> int:
         print(run.command)
     print(f"{command} --collect")
     _costs(pending, notes, args)
-    notes.print(f"{len(pending)} training run(s) to train (one `normlab train` line each), then the line "
-                f"that collects the results into {args.out}: measurements, verdicts and the report.")
+    _plan_note(pending, notes, args.out)
     return 0
+
+
+def _plan_note(pending: list, notes: Console, out: str) -> None:
+    if not pending:  # gradients, precision, eps, stability, speed: measurements only
+        notes.print(f"Nothing to train: these presets measure without training runs. The last line measures "
+                    f"them, judges the claims and writes the report into {out}.")
+        return
+    notes.print(f"{len(pending)} training run(s) to train (one `normlab train` line each), then the line "
+                f"that collects the results into {out}: measurements, verdicts and the report.")
 
 
 def _costs(pending: list, console: Console, args: argparse.Namespace) -> None:
