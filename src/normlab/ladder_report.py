@@ -63,9 +63,12 @@ def _intro(ladder: dict) -> str:
     how = (f"Holm over the ladder's {fam['size']} trend tests at {fam['alpha']:.0%}"
            if fam["method"] == "holm"
            else "each trend alone, unadjusted")
+    untrained = [n for n, p in ladder["presets"].items() if not all(p["parameters"])]
     return (f"Widths: d_model x {', '.join(f'{w:g}' for w in ladder['widths'])} of each preset's size; "
             f"tokens per parameter {ladder['tokens_per_parameter']}; learning rates: {ladder['lr_rule']}. "
-            f"Trend verdicts: {how}; each rung's claims are judged as their own invocation's (rung0/, "
+            + (f"{', '.join(untrained)} train{'s' if len(untrained) == 1 else ''} no run: measured on the "
+               "model at each width, so tokens and rates do not apply. " if untrained else "")
+            + f"Trend verdicts: {how}; each rung's claims are judged as their own invocation's (rung0/, "
             "rung1/, rung2/: report.md and report.html each).")
 
 
