@@ -142,8 +142,9 @@ def _ladder(args: argparse.Namespace, names: list[str], settings, command: str, 
         for run in pending:
             print(run.command)
         print(f"{command} --collect")
-        _costs(pending, Console(stderr=True), args)
-        _plan_note(pending, Console(stderr=True), args.out)
+        notes = Console(stderr=True)
+        _costs(pending, notes, args)
+        _plan_note(pending, notes, args.out)
         return 0
     for rung, c, rung_settings in runs:
         suffix = _suffix(c)

@@ -81,6 +81,12 @@ def settings_rows(section: dict) -> list[tuple[str, str]]:
             else ("measured at", sized)] + rows
 
 
+def sized_sentence(section: dict) -> str | None:
+    """:func:`sized_text` as the report's sentence: trained runs, or a measurement's model."""
+    sized = sized_text(section)
+    return sized and f"{'Trained' if section.get('trained_at') else 'Measured'} at {sized}."
+
+
 def sized_text(section: dict) -> str | None:
     """Where a section's runs were resized: its ladder rung and the sizes they trained at (a preset
     that trains no run measures at the rung's width: its settings show that model)."""
@@ -225,9 +231,9 @@ def markdown(results: dict, images: dict[str, list[str]]) -> str:
             lines += [f"Measured by `{section['meta'].get('command')}` on {section['meta'].get('date')} "
                       f"(git {section['meta'].get('git')}, "
                       f"data sha256 {section['meta'].get('data_sha256')}).", ""]
-        sized = sized_text(section)
+        sized = sized_sentence(section)
         if sized:
-            lines += [f"{'Trained' if section.get('trained_at') else 'Measured'} at {sized}.", ""]
+            lines += [sized, ""]
         cols = section["columns"]
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for row in section["rows"]:
@@ -302,10 +308,9 @@ def html_page(results: dict, images: dict[str, list[str]], folder: Path) -> str:
             parts.append(f"<p class='rule'>Measured by <code>{e(str(m.get('command')))}</code> on "
                          f"{e(str(m.get('date')))} (git {e(str(m.get('git')))}, data sha256 "
                          f"{e(str(m.get('data_sha256')))}).</p>")
-        sized = sized_text(section)
+        sized = sized_sentence(section)
         if sized:
-            parts.append(f"<p class='rule'>{'Trained' if section.get('trained_at') else 'Measured'} at "
-                         f"{e(sized)}.</p>")
+            parts.append(f"<p class='rule'>{e(sized)}</p>")
         cols = section["columns"]
         parts.append("<table><tr>" + "".join(f"<th>{e(c)}</th>" for c in cols) + "</tr>")
         for row in section["rows"]:
