@@ -417,6 +417,32 @@ def test_a_rung_reports_the_rates_its_runs_trained_at(corpus, tmp_path):
     assert section["rows"][1]["lr"] != section["settings"]["lrs"]["high"]  # the rung's, not the preset's
 
 
+def test_dyt_s_small_set_is_gone_over_as_often_at_every_rung(corpus, tmp_path):
+    # the small set was sized from the preset's 250 steps at every rung, so a rung's runs (63 or
+    # 999 steps) went over it 41 or 656 times where the claim says 164
+    from normlab.experiments import dyt
+
+    def small_runs(**over):
+        pending = E.plan_presets(["dyt"], Settings(out=str(tmp_path / str(over)), size="quick",
+                                                   data=str(corpus), **over))
+        fields = [dict(a.split("=", 1) for a in r.argv if "=" in a) for r in pending]
+        return [(r.label, f) for r, f in zip(pending, fields) if "train_tokens" in f]
+
+    middle = small_runs()
+    for rung in range(len(LD.WIDTHS)):
+        runs = small_runs(rung=rung)
+        assert len(runs) == 7 * LD.SEEDS  # every setting, the ladder's seeds
+        for label, f in runs:
+            passes = int(f["steps"]) * int(f["batch_size"]) * int(f["seq_len"]) / int(f["train_tokens"])
+            assert passes == pytest.approx(dyt.SMALL_PASSES, rel=0.01), (rung, label, passes)
+        # arm names keep the preset's size, where the design's tuned rates are found
+        def arms(pairs):
+            return {label.rsplit("-s", 1)[0] for label, _ in pairs}
+
+        assert arms(runs) == arms(middle)
+    assert {f["train_tokens"] for _, f in small_runs(rung=0)} != {f["train_tokens"] for _, f in middle}
+
+
 def test_the_warmup_sweep_on_a_rung_is_labelled_with_the_rates_it_trained_at(corpus, tmp_path):
     # the sweep's rows, curves and claim texts named the preset's rates, where a rung's runs train
     # at the size rule's

@@ -77,10 +77,15 @@ def settings_of(norm: str, alpha0: float | None, gain: bool = True) -> str:
     return norm if alpha0 is None else f"{norm}{alpha0:g}" + ("" if gain else "-nogain")
 
 
+def small_set(steps: int, batch_size: int, seq_len: int) -> int:
+    """The tokens of a training set that ``steps`` go over SMALL_PASSES times (a few windows at least)."""
+    return max(4 * (seq_len + 1), steps * batch_size * seq_len // SMALL_PASSES)
+
+
 def data_budgets(lab: Lab, steps: int, batch_size: int, seq_len: int) -> dict:
     """{"small": tokens, "large": tokens}: a training set gone over SMALL_PASSES times in
     ``steps``, and the whole training split (at least BUDGET_FACTOR times larger)."""
-    small = max(4 * (seq_len + 1), steps * batch_size * seq_len // SMALL_PASSES)
+    small = small_set(steps, batch_size, seq_len)
     whole = len(lab.dataset.train)
     if whole < BUDGET_FACTOR * small:
         raise ValueError(f"the dyt preset compares a small training set of {small:,} tokens with the whole "
@@ -95,17 +100,22 @@ def preset_dyt(lab: Lab) -> dict:
     model = {**model, "placement": "pre"}
     tf = {**train_fields, **lab.train_over}
     steps = lab.train_over.get("steps") or max(2, train_fields["steps"] // 8) * 10  # quick: 250
-    budgets = data_budgets(lab, steps, tf["batch_size"], tf["seq_len"])
-    passes = {b: steps * tf["batch_size"] * tf["seq_len"] / n for b, n in budgets.items()}
+    fields = {**train_fields, "steps": steps, "warmup": max(1, steps // 10), "eval_every": max(1, steps // 4)}
+    # A ladder rung or the gpu size trains longer or shorter than `steps`; the small set is the one
+    # the runs' own steps go over SMALL_PASSES times, so it is sized from those. Arm names keep the
+    # preset's size (the design's tuned rates are found by them), as "250steps" does.
+    run_steps = lab.steps_of(fields, model)
+    budgets = data_budgets(lab, run_steps, tf["batch_size"], tf["seq_len"])
+    passes = {b: run_steps * tf["batch_size"] * tf["seq_len"] / n for b, n in budgets.items()}
+    named = {"small": f"-{small_set(steps, tf['batch_size'], tf['seq_len'])}tokens", "large": ""}
     seeds = lab.seeds(3, 3)
     cells = [("rmsnorm", None, False), ("layernorm", None, False)] + [("dyt", a, True) for a in ALPHA0S]
     cells += [("dyt", DEFAULT_ALPHA0, False), ("derf", DEFAULT_ALPHA0, True)]
-    fields = {**train_fields, "steps": steps, "warmup": max(1, steps // 10), "eval_every": max(1, steps // 4)}
     runs = {}
     train_tokens = {"small": budgets["small"], "large": 0}  # 0: the whole split, as the runs before it
     for budget, n in train_tokens.items():
         data = {"train_tokens": n} if n else {}
-        tag = f"-{n}tokens" if n else ""
+        tag = named[budget]
         for norm, alpha0, gain in cells:
             varied = {"norm": norm, **({"dyt_alpha0": alpha0} if alpha0 is not None else {}),
                       **({"embed_gain": EMBED_GAIN} if gain else {}), **data}
@@ -131,7 +141,7 @@ def preset_dyt(lab: Lab) -> dict:
         measured[f"{setting}_{budget}_val"] = [r["val_loss"] for r in rs]
         val = stats(measured[f"{setting}_{budget}_val"])
         sat = saturated.get((setting, budget))
-        arm = f"{setting}-{steps}steps" + (f"-{train_tokens[budget]}tokens" if train_tokens[budget] else "")
+        arm = f"{setting}-{steps}steps{named[budget]}"
         rows.append({"setting": setting, "budget": budget, "lr": lab.arm_lr(arm), "tokens": budgets[budget],
                      "passes": round_sig(passes[budget], 3),
                      "seeds": len(rs),
@@ -153,18 +163,18 @@ def preset_dyt(lab: Lab) -> dict:
         "7B's sqrt(d)) so that the first DyT sees the paper's scale (RMS 1.28; sqrt(d) of this width would "
         "give 0.2); RMSNorm and LayerNorm in the same model without that scalar, as the paper's baselines; "
         "the same data, steps and seeds",
-        f"differs: a {model['n_layers']}-layer character LM on Shakespeare for {steps} steps over the whole "
-        f"corpus ({passes['large']:.2g} passes; the paper: LLaMA 7B-70B on 200B tokens, with alpha0 tuned "
-        "per model and per position, at 7B 0.8 before attention and 0.2 before the MLP and at the end); DyT "
-        "here also has a per-feature bias, the paper's Llama DyT does not",
+        f"differs: a {model['n_layers']}-layer character LM on Shakespeare for {run_steps} steps over the "
+        f"whole corpus ({passes['large']:.2g} passes; the paper: LLaMA 7B-70B on 200B tokens, with alpha0 "
+        "tuned per model and per position, at 7B 0.8 before attention and 0.2 before the MLP and at the "
+        "end); DyT here also has a per-feature bias, the paper's Llama DyT does not",
     ]
     regime = [conditions[0],
-              f"matches: the same {steps} steps on a small training set ({budgets['small']:,} tokens, the "
-              f"first of the split) gone over {passes['small']:.0f} times, as the study's 1M tokens were "
+              f"matches: the same {run_steps} steps on a small training set ({budgets['small']:,} tokens, "
+              f"the first of the split) gone over {passes['small']:.0f} times, as the study's 1M tokens were "
               f"(5000 steps of 64 x 512), and on the whole split ({budgets['large']:,} tokens, "
               f"{passes['large']:.2g} passes: data not repeated, as at the study's 118M, 1.4 passes); "
               "validation on the same held-out documents",
-              f"differs: a far smaller model and run (a character LM on Shakespeare, {steps} steps of "
+              f"differs: a far smaller model and run (a character LM on Shakespeare, {run_steps} steps of "
               f"{tf['batch_size'] * tf['seq_len']:,} tokens; the study: GPT-2 from 64M parameters on "
               "WikiText, 5000 steps of 32,768 tokens); the study's DyT starts alpha at 2.0 in GPT-2, "
               f"without an embedding gain, where this one starts at {DEFAULT_ALPHA0:g}, with the gain, in a "
@@ -225,7 +235,7 @@ def preset_dyt(lab: Lab) -> dict:
         "rows": rows, "claims": claims,
         "series": {"runs": {f"{s}|{b}": [curves_of(r) for r in rs] for (s, b), rs in runs.items()},
                    "saturated": {f"{s}|{b}": v for (s, b), v in saturated.items()}},
-        "notes": [f"{len(seeds)} seeds per setting and budget, {steps} steps each; budget: the training "
+        "notes": [f"{len(seeds)} seeds per setting and budget, {run_steps} steps each; budget: the training "
                   "tokens the steps draw windows from (small: the split's first tokens, large: the whole "
                   "split), passes: how often the steps go over them. Warmup a tenth of the steps, then "
                   f"cosine. saturated: the share of DyT inputs with |alpha x| > {SATURATED:g} after training "
