@@ -443,6 +443,25 @@ def test_dyt_s_small_set_is_gone_over_as_often_at_every_rung(corpus, tmp_path):
     assert {f["train_tokens"] for _, f in small_runs(rung=0)} != {f["train_tokens"] for _, f in middle}
 
 
+def test_a_rung_states_the_warmup_and_steps_its_runs_trained(corpus, tmp_path):
+    # shallow's conditions and batchnorm's notes named the preset's warmup and steps, where a
+    # rung's runs train with the size rule's
+    settings = Settings(out=str(tmp_path), size="tiny", data=str(corpus), quiet=True, rung=2)
+    sections = E.run_presets(["shallow", "batchnorm"], settings)["presets"]
+
+    def trained(pattern, field):
+        return {json.loads((f / "config.json").read_text())["train"][field]
+                for f in (tmp_path / "runs").glob(pattern)}
+
+    (warmup,) = trained("post-L*", "warmup")
+    assert warmup != sections["shallow"]["settings"]["train"]["warmup"]  # the rung scaled it
+    condition = sections["shallow"]["claims"][0]["conditions"][0]
+    assert f"with warmup ({warmup} steps)" in condition
+    (steps,) = trained("pad-*", "steps")
+    assert steps != sections["batchnorm"]["settings"]["trend"]["steps"]
+    assert f"mask, {steps} steps per run" in " ".join(sections["batchnorm"]["notes"])
+
+
 def test_the_warmup_sweep_on_a_rung_is_labelled_with_the_rates_it_trained_at(corpus, tmp_path):
     # the sweep's rows, curves and claim texts named the preset's rates, where a rung's runs train
     # at the size rule's

@@ -169,6 +169,7 @@ def preset_batchnorm(lab: Lab) -> dict:
     tf = {**train_fields, **lab.train_over}
     # the batch-size trend, on padded variable-length sequences (left out of the demo: 1.5 minutes on 2 cores)
     trend_train, trend_model, steps = trend_sizes(lab)
+    trend_steps = lab.sized_train({**trend_train, "steps": steps}, trend_model)["steps"]  # a rung's scaled
     trend_seeds = lab.seeds(3, 3)
     trend_runs = {}  # (norm, batch size) -> (fields, one run per seed)
     for norm in ("batchnorm", "layernorm") if not lab.s.brief else ():
@@ -411,7 +412,7 @@ def preset_batchnorm(lab: Lab) -> dict:
                   "(training mode: batch statistics; largest over seeds). In a causal LM, training-mode "
                   "BatchNorm also pools statistics over future positions."]
                  + (["paragraphs rows: trained on the text between blank lines, padded per batch with a "
-                     f"mask, {steps} "
+                     f"mask, {trend_steps} "
                      "steps per run whatever the batch size; val_loss in eval mode (running statistics); "
                      "train_eval_gap: "
                      "|training-mode loss - eval-mode loss| / eval-mode loss on fixed padded validation "

@@ -104,7 +104,7 @@ def preset_dyt(lab: Lab) -> dict:
     # A ladder rung or the gpu size trains longer or shorter than `steps`; the small set is the one
     # the runs' own steps go over SMALL_PASSES times, so it is sized from those. Arm names keep the
     # preset's size (the design's tuned rates are found by them), as "250steps" does.
-    run_steps = lab.steps_of(fields, model)
+    run_steps = lab.sized_train(fields, model)["steps"]
     budgets = data_budgets(lab, run_steps, tf["batch_size"], tf["seq_len"])
     passes = {b: run_steps * tf["batch_size"] * tf["seq_len"] / n for b, n in budgets.items()}
     named = {"small": f"-{small_set(steps, tf['batch_size'], tf['seq_len'])}tokens", "large": ""}

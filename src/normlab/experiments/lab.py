@@ -323,12 +323,13 @@ class Lab:
                                          {"d_model": LD.width(cfg.d_model, cfg.n_heads, self.s.rung)})
         return tf, mf
 
-    def steps_of(self, train_fields: dict, model_fields: dict) -> int:
-        """The steps a run of the preset's base fields trains for at this lab's size: on a ladder
-        rung or at the gpu size :meth:`sized` scales them with the parameters, so a quantity
-        defined by the steps (dyt's small data set) must be computed from these, not the preset's."""
-        tf = {**train_fields, **self.train_over}
-        return self.sized(tf, {**model_fields, **self.model_over}, model_fields)[0]["steps"]
+    def sized_train(self, train_fields: dict, model_fields: dict, varied: dict | None = None) -> dict:
+        """The training fields a run (:meth:`run`'s arguments) trains with at this lab's size: on a
+        ladder rung or at the gpu size :meth:`sized` scales steps, warmup and rate, so what a preset
+        derives from them (dyt's small data set) or states (a warmup in steps) uses these."""
+        t_varied = {k: v for k, v in (varied or {}).items() if k in _TRAIN_FIELDS}
+        tf = {**train_fields, **self.train_over, **t_varied}
+        return self.sized(tf, {**model_fields, **self.model_over}, model_fields)[0]
 
     def _resized(self, tf: dict, mf: dict, base: dict, wide: dict) -> tuple[dict, dict, dict]:
         """A run's fields at another width (``wide``: d_model, maybe n_heads; see

@@ -37,10 +37,12 @@ def preset_shallow(lab: Lab) -> dict:
         rows.append({"placement": p, "layers": depth, "lr": lab.arm_lr(f"{p}-L{depth}"), "seeds": len(rs),
                      "diverged": measured[f"{p}_{which}_diverged"],
                      "val_loss": round_sig(val["mean"]), "val_std": round_sig(val["std"], 2)})
+    warm_here = lab.sized_train(train_fields, model, {"warmup": warmup})["warmup"]  # a ladder rung scales it
     conditions = [
         "matches: Post-LN and Pre-LN in the original Transformer's pieces (LayerNorm, ReLU FFN, learned "
-        f"positions), with warmup ({warmup} steps), the same steps and seeds, at {depths[0]} and {depths[1]} "
-        "layers, each at its own learning rate (the best of a pilot grid on seeds the test runs do not use)",
+        f"positions), with warmup ({warm_here} steps), the same steps and seeds, at {depths[0]} and "
+        f"{depths[1]} layers, each at its own learning rate (the best of a pilot grid on seeds the test runs "
+        "do not use)",
         "differs: a decoder-only character LM on Shakespeare for a few hundred steps (the studies: 6-layer "
         "to 18-layer encoder-decoders for translation, trained to convergence)",
     ]
@@ -74,6 +76,6 @@ def preset_shallow(lab: Lab) -> dict:
         "columns": ["placement", "layers", "lr", "seeds", "diverged", "val_loss", "val_std"],
         "rows": rows, "claims": claims,
         "series": {"runs": {f"{p}|{depth}": [curves_of(r) for r in rs] for (p, depth), rs in runs.items()}},
-        "notes": [f"{len(seeds)} seeds per setting, cosine schedule after {warmup} warmup steps. Unigram "
+        "notes": [f"{len(seeds)} seeds per setting, cosine schedule after {warm_here} warmup steps. Unigram "
                   f"loss {measured['unigram_loss']:.3f}: a model that learned only character frequencies."],
     }
