@@ -13,6 +13,8 @@ evaluation cadence scaled alike). Fixed before any ladder run, because a ladder 
 larger models fewer tokens per parameter would measure undertraining, not scale (Kaplan et al.
 2020 and Hoffmann et al. 2022 compare sizes at a fixed budget rule). The ratio is the middle
 rung's and not Chinchilla's 20 because 20 would need about 40x the compute of today's runs.
+What a preset defines by its steps follows the rung's (``Lab.sized_train``): dyt's small data
+set stays one its runs go over 164 times, so it grows with the rung as the tokens do.
 
 **Learning rates** are not tuned again at each rung: each arm's rate (its tuned one where the
 design has it) is multiplied by d_middle / d, the muP rule for Adam's hidden-layer rates (Yang et
