@@ -8,6 +8,7 @@ import html
 import math
 from pathlib import Path
 
+from normlab import claims as C
 from normlab.plots import pyplot
 from normlab.report import CSS, md_safe, meta_lines, save_text, verdict_badge
 
@@ -44,9 +45,16 @@ def _own_sizes(t: dict, p: dict) -> str:
                                                 + " non-embedding parameters (its own runs or model).")
 
 
+def _left_out(r: dict) -> str:
+    """Why a rung is left out of a trend: its baseline did not train, or that is not decided (the
+    precondition inconclusive; records from before the verdict was kept say the same)."""
+    return ("the baseline did not train" if r.get("precondition_verdict") == C.FAILS
+            else "the baseline's training not established")
+
+
 def _rung_cell(r: dict, units: str) -> str:
     if r.get("precondition") is False:
-        return f"left out: the baseline did not train ({r['verdict']})"
+        return f"left out: {_left_out(r)} ({r['verdict']})"
     if not r["ci"]:
         return f"- ({r['verdict'] or 'not run'})"
     if units == "log ratio":
@@ -219,14 +227,17 @@ def _ladder_series(ax, t: dict, colour: str, condition: str | None, nudge: float
     points along x so that two conditions at one rung do not cover each other."""
     tag = f"{condition}: " if condition else ""
     xs = [r["parameters"] for r in t["rungs"] if r.get("precondition") is not False]
+    labelled = set()  # one legend entry per reason, however many rungs share it
     for r in t["rungs"]:
         out = r.get("precondition") is False  # left out of the fit: its baseline did not train
         x = r["parameters"] * nudge
+        label = f"{tag}left out: {_left_out(r)}" if out else None
         if r["ci"]:
             ax.errorbar([x], [r["ci"]["est"]],
                         yerr=[[r["ci"]["est"] - r["ci"]["lo"]], [r["ci"]["hi"] - r["ci"]["est"]]],
                         fmt="o", color="C7" if out else colour, mfc="none" if out else colour, capsize=3,
-                        label=f"{tag}left out: baseline did not train" if out else None)
+                        label=label if label not in labelled else None)
+            labelled.add(label)
         ax.plot([x] * len(r["gaps"]), r["gaps"], ".", color="C7" if out else colour, alpha=0.4)
     if t["fit"]:
         f = t["fit"]

@@ -202,15 +202,16 @@ def trends(rungs: list[dict], params: list[float]) -> list[dict]:
             continue
         xs, ys, per_rung = [], [], []
         for match, n in zip(matches, sizes):
-            trained = match is not None and _precondition_holds(match)
+            pre = _precondition(match) if match is not None else None
+            trained = match is not None and pre in (None, C.HOLDS)
             gaps = seed_gaps(leaf, match["measured"]) if trained else []
             xs += [math.log10(n)] * len(gaps)
             ys += gaps
             ci = C.interval(*_sides_of(leaf, match["measured"]), paired=leaf.get("paired", False),
                             absolute=leaf.get("absolute", False)) if match else None
             per_rung.append({"parameters": n, "gaps": gaps, "verdict": match["verdict"] if match else None,
-                             "precondition": None if match is None or match["rule"]["kind"] != "given"
-                             else trained,
+                             "precondition": None if pre is None else trained,
+                             "precondition_verdict": pre,
                              "ci": None if not ci or "none" in ci
                              else {k: ci[k] for k in ("gap", "gap_lo", "gap_hi", "est", "lo", "hi")}})
         relative = _relative(leaf)
@@ -234,12 +235,13 @@ def trends(rungs: list[dict], params: list[float]) -> list[dict]:
     return out
 
 
-def _precondition_holds(claim: dict) -> bool:
-    """A claim's precondition (``given``'s ``if``: the baseline trains) holds at this rung, judged
-    alone as the claim's own plain verdict judges it; a claim without one counts everywhere. A
-    rung whose baseline did not train says nothing about how the effect moves."""
+def _precondition(claim: dict) -> str | None:
+    """The plain verdict of a claim's precondition (``given``'s ``if``: the baseline trains) at this
+    rung, judged alone as the claim's own plain verdict judges it; None for a claim without one,
+    which counts everywhere. A rung where it does not hold, or is not decided, says nothing about
+    how the effect moves."""
     rule = claim["rule"]
-    return rule["kind"] != "given" or C.judge(rule["if"], claim["measured"]) == C.HOLDS
+    return C.judge(rule["if"], claim["measured"]) if rule["kind"] == "given" else None
 
 
 def _sides_of(leaf: dict, measured: dict) -> tuple:
