@@ -515,6 +515,16 @@ def test_the_warmup_sweep_on_a_rung_is_labelled_with_the_rates_it_trained_at(cor
     best = [v for v in claims["warmup.post_lower_lr"]["measured"]["pre_warm_best_log10_lr"] if v is not None]
     assert best and all(min(trained) * 0.999 <= 10 ** v <= max(trained) * 1.001 for v in best)
     assert f"({max(trained):g})" in claims["warmup.qk_norm_logits"]["claim"]
+    # the width, steps and warmup it states are the ones its runs trained with (the rung's)
+    configs = [json.loads((folder / "config.json").read_text())
+               for folder in (tmp_path / "runs").glob("pre-warm-lr*")]
+    (width,) = {c["model"]["d_model"] for c in configs}
+    (steps,) = {c["train"]["steps"] for c in configs}
+    (warmup,) = {c["train"]["warmup"] for c in configs}
+    assert (width, steps) != (section["settings"]["model"]["d_model"], section["settings"]["train"]["steps"])
+    assert section["settings"]["warmup_steps"] == warmup
+    stated = f"layers of width {width}, {steps} steps"
+    assert all(stated in " ".join(c["conditions"]) for c in claims.values())
 
 
 def test_the_ladder_page_shows_every_trend_with_its_plot_and_the_rung_reports(tmp_path):

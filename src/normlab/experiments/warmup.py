@@ -32,16 +32,19 @@ SWEEP = {"post|warm": ("post", True, False, False), "post|nowarm": ("post", Fals
          "pre|warm": ("pre", True, False, False), "pre|nowarm": ("pre", False, False, False),
          "pre|warm|qknorm": ("pre", True, True, False), "pre|warm|embednorm": ("pre", True, False, True),
          "pre|warm|sandwich": ("sandwich", True, False, False)}
-STABILITY_CONDITIONS = [
-    "matches (Xiong et al.): Post-LN and Pre-LN Transformers with LayerNorm, a ReLU FFN, learned positions "
-    "and xavier init; Adam beta2 = 0.98; no gradient clipping (clipping hides the instability measured); "
-    "warmup against none",
-    "matches (Wortsman et al.): a learning-rate sweep over more than 1.5 orders of magnitude; LR "
-    "sensitivity = mean over the sweep of min(loss, loss at init) minus the best loss",
-    "differs: a decoder-only character LM, 6 layers of width 64, a few hundred steps (Xiong et al.: "
-    "translation and BERT for ~100k steps; Wortsman et al.: decoders of 10M to 1B+ parameters)",
-    "differs: cosine decay after the warmup (Xiong et al.: inverse square root)",
-]
+def stability_conditions(n_layers: int, d_model: int, steps: int) -> list[str]:
+    """What the sweep matches and where it differs, at the width and steps its runs trained (a
+    ladder rung's or the size's, not the quick size's)."""
+    return [
+        "matches (Xiong et al.): Post-LN and Pre-LN Transformers with LayerNorm, a ReLU FFN, learned "
+        "positions and xavier init; Adam beta2 = 0.98; no gradient clipping (clipping hides the instability "
+        "measured); warmup against none",
+        "matches (Wortsman et al.): a learning-rate sweep over more than 1.5 orders of magnitude; LR "
+        "sensitivity = mean over the sweep of min(loss, loss at init) minus the best loss",
+        f"differs: a decoder-only character LM, {n_layers} layers of width {d_model}, {steps} steps (Xiong "
+        "et al.: translation and BERT for ~100k steps; Wortsman et al.: decoders of 10M to 1B+ parameters)",
+        "differs: cosine decay after the warmup (Xiong et al.: inverse square root)",
+    ]
 
 
 EMBED_NORM_CONDITIONS = [
@@ -109,6 +112,9 @@ def preset_warmup(lab: Lab) -> dict:
     warm = train_fields.pop("warmup")
     seeds = lab.seeds(3, 3)
     tf = {**train_fields, **lab.train_over}
+    # the steps, warmup and width the runs train with: a ladder rung or the gpu size scales them
+    run_tf, run_model = lab.sized({**tf, "warmup": warm}, {**model, **lab.model_over}, model)
+    conditions = stability_conditions(run_model["n_layers"], run_model["d_model"], run_tf["steps"])
     runs = {}  # (setting, lr) -> one result per seed
     for key, (placement, warmup, qk, embed_norm) in SWEEP.items():
         for lr in lrs:
@@ -178,7 +184,7 @@ def preset_warmup(lab: Lab) -> dict:
                                       "post_warm_best_val", "unigram_loss"),
                 C.given(trains("post_warm_best_val"),
                         C.above("post_nowarm_sensitivity", "post_warm_sensitivity", paired=True)),
-                STABILITY_CONDITIONS + [TRAINS_ON_GRID]),
+                conditions + [TRAINS_ON_GRID]),
         C.claim("warmup.pre_not",
                 "Pre-LN without warmup is no more sensitive to the learning rate than with it",
                 XIONG20, claim_values(measured, "pre_nowarm_sensitivity", "pre_warm_sensitivity",
@@ -186,13 +192,13 @@ def preset_warmup(lab: Lab) -> dict:
                 C.given(trains("pre_warm_best_val"),
                         C.at_most("pre_nowarm_sensitivity", "pre_warm_sensitivity", 0.1, origin=no_more,
                                   paired=True)),
-                STABILITY_CONDITIONS + [TRAINS_ON_GRID]),
+                conditions + [TRAINS_ON_GRID]),
         C.claim("warmup.post_lower_lr",
                 "Post-LN's best learning rate is lower than Pre-LN's (both with warmup)", XIONG20,
                 claim_values(measured, "post_warm_best_log10_lr", "pre_warm_best_log10_lr"),
                 C.below("post_warm_best_log10_lr", "pre_warm_best_log10_lr", paired=True, absolute=True,
                         test="sign"),
-                STABILITY_CONDITIONS
+                conditions
                 + ["measured: log10 of the best learning rate on the grid per seed, a discrete outcome: "
                    "judged by the exact sign test over seeds (3 seeds cannot reach p < 0.05: 6 can)"]),
         C.claim("warmup.qk_norm_logits",
@@ -202,7 +208,7 @@ def preset_warmup(lab: Lab) -> dict:
                 C.below("pre_warm_qknorm_max_logit_top_lr", "pre_warm_max_logit_top_lr", 0.5, paired=True,
                         origin=C.ours("the papers show logits growing without a number to quote; 2x is the "
                                       "lab's margin")),
-                STABILITY_CONDITIONS
+                conditions
                 + ["differs: qk-norm is RMSNorm over head_dim (Wortsman et al.: LayerNorm)"]),
         C.claim("warmup.qk_norm_sensitivity",
                 "qk-norm lowers the learning-rate sensitivity (Pre-LN with warmup)", WORTSMAN23,
@@ -210,7 +216,7 @@ def preset_warmup(lab: Lab) -> dict:
                              "pre_warm_best_val", "unigram_loss"),
                 C.given(trains("pre_warm_best_val"),
                         C.below("pre_warm_qknorm_sensitivity", "pre_warm_sensitivity", paired=True)),
-                STABILITY_CONDITIONS
+                conditions
                 + ["differs: qk-norm is RMSNorm over head_dim (Wortsman et al.: LayerNorm)", TRAINS_ON_GRID]),
         C.claim("warmup.embed_norm_stable",
                 "a LayerNorm after the embedding (Bloom's) makes fewer runs diverge at the high "
@@ -218,7 +224,7 @@ def preset_warmup(lab: Lab) -> dict:
                 claim_values(measured, "pre_warm_embednorm_diverged_high", "pre_warm_diverged_high"),
                 C.below("pre_warm_embednorm_diverged_high", "pre_warm_diverged_high", paired=True,
                         absolute=True, test="sign"),
-                STABILITY_CONDITIONS + EMBED_NORM_CONDITIONS + [
+                conditions + EMBED_NORM_CONDITIONS + [
                     "measured: diverged (1) or not (0) for each seed at each rate of the sweep's top half, "
                     "paired by seed and rate; judged by the exact sign test over the pairs that differ"]),
         C.claim("warmup.embed_norm_quality",
@@ -229,7 +235,7 @@ def preset_warmup(lab: Lab) -> dict:
                 C.given(trains("pre_warm_best_val"),
                         C.within("pre_warm_embednorm_best_val", "pre_warm_best_val", 0.02, origin=COMPARABLE,
                                  paired=True)),
-                STABILITY_CONDITIONS + EMBED_NORM_CONDITIONS + [TRAINS_ON_GRID]),
+                conditions + EMBED_NORM_CONDITIONS + [TRAINS_ON_GRID]),
         C.claim("warmup.sandwich_unstable",
                 "Sandwich-LN (a norm on each branch's input and output) makes more runs diverge than Pre-LN "
                 "over the learning-rate sweep (both with warmup): the article's 'Sandwich-LN can make "
@@ -237,7 +243,7 @@ def preset_warmup(lab: Lab) -> dict:
                 claim_values(measured, "pre_warm_sandwich_diverged", "pre_warm_diverged"),
                 C.above("pre_warm_sandwich_diverged", "pre_warm_diverged", paired=True, absolute=True,
                         test="sign"),
-                STABILITY_CONDITIONS + [
+                conditions + [
                     "measured: diverged (1) or not (0) for each seed at each rate of the sweep, paired by "
                     "seed and rate (the table's diverged column: the exact count at each rate); judged by "
                     "the exact sign test over the pairs that differ",
@@ -250,7 +256,7 @@ def preset_warmup(lab: Lab) -> dict:
         "question": "Does Post-LN need warmup where Pre-LN does not, do qk-norm and a norm after the "
                     "embedding keep high learning rates stable, and does Sandwich-LN?",
         "settings": {"train": tf, "model": {**model, **lab.model_over}, "lrs": [at[lr] for lr in lrs],
-                     "warmup_steps": warm,
+                     "warmup_steps": run_tf["warmup"],
                      "seeds": seeds, "beta2": tf["beta2"], "grad_clip": tf["grad_clip"],
                      "sweep": {k: list(v) for k, v in SWEEP.items()}},
         "columns": ["setting", "lr", "diverged", "val_loss", "val_std", "max_logit", "sensitivity",
