@@ -32,6 +32,8 @@ SWEEP = {"post|warm": ("post", True, False, False), "post|nowarm": ("post", Fals
          "pre|warm": ("pre", True, False, False), "pre|nowarm": ("pre", False, False, False),
          "pre|warm|qknorm": ("pre", True, True, False), "pre|warm|embednorm": ("pre", True, False, True),
          "pre|warm|sandwich": ("sandwich", True, False, False)}
+
+
 def stability_conditions(n_layers: int, d_model: int, steps: int) -> list[str]:
     """What the sweep matches and where it differs, at the width and steps its runs trained (a
     ladder rung's or the size's, not the quick size's)."""
