@@ -280,6 +280,17 @@ TRAINED = {"unigram_loss": 3.4, "post_warm_best_val": _seeds(2.0), "pre_warm_bes
 
 
 
+def test_the_warmup_divergence_claims_count_seed_and_rate_pairs(finished):
+    # their sign tests run over one outcome per seed and rate, and said "of 15 seeds" for 5 seeds
+    section = finished[1]["presets"]["warmup"]
+    seeds, rates = len(section["settings"]["seeds"]), len(section["settings"]["lrs"])
+    for cid, n in (("warmup.embed_norm_stable", seeds * (rates - rates // 2)),
+                   ("warmup.sandwich_unstable", seeds * rates)):
+        c = _claim(finished[1], cid)
+        assert f" of {n} (seed, rate) pairs above 0" in " ".join(c["evidence"])
+        assert "[exact sign test over (seed, rate) pairs]" in c["rule_text"]
+
+
 def test_eps_claims_hold_exactly_and_the_fused_kernels_agree(finished):
     # exact math, no training: at any size each claim must hold, and a zero row's gain outside the
     # root must be 1/eps where inside it is 1/sqrt(eps)

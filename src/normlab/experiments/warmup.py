@@ -54,6 +54,9 @@ EMBED_NORM_CONDITIONS = [
     "here it sees the embeddings plus learned positions, in Xiong et al.'s model (embed_norm=true)",
 ]
 
+# The divergence claims' unit: one outcome per seed at each rate, so their counts are not of seeds.
+PAIRS = "(seed, rate) pairs"
+
 TRAINS_ON_GRID = ("precondition: the baseline's best learning rate on the grid trains (10% below the "
                   "unigram loss); a sensitivity of runs that learned nothing measures nothing")
 
@@ -225,7 +228,7 @@ def preset_warmup(lab: Lab) -> dict:
                 f"learning rates ({', '.join(f'{at[v]:g}' for v in high)}; Pre-LN with warmup)", BLOOM22,
                 claim_values(measured, "pre_warm_embednorm_diverged_high", "pre_warm_diverged_high"),
                 C.below("pre_warm_embednorm_diverged_high", "pre_warm_diverged_high", paired=True,
-                        absolute=True, test="sign"),
+                        absolute=True, test="sign", over=PAIRS),
                 conditions + EMBED_NORM_CONDITIONS + [
                     "measured: diverged (1) or not (0) for each seed at each rate of the sweep's top half, "
                     "paired by seed and rate; judged by the exact sign test over the pairs that differ"]),
@@ -244,7 +247,7 @@ def preset_warmup(lab: Lab) -> dict:
                 "training unstable and collapse'", GLM22,
                 claim_values(measured, "pre_warm_sandwich_diverged", "pre_warm_diverged"),
                 C.above("pre_warm_sandwich_diverged", "pre_warm_diverged", paired=True, absolute=True,
-                        test="sign"),
+                        test="sign", over=PAIRS),
                 conditions + [
                     "measured: diverged (1) or not (0) for each seed at each rate of the sweep, paired by "
                     "seed and rate (the table's diverged column: the exact count at each rate); judged by "
