@@ -229,7 +229,7 @@ def _ladder_series(ax, t: dict, colour: str, condition: str | None, nudge: float
     xs = [r["parameters"] for r in t["rungs"] if r.get("precondition") is not False]
     labelled = set()  # one legend entry per reason, however many rungs share it
     for r in t["rungs"]:
-        out = r.get("precondition") is False  # left out of the fit: its baseline did not train
+        out = r.get("precondition") is False  # left out of the fit: its baseline's training not shown
         x = r["parameters"] * nudge
         label = f"{tag}left out: {_left_out(r)}" if out else None
         if r["ci"]:
